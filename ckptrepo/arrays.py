@@ -1,0 +1,97 @@
+"""Flat 1-D zarr v3 arrays, one per (version, rank, dtype), written through TensorStore.
+
+Each array is cut into shards (one storage object each, ``c/<i>``) of
+``shard_elems`` elements; inside a shard, inner chunks of ``inner_elems``
+elements each carry a crc32c, so a partial read fetches and verifies only the
+inner chunks it touches. Missing chunks are an error, never silently zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from .store import Store
+
+SHARD_BYTES = 64 << 20
+INNER_BYTES = 256 << 10
+
+_BYTES_CODEC = {"name": "bytes", "configuration": {"endian": "little"}}
+_CRC = {"name": "crc32c"}
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What the manifest records about one flat array."""
+
+    key: str            # e.g. "data/<version>/0/float32"
+    dtype: str
+    numel: int
+    shard_elems: int
+    inner_elems: int
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(numpy_dtype(self.dtype)).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def shard_key(self, index: int) -> str:
+        return f"{self.key}/c/{index}"
+
+    def shards(self) -> range:
+        return range((self.numel + self.shard_elems - 1) // self.shard_elems)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "numel": self.numel, "shard_elems": self.shard_elems, "inner_elems": self.inner_elems}
+
+    @classmethod
+    def from_json(cls, key: str, d: dict[str, Any]) -> "ArrayInfo":
+        return cls(key=key, dtype=d["dtype"], numel=d["numel"], shard_elems=d["shard_elems"], inner_elems=d["inner_elems"])
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype TensorStore uses for a zarr data type (ml_dtypes for bfloat16 and float8)."""
+    return ts.dtype(dtype).numpy_dtype
+
+
+def choose_geometry(dtype: str, numel: int, shard_bytes: int = SHARD_BYTES, inner_bytes: int = INNER_BYTES) -> tuple[int, int]:
+    """Shard and inner-chunk sizes in elements; a shard never exceeds what the array needs."""
+    item = np.dtype(numpy_dtype(dtype)).itemsize
+    inner = max(1, inner_bytes // item)
+    shard = max(inner, (shard_bytes // item) // inner * inner)
+    needed = max(inner, -(-numel // inner) * inner)
+    return min(shard, needed), inner
+
+
+def _metadata(info: ArrayInfo) -> dict[str, Any]:
+    return {
+        "shape": [info.numel],
+        "data_type": info.dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [info.shard_elems]}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": [info.inner_elems],
+            "codecs": [_BYTES_CODEC, _CRC],
+            "index_codecs": [_BYTES_CODEC, _CRC],
+            "index_location": "end",
+        }}],
+    }
+
+
+def create_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
+    """Create the array (writes its ``zarr.json``) and return a handle for writing."""
+    spec = {"driver": "zarr3", "kvstore": store.child_spec(info.key), "metadata": _metadata(info),
+            "create": True, "store_data_equal_to_fill_value": True}
+    return ts.open(spec, context=store.context).result()
+
+
+def open_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
+    """Open an existing array for reading; its metadata must match the manifest's."""
+    spec = {"driver": "zarr3", "kvstore": store.child_spec(info.key), "metadata": _metadata(info),
+            "open": True, "fill_missing_data_reads": False, "recheck_cached_data": False}
+    return ts.open(spec, context=store.context, read=True).result()

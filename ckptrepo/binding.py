@@ -1,0 +1,123 @@
+"""Loading into an existing state (``load(into=...)``), in the style of DCP.
+
+Binding happens in two passes so that bad input changes nothing: first the
+saved skeleton is matched against the caller's state and every shape and dtype
+is checked (no mutation); only then are tensors read straight into the caller's
+tensors, plain values assigned, and ``load_state_dict`` called on Stateful
+objects.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import StateMismatchError
+from .providers import (DICT, LIST, NDARRAY, NPGEN, ODICT, STATEFUL, TENSOR, TUPLE, is_stateful)
+from .reader import TensorEntry
+
+Finalizer = Callable[[], Any]
+
+
+def _p(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+class Binder:
+    """Matches a skeleton to a target state, collecting destination tensors and deferred assignments."""
+
+    def __init__(self, entries: list[TensorEntry], build: Callable[[Any], Any], version: str) -> None:
+        self.entries = entries
+        self.build = build          # builds a fresh value from a skeleton node (after tensors are read)
+        self.version = version
+        self.destinations: dict[int, torch.Tensor] = {}
+
+    def bind(self, node: Any, target: Any, path: tuple[Any, ...] = ()) -> Finalizer:
+        tag = node[0]
+        if tag in (TENSOR, NDARRAY):
+            return self._bind_tensor(node, target, path)
+        if tag == STATEFUL:
+            if is_stateful(target):
+                inner = self.bind(node[2], target.state_dict(), path)
+
+                def load_stateful() -> Any:
+                    target.load_state_dict(inner())
+                    return target
+                return load_stateful
+            return self.bind(node[2], target, path)
+        if tag == NPGEN and isinstance(target, np.random.Generator):
+            def set_state() -> Any:
+                target.bit_generator.state = self.build(node).bit_generator.state
+                return target
+            return set_state
+        if tag in (DICT, ODICT) and isinstance(target, dict):
+            return self._bind_dict(node, target, path)
+        if tag in (LIST, TUPLE) and isinstance(target, (list, tuple)):
+            return self._bind_sequence(node, target, path)
+        if isinstance(target, (torch.Tensor, np.ndarray)):
+            raise StateMismatchError(f"{_p(path)}: `into` holds a tensor but version {self.version[:12]} "
+                                     f"saved a {_kind(tag)} there; load without into= to see what was saved")
+        return lambda: self.build(node)
+
+    def _bind_tensor(self, node: Any, target: Any, path: tuple[Any, ...]) -> Finalizer:
+        e = self.entries[node[1]]
+        dest = target
+        if isinstance(target, np.ndarray):
+            if not target.flags.writeable or not target.flags.c_contiguous:
+                return lambda: self.build(node)
+            dest = torch.from_numpy(target)
+        if not isinstance(dest, torch.Tensor):
+            if target is None:
+                return lambda: self.build(node)
+            raise StateMismatchError(f"{_p(path)}: version {self.version[:12]} saved a tensor there but `into` "
+                                     f"holds {type(target).__name__}; pass a tensor of shape {list(e.shape)}")
+        if tuple(dest.shape) != e.shape:
+            raise StateMismatchError(f"{_p(path)}: shape {list(dest.shape)} in `into` but {list(e.shape)} in version "
+                                     f"{self.version[:12]}; build the state with the saved configuration")
+        from .providers import DTYPE_NAMES
+        if DTYPE_NAMES.get(dest.dtype) != e.dtype:
+            raise StateMismatchError(f"{_p(path)}: dtype {dest.dtype} in `into` but {e.dtype} in version "
+                                     f"{self.version[:12]}; cast after loading, or load without into=")
+        self.destinations[node[1]] = dest
+        return lambda: target
+
+    def _bind_dict(self, node: Any, target: dict, path: tuple[Any, ...]) -> Finalizer:
+        saved_keys = []
+        finals: list[tuple[Any, Finalizer]] = []
+        for knode, vnode in node[1]:
+            key = self.build(knode)
+            saved_keys.append(key)
+            if key in target:
+                finals.append((key, self.bind(vnode, target[key], path + (key,))))
+            else:
+                finals.append((key, (lambda n=vnode: self.build(n))))
+        extra = [k for k in target if k not in set(saved_keys)]
+        if extra:
+            raise StateMismatchError(f"{_p(path + (extra[0],))}: present in `into` but not saved in version "
+                                     f"{self.version[:12]}; remove it from the state or load without into=")
+
+        def assign() -> Any:
+            for key, fin in finals:
+                target[key] = fin()
+            return target
+        return assign
+
+    def _bind_sequence(self, node: Any, target: list | tuple, path: tuple[Any, ...]) -> Finalizer:
+        children = node[1]
+        if len(children) != len(target):
+            raise StateMismatchError(f"{_p(path)}: {len(target)} items in `into` but {len(children)} saved in version "
+                                     f"{self.version[:12]}")
+        finals = [self.bind(c, t, path + (i,)) for i, (c, t) in enumerate(zip(children, target))]
+        if isinstance(target, list) and node[0] == LIST:
+            def assign() -> Any:
+                for i, fin in enumerate(finals):
+                    target[i] = fin()
+                return target
+            return assign
+        return lambda: (list if node[0] == LIST else tuple)(fin() for fin in finals)
+
+
+def _kind(tag: str) -> str:
+    return {DICT: "dict", ODICT: "dict", LIST: "list", TUPLE: "tuple", STATEFUL: "state dict",
+            NPGEN: "numpy Generator"}.get(tag, "plain value")

@@ -1,0 +1,55 @@
+"""Exception types.
+
+Every error a user can cause carries a one-line message that says what went
+wrong and what to do, so the CLI can print ``str(err)`` and exit without a
+traceback.
+"""
+from __future__ import annotations
+
+
+class CkptRepoError(Exception):
+    """Base class of every ckptrepo error."""
+
+
+class NotARepositoryError(CkptRepoError):
+    """The URL holds no ckptrepo repository."""
+
+
+class RepositoryExistsError(CkptRepoError):
+    """``init`` found a repository already there."""
+
+
+class FormatVersionError(CkptRepoError):
+    """The repository was written in a format this release cannot read."""
+
+
+class RevisionError(CkptRepoError):
+    """A revision is unknown, ambiguous or malformed."""
+
+
+class RefError(CkptRepoError):
+    """A branch or tag cannot be created or moved as asked."""
+
+
+class DetachedHeadError(CkptRepoError):
+    """A snapshot was attempted while HEAD points at a version, not a branch."""
+
+
+class ConflictError(CkptRepoError):
+    """A compare-and-swap on a ref lost against a concurrent writer."""
+
+
+class UnsupportedValueError(CkptRepoError):
+    """A value in the state cannot be stored without pickle."""
+
+
+class StateMismatchError(CkptRepoError):
+    """``load(into=...)`` found a shape, dtype or structure that differs."""
+
+
+class CorruptionError(CkptRepoError):
+    """An object failed its checksum or does not match its manifest."""
+
+
+class StorageError(CkptRepoError):
+    """The key-value store failed (I/O error, permission, network)."""

@@ -1,0 +1,135 @@
+"""Repository check: read every object, verify every checksum and every reference.
+
+Errors are things that make a committed version unloadable or a ref dangling.
+Warnings are harmless leftovers (data of an interrupted snapshot, manifests no
+ref reaches) that ``gc`` collects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .arrays import ArrayInfo, open_array
+from .errors import CkptRepoError
+from .manifest import DATA_PREFIX, VERSIONS_PREFIX
+from .repo import Repository
+
+
+@dataclass
+class FsckReport:
+    """What fsck found; ``ok`` is False when any error was found."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    versions: int = 0
+    objects: int = 0
+    bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "errors": self.errors, "warnings": self.warnings, "versions": self.versions,
+                "objects": self.objects, "bytes": self.bytes}
+
+
+def total_bytes(repo: Repository) -> int:
+    """Bytes fsck will read: for sizing a progress bar."""
+    total = 0
+    for vid in repo.all_version_ids():
+        try:
+            total += repo.manifest(vid)["size"]
+        except CkptRepoError:
+            pass
+    return total
+
+
+def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None) -> FsckReport:
+    """Check the whole repository; never raises for damage, reports it instead."""
+    report = FsckReport()
+    manifests: dict[str, dict[str, Any]] = {}
+    for vid in repo.all_version_ids():
+        try:
+            manifests[vid] = repo.manifest(vid)
+        except CkptRepoError as err:
+            report.errors.append(str(err))
+    report.versions = len(manifests)
+
+    _check_refs(repo, manifests, report)
+    for vid, m in manifests.items():
+        for p in m["parents"]:
+            if p not in manifests:
+                report.errors.append(f"version {vid[:12]}: parent {p[:12]} is missing ({VERSIONS_PREFIX}{p})")
+        _check_version_data(repo, vid, m, report, on_bytes)
+
+    reachable = _reachable(repo, manifests)
+    for vid in sorted(set(manifests) - reachable):
+        report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
+                               f"(an interrupted or abandoned snapshot); gc will remove it")
+    data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
+    for vid in sorted(data_ids - set(manifests)):
+        report.warnings.append(f"{DATA_PREFIX}{vid}/ has no manifest (an interrupted snapshot); gc will remove it")
+    return report
+
+
+def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport) -> None:
+    for name, vid in repo.refs.branches().items():
+        if vid not in manifests:
+            report.errors.append(f"branch {name!r} points at missing version {vid[:12]}")
+    for name, vid in repo.refs.tags().items():
+        if vid not in manifests:
+            report.errors.append(f"tag {name!r} points at missing version {vid[:12]}")
+    head = repo.refs.head()
+    if head.branch is None and head.version not in manifests:
+        report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
+
+
+def _reachable(repo: Repository, manifests: dict[str, Any]) -> set[str]:
+    stack = list(repo.refs.branches().values()) + list(repo.refs.tags().values())
+    head = repo.refs.head()
+    if head.version:
+        stack.append(head.version)
+    seen: set[str] = set()
+    while stack:
+        vid = stack.pop()
+        if vid in seen or vid not in manifests:
+            continue
+        seen.add(vid)
+        stack.extend(manifests[vid]["parents"])
+    return seen
+
+
+def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: FsckReport,
+                        on_bytes: Callable[[int], None] | None) -> None:
+    arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
+    for t in m["tensors"]:
+        numel = int(np.prod(t["shape"])) if t["shape"] else 1
+        for piece in t["pieces"]:
+            info = arrays.get(piece["array"])
+            if info is None or piece["offset"] + numel > info.numel:
+                report.errors.append(f"version {vid[:12]}: tensor {t['name']} points outside its array {piece['array']}")
+    for key, info in arrays.items():
+        try:
+            arr = open_array(repo.store, info)
+        except Exception as err:  # noqa: BLE001
+            report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {str(err).splitlines()[0]}")
+            continue
+        for s in info.shards():
+            lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
+            try:
+                arr[lo:hi].read().result()
+            except Exception as err:  # noqa: BLE001
+                names = [t["name"] for t in m["tensors"] for p in t["pieces"]
+                         if p["array"] == key and p["offset"] < hi
+                         and p["offset"] + (int(np.prod(t["shape"])) if t["shape"] else 1) > lo]
+                report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
+                                     f"({str(err).splitlines()[0]}); tensors: {', '.join(names[:5])}"
+                                     + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+            report.objects += 1
+            nbytes = (hi - lo) * info.itemsize
+            report.bytes += nbytes
+            if on_bytes is not None:
+                on_bytes(nbytes)

@@ -1,0 +1,110 @@
+"""Manifest, ref and repository-config schemas and their encodings.
+
+A version manifest is msgpack followed by a 4-byte little-endian crc32c of the
+msgpack bytes, so a flipped byte is detected before anything is decoded. Refs
+are tiny text objects: a version id, or ``ref: refs/heads/NAME`` for HEAD.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import msgpack
+
+from .errors import CorruptionError, FormatVersionError
+
+FORMAT_VERSION = 1
+CONFIG_KEY = "ckptrepo.json"
+HEAD_KEY = "HEAD"
+HEADS_PREFIX = "refs/heads/"
+TAGS_PREFIX = "refs/tags/"
+VERSIONS_PREFIX = "versions/"
+DATA_PREFIX = "data/"
+SYMREF_PREFIX = "ref: "
+
+
+def new_version_id() -> str:
+    """A fresh 32-hex-digit id: a millisecond timestamp then random bits.
+
+    The timestamp prefix makes ids sort roughly by creation time in a listing;
+    the 80 random bits make collisions between concurrent writers negligible.
+    """
+    millis = int(time.time() * 1000) & ((1 << 48) - 1)
+    return f"{millis:012x}{os.urandom(10).hex()}"
+
+
+def crc32c(data: bytes | memoryview) -> int:
+    """The crc32c of ``data`` (hardware-accelerated where available)."""
+    return google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data)
+
+
+def seal(payload: dict[str, Any]) -> bytes:
+    """msgpack ``payload`` and append its crc32c."""
+    body = msgpack.packb(payload, use_bin_type=True)
+    return body + struct.pack("<I", crc32c(body))
+
+
+def unseal(blob: bytes, what: str) -> dict[str, Any]:
+    """Check the crc32c trailer of ``blob`` and decode it; ``what`` names it in errors."""
+    if len(blob) < 5:
+        raise CorruptionError(f"{what} is truncated ({len(blob)} bytes); run `ckptrepo fsck`")
+    body, (stored,) = blob[:-4], struct.unpack("<I", blob[-4:])
+    if crc32c(body) != stored:
+        raise CorruptionError(f"{what} failed its crc32c check (the object is corrupt); run `ckptrepo fsck`")
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as err:  # noqa: BLE001
+        raise CorruptionError(f"{what} cannot be decoded: {err}") from err
+
+
+@dataclass(frozen=True)
+class Version:
+    """One immutable snapshot as listed by ``log``: no tensor data, just the header."""
+
+    id: str
+    parents: tuple[str, ...]
+    step: int | None
+    time: float
+    message: str
+    metrics: dict[str, Any]
+    size: int
+    refs: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def short_id(self) -> str:
+        return self.id[:12]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "parents": list(self.parents), "step": self.step, "time": self.time,
+                "message": self.message, "metrics": self.metrics, "size": self.size, "refs": list(self.refs)}
+
+
+def version_from_manifest(m: dict[str, Any], refs: tuple[str, ...] = ()) -> Version:
+    return Version(id=m["id"], parents=tuple(m["parents"]), step=m["step"], time=m["time"],
+                   message=m["message"], metrics=dict(m["metrics"]), size=m["size"], refs=refs)
+
+
+def encode_config(settings: dict[str, Any]) -> bytes:
+    return json.dumps({"format": "ckptrepo", "format_version": FORMAT_VERSION, **settings}, indent=2).encode()
+
+
+def decode_config(blob: bytes, url: str) -> dict[str, Any]:
+    try:
+        cfg = json.loads(blob)
+    except ValueError as err:
+        raise CorruptionError(f"{url}: {CONFIG_KEY} is not valid JSON ({err}); the repository config is damaged") from err
+    version = cfg.get("format_version")
+    if cfg.get("format") != "ckptrepo" or not isinstance(version, int):
+        raise CorruptionError(f"{url}: {CONFIG_KEY} is not a ckptrepo config")
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{url} uses repository format {version}, but this ckptrepo reads format {FORMAT_VERSION} at most; "
+            f"upgrade ckptrepo (pip install -U ckptrepo)")
+    if version < 1:
+        raise FormatVersionError(f"{url} uses unknown repository format {version}")
+    return cfg

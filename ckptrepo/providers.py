@@ -1,0 +1,187 @@
+"""State providers: turn a training state into a skeleton plus tensor records.
+
+The skeleton is a msgpack-friendly tree that records every container and plain
+value exactly (dict key types, list vs tuple, OrderedDict, big ints, numpy
+scalars), with tensors replaced by indices into a tensor table. Loading walks
+the skeleton back; nothing is ever unpickled, and only the handful of types
+named below can be rebuilt, so a repository can never make us run its code.
+"""
+from __future__ import annotations
+
+import collections
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedValueError
+
+# Skeleton tags (the first element of every node).
+SCALAR, BIGINT, DICT, ODICT, LIST, TUPLE, TENSOR, NDARRAY, STATEFUL, NPGEN, NPSCALAR, DTYPE, SIZE = (
+    "n", "I", "d", "o", "l", "t", "T", "A", "S", "G", "s", "D", "Z")
+
+_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
+    torch.int64: "int64", torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
+    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
+    torch.complex64: "complex64", torch.complex128: "complex128",
+    torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
+}
+TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+@dataclass
+class TensorRecord:
+    """One tensor of the state: where it sits in the tree and its value."""
+
+    name: str              # layout-independent logical name, e.g. "model/layers.0.weight"
+    tensor: torch.Tensor   # the live tensor (not copied here)
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def is_stateful(obj: Any) -> bool:
+    """The torch.distributed.checkpoint Stateful protocol: state_dict() and load_state_dict()."""
+    return (not isinstance(obj, (dict, list, tuple, torch.Tensor))
+            and callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))
+
+
+def _key_str(key: Any) -> str:
+    return key if isinstance(key, str) else repr(key)
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
+    """Return ``(skeleton, tensors)`` for ``state``; raise naming the key path of anything unsupported."""
+    tensors: list[TensorRecord] = []
+    names: set[str] = set()
+
+    def add_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        if t.layout != torch.strided:
+            raise UnsupportedValueError(f"{_path_str(path)}: {t.layout} tensors are not supported; convert with .to_dense()")
+        if t.is_quantized or t.device.type == "meta":
+            raise UnsupportedValueError(f"{_path_str(path)}: {'quantized' if t.is_quantized else 'meta'} tensors cannot be saved")
+        if t.dtype not in DTYPE_NAMES:
+            raise UnsupportedValueError(f"{_path_str(path)}: dtype {t.dtype} is not supported")
+        name = "/".join(_key_str(k) for k in path) or "<root>"
+        base, n = name, 1
+        while name in names:
+            n += 1
+            name = f"{base}#{n}"
+        names.add(name)
+        tensors.append(TensorRecord(name=name, tensor=t.detach(), dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape)))
+        return len(tensors) - 1
+
+    def key_node(key: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(key, tuple):
+            return [TUPLE, [key_node(k, path) for k in key]]
+        if key is None or isinstance(key, (str, bool, int, float, bytes)):
+            return walk(key, path)
+        raise UnsupportedValueError(f"{_path_str(path)}: dict key {key!r} of type {type(key).__name__} is not supported")
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, np.generic):  # before float/int: np.float64 subclasses float
+            if obj.dtype.kind not in "biufc":
+                raise UnsupportedValueError(f"{_path_str(path)}: numpy scalar of dtype {obj.dtype} is not supported")
+            return [NPSCALAR, obj.dtype.str, obj.tobytes()]
+        if obj is None or isinstance(obj, (bool, str, bytes, float)):
+            return [SCALAR, obj]
+        if isinstance(obj, int):
+            obj = int(obj)  # IntEnum and friends are stored as their value
+            return [SCALAR, obj] if _INT64_MIN <= obj <= _UINT64_MAX else [BIGINT, str(obj)]
+        if isinstance(obj, torch.Tensor):
+            return [TENSOR, add_tensor(obj, path)]
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in "biufc":
+                raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t = torch.from_numpy(np.ascontiguousarray(obj))
+            return [NDARRAY, add_tensor(t, path)]
+        if isinstance(obj, np.random.Generator):
+            bitgen = type(obj.bit_generator).__name__
+            return [NPGEN, bitgen, walk(obj.bit_generator.state, path)]
+        if isinstance(obj, torch.dtype):
+            if obj not in DTYPE_NAMES:
+                raise UnsupportedValueError(f"{_path_str(path)}: dtype {obj} is not supported")
+            return [DTYPE, DTYPE_NAMES[obj]]
+        if isinstance(obj, torch.Size):
+            return [SIZE, list(obj)]
+        if isinstance(obj, dict):
+            tag = ODICT if isinstance(obj, collections.OrderedDict) else DICT  # other dict subclasses load as dict
+            return [tag, [[key_node(k, path + (k,)), walk(v, path + (k,))] for k, v in obj.items()]]
+        if isinstance(obj, (list, tuple)):  # named tuples load as plain tuples
+            return [LIST if isinstance(obj, list) else TUPLE, [walk(v, path + (i,)) for i, v in enumerate(obj)]]
+        if is_stateful(obj):
+            cls = f"{type(obj).__module__}.{type(obj).__qualname__}"
+            return [STATEFUL, cls, walk(obj.state_dict(), path)]
+        raise UnsupportedValueError(
+            f"{_path_str(path)}: values of type {type(obj).__module__}.{type(obj).__qualname__} cannot be saved "
+            f"without pickle; store tensors, numpy arrays, plain Python data, or an object with state_dict()/load_state_dict()")
+
+    return walk(state, ()), tensors
+
+
+def unflatten(skeleton: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
+    """Rebuild the state from ``skeleton``; ``get_tensor(index, as_numpy)`` supplies tensor values.
+
+    Stateful objects come back as their state dicts (we never construct user
+    classes); numpy Generators are rebuilt only for numpy's own bit generators.
+    """
+    def build(node: Any) -> Any:
+        tag = node[0]
+        if tag == SCALAR:
+            return node[1]
+        if tag == BIGINT:
+            return int(node[1])
+        if tag in (DICT, ODICT):
+            items = [(build_key(k), build(v)) for k, v in node[1]]
+            return collections.OrderedDict(items) if tag == ODICT else dict(items)
+        if tag == LIST:
+            return [build(v) for v in node[1]]
+        if tag == TUPLE:
+            return tuple(build(v) for v in node[1])
+        if tag in (TENSOR, NDARRAY):
+            return get_tensor(node[1], tag == NDARRAY)
+        if tag == NPSCALAR:
+            return np.frombuffer(node[2], dtype=np.dtype(node[1]))[0]
+        if tag == NPGEN:
+            return make_numpy_generator(node[1], build(node[2]))
+        if tag == DTYPE:
+            return TORCH_DTYPES[node[1]]
+        if tag == SIZE:
+            return torch.Size(node[1])
+        if tag == STATEFUL:
+            return build(node[2])
+        raise UnsupportedValueError(f"unknown skeleton node {tag!r}; the repository was written by a newer ckptrepo")
+
+    def build_key(node: Any) -> Any:
+        return build(node)
+
+    return build(skeleton)
+
+
+_NUMPY_BITGENS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def make_numpy_generator(bitgen: str, state: dict[str, Any]) -> np.random.Generator:
+    """Rebuild a numpy Generator from its bit generator's name and state (numpy's own classes only)."""
+    if bitgen not in _NUMPY_BITGENS:
+        raise UnsupportedValueError(f"numpy bit generator {bitgen!r} is not one of numpy's own {_NUMPY_BITGENS}")
+    bg = getattr(np.random, bitgen)()
+    bg.state = state
+    return np.random.Generator(bg)

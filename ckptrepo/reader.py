@@ -1,0 +1,171 @@
+"""Reading tensors of a version: coalesced byte-range reads, verified, scattered into tensors.
+
+Tensors that sit next to each other in a flat array are read as one run, so a
+state of many small tensors costs a few large reads. Every read goes through
+the zarr array, which checks the crc32c of each inner chunk it touches; a
+failure is turned into an error that names the storage object and the tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from .arrays import ArrayInfo, open_array
+from .errors import CorruptionError, StorageError
+from .providers import TORCH_DTYPES
+from .store import Store
+
+RUN_BYTES = 8 << 20
+INFLIGHT_BYTES = 512 << 20
+
+
+@dataclass
+class TensorEntry:
+    """A manifest tensor entry: name, dtype, shape, and the single flat piece that holds it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    array: str | None   # None for zero-element tensors
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "TensorEntry":
+        pieces = d["pieces"]
+        array, offset = (pieces[0]["array"], pieces[0]["offset"]) if pieces else (None, 0)
+        return cls(d["name"], d["dtype"], tuple(d["shape"]), array, offset)
+
+
+@dataclass
+class _Run:
+    array: str
+    start: int
+    stop: int
+    members: list[int] = field(default_factory=list)
+
+
+def _plan_runs(entries: list[TensorEntry], wanted: list[int], itemsize: Callable[[str], int]) -> list[_Run]:
+    by_array: dict[str, list[int]] = {}
+    for i in wanted:
+        e = entries[i]
+        if e.array is not None and e.numel:
+            by_array.setdefault(e.array, []).append(i)
+    runs: list[_Run] = []
+    for array, idxs in by_array.items():
+        idxs.sort(key=lambda i: entries[i].offset)
+        run: _Run | None = None
+        for i in idxs:
+            e = entries[i]
+            size = itemsize(e.dtype)
+            big = e.numel * size >= RUN_BYTES
+            if run is not None and not big and run.stop == e.offset and (run.stop - run.start) * size < RUN_BYTES:
+                run.stop += e.numel
+                run.members.append(i)
+            else:
+                run = _Run(array, e.offset, e.offset + e.numel, [i])
+                runs.append(run)
+                if big:
+                    run = None
+    return runs
+
+
+def _as_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """Zero-copy view of a numpy result as a torch tensor of the stored dtype."""
+    return torch.from_numpy(arr.view(np.uint8)).view(TORCH_DTYPES[dtype])
+
+
+def read_tensors(store: Store, arrays: dict[str, ArrayInfo], entries: list[TensorEntry], wanted: list[int],
+                 into: dict[int, torch.Tensor] | None = None,
+                 on_bytes: Callable[[int], None] | None = None) -> dict[int, torch.Tensor]:
+    """Read the ``wanted`` tensors; copy into ``into[i]`` where given, else return fresh CPU tensors."""
+    into = into or {}
+    out: dict[int, torch.Tensor] = {}
+    for i in wanted:
+        e = entries[i]
+        if e.numel == 0:
+            t = torch.empty(e.shape, dtype=TORCH_DTYPES[e.dtype])
+            out[i] = into[i] if i in into else t
+    handles: dict[str, ts.TensorStore] = {}
+
+    def handle(key: str) -> ts.TensorStore:
+        if key not in handles:
+            info = arrays.get(key)
+            if info is None:
+                raise CorruptionError(f"the manifest refers to array {key}, which it does not describe")
+            try:
+                handles[key] = open_array(store, info)
+            except Exception as err:  # noqa: BLE001
+                raise CorruptionError(f"array {key} cannot be opened ({str(err).splitlines()[0]}); run `ckptrepo fsck`") from err
+        return handles[key]
+
+    def itemsize(dtype: str) -> int:
+        return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+
+    runs = _plan_runs(entries, wanted, itemsize)
+    pending: deque = deque()
+    inflight = 0
+
+    def finish() -> None:
+        nonlocal inflight
+        run, fut, nbytes = pending.popleft()
+        inflight -= nbytes
+        try:
+            data = fut.result()
+        except Exception as err:  # noqa: BLE001
+            raise _read_error(store, arrays[run.array], run, entries, err) from err
+        flat = _as_torch(data, entries[run.members[0]].dtype)
+        for i in run.members:
+            e = entries[i]
+            piece = flat[e.offset - run.start: e.offset - run.start + e.numel].view(e.shape)
+            if i in into:
+                into[i].copy_(piece)
+                out[i] = into[i]
+            elif len(run.members) == 1:
+                out[i] = piece  # sole owner of the buffer TensorStore returned: no copy
+            else:
+                out[i] = piece.clone()
+        if on_bytes is not None:
+            on_bytes(nbytes)
+
+    for run in runs:
+        nbytes = (run.stop - run.start) * itemsize(entries[run.members[0]].dtype)
+        while pending and inflight + nbytes > INFLIGHT_BYTES:
+            finish()
+        pending.append((run, handle(run.array)[run.start:run.stop].read(), nbytes))
+        inflight += nbytes
+    while pending:
+        finish()
+    return out
+
+
+def _read_error(store: Store, info: ArrayInfo, run: _Run, entries: list[TensorEntry], err: Exception) -> Exception:
+    """Name the shard object(s) that fail and the tensors that live in them."""
+    bad = []
+    first, last = run.start // info.shard_elems, (run.stop - 1) // info.shard_elems
+    for s in range(first, last + 1):
+        lo, hi = max(run.start, s * info.shard_elems), min(run.stop, (s + 1) * info.shard_elems)
+        try:
+            open_array(store, info)[lo:hi].read().result()
+        except Exception:  # noqa: BLE001
+            bad.append((s, lo, hi))
+    if not bad:
+        return StorageError(f"reading {info.key} failed: {str(err).splitlines()[0]}")
+    names = [entries[i].name for i in run.members
+             if any(entries[i].offset < hi and entries[i].offset + entries[i].numel > lo for _, lo, hi in bad)]
+    objects = ", ".join(info.shard_key(s) for s, _, _ in bad)
+    reason = str(err).splitlines()[0]
+    kind = "missing" if "missing" in reason.lower() or "not found" in reason.lower() else "corrupt"
+    return CorruptionError(f"object {objects} is {kind} ({reason}); affected tensors: {', '.join(names[:5])}"
+                           + (f" and {len(names) - 5} more" if len(names) > 5 else "") + "; run `ckptrepo fsck`")

@@ -1,0 +1,90 @@
+"""Refs: HEAD, branches and tags, moved only by compare-and-swap.
+
+HEAD holds ``ref: refs/heads/NAME`` (attached) or a version id (detached).
+Branch refs hold a version id and move by compare-and-swap on the storage
+generation; tag refs are written once, if absent. No locks, no renames.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConflictError, RefError
+from .manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX
+from .store import NO_VALUE, Store
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
+
+
+def check_ref_name(name: str, kind: str) -> None:
+    """Refuse names that would be ambiguous in a revision (``~``, ``@``, ``..``, ``HEAD``)."""
+    if not _NAME_RE.match(name) or ".." in name or name.endswith(("/", ".")) or name == "HEAD" or "//" in name:
+        raise RefError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-' and '/', "
+                       f"not starting with '-', '.' or '/', and not 'HEAD'")
+
+
+@dataclass(frozen=True)
+class Head:
+    """What HEAD says: a branch (possibly without versions yet) or a detached version id."""
+
+    branch: str | None
+    version: str | None
+    generation: bytes
+
+
+class Refs:
+    """Reads and compare-and-swap updates of HEAD, branches and tags."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def head(self) -> Head:
+        raw, gen = self.store.get_with_generation(HEAD_KEY)
+        text = (raw or b"").decode().strip()
+        if text.startswith(SYMREF_PREFIX):
+            branch = text[len(SYMREF_PREFIX):].removeprefix(HEADS_PREFIX)
+            return Head(branch, self.branch_tip(branch), gen)
+        return Head(None, text or None, gen)
+
+    def set_head(self, branch: str | None, version: str | None, expected: bytes) -> None:
+        value = f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}" if branch else str(version)
+        if not self.store.compare_and_swap(HEAD_KEY, value.encode(), expected):
+            raise ConflictError("HEAD was changed by another process at the same time; run the command again")
+
+    def branch_tip(self, name: str) -> str | None:
+        raw = self.store.get(HEADS_PREFIX + name)
+        return raw.decode().strip() if raw else None
+
+    def branch_tip_with_generation(self, name: str) -> tuple[str | None, bytes]:
+        raw, gen = self.store.get_with_generation(HEADS_PREFIX + name)
+        return (raw.decode().strip() if raw else None), gen
+
+    def move_branch(self, name: str, version: str, expected: bytes) -> bool:
+        """Point branch ``name`` at ``version`` if it is still at ``expected``; whether it moved."""
+        return self.store.compare_and_swap(HEADS_PREFIX + name, version.encode(), expected)
+
+    def create_branch(self, name: str, version: str) -> None:
+        check_ref_name(name, "branch")
+        if not self.store.put_if_absent(HEADS_PREFIX + name, version.encode()):
+            raise RefError(f"branch {name!r} already exists; pick another name or check it out")
+
+    def create_tag(self, name: str, version: str) -> None:
+        check_ref_name(name, "tag")
+        if not self.store.put_if_absent(TAGS_PREFIX + name, version.encode()):
+            raise RefError(f"tag {name!r} already exists; tags never move, so pick another name")
+
+    def tag_target(self, name: str) -> str | None:
+        raw = self.store.get(TAGS_PREFIX + name)
+        return raw.decode().strip() if raw else None
+
+    def branches(self) -> dict[str, str]:
+        return {k[len(HEADS_PREFIX):]: self.branch_tip(k[len(HEADS_PREFIX):]) or ""
+                for k in self.store.list(HEADS_PREFIX)}
+
+    def tags(self) -> dict[str, str]:
+        return {k[len(TAGS_PREFIX):]: self.tag_target(k[len(TAGS_PREFIX):]) or "" for k in self.store.list(TAGS_PREFIX)}
+
+
+def init_head(store: Store, branch: str = "main") -> None:
+    """Point HEAD at an unborn branch; used once by ``init``."""
+    store.compare_and_swap(HEAD_KEY, f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}".encode(), NO_VALUE)

@@ -1,0 +1,366 @@
+"""The Repository: init/open, snapshot (commit), load, log, refs and revisions.
+
+Commit protocol (see docs/design.md): data arrays are written and made durable
+first, then the version manifest (write-if-absent), and only then is the
+branch ref moved by compare-and-swap. A crash before the ref moves leaves the
+repository exactly as it was, apart from unreferenced objects that ``gc``
+removes; a lost compare-and-swap is a ConflictError and commits nothing.
+"""
+from __future__ import annotations
+
+import socket
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from . import faults, revisions
+from .arrays import ArrayInfo
+from .binding import Binder
+from .errors import (ConflictError, CorruptionError, DetachedHeadError, NotARepositoryError, RepositoryExistsError,
+                     RevisionError)
+from .manifest import (CONFIG_KEY, DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, decode_config, encode_config,
+                       new_version_id, seal, unseal, version_from_manifest)
+from .providers import NDARRAY, SCALAR, BIGINT, STATEFUL, TENSOR, flatten, unflatten
+from .reader import TensorEntry, read_tensors
+from .refs import Head, Refs, check_ref_name, init_head
+from .store import Store
+from .writer import PlanCache, write_arrays
+
+DEFAULT_BRANCH = "main"
+
+
+def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
+    """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
+    store = Store.open(url, options)
+    if not store.put_if_absent(CONFIG_KEY, encode_config({"created": time.time(), "default_branch": DEFAULT_BRANCH})):
+        if not exist_ok:
+            raise RepositoryExistsError(f"a repository already exists at {url}; open it with ckptrepo.open, "
+                                        f"or pass exist_ok=True")
+        return Repository(store)
+    init_head(store, DEFAULT_BRANCH)
+    return Repository(store)
+
+
+def open(url: str, options: dict[str, Any] | None = None) -> "Repository":  # noqa: A001 - mirrors the public API
+    """Open the repository at ``url``; NotARepositoryError when there is none."""
+    return Repository(Store.open(url, options))
+
+
+@dataclass
+class VersionDetails:
+    """Everything ``show`` prints: the header, each tensor and each plain value."""
+
+    version: Version
+    layout: dict[str, Any]
+    tensors: list[dict[str, Any]]
+    objects: list[tuple[str, str]]
+
+
+class Repository:
+    """A versioned checkpoint repository in a key-value store."""
+
+    def __init__(self, store: Store) -> None:
+        raw = store.get(CONFIG_KEY)
+        if raw is None:
+            raise NotARepositoryError(f"{store.url} is not a ckptrepo repository; create one with "
+                                      f"`ckptrepo init {store.url}` or pass --repo URL")
+        self.config = decode_config(raw, store.url)
+        self.store = store
+        self.url = store.url
+        self.refs = Refs(store)
+        self._manifests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self.plans = PlanCache()
+
+    def __repr__(self) -> str:
+        return f"Repository({self.url!r})"
+
+    # ---- manifests ------------------------------------------------------
+    def manifest(self, vid: str) -> dict[str, Any]:
+        """The decoded manifest of version ``vid`` (cached: manifests never change)."""
+        with self._lock:
+            m = self._manifests.get(vid)
+        if m is None:
+            raw = self.store.get(VERSIONS_PREFIX + vid)
+            if raw is None:
+                raise CorruptionError(f"version {vid[:12]} is referenced but its manifest {VERSIONS_PREFIX}{vid} "
+                                      f"is missing; run `ckptrepo fsck`")
+            m = unseal(raw, f"manifest {VERSIONS_PREFIX}{vid}")
+            with self._lock:
+                self._manifests[vid] = m
+        return m
+
+    def version(self, rev: str = "HEAD") -> Version:
+        """The header of the version ``rev`` names."""
+        vid = self.resolve(rev)
+        return version_from_manifest(self.manifest(vid), self._ref_names().get(vid, ()))
+
+    # ---- revisions (the RevisionSource protocol) --------------------------
+    def resolve(self, rev: str) -> str:
+        """The full id of the version ``rev`` names (see ckptrepo.revisions for the syntax)."""
+        return revisions.resolve(self, rev)
+
+    def head_version(self) -> str | None:
+        return self.refs.head().version
+
+    def head_description(self) -> str:
+        h = self.refs.head()
+        return f"branch {h.branch!r}" if h.branch else f"detached HEAD {str(h.version)[:12]}"
+
+    def branch_tip(self, name: str) -> str | None:
+        return self.refs.branch_tip(name)
+
+    def tag_target(self, name: str) -> str | None:
+        return self.refs.tag_target(name)
+
+    def ids_with_prefix(self, prefix: str) -> list[str]:
+        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)]
+
+    def first_parent(self, vid: str) -> str | None:
+        parents = self.manifest(vid)["parents"]
+        return parents[0] if parents else None
+
+    def step_of(self, vid: str) -> int | None:
+        return self.manifest(vid)["step"]
+
+    # ---- snapshot -------------------------------------------------------
+    def snapshot(self, state: Any, step: int | None = None, message: str = "",
+                 metrics: dict[str, Any] | None = None) -> Version:
+        """Save ``state`` as a new version on the current branch and return it.
+
+        Synchronous: returns once the version is durable and the branch points
+        at it. Raises DetachedHeadError on a detached HEAD and ConflictError if
+        another writer moved the branch meanwhile (then nothing is committed).
+        """
+        head = self.refs.head()
+        if head.branch is None:
+            raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
+                                    f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
+        parent, generation = self.refs.branch_tip_with_generation(head.branch)
+        faults.point("after_read_head")
+        skeleton, records = flatten(state)
+        metrics = _plain_metrics(metrics or {})
+        plan = self.plans.get(records)
+        vid = new_version_id()
+        arrays = write_arrays(self.store, f"{DATA_PREFIX}{vid}/0", records, plan)
+        faults.point("after_data")
+        placements = plan.placements
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "id": vid,
+            "parents": [parent] if parent else [],
+            "step": None if step is None else int(step),
+            "time": time.time(),
+            "message": message,
+            "metrics": metrics,
+            "host": socket.gethostname(),
+            "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
+            "size": sum(a.nbytes for a in arrays.values()),
+            "arrays": {k: a.to_json() for k, a in arrays.items()},
+            "tensors": [
+                {"name": r.name, "dtype": r.dtype, "shape": list(r.shape),
+                 "pieces": ([{"box": [[0] * len(r.shape), list(r.shape)],
+                              "array": f"{DATA_PREFIX}{vid}/0/{p.dtype}", "offset": p.offset}] if p.numel else [])}
+                for r, p in zip(records, placements)],
+            "tree": skeleton,
+        }
+        self.store.put_if_absent(VERSIONS_PREFIX + vid, seal(manifest))
+        faults.point("after_manifest")
+        if not self.refs.move_branch(head.branch, vid, generation):
+            now = self.refs.branch_tip(head.branch)
+            raise ConflictError(f"branch {head.branch!r} moved to {str(now)[:12]} while this snapshot was written on "
+                                f"top of {str(parent)[:12]}; version {vid[:12]} was not committed, take the snapshot again")
+        faults.point("after_ref")
+        with self._lock:
+            self._manifests[vid] = manifest
+        return version_from_manifest(manifest, (head.branch,))
+
+    # ---- load -----------------------------------------------------------
+    def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,
+             on_bytes: Callable[[int], None] | None = None) -> Any:
+        """Load version ``rev``: a new state with the saved nesting, or in place ``into`` an existing one.
+
+        Tensors come back on the CPU unless ``map_location``/``device`` says
+        otherwise. With ``into``, shapes and dtypes are checked before anything
+        is changed; tensors are filled in place and Stateful objects get
+        ``load_state_dict``. Only the skeleton's own types are ever built: no pickle.
+        """
+        vid = self.resolve(rev)
+        m = self.manifest(vid)
+        entries = [TensorEntry.from_json(t) for t in m["tensors"]]
+        arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
+        target_device = torch.device(device if device is not None else map_location) \
+            if (device is not None or map_location is not None) else None
+        fresh: dict[int, torch.Tensor] = {}
+
+        def get_tensor(i: int, as_numpy: bool) -> Any:
+            t = fresh[i]
+            if as_numpy:
+                return t.numpy()
+            return t.to(target_device) if target_device is not None else t
+
+        def build(node: Any) -> Any:
+            return unflatten(node, get_tensor)
+
+        if into is None:
+            fresh.update(read_tensors(self.store, arrays, entries, list(range(len(entries))), on_bytes=on_bytes))
+            return unflatten(m["tree"], get_tensor)
+        binder = Binder(entries, build, vid)
+        finalize = binder.bind(m["tree"], into)
+        wanted = list(range(len(entries)))
+        got = read_tensors(self.store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
+        fresh.update({i: t for i, t in got.items() if i not in binder.destinations})
+        return finalize()
+
+    # ---- history and refs -----------------------------------------------
+    def _ref_names(self) -> dict[str, tuple[str, ...]]:
+        names: dict[str, list[str]] = {}
+        head = self.refs.head()
+        for b, vid in self.refs.branches().items():
+            names.setdefault(vid, []).append(f"HEAD -> {b}" if b == head.branch else b)
+        for t, vid in self.refs.tags().items():
+            names.setdefault(vid, []).append(f"tag: {t}")
+        if head.branch is None and head.version:
+            names.setdefault(head.version, []).insert(0, "HEAD")
+        return {k: tuple(v) for k, v in names.items()}
+
+    def log(self, rev: str = "HEAD", all: bool = False, limit: int | None = None) -> list[Version]:  # noqa: A002
+        """Versions reachable from ``rev`` (or from every ref with ``all``), newest first."""
+        starts: list[str] = []
+        if all:
+            starts = list(self.refs.branches().values()) + list(self.refs.tags().values())
+            head = self.head_version()
+            if head:
+                starts.append(head)
+        else:
+            if rev == "HEAD" and self.head_version() is None:
+                return []
+            starts = [self.resolve(rev)]
+        seen: set[str] = set()
+        stack = [s for s in starts if s]
+        found: list[dict[str, Any]] = []
+        while stack:
+            vid = stack.pop()
+            if vid in seen:
+                continue
+            seen.add(vid)
+            m = self.manifest(vid)
+            found.append(m)
+            stack.extend(m["parents"])
+        found.sort(key=lambda m: m["time"], reverse=True)
+        names = self._ref_names()
+        out = [version_from_manifest(m, names.get(m["id"], ())) for m in found]
+        return out[:limit] if limit is not None else out
+
+    def checkout(self, rev: str, branch: str | None = None) -> Version:
+        """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
+        head = self.refs.head()
+        vid = self.resolve(rev)
+        if branch is not None:
+            self.refs.create_branch(branch, vid)
+            self.refs.set_head(branch, None, head.generation)
+        elif self.refs.branch_tip(rev) is not None:
+            self.refs.set_head(rev, None, head.generation)
+        else:
+            self.refs.set_head(None, vid, head.generation)
+        return self.version(vid)
+
+    def branch(self, name: str, rev: str = "HEAD") -> Version:
+        """Create branch ``name`` at ``rev`` (HEAD does not move)."""
+        vid = self.resolve(rev)
+        self.refs.create_branch(name, vid)
+        return self.version(vid)
+
+    def tag(self, name: str, rev: str = "HEAD") -> Version:
+        """Create tag ``name`` at ``rev``; tags never move."""
+        vid = self.resolve(rev)
+        self.refs.create_tag(name, vid)
+        return self.version(vid)
+
+    def branches(self) -> dict[str, str]:
+        """Branch name -> version id."""
+        return self.refs.branches()
+
+    def tags(self) -> dict[str, str]:
+        """Tag name -> version id."""
+        return self.refs.tags()
+
+    def current_branch(self) -> str | None:
+        """The branch HEAD is on, or None when detached."""
+        return self.refs.head().branch
+
+    # ---- inspection -----------------------------------------------------
+    def show(self, rev: str = "HEAD") -> VersionDetails:
+        """The version's header, tensors (name, dtype, shape, bytes) and plain values."""
+        vid = self.resolve(rev)
+        m = self.manifest(vid)
+        arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
+        itemsizes = {a.dtype: a.itemsize for a in arrays.values()}
+        tensors = []
+        for t in m["tensors"]:
+            numel = int(np.prod(t["shape"])) if t["shape"] else 1
+            item = itemsizes.get(t["dtype"]) or torch.empty((), dtype=_torch_dtype(t["dtype"])).element_size()
+            tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "bytes": numel * item})
+        return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), m.get("layout", {}),
+                              tensors, list(_objects(m["tree"])))
+
+    def all_version_ids(self) -> list[str]:
+        """Every version manifest in storage, reachable or not."""
+        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX)]
+
+    def du(self) -> list[tuple[Version, int]]:
+        """Bytes of tensor data each reachable version stores, newest first."""
+        return [(v, v.size) for v in self.log(all=True)]
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from .providers import TORCH_DTYPES
+    return TORCH_DTYPES[name]
+
+
+def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted)."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor):
+            v = v.item()
+        elif isinstance(v, np.generic):
+            v = v.item()
+        if not isinstance(v, (int, float, str, bool)) and v is not None:
+            raise TypeError(f"metric {k!r} must be a number or string, not {type(v).__name__}")
+        out[str(k)] = v
+    return out
+
+
+def _objects(tree: Any, path: str = "") -> Iterable[tuple[str, str]]:
+    """(path, short description) of each plain value in a skeleton; long sequences are summarised."""
+    tag = tree[0]
+    if tag in (TENSOR, NDARRAY):
+        return
+    if tag == SCALAR or tag == BIGINT:
+        text = repr(tree[1]) if tag == SCALAR else tree[1]
+        yield path or "<root>", text if len(text) <= 80 else text[:77] + "..."
+        return
+    if tag == STATEFUL:
+        yield from _objects(tree[2], path)
+        return
+    if tag in ("d", "o"):
+        for k, v in tree[1]:
+            key = unflatten(k, lambda i, n: None)
+            yield from _objects(v, f"{path}/{key}" if path else str(key))
+        return
+    if tag in ("l", "t"):
+        kids = tree[1]
+        if len(kids) > 8 and all(c[0] in (SCALAR, BIGINT) for c in kids):
+            kind = "list" if tag == "l" else "tuple"
+            yield path or "<root>", f"{kind} of {len(kids)} values"
+            return
+        for i, c in enumerate(kids):
+            yield from _objects(c, f"{path}/{i}" if path else str(i))
+        return
+    yield path or "<root>", {"G": "numpy Generator", "s": "numpy scalar", "D": "dtype", "Z": "torch.Size"}.get(tag, tag)

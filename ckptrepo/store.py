@@ -1,0 +1,201 @@
+"""Key-value access to a repository's storage through TensorStore.
+
+A repository is a prefix in any TensorStore key-value store. This module turns
+a URL into a kvstore spec and wraps the handful of operations the repository
+needs: get, put, conditional put (compare-and-swap), byte-range read, list and
+delete. Nothing here depends on POSIX rename, append or locks beyond what the
+TensorStore driver itself does, so the same code runs on S3 and GCS.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import tensorstore as ts
+
+from .errors import StorageError
+
+NO_VALUE = b"\x02"  # TensorStore's StorageGeneration::NoValue(): "key is absent"
+
+_memory_lock = threading.Lock()
+_memory_context: ts.Context | None = None
+
+
+def _shared_memory_context() -> ts.Context:
+    """One context for every ``memory://`` store, so they share one in-process memory."""
+    global _memory_context
+    with _memory_lock:
+        if _memory_context is None:
+            _memory_context = ts.Context()
+        return _memory_context
+
+
+def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the TensorStore kvstore spec (JSON) for a repository URL.
+
+    Accepted: a plain path or ``file://PATH`` (local directory), ``memory://NAME``,
+    ``s3://BUCKET/PREFIX`` (endpoint and region from the usual AWS variables
+    ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` and ``AWS_REGION``/``AWS_DEFAULT_REGION``;
+    credentials through the AWS default chain) and ``gs://BUCKET/PREFIX``.
+    ``options`` are merged into the spec last (e.g. ``{"endpoint": ...}``).
+    """
+    options = dict(options or {})
+    if "://" not in url:
+        spec: dict[str, Any] = {"driver": "file", "path": _dir(os.path.abspath(url))}
+    else:
+        scheme, rest = url.split("://", 1)
+        if scheme == "file":
+            spec = {"driver": "file", "path": _dir(os.path.abspath(rest))}
+        elif scheme == "memory":
+            spec = {"driver": "memory", "path": _dir(rest) if rest else ""}
+        elif scheme in ("s3", "gs"):
+            bucket, _, prefix = rest.partition("/")
+            if not bucket:
+                raise StorageError(f"{url!r} names no bucket; use {scheme}://BUCKET/PREFIX")
+            spec = {"driver": "s3" if scheme == "s3" else "gcs", "bucket": bucket,
+                    "path": _dir(prefix) if prefix else ""}
+            if scheme == "s3":
+                endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+                if endpoint:
+                    spec["endpoint"] = endpoint
+                if region:
+                    spec["aws_region"] = region
+        else:
+            raise StorageError(f"unsupported repository URL scheme {scheme!r}; use a path, file://, memory://, s3:// or gs://")
+    spec.update(options)
+    return spec
+
+
+def _dir(path: str) -> str:
+    return path if path.endswith("/") else path + "/"
+
+
+def _wrap(err: Exception, what: str) -> StorageError:
+    return StorageError(f"storage error while {what}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+
+
+@dataclass
+class Store:
+    """A repository's key-value store: every key is relative to the repository root."""
+
+    url: str
+    spec: dict[str, Any]
+    context: ts.Context = field(repr=False)
+    kv: ts.KvStore = field(repr=False)
+
+    @classmethod
+    def open(cls, url: str, options: dict[str, Any] | None = None) -> "Store":
+        """Open (without touching storage) the store named by ``url``."""
+        spec = kvstore_spec_from_url(url, options)
+        if spec["driver"] == "memory":
+            context = _shared_memory_context()
+        else:
+            context = ts.Context({
+                "cache_pool": {"total_bytes_limit": 0},
+                "file_io_concurrency": {"limit": 32},
+                "s3_request_concurrency": {"limit": 32},
+            })
+        try:
+            kv = ts.KvStore.open(spec, context=context).result()
+        except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
+            raise _wrap(err, f"opening {url}") from err
+        return cls(url=url, spec=spec, context=context, kv=kv)
+
+    # ---- plain objects -------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        """The value at ``key``, or None when absent."""
+        value, _ = self.get_with_generation(key)
+        return value
+
+    def get_with_generation(self, key: str) -> tuple[bytes | None, bytes]:
+        """The value and its storage generation (the token for compare-and-swap)."""
+        try:
+            r = self.kv.read(key).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"reading {key}") from err
+        if r.state != "value":
+            return None, NO_VALUE
+        return bytes(r.value), r.stamp.generation
+
+    def read_range(self, key: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of ``key``."""
+        try:
+            r = self.kv.read(key, byte_range=slice(start, stop)).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"reading {key}[{start}:{stop}]") from err
+        if r.state != "value":
+            raise StorageError(f"object {key} is missing")
+        return bytes(r.value)
+
+    def put(self, key: str, value: bytes) -> None:
+        """Write ``value`` durably (to the extent the driver guarantees)."""
+        try:
+            self.kv.write(key, value).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"writing {key}") from err
+
+    def compare_and_swap(self, key: str, value: bytes | None, expected_generation: bytes) -> bool:
+        """Write (or delete, with None) only if ``key`` is still at ``expected_generation``.
+
+        ``NO_VALUE`` as the expected generation means "only if absent". Returns
+        whether the write happened.
+        """
+        try:
+            stamp = self.kv.write(key, value, if_equal=expected_generation).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"writing {key}") from err
+        return stamp.generation != b""
+
+    def put_if_absent(self, key: str, value: bytes) -> bool:
+        """Create ``key`` unless it exists; returns whether this call created it."""
+        return self.compare_and_swap(key, value, NO_VALUE)
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds a value."""
+        try:
+            r = self.kv.read(key, byte_range=slice(0, 0)).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"reading {key}") from err
+        return r.state == "value"
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix`` (relative to the repository root), sorted."""
+        rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix)) if prefix else None
+        try:
+            keys = self.kv.list(rng).result() if rng is not None else self.kv.list().result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"listing {prefix or '/'}") from err
+        return sorted(k.decode() for k in keys if not k.endswith(b".__lock"))
+
+    def delete(self, key: str) -> None:
+        """Delete ``key`` (no error when absent)."""
+        try:
+            self.kv.write(key, None).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"deleting {key}") from err
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix``."""
+        try:
+            self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix))).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"deleting {prefix}") from err
+
+    def child_spec(self, key_prefix: str) -> dict[str, Any]:
+        """The kvstore spec for a sub-directory, for TensorStore drivers such as zarr3."""
+        spec = dict(self.spec)
+        spec["path"] = spec.get("path", "") + _dir(key_prefix)
+        return spec
+
+
+def _prefix_end(prefix: str) -> str:
+    """The smallest key greater than every key that starts with ``prefix``."""
+    b = prefix.encode()
+    while b and b[-1] == 0xFF:
+        b = b[:-1]
+    if not b:
+        return ""
+    return (b[:-1] + bytes([b[-1] + 1])).decode("latin-1")

@@ -1,0 +1,218 @@
+"""Coalesced, streaming writes of a state's tensors into flat per-dtype arrays.
+
+The plan packs every tensor of one dtype back to back into one flat stream and
+cuts the stream into shard-sized segments. Writing fills one staging buffer per
+segment and hands it to TensorStore while the next segment is being filled, so
+copying and storage I/O overlap and memory stays bounded by the pool. Plans
+depend only on the (dtype, shape) list, so they are cached and reused.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import faults
+from .arrays import ArrayInfo, choose_geometry, create_array, numpy_dtype
+from .errors import StorageError
+from .providers import TORCH_DTYPES, TensorRecord
+from .store import Store
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one tensor's elements sit: its dtype stream and element offset there."""
+
+    dtype: str
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One shard's worth of a stream and the tensor slices that fill it.
+
+    ``parts`` holds ``(tensor index, first source element, first element within the segment, count)``.
+    """
+
+    dtype: str
+    start: int
+    stop: int
+    parts: tuple[tuple[int, int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """The coalescing plan for one state structure."""
+
+    signature: tuple[tuple[str, tuple[int, ...]], ...]
+    streams: dict[str, tuple[int, int, int]]   # dtype -> (numel, shard_elems, inner_elems)
+    placements: tuple[Placement, ...]
+    segments: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n * np.dtype(numpy_dtype(d)).itemsize for d, (n, _, _) in self.streams.items())
+
+    @property
+    def max_segment_bytes(self) -> int:
+        return max((s.stop - s.start) * np.dtype(numpy_dtype(s.dtype)).itemsize for s in self.segments) if self.segments else 0
+
+
+def plan_signature(records: Sequence[TensorRecord]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((r.dtype, r.shape) for r in records)
+
+
+def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None) -> WritePlan:
+    """Pack tensors per dtype in state order and cut each stream into segments."""
+    totals: dict[str, int] = {}
+    placements = []
+    for r in records:
+        off = totals.get(r.dtype, 0)
+        placements.append(Placement(r.dtype, off, r.numel))
+        totals[r.dtype] = off + r.numel
+    streams = {}
+    for dtype, numel in totals.items():
+        if numel == 0:
+            continue
+        shard, inner = choose_geometry(dtype, numel, **({"shard_bytes": shard_bytes} if shard_bytes else {}))
+        streams[dtype] = (numel, shard, inner)
+    segments: list[Segment] = []
+    for dtype, (numel, shard, _) in streams.items():
+        members = [(i, p) for i, p in enumerate(placements) if p.dtype == dtype and p.numel]
+        j = 0
+        for start in range(0, numel, shard):
+            stop = min(numel, start + shard)
+            parts = []
+            while j < len(members) and members[j][1].offset < stop:
+                i, p = members[j]
+                lo, hi = max(start, p.offset), min(stop, p.offset + p.numel)
+                parts.append((i, lo - p.offset, lo - start, hi - lo))
+                if p.offset + p.numel <= stop:
+                    j += 1
+                else:
+                    break
+            segments.append(Segment(dtype, start, stop, tuple(parts)))
+    return WritePlan(plan_signature(records), streams, tuple(placements), tuple(segments))
+
+
+class PlanCache:
+    """Plans keyed by the state's (dtype, shape) signature; counts how often planning ran."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, WritePlan] = {}
+        self.misses = 0
+
+    def get(self, records: Sequence[TensorRecord]) -> WritePlan:
+        sig = plan_signature(records)
+        plan = self._plans.get(sig)
+        if plan is None:
+            self.misses += 1
+            plan = self._plans[sig] = make_plan(records)
+        return plan
+
+
+class StagingPool:
+    """A bounded set of reusable host buffers; ``take`` blocks when all are in use (backpressure)."""
+
+    def __init__(self, buffer_bytes: int, max_buffers: int, pin: bool = False) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.max_buffers = max(1, max_buffers)
+        self.pin = pin
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._cv = threading.Condition()
+
+    def take(self) -> torch.Tensor:
+        with self._cv:
+            while not self._free and self._allocated >= self.max_buffers:
+                self._cv.wait()
+            if self._free:
+                return self._free.pop()
+            self._allocated += 1
+        return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()
+
+    @property
+    def exhausted(self) -> bool:
+        """True when ``take`` would block: every buffer is allocated and in use."""
+        with self._cv:
+            return not self._free and self._allocated >= self.max_buffers
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._allocated * self.buffer_bytes
+
+
+def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf: torch.Tensor) -> np.ndarray:
+    """Copy the segment's tensor slices into ``buf``; return the numpy view TensorStore will write."""
+    torch_dtype = TORCH_DTYPES[seg.dtype]
+    n = seg.stop - seg.start
+    nbytes = n * torch.empty((), dtype=torch_dtype).element_size()
+    typed = buf[:nbytes].view(torch_dtype)
+    for idx, src, dst, count in seg.parts:
+        typed[dst:dst + count].copy_(flat_sources(idx)[src:src + count])
+    return buf[:nbytes].numpy().view(numpy_dtype(seg.dtype))
+
+
+def write_arrays(store: Store, prefix: str, records: Sequence[TensorRecord], plan: WritePlan,
+                 max_inflight_bytes: int = 256 << 20) -> dict[str, ArrayInfo]:
+    """Write every tensor of ``records`` into flat arrays under ``prefix`` and wait until durable.
+
+    Returns the arrays by key. Raises StorageError if any write fails; nothing
+    refers to the partial arrays then, and garbage collection removes them.
+    """
+    infos = {d: ArrayInfo(f"{prefix}/{d}", d, n, s, i) for d, (n, s, i) in plan.streams.items()}
+    try:
+        handles = {d: create_array(store, info) for d, info in infos.items()}
+    except Exception as err:  # noqa: BLE001
+        raise StorageError(f"cannot create arrays under {prefix}: {str(err).splitlines()[0]}") from err
+    seg_bytes = plan.max_segment_bytes
+    pool = StagingPool(seg_bytes, max(1, max_inflight_bytes // max(seg_bytes, 1)))
+    flat: dict[int, torch.Tensor] = {}
+
+    def source(idx: int) -> torch.Tensor:
+        t = flat.get(idx)
+        if t is None:
+            t = flat[idx] = records[idx].tensor.reshape(-1)
+        return t
+
+    inflight: deque = deque()
+
+    def retire() -> None:
+        fut, buf, seg = inflight.popleft()
+        try:
+            fut.result()
+        except Exception as err:  # noqa: BLE001
+            raise StorageError(f"writing {infos[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: "
+                               f"{str(err).splitlines()[0]}") from err
+        finally:
+            pool.give(buf)
+        faults.point("after_shard_write")
+
+    try:
+        for seg in plan.segments:
+            while inflight and pool.exhausted:
+                retire()
+            buf = pool.take()
+            view = fill_segment(seg, source, buf)
+            fut = handles[seg.dtype][seg.start:seg.stop].write(view, can_reference_source_data_indefinitely=True).commit
+            inflight.append((fut, buf, seg))
+        while inflight:
+            retire()
+    finally:
+        while inflight:  # an error stopped us: let the rest settle before the buffers go
+            fut, buf, _ = inflight.popleft()
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - the first error is already being raised
+                pass
+    return {info.key: info for info in infos.values()}
