@@ -1,0 +1,246 @@
+"""``ckptrepo`` commands. Each one parses, calls the library, and prints; no logic lives here."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import datetime
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.table import Table
+
+import ckptrepo
+from ckptrepo.errors import CkptRepoError
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _repo(ctx: click.Context) -> ckptrepo.Repository:
+    return ckptrepo.open(ctx.obj["url"])
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _metrics(m: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _progress(total: int) -> Progress | None:
+    """A byte progress bar, only when stderr is a terminal."""
+    if not err.is_terminal or total <= 0:
+        return None
+    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=err, transient=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--repo", "url", envvar="CKPTREPO_REPO", default=".", show_default="$CKPTREPO_REPO or .",
+              help="Repository URL: a path, file://, memory://, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX.")
+@click.version_option(ckptrepo.__version__, prog_name="ckptrepo")
+@click.pass_context
+def cli(ctx: click.Context, url: str) -> None:
+    """Git for training state: a versioned checkpoint repository."""
+    ctx.obj = {"url": url}
+
+
+@cli.command()
+@click.argument("url", required=False)
+@click.option("--exist-ok", is_flag=True, help="Succeed if a repository is already there.")
+@click.pass_context
+def init(ctx: click.Context, url: str | None, exist_ok: bool) -> None:
+    """Create a repository at URL (default: --repo)."""
+    repo = ckptrepo.init(url or ctx.obj["url"], exist_ok=exist_ok)
+    click.echo(f"initialised empty ckptrepo repository at {repo.url}")
+
+
+@cli.command()
+@click.argument("rev", required=False, default="HEAD")
+@click.option("--all", "all_", is_flag=True, help="Versions reachable from any branch or tag.")
+@click.option("-n", "--max-count", type=int, default=None, help="Show at most N versions.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, as_json: bool) -> None:
+    """List versions, newest first."""
+    versions = _repo(ctx).log(rev, all=all_, limit=max_count)
+    if as_json:
+        _emit_json([v.to_json() for v in versions])
+        return
+    if not versions:
+        click.echo("no versions yet")
+    for v in versions:
+        refs = f" ({', '.join(v.refs)})" if v.refs else ""
+        step = f"step {v.step}" if v.step is not None else "step -"
+        out.print(f"[yellow]{v.short_id}[/]{refs}  {step}  {_when(v.time)}  {_size(v.size)}  "
+                  f"{_metrics(v.metrics)}  {v.message}".rstrip(), markup=True)
+
+
+@cli.command()
+@click.argument("rev", default="HEAD")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def show(ctx: click.Context, rev: str, as_json: bool) -> None:
+    """Show one version: header, tensors (name, dtype, shape, bytes) and objects."""
+    d = _repo(ctx).show(rev)
+    if as_json:
+        _emit_json({"version": d.version.to_json(), "layout": d.layout, "tensors": d.tensors,
+                    "objects": [{"path": p, "value": v} for p, v in d.objects]})
+        return
+    v = d.version
+    click.echo(f"version {v.id}")
+    if v.refs:
+        click.echo(f"refs    {', '.join(v.refs)}")
+    click.echo(f"parents {' '.join(v.parents) or '-'}")
+    click.echo(f"step    {v.step}\ntime    {_when(v.time)}\nsize    {_size(v.size)}")
+    if v.metrics:
+        click.echo(f"metrics {_metrics(v.metrics)}")
+    if v.message:
+        click.echo(f"\n    {v.message}\n")
+    table = Table("tensor", "dtype", "shape", "bytes", title=f"{len(d.tensors)} tensors", title_justify="left")
+    for t in d.tensors:
+        table.add_row(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", _size(t["bytes"]))
+    out.print(table)
+    if d.objects:
+        objs = Table("object", "value", title=f"{len(d.objects)} objects", title_justify="left")
+        for p, val in d.objects:
+            objs.add_row(p, val)
+        out.print(objs)
+
+
+@cli.command()
+@click.argument("rev")
+@click.option("-b", "branch", default=None, help="Create branch NAME at REV and switch to it.")
+@click.pass_context
+def checkout(ctx: click.Context, rev: str, branch: str | None) -> None:
+    """Move HEAD to REV (roll back); with -b, start a new branch there."""
+    repo = _repo(ctx)
+    v = repo.checkout(rev, branch=branch)
+    where = repo.current_branch()
+    if where:
+        click.echo(f"HEAD is now on branch {where!r} at {v.short_id} (step {v.step})")
+    else:
+        click.echo(f"HEAD is now detached at {v.short_id} (step {v.step}); "
+                   f"to take snapshots from here: ckptrepo checkout {v.short_id} -b NAME")
+
+
+def _list_refs(refs: dict[str, str], current: str | None, as_json: bool) -> None:
+    if as_json:
+        _emit_json([{"name": n, "version": vid, "current": n == current} for n, vid in sorted(refs.items())])
+        return
+    for n, vid in sorted(refs.items()):
+        click.echo(f"{'*' if n == current else ' '} {n:20s} {vid[:12]}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.argument("rev", required=False, default="HEAD")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
+@click.pass_context
+def branch(ctx: click.Context, name: str | None, rev: str, as_json: bool) -> None:
+    """List branches, or create branch NAME at REV (default HEAD)."""
+    repo = _repo(ctx)
+    if name is None:
+        _list_refs(repo.branches(), repo.current_branch(), as_json)
+        return
+    v = repo.branch(name, rev)
+    click.echo(f"created branch {name!r} at {v.short_id}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.argument("rev", required=False, default="HEAD")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
+@click.pass_context
+def tag(ctx: click.Context, name: str | None, rev: str, as_json: bool) -> None:
+    """List tags, or create tag NAME at REV (default HEAD)."""
+    repo = _repo(ctx)
+    if name is None:
+        _list_refs(repo.tags(), None, as_json)
+        return
+    v = repo.tag(name, rev)
+    click.echo(f"created tag {name!r} at {v.short_id}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def fsck(ctx: click.Context, as_json: bool) -> None:
+    """Read every object and verify every checksum and reference; exit 1 if anything is broken."""
+    from ckptrepo.fsck import fsck as run_fsck, total_bytes
+    repo = _repo(ctx)
+    progress = _progress(total_bytes(repo))
+    if progress is not None:
+        with progress:
+            task = progress.add_task("fsck", total=total_bytes(repo))
+            report = run_fsck(repo, on_bytes=lambda n: progress.advance(task, n))
+    else:
+        report = run_fsck(repo)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        for w in report.warnings:
+            click.echo(f"warning: {w}")
+        for e in report.errors:
+            click.echo(f"error: {e}")
+        status = "ok" if report.ok else f"{len(report.errors)} problem(s) found"
+        click.echo(f"checked {report.versions} versions, {report.objects} data objects, {_size(report.bytes)}: {status}")
+    if not report.ok:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def du(ctx: click.Context, as_json: bool) -> None:
+    """Bytes of tensor data per version."""
+    rows = _repo(ctx).du()
+    if as_json:
+        _emit_json([{"id": v.id, "step": v.step, "bytes": n} for v, n in rows])
+        return
+    for v, n in rows:
+        click.echo(f"{v.short_id}  step {v.step if v.step is not None else '-':>8}  {_size(n):>10}")
+    click.echo(f"total {_size(sum(n for _, n in rows))} in {len(rows)} versions")
+
+
+def main() -> None:
+    """Entry point: run the CLI, turning every error into one line on stderr and a non-zero exit."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except CkptRepoError as e:
+        click.echo(f"ckptrepo: error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback unless asked
+        if os.environ.get("CKPTREPO_DEBUG"):
+            raise
+        click.echo(f"ckptrepo: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                   f"(set CKPTREPO_DEBUG=1 for a traceback)", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
