@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +28,12 @@ SYMREF_PREFIX = "ref: "
 
 
 def new_version_id() -> str:
-    """A fresh 32-hex-digit id: a millisecond timestamp then random bits.
+    """A fresh random 32-hex-digit id (128 bits).
 
-    The timestamp prefix makes ids sort roughly by creation time in a listing;
-    the 80 random bits make collisions between concurrent writers negligible.
+    Random rather than time-prefixed so that, as in git, a short prefix of a
+    few hex digits names a version uniquely in practice.
     """
-    millis = int(time.time() * 1000) & ((1 << 48) - 1)
-    return f"{millis:012x}{os.urandom(10).hex()}"
+    return os.urandom(16).hex()
 
 
 def crc32c(data: bytes | memoryview) -> int:

@@ -1,0 +1,61 @@
+"""Shared fixtures: repositories on every backend, including S3 through moto's server on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+import ckptrepo
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 API: moto's threaded server on 127.0.0.1 (a free port), stopped at the end."""
+    pytest.importorskip("moto")
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                            "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
+    os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_url(s3_endpoint):
+    """A fresh bucket on the moto server; returns the repository URL inside it."""
+    import boto3
+
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/repo"
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def repo_url(request, tmp_path):
+    """A URL for a new repository on each backend."""
+    if request.param == "file":
+        return str(tmp_path / "repo")
+    if request.param == "memory":
+        return f"memory://{uuid.uuid4().hex}"
+    return request.getfixturevalue("s3_url")
+
+
+@pytest.fixture
+def repo(tmp_path) -> ckptrepo.Repository:
+    """A fresh local-directory repository."""
+    return ckptrepo.init(str(tmp_path / "repo"))

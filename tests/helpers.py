@@ -1,0 +1,45 @@
+"""Bit-exact comparison of nested states, used by many tests."""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def assert_bit_exact(a: Any, b: Any, path: str = "state") -> None:
+    """Assert ``a`` and ``b`` have the same structure, types, and bytes (NaN payloads included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: {type(b)} is not a tensor"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8) if a.numel() else a
+        bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8) if b.numel() else b
+        if a.numel():
+            assert torch.equal(ab, bb), f"{path}: values differ"
+        return
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray), f"{path}: {type(b)} is not an ndarray"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{path}: values differ"
+        return
+    if isinstance(a, np.random.Generator):
+        assert isinstance(b, np.random.Generator), path
+        assert_bit_exact(a.bit_generator.state, b.bit_generator.state, path + ".state")
+        return
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} vs {list(b)}"
+        assert isinstance(a, collections.OrderedDict) == isinstance(b, collections.OrderedDict), path
+        for k in a:
+            assert_bit_exact(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bit_exact(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, f"{path}: NaN vs {b}"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{path}: {a!r} vs {b!r}"
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"

@@ -1,0 +1,69 @@
+"""Bad input gets a clear one-line error and leaves the repository and the caller's state unchanged."""
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+import ckptrepo
+from ckptrepo.errors import StateMismatchError, UnsupportedValueError
+
+
+def listing(path):
+    return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize("value, where, what", [
+    ({"a": {"b": [1, Opaque()]}}, "state['a']['b'][1]", "Opaque"),
+    ({"f": lambda x: x}, "state['f']", "function"),
+    ({"s": {1, 2}}, "state['s']", "set"),
+    ({"t": torch.zeros(3).to_sparse()}, "state['t']", "sparse"),
+    ({"k": {object(): 1}}, "state['k']", "dict key"),
+])
+def test_unsupported_values_are_refused_naming_the_key_path(repo, tmp_path, value, where, what):
+    repo.snapshot({"ok": torch.ones(2)}, step=0)
+    before = listing(tmp_path / "repo")
+    with pytest.raises(UnsupportedValueError) as info:
+        repo.snapshot(value, step=1)
+    msg = str(info.value)
+    assert where in msg and what in msg and "\n" not in msg
+    assert listing(tmp_path / "repo") == before, "a refused snapshot must write nothing"
+    assert len(repo.log()) == 1
+
+
+def test_into_with_wrong_shapes_changes_nothing(repo):
+    repo.snapshot({"a": torch.ones(2, 3), "b": torch.ones(4)}, step=0)
+    a, b = torch.zeros(2, 3), torch.zeros(5)
+    with pytest.raises(StateMismatchError, match=r"state\['b'\]: shape \[5\] in `into` but \[4\]"):
+        repo.load("HEAD", into={"a": a, "b": b})
+    assert a.sum() == 0, "nothing is loaded when any tensor mismatches"
+    with pytest.raises(StateMismatchError, match="dtype torch.float16"):
+        repo.load("HEAD", into={"a": torch.zeros(2, 3, dtype=torch.float16), "b": torch.zeros(4)})
+    with pytest.raises(StateMismatchError, match=r"state\['c'\]: present in `into` but not saved"):
+        repo.load("HEAD", into={"a": a, "b": torch.zeros(4), "c": torch.zeros(1)})
+    with pytest.raises(StateMismatchError, match="holds int"):
+        repo.load("HEAD", into={"a": 3, "b": torch.zeros(4)})
+
+
+def test_model_with_wrong_architecture(repo):
+    repo.snapshot({"model": torch.nn.Linear(4, 8)}, step=0)
+    other = torch.nn.Linear(4, 9)
+    w = other.weight.detach().clone()
+    with pytest.raises(StateMismatchError, match=r"state\['model'\]\['weight'\]: shape \[9, 4\] in `into` but \[8, 4\]"):
+        repo.load("HEAD", into={"model": other})
+    assert torch.equal(other.weight, w)
+
+
+def test_loading_never_unpickles(repo, tmp_path, monkeypatch):
+    """Even a state holding pickle-looking bytes loads as bytes; pickle is never called."""
+    payload = pickle.dumps({"x": 1})
+    repo.snapshot({"blob": payload}, step=0)
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: (_ for _ in ()).throw(AssertionError("pickle used")))
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("pickle used")))
+    assert repo.load("HEAD") == {"blob": payload}

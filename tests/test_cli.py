@@ -1,0 +1,130 @@
+"""The CLI end to end: real `ckptrepo` processes, one-line errors, no tracebacks, --json output."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckptrepo
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run(*args, repo=None, env_repo=None, cwd=None):
+    """Run the CLI entry point in-process (fast), exactly as the console script does."""
+    from ckptrepo_cli.main import main
+    argv = ["ckptrepo"] + (["--repo", repo] if repo else []) + list(args)
+    saved_argv, saved_cwd, saved_env = sys.argv, os.getcwd(), os.environ.get("CKPTREPO_REPO")
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.pop("CKPTREPO_REPO", None)
+    if env_repo:
+        os.environ["CKPTREPO_REPO"] = env_repo
+    code = 0
+    try:
+        sys.argv = argv
+        if cwd:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.pop("CKPTREPO_REPO", None)
+        if saved_env is not None:
+            os.environ["CKPTREPO_REPO"] = saved_env
+    r = Result(code, out.getvalue(), err.getvalue())
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
+    return r
+
+
+def test_console_script_runs_as_a_real_process(tmp_path):
+    """The installed `ckptrepo` executable itself: one-line error, exit 2, no traceback."""
+    p = subprocess.run(["ckptrepo", "--repo", str(tmp_path / "none"), "log"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().endswith("or pass --repo URL") and p.stderr.count("\n") == 1
+    p = subprocess.run(["ckptrepo", "init", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
+@pytest.fixture
+def populated(tmp_path):
+    url = str(tmp_path / "repo")
+    repo = ckptrepo.init(url)
+    for step in range(3):
+        repo.snapshot({"model": {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, "step": step,
+                       "note": "hello"}, step=step * 10, message=f"m{step}", metrics={"loss": 3.0 - step})
+    repo.tag("good", "@10")
+    return url, repo
+
+
+def test_init_log_show_json(tmp_path, populated):
+    url, repo = populated
+    p = run("init", str(tmp_path / "new"))
+    assert p.returncode == 0 and "initialised" in p.stdout
+    p = run("init", str(tmp_path / "new"))
+    assert p.returncode != 0 and p.stderr.strip().count("\n") == 0 and "already exists" in p.stderr
+
+    p = run("log", repo=url)
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and len(lines) == 3
+    assert "HEAD -> main" in lines[0] and "step 20" in lines[0] and "loss=1" in lines[0] and "m2" in lines[0]
+    assert "tag: good" in lines[1]
+    data = json.loads(run("log", "--json", repo=url).stdout)
+    assert [v["step"] for v in data] == [20, 10, 0] and data[0]["metrics"] == {"loss": 1.0}
+
+    shown = json.loads(run("show", "good", "--json", repo=url).stdout)
+    assert shown["version"]["step"] == 10
+    assert {(t["name"], t["dtype"], tuple(t["shape"]), t["bytes"]) for t in shown["tensors"]} == {
+        ("model/w", "float32", (4, 3), 48), ("model/b", "bfloat16", (3,), 6)}
+    assert {o["path"]: o["value"] for o in shown["objects"]} == {"step": "1", "note": "'hello'"}
+    p = run("show", "HEAD~1", repo=url)
+    assert p.returncode == 0 and "model/w" in p.stdout and "float32" in p.stdout and "4x3" in p.stdout
+
+
+def test_repo_from_environment_and_cwd(populated):
+    url, _ = populated
+    assert len(json.loads(run("log", "--json", env_repo=url).stdout)) == 3
+    assert len(json.loads(run("log", "--json", cwd=url).stdout)) == 3
+
+
+def test_checkout_branch_tag_du_fsck(populated):
+    url, repo = populated
+    p = run("checkout", "@10", "-b", "retry", repo=url)
+    assert p.returncode == 0 and "retry" in p.stdout
+    branches = json.loads(run("branch", "--json", repo=url).stdout)
+    assert {b["name"]: b["current"] for b in branches} == {"main": False, "retry": True}
+    assert run("branch", "side", "@0", repo=url).returncode == 0
+    assert ckptrepo.open(url).branches()["side"] == repo.resolve("@0")
+    p = run("checkout", "good", repo=url)
+    assert p.returncode == 0 and "detached" in p.stdout
+    assert run("tag", "v2", "main", repo=url).returncode == 0
+    assert set(json.loads(run("tag", "--json", repo=url).stdout)[i]["name"] for i in range(2)) == {"good", "v2"}
+    du = json.loads(run("du", "--json", repo=url).stdout)
+    assert len(du) == 3 and all(r["bytes"] == 54 for r in du)
+    p = run("fsck", repo=url)
+    assert p.returncode == 0 and "ok" in p.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["log"], "is not a ckptrepo repository"),
+    (["show", "nope"], "unknown revision 'nope'"),
+    (["checkout", "@99"], "no version with step 99"),
+    (["tag", "bad name"], "invalid tag name"),
+])
+def test_errors_are_one_line(tmp_path, populated, args, fragment):
+    url, _ = populated
+    p = run(*args, repo=str(tmp_path / "empty") if args == ["log"] else url)
+    assert p.returncode == 2
+    assert p.stderr.startswith("ckptrepo: error:") and fragment in p.stderr and p.stderr.count("\n") == 1

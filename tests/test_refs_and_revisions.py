@@ -1,0 +1,115 @@
+"""Revisions, branches, tags, checkout (rollback) and detached HEAD, as a git user expects."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptrepo
+from ckptrepo.errors import DetachedHeadError, RefError, RevisionError
+
+
+def commit_steps(repo, steps):
+    ids = []
+    for s in steps:
+        ids.append(repo.snapshot({"w": torch.full((2,), float(s))}, step=s, message=f"step {s}").id)
+    return ids
+
+
+def test_revision_forms(repo):
+    ids = commit_steps(repo, range(5))
+    assert repo.resolve("HEAD") == ids[4]
+    assert repo.resolve("main") == ids[4]
+    assert repo.resolve("HEAD~1") == ids[3] and repo.resolve("HEAD~~") == ids[2] and repo.resolve("main~4") == ids[0]
+    assert repo.resolve("@2") == ids[2] and repo.resolve("@3~1") == ids[2]
+    assert repo.resolve(ids[1]) == ids[1] and repo.resolve(ids[1][:8]) == ids[1]
+    repo.tag("best", "@1")
+    assert repo.resolve("best") == ids[1] and repo.resolve("best~1") == ids[0]
+    assert [v.step for v in repo.log()] == [4, 3, 2, 1, 0]
+    assert repo.load("@2")["w"].tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("rev, fragment", [
+    ("nope", "unknown revision 'nope'"),
+    ("@99", "no version with step 99"),
+    ("@x", "step number"),
+    ("HEAD~9", "has only 4 ancestors"),
+    ("abcd0000", "unknown revision"),
+])
+def test_bad_revisions_are_one_line_errors(repo, rev, fragment):
+    commit_steps(repo, range(5))
+    with pytest.raises(RevisionError) as info:
+        repo.resolve(rev)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_ambiguous_prefix(repo, monkeypatch):
+    fake = iter(["abcd" + "0" * 27 + str(i) for i in range(3)])
+    monkeypatch.setattr("ckptrepo.repo.new_version_id", lambda: next(fake))
+    commit_steps(repo, range(3))
+    with pytest.raises(RevisionError, match="'abcd' is ambiguous: 3 versions"):
+        repo.resolve("abcd")
+    assert repo.resolve("abcd" + "0" * 27 + "1") == "abcd" + "0" * 27 + "1"
+
+
+def test_empty_repository(repo):
+    assert repo.log() == []
+    with pytest.raises(RevisionError, match="no versions yet"):
+        repo.load("HEAD")
+
+
+def test_rollback_branches_and_keeps_history(repo):
+    ids = commit_steps(repo, range(6))
+    v = repo.checkout("@3", branch="retry")
+    assert v.id == ids[3] and repo.current_branch() == "retry"
+    new = repo.snapshot({"w": torch.zeros(2)}, step=4, message="retry step 4")
+    assert new.parents == (ids[3],)
+    assert [x.step for x in repo.log()] == [4, 3, 2, 1, 0]
+    assert [x.id for x in repo.log("main")] == ids[::-1], "versions after the rollback stay reachable from main"
+    assert len(repo.log(all=True)) == 7
+    assert repo.resolve("@4") == new.id  # @STEP searches the current branch
+    repo.checkout("main")
+    assert repo.current_branch() == "main" and repo.resolve("@4") == ids[4]
+
+
+def test_detached_head_refuses_snapshots(repo):
+    ids = commit_steps(repo, range(3))
+    repo.checkout("@1")
+    assert repo.current_branch() is None and repo.resolve("HEAD") == ids[1]
+    with pytest.raises(DetachedHeadError, match="create a branch"):
+        repo.snapshot({"w": torch.zeros(1)}, step=9)
+    assert [v.id for v in repo.log("main")] == ids[::-1]
+
+
+def test_branch_and_tag_rules(repo):
+    commit_steps(repo, range(2))
+    repo.branch("exp", "@0")
+    assert repo.branches()["exp"] == repo.resolve("@0")
+    assert repo.current_branch() == "main"
+    with pytest.raises(RefError, match="already exists"):
+        repo.branch("exp")
+    repo.tag("v1")
+    with pytest.raises(RefError, match="never move"):
+        repo.tag("v1", "@0")
+    for bad in ("-x", "a b", "x~1", "HEAD", "a..b", "@5"):
+        with pytest.raises(RefError, match="invalid"):
+            repo.tag(bad)
+    assert set(repo.tags()) == {"v1"}
+
+
+def test_init_and_open_errors(tmp_path):
+    url = str(tmp_path / "r")
+    with pytest.raises(ckptrepo.NotARepositoryError, match="ckptrepo init"):
+        ckptrepo.open(url)
+    ckptrepo.init(url)
+    with pytest.raises(ckptrepo.RepositoryExistsError, match="exist_ok"):
+        ckptrepo.init(url)
+    assert ckptrepo.init(url, exist_ok=True).log() == []
+
+
+def test_unknown_format_version_is_refused(tmp_path):
+    url = tmp_path / "r"
+    ckptrepo.init(str(url))
+    cfg = (url / "ckptrepo.json").read_text().replace('"format_version": 1', '"format_version": 99')
+    (url / "ckptrepo.json").write_text(cfg)
+    with pytest.raises(ckptrepo.FormatVersionError, match="format 99.*upgrade"):
+        ckptrepo.open(str(url))
