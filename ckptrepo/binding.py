@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .errors import StateMismatchError
-from .providers import (DICT, LIST, NDARRAY, NPGEN, ODICT, STATEFUL, TENSOR, TUPLE, is_stateful)
+from .providers import DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, STATEFUL, TENSOR, TUPLE, is_stateful
 from .reader import TensorEntry
 
 Finalizer = Callable[[], Any]
@@ -75,7 +75,6 @@ class Binder:
         if tuple(dest.shape) != e.shape:
             raise StateMismatchError(f"{_p(path)}: shape {list(dest.shape)} in `into` but {list(e.shape)} in version "
                                      f"{self.version[:12]}; build the state with the saved configuration")
-        from .providers import DTYPE_NAMES
         if DTYPE_NAMES.get(dest.dtype) != e.dtype:
             raise StateMismatchError(f"{_p(path)}: dtype {dest.dtype} in `into` but {e.dtype} in version "
                                      f"{self.version[:12]}; cast after loading, or load without into=")

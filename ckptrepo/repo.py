@@ -9,7 +9,6 @@ removes; a lost compare-and-swap is a ConflictError and commits nothing.
 from __future__ import annotations
 
 import socket
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -21,13 +20,12 @@ import torch
 from . import faults, revisions
 from .arrays import ArrayInfo
 from .binding import Binder
-from .errors import (ConflictError, CorruptionError, DetachedHeadError, NotARepositoryError, RepositoryExistsError,
-                     RevisionError)
+from .errors import (ConflictError, CorruptionError, DetachedHeadError, NotARepositoryError, RepositoryExistsError)
 from .manifest import (CONFIG_KEY, DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, decode_config, encode_config,
                        new_version_id, seal, unseal, version_from_manifest)
-from .providers import NDARRAY, SCALAR, BIGINT, STATEFUL, TENSOR, flatten, unflatten
+from .providers import BIGINT, NDARRAY, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, flatten, unflatten
 from .reader import TensorEntry, read_tensors
-from .refs import Head, Refs, check_ref_name, init_head
+from .refs import Refs, init_head
 from .store import Store
 from .writer import PlanCache, write_arrays
 
@@ -304,7 +302,7 @@ class Repository:
         tensors = []
         for t in m["tensors"]:
             numel = int(np.prod(t["shape"])) if t["shape"] else 1
-            item = itemsizes.get(t["dtype"]) or torch.empty((), dtype=_torch_dtype(t["dtype"])).element_size()
+            item = itemsizes.get(t["dtype"]) or torch.empty((), dtype=TORCH_DTYPES[t["dtype"]]).element_size()
             tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "bytes": numel * item})
         return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), m.get("layout", {}),
                               tensors, list(_objects(m["tree"])))
@@ -316,11 +314,6 @@ class Repository:
     def du(self) -> list[tuple[Version, int]]:
         """Bytes of tensor data each reachable version stores, newest first."""
         return [(v, v.size) for v in self.log(all=True)]
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from .providers import TORCH_DTYPES
-    return TORCH_DTYPES[name]
 
 
 def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

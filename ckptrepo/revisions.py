@@ -7,7 +7,7 @@ optionally followed by ``~N`` (N first-parent generations back; ``~`` is ``~1``)
 from __future__ import annotations
 
 import re
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .errors import RevisionError
 
@@ -82,10 +82,3 @@ def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
                                 f"({', '.join(m[:12] for m in matches[:3])}…); type more digits")
     raise RevisionError(f"unknown revision {rev!r}: not a branch, tag, version id or @STEP; see `ckptrepo log`")
 
-
-def walk_first_parents(start: str | None, first_parent: Callable[[str], str | None]):
-    """Yield ``start`` and its first-parent ancestors, newest first."""
-    vid = start
-    while vid is not None:
-        yield vid
-        vid = first_parent(vid)

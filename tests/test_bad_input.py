@@ -7,7 +7,6 @@ import pickle
 import pytest
 import torch
 
-import ckptrepo
 from ckptrepo.errors import StateMismatchError, UnsupportedValueError
 
 

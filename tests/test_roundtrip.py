@@ -5,7 +5,6 @@ import collections
 import random
 
 import numpy as np
-import pytest
 import torch
 
 import ckptrepo
