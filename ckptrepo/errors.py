@@ -53,3 +53,7 @@ class CorruptionError(CkptRepoError):
 
 class StorageError(CkptRepoError):
     """The key-value store failed (I/O error, permission, network)."""
+
+
+class SnapshotFailedError(CkptRepoError):
+    """A background snapshot could not be committed; raised at the next call into the snapshotter."""

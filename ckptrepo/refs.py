@@ -48,7 +48,7 @@ class Refs:
 
     def set_head(self, branch: str | None, version: str | None, expected: bytes) -> None:
         value = f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}" if branch else str(version)
-        if not self.store.compare_and_swap(HEAD_KEY, value.encode(), expected):
+        if self.store.compare_and_swap(HEAD_KEY, value.encode(), expected) is None:
             raise ConflictError("HEAD was changed by another process at the same time; run the command again")
 
     def branch_tip(self, name: str) -> str | None:
@@ -59,8 +59,8 @@ class Refs:
         raw, gen = self.store.get_with_generation(HEADS_PREFIX + name)
         return (raw.decode().strip() if raw else None), gen
 
-    def move_branch(self, name: str, version: str, expected: bytes) -> bool:
-        """Point branch ``name`` at ``version`` if it is still at ``expected``; whether it moved."""
+    def move_branch(self, name: str, version: str, expected: bytes) -> bytes | None:
+        """Point branch ``name`` at ``version`` if it is still at ``expected``; the new generation, or None."""
         return self.store.compare_and_swap(HEADS_PREFIX + name, version.encode(), expected)
 
     def create_branch(self, name: str, version: str) -> None:

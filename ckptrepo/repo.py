@@ -8,26 +8,28 @@ removes; a lost compare-and-swap is a ConflictError and commits nothing.
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
 
-from . import faults, revisions
+from . import revisions
 from .arrays import ArrayInfo
 from .binding import Binder
-from .errors import (ConflictError, CorruptionError, DetachedHeadError, NotARepositoryError, RepositoryExistsError)
-from .manifest import (CONFIG_KEY, DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, decode_config, encode_config,
-                       new_version_id, seal, unseal, version_from_manifest)
-from .providers import BIGINT, NDARRAY, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, flatten, unflatten
+from .errors import CkptRepoError, CorruptionError, NotARepositoryError, RepositoryExistsError, SnapshotFailedError
+from .manifest import (CONFIG_KEY, VERSIONS_PREFIX, Version, decode_config, encode_config,
+                       unseal, version_from_manifest)
+from .providers import BIGINT, NDARRAY, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, unflatten
 from .reader import TensorEntry, read_tensors
 from .refs import Refs, init_head
 from .store import Store
-from .writer import PlanCache, write_arrays
+
+if TYPE_CHECKING:
+    from .capture import Snapshotter
+from .writer import PlanCache
 
 DEFAULT_BRANCH = "main"
 
@@ -132,51 +134,32 @@ class Repository:
         """Save ``state`` as a new version on the current branch and return it.
 
         Synchronous: returns once the version is durable and the branch points
-        at it. Raises DetachedHeadError on a detached HEAD and ConflictError if
-        another writer moved the branch meanwhile (then nothing is committed).
+        at it (the same pipeline as :meth:`snapshotter`, waited on). Raises
+        DetachedHeadError on a detached HEAD and ConflictError if another writer
+        moved the branch meanwhile (then nothing is committed).
         """
-        head = self.refs.head()
-        if head.branch is None:
-            raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
-                                    f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
-        parent, generation = self.refs.branch_tip_with_generation(head.branch)
-        faults.point("after_read_head")
-        skeleton, records = flatten(state)
-        metrics = _plain_metrics(metrics or {})
-        plan = self.plans.get(records)
-        vid = new_version_id()
-        arrays = write_arrays(self.store, f"{DATA_PREFIX}{vid}/0", records, plan)
-        faults.point("after_data")
-        placements = plan.placements
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "id": vid,
-            "parents": [parent] if parent else [],
-            "step": None if step is None else int(step),
-            "time": time.time(),
-            "message": message,
-            "metrics": metrics,
-            "host": socket.gethostname(),
-            "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
-            "size": sum(a.nbytes for a in arrays.values()),
-            "arrays": {k: a.to_json() for k, a in arrays.items()},
-            "tensors": [
-                {"name": r.name, "dtype": r.dtype, "shape": list(r.shape),
-                 "pieces": ([{"box": [[0] * len(r.shape), list(r.shape)],
-                              "array": f"{DATA_PREFIX}{vid}/0/{p.dtype}", "offset": p.offset}] if p.numel else [])}
-                for r, p in zip(records, placements)],
-            "tree": skeleton,
-        }
-        self.store.put_if_absent(VERSIONS_PREFIX + vid, seal(manifest))
-        faults.point("after_manifest")
-        if not self.refs.move_branch(head.branch, vid, generation):
-            now = self.refs.branch_tip(head.branch)
-            raise ConflictError(f"branch {head.branch!r} moved to {str(now)[:12]} while this snapshot was written on "
-                                f"top of {str(parent)[:12]}; version {vid[:12]} was not committed, take the snapshot again")
-        faults.point("after_ref")
+        with self.snapshotter() as snap:
+            handle = snap.snapshot(state, step=step, message=message, metrics=metrics)
+            try:
+                return handle.result()
+            except SnapshotFailedError as err:
+                raise (err.__cause__ if isinstance(err.__cause__, CkptRepoError) else err) from None
+            finally:
+                snap._errors.clear()  # already raised here; close() must not raise it again
+
+    def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None) -> "Snapshotter":
+        """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
+
+        ``host_memory`` bounds the staging pool ("8GiB"; default: a quarter of
+        the available memory, at most 8 GiB).
+        """
+        from .capture import Snapshotter
+        return Snapshotter(self, host_memory=host_memory, pin_memory=pin_memory)
+
+    def remember_manifest(self, manifest: dict[str, Any]) -> None:
+        """Cache a manifest this process just committed (manifests never change)."""
         with self._lock:
-            self._manifests[vid] = manifest
-        return version_from_manifest(manifest, (head.branch,))
+            self._manifests[manifest["id"]] = manifest
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,
@@ -316,7 +299,7 @@ class Repository:
         return [(v, v.size) for v in self.log(all=True)]
 
 
-def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted)."""
     out = {}
     for k, v in metrics.items():

@@ -137,21 +137,21 @@ class Store:
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"writing {key}") from err
 
-    def compare_and_swap(self, key: str, value: bytes | None, expected_generation: bytes) -> bool:
+    def compare_and_swap(self, key: str, value: bytes | None, expected_generation: bytes) -> bytes | None:
         """Write (or delete, with None) only if ``key`` is still at ``expected_generation``.
 
         ``NO_VALUE`` as the expected generation means "only if absent". Returns
-        whether the write happened.
+        the new generation when the write happened, None when the condition failed.
         """
         try:
             stamp = self.kv.write(key, value, if_equal=expected_generation).result()
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"writing {key}") from err
-        return stamp.generation != b""
+        return stamp.generation or None
 
     def put_if_absent(self, key: str, value: bytes) -> bool:
         """Create ``key`` unless it exists; returns whether this call created it."""
-        return self.compare_and_swap(key, value, NO_VALUE)
+        return self.compare_and_swap(key, value, NO_VALUE) is not None
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` holds a value."""

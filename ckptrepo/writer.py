@@ -1,26 +1,22 @@
-"""Coalesced, streaming writes of a state's tensors into flat per-dtype arrays.
+"""Coalescing plans, the staging pool, and segment filling for the save path.
 
 The plan packs every tensor of one dtype back to back into one flat stream and
-cuts the stream into shard-sized segments. Writing fills one staging buffer per
-segment and hands it to TensorStore while the next segment is being filled, so
-copying and storage I/O overlap and memory stays bounded by the pool. Plans
-depend only on the (dtype, shape) list, so they are cached and reused.
+cuts the stream into shard-sized segments; each segment is filled into one
+staging buffer and written as one whole shard (see capture.py for the
+pipeline). Plans depend only on the (dtype, shape) list and the shard size, so
+they are cached and reused: a training loop plans once.
 """
 from __future__ import annotations
 
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from . import faults
-from .arrays import ArrayInfo, choose_geometry, create_array, numpy_dtype
-from .errors import StorageError
+from .arrays import choose_geometry, numpy_dtype
 from .providers import TORCH_DTYPES, TensorRecord
-from .store import Store
 
 
 @dataclass(frozen=True)
@@ -107,12 +103,12 @@ class PlanCache:
         self._plans: dict[tuple, WritePlan] = {}
         self.misses = 0
 
-    def get(self, records: Sequence[TensorRecord]) -> WritePlan:
-        sig = plan_signature(records)
-        plan = self._plans.get(sig)
+    def get(self, records: Sequence[TensorRecord], shard_bytes: int | None = None) -> WritePlan:
+        key = (plan_signature(records), shard_bytes)
+        plan = self._plans.get(key)
         if plan is None:
             self.misses += 1
-            plan = self._plans[sig] = make_plan(records)
+            plan = self._plans[key] = make_plan(records, shard_bytes)
         return plan
 
 
@@ -152,67 +148,18 @@ class StagingPool:
         return self._allocated * self.buffer_bytes
 
 
-def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf: torch.Tensor) -> np.ndarray:
-    """Copy the segment's tensor slices into ``buf``; return the numpy view TensorStore will write."""
+def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf: torch.Tensor,
+                 non_blocking: bool = False) -> np.ndarray:
+    """Copy the segment's tensor slices into ``buf``; return the numpy view TensorStore will write.
+
+    With ``non_blocking`` (CUDA sources, pinned ``buf``) the copies are only
+    queued on the current stream: the caller must synchronise before writing.
+    """
     torch_dtype = TORCH_DTYPES[seg.dtype]
     n = seg.stop - seg.start
     nbytes = n * torch.empty((), dtype=torch_dtype).element_size()
     typed = buf[:nbytes].view(torch_dtype)
     for idx, src, dst, count in seg.parts:
-        typed[dst:dst + count].copy_(flat_sources(idx)[src:src + count])
+        typed[dst:dst + count].copy_(flat_sources(idx)[src:src + count], non_blocking=non_blocking)
     return buf[:nbytes].numpy().view(numpy_dtype(seg.dtype))
 
-
-def write_arrays(store: Store, prefix: str, records: Sequence[TensorRecord], plan: WritePlan,
-                 max_inflight_bytes: int = 256 << 20) -> dict[str, ArrayInfo]:
-    """Write every tensor of ``records`` into flat arrays under ``prefix`` and wait until durable.
-
-    Returns the arrays by key. Raises StorageError if any write fails; nothing
-    refers to the partial arrays then, and garbage collection removes them.
-    """
-    infos = {d: ArrayInfo(f"{prefix}/{d}", d, n, s, i) for d, (n, s, i) in plan.streams.items()}
-    try:
-        handles = {d: create_array(store, info) for d, info in infos.items()}
-    except Exception as err:  # noqa: BLE001
-        raise StorageError(f"cannot create arrays under {prefix}: {str(err).splitlines()[0]}") from err
-    seg_bytes = plan.max_segment_bytes
-    pool = StagingPool(seg_bytes, max(1, max_inflight_bytes // max(seg_bytes, 1)))
-    flat: dict[int, torch.Tensor] = {}
-
-    def source(idx: int) -> torch.Tensor:
-        t = flat.get(idx)
-        if t is None:
-            t = flat[idx] = records[idx].tensor.reshape(-1)
-        return t
-
-    inflight: deque = deque()
-
-    def retire() -> None:
-        fut, buf, seg = inflight.popleft()
-        try:
-            fut.result()
-        except Exception as err:  # noqa: BLE001
-            raise StorageError(f"writing {infos[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: "
-                               f"{str(err).splitlines()[0]}") from err
-        finally:
-            pool.give(buf)
-        faults.point("after_shard_write")
-
-    try:
-        for seg in plan.segments:
-            while inflight and pool.exhausted:
-                retire()
-            buf = pool.take()
-            view = fill_segment(seg, source, buf)
-            fut = handles[seg.dtype][seg.start:seg.stop].write(view, can_reference_source_data_indefinitely=True).commit
-            inflight.append((fut, buf, seg))
-        while inflight:
-            retire()
-    finally:
-        while inflight:  # an error stopped us: let the rest settle before the buffers go
-            fut, buf, _ = inflight.popleft()
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001 - the first error is already being raised
-                pass
-    return {info.key: info for info in infos.values()}

@@ -44,7 +44,7 @@ def test_bad_revisions_are_one_line_errors(repo, rev, fragment):
 
 def test_ambiguous_prefix(repo, monkeypatch):
     fake = iter(["abcd" + "0" * 27 + str(i) for i in range(3)])
-    monkeypatch.setattr("ckptrepo.repo.new_version_id", lambda: next(fake))
+    monkeypatch.setattr("ckptrepo.capture.new_version_id", lambda: next(fake))
     commit_steps(repo, range(3))
     with pytest.raises(RevisionError, match="'abcd' is ambiguous: 3 versions"):
         repo.resolve("abcd")

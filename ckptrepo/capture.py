@@ -1,0 +1,548 @@
+"""Lazy asynchronous capture: the snapshot hook of the training loop.
+
+``Snapshotter.snapshot`` only flattens the state (metadata, no tensor bytes)
+and queues a job; it returns at once. Three background threads then run the
+pipeline, each stage overlapping the others and the training loop:
+
+* capture: copies each segment's tensor slices into a staging buffer from a
+  bounded pool (pinned memory and a side stream ordered after the training
+  stream by an event on CUDA; torch's parallel copies on CPU). An empty pool
+  makes capture wait (backpressure), so host memory stays bounded.
+* flush: hands each filled buffer to TensorStore as one whole shard write; the
+  buffer returns to the pool when the write is durable.
+* commit: in snapshot order, once a version's data is durable, writes its
+  manifest and moves the branch by compare-and-swap.
+
+The training loop waits only for *capture*, and only before it mutates the
+state: ``attach(optimizer)`` installs a pre-step hook that does so, or call
+``wait_captured()``. It never waits for storage. A failed write never raises
+inside training: the version is not committed, a failure record is written, and
+the error is raised by the next ``snapshot``/``wait``/``wait_captured``/``close``.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import faults
+from .arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
+from .errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, StorageError
+from .manifest import DATA_PREFIX, VERSIONS_PREFIX, Version, seal, new_version_id, version_from_manifest
+from .providers import TensorRecord, flatten
+from .writer import Segment, StagingPool, WritePlan, fill_segment
+
+log = logging.getLogger("ckptrepo")
+
+FAILURES_PREFIX = "failures/"
+
+
+def parse_size(size: int | str | None) -> int | None:
+    """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes."""
+    if size is None or isinstance(size, int):
+        return size
+    s = size.strip().upper().replace(" ", "")
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+def default_host_memory() -> int:
+    """A quarter of the memory available now, at most 8 GiB and at least 256 MiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = 4 << 30
+    return max(256 << 20, min(8 << 30, avail // 4))
+
+
+@dataclass
+class SnapshotStats:
+    """Timings of one snapshot, in seconds, and its size."""
+
+    blocking_s: float = 0.0   # the training loop was held: the snapshot() call plus pre-step waits
+    capture_s: float = 0.0    # snapshot() until every byte was in staging memory
+    flush_s: float = 0.0      # first shard write until the data was durable
+    total_s: float = 0.0      # snapshot() until committed
+    bytes: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """Throughput from snapshot() to commit, in GB/s."""
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return {"blocking_s": self.blocking_s, "capture_s": self.capture_s, "flush_s": self.flush_s,
+                "total_s": self.total_s, "bytes": self.bytes, "gbps": self.gbps}
+
+
+class SnapshotHandle:
+    """The future of one asynchronous snapshot."""
+
+    def __init__(self, vid: str, step: int | None) -> None:
+        self.id = vid
+        self.step = step
+        self.stats = SnapshotStats()
+        self._captured = threading.Event()
+        self._done = threading.Event()
+        self._version: Version | None = None
+        self._error: BaseException | None = None
+
+    def captured(self) -> bool:
+        """Whether the state may be mutated again as far as this snapshot is concerned."""
+        return self._captured.is_set()
+
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        return self._captured.wait(timeout)
+
+    def done(self) -> bool:
+        """Whether the snapshot is committed or has failed."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Version:
+        """The committed Version; raises the snapshot's error if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"snapshot {self.id[:12]} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._version is not None
+        return self._version
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "committed" if self.done() else "captured" if self.captured() else "capturing"
+        return f"SnapshotHandle({self.id[:12]}, step={self.step}, {state})"
+
+
+@dataclass
+class _Job:
+    handle: SnapshotHandle
+    skeleton: Any
+    records: list[TensorRecord]
+    plan: WritePlan
+    message: str
+    metrics: dict[str, Any]
+    started: float
+    ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
+    arrays: dict[str, ArrayInfo] = field(default_factory=dict)
+    handles: dict[str, Any] = field(default_factory=dict)
+    remaining: int = 0
+    error: BaseException | None = None
+    first_write: float = 0.0
+    data_done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def vid(self) -> str:
+        return self.handle.id
+
+    def fail(self, err: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = err
+
+    def segment_done(self, err: BaseException | None = None) -> None:
+        if err is not None:
+            self.fail(err)
+        with self.lock:
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.data_done.set()
+
+
+class Snapshotter:
+    """Asynchronous snapshots of a training state onto the current branch.
+
+    The contract: after ``snapshot(state)`` returns, the tensors in ``state``
+    must not be modified in place until capture has finished, which the
+    attached optimizer's pre-step hook (or ``wait_captured()``) guarantees.
+    Reading them (forward, backward) is fine, and so is writing gradients.
+    Plain Python values and the structure are recorded during ``snapshot``
+    itself. Buffers of ``nn.Module``s in the state (BatchNorm running
+    statistics change in forward) are copied during ``snapshot``.
+    """
+
+    def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None) -> None:
+        head = repo.refs.head()
+        if head.branch is None:
+            raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
+                                    f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
+        self.repo = repo
+        self.branch = head.branch
+        self._tip, self._generation = repo.refs.branch_tip_with_generation(head.branch)
+        faults.point("after_read_head")
+        self.host_memory = parse_size(host_memory) or default_host_memory()
+        shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
+        self.shard_bytes = shard
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin)
+        self._capture_q: queue.Queue = queue.Queue()
+        self._flush_q: queue.Queue = queue.Queue()
+        self._commit_q: queue.Queue = queue.Queue()
+        self._inflight: list[_Job] = []
+        self._errors: list[SnapshotFailedError] = []
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._hooks: list[Any] = []
+        self._closed = False
+        self._side_stream: Any = None
+        ref = weakref.ref(self)
+        self._atexit = lambda: (s := ref()) is not None and s._close_at_exit()
+        atexit.register(self._atexit)
+
+    # ---- public API -------------------------------------------------------
+    def snapshot(self, state: Any, step: int | None = None, message: str = "",
+                 metrics: dict[str, Any] | None = None) -> SnapshotHandle:
+        """Start a snapshot of ``state`` and return its handle at once (see the class contract)."""
+        t0 = time.perf_counter()
+        self._raise_pending()
+        if self._closed:
+            raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
+        from .repo import plain_metrics
+        skeleton, records = flatten(state)
+        _copy_module_buffers(state, records)
+        plan = self.repo.plans.get(records, self.shard_bytes)
+        handle = SnapshotHandle(new_version_id(), None if step is None else int(step))
+        job = _Job(handle, skeleton, records, plan, message, plain_metrics(metrics or {}), started=t0)
+        job.remaining = len(plan.segments)
+        job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/0/{d}", d, n, s, i) for d, (n, s, i) in plan.streams.items()}
+        handle.stats.bytes = plan.nbytes
+        devices = {r.tensor.device for r in records if r.tensor.device.type == "cuda"}
+        for dev in devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            job.ready.append(ev)
+        if job.remaining == 0:
+            job.data_done.set()
+        self._start_threads()
+        with self._lock:
+            self._inflight.append(job)
+        self._capture_q.put(job)
+        self._commit_q.put(job)
+        handle.stats.blocking_s += time.perf_counter() - t0
+        return handle
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` first wait until every pending capture has finished."""
+        def pre_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            self._wait_for_capture()
+        self._hooks.append(optimizer.register_step_pre_hook(pre_step))
+
+    def wait_captured(self) -> None:
+        """Block until every snapshot taken so far is in staging memory: the state may be mutated again."""
+        self._wait_for_capture()
+        self._raise_pending()
+
+    def wait(self, progress: bool | None = None) -> None:
+        """Block until every snapshot taken so far is committed (or failed); raise the first failure."""
+        jobs = self._pending_jobs()
+        show = progress if progress is not None else _stderr_is_terminal()
+        if show and jobs:
+            _wait_with_progress(jobs)
+        for job in jobs:
+            job.handle._done.wait()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Finish every pending snapshot, stop the threads and detach hooks; raise a pending failure."""
+        if self._closed:
+            self._raise_pending()
+            return
+        for job in self._pending_jobs():
+            job.handle._done.wait()
+        self._shutdown()
+        self._raise_pending()
+
+    def __enter__(self) -> "Snapshotter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except CkptRepoError as err:  # the exception in flight matters more
+                log.error("ckptrepo: %s", err)
+
+    # ---- internals ----------------------------------------------------------
+    def _pending_jobs(self) -> list[_Job]:
+        with self._lock:
+            return list(self._inflight)
+
+    def _wait_for_capture(self) -> None:
+        t0 = time.perf_counter()
+        jobs = [j for j in self._pending_jobs() if not j.handle.captured()]
+        for job in jobs:
+            job.handle._captured.wait()
+        if jobs:
+            jobs[-1].handle.stats.blocking_s += time.perf_counter() - t0
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            first, rest = self._errors[0], len(self._errors) - 1
+            self._errors.clear()
+        if rest:
+            raise SnapshotFailedError(f"{first} (and {rest} more failed snapshot(s); see `ckptrepo log --all`)") \
+                from first.__cause__
+        raise first
+
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        for name, target in (("capture", self._capture_loop), ("flush", self._flush_loop),
+                             ("commit", self._commit_loop)):
+            t = threading.Thread(target=target, name=f"ckptrepo-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._capture_q.put(None)
+        self._commit_q.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads.clear()
+        atexit.unregister(self._atexit)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit: finish what is in flight so no snapshot is silently dropped."""
+        if self._closed:
+            return
+        try:
+            self.close()
+        except CkptRepoError as err:
+            log.error("ckptrepo: %s", err)
+
+    # capture thread
+    def _capture_loop(self) -> None:
+        while True:
+            job = self._capture_q.get()
+            if job is None:
+                self._flush_q.put(None)
+                return
+            try:
+                self._capture(job)
+            except BaseException as err:  # noqa: BLE001 - reported through the job
+                job.fail(err)
+            finally:
+                job.handle.stats.capture_s = time.perf_counter() - job.started
+                job.handle._captured.set()
+
+    def _capture(self, job: _Job) -> None:
+        flat: dict[int, torch.Tensor] = {}
+
+        def source(i: int) -> torch.Tensor:
+            t = flat.get(i)
+            if t is None:
+                t = flat[i] = job.records[i].tensor.reshape(-1)
+            return t
+
+        cuda = bool(job.ready)
+        if cuda and self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=job.records[0].tensor.device
+                                                  if job.records[0].tensor.is_cuda else None)
+        last_event = None
+        for seg in job.plan.segments:
+            buf = self.pool.take()
+            if job.error is not None:
+                self._flush_q.put((job, seg, buf, None, None))
+                continue
+            if cuda:
+                with torch.cuda.stream(self._side_stream):
+                    for ev in job.ready:
+                        self._side_stream.wait_event(ev)
+                    view = fill_segment(seg, source, buf, non_blocking=True)
+                    last_event = torch.cuda.Event()
+                    last_event.record(self._side_stream)
+            else:
+                view = fill_segment(seg, source, buf)
+            self._flush_q.put((job, seg, buf, view, last_event))
+        if last_event is not None:
+            last_event.synchronize()
+
+    # flush thread
+    def _flush_loop(self) -> None:
+        while True:
+            item = self._flush_q.get()
+            if item is None:
+                return
+            job, seg, buf, view, event = item
+            if job.error is not None or view is None:
+                self.pool.give(buf)
+                job.segment_done()
+                continue
+            try:
+                if event is not None:
+                    event.synchronize()
+                handle = job.handles.get(seg.dtype)
+                if handle is None:
+                    handle = job.handles[seg.dtype] = create_array(self.repo.store, job.arrays[seg.dtype])
+                faults.point("before_shard_write")
+                if not job.first_write:
+                    job.first_write = time.perf_counter()
+                fut = handle[seg.start:seg.stop].write(view, can_reference_source_data_indefinitely=True).commit
+            except BaseException as err:  # noqa: BLE001
+                self.pool.give(buf)
+                job.segment_done(_storage_error(job, seg, err))
+                continue
+            fut.add_done_callback(lambda f, job=job, seg=seg, buf=buf: self._written(job, seg, buf, f))
+
+    def _written(self, job: _Job, seg: Segment, buf: torch.Tensor, fut: Any) -> None:
+        err = None
+        try:
+            fut.result()
+        except BaseException as e:  # noqa: BLE001
+            err = _storage_error(job, seg, e)
+        self.pool.give(buf)
+        if err is None:
+            faults.point("after_shard_write")
+        job.segment_done(err)
+
+    # commit thread
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._commit_q.get()
+            if job is None:
+                return
+            job.data_done.wait()
+            job.handle._captured.wait()
+            stats = job.handle.stats
+            if job.first_write:
+                stats.flush_s = time.perf_counter() - job.first_write
+            try:
+                if job.error is not None:
+                    raise job.error
+                faults.point("after_data")
+                version = self._commit(job)
+            except BaseException as err:  # noqa: BLE001
+                self._record_failure(job, err)
+            else:
+                stats.total_s = time.perf_counter() - job.started
+                job.handle._version = version
+            finally:
+                with self._lock:
+                    self._inflight.remove(job)
+                job.handle._done.set()
+
+    def _commit(self, job: _Job) -> Version:
+        manifest = build_manifest(job.vid, self._tip, job.handle.step, job.message, job.metrics, job.records,
+                                  job.plan, job.arrays, job.skeleton)
+        manifest["stats"] = job.handle.stats.to_json()
+        self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, seal(manifest))
+        faults.point("after_manifest")
+        gen = self.repo.refs.move_branch(self.branch, job.vid, self._generation)
+        if gen is None:
+            now = self.repo.refs.branch_tip(self.branch)
+            raise ConflictError(f"branch {self.branch!r} moved to {str(now)[:12]} while this snapshot was written "
+                                f"on top of {str(self._tip)[:12]}; version {job.vid[:12]} was not committed")
+        self._tip, self._generation = job.vid, gen
+        faults.point("after_ref")
+        self.repo.remember_manifest(manifest)
+        return version_from_manifest(manifest, (self.branch,))
+
+    def _record_failure(self, job: _Job, err: BaseException) -> None:
+        step = "" if job.handle.step is None else f" at step {job.handle.step}"
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        failure = SnapshotFailedError(f"snapshot {job.vid[:12]}{step} was not committed: {cause}")
+        failure.__cause__ = err
+        job.handle._error = failure
+        with self._lock:
+            self._errors.append(failure)
+        log.error("ckptrepo: %s", failure)
+        try:
+            self.repo.store.put(FAILURES_PREFIX + job.vid, seal({
+                "id": job.vid, "step": job.handle.step, "time": time.time(), "branch": self.branch,
+                "message": job.message, "error": cause}))
+        except CkptRepoError as record_err:  # storage may be what failed; the log line above remains
+            log.error("ckptrepo: could not record the failure of %s: %s", job.vid[:12], record_err)
+
+
+def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
+                   records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
+                   skeleton: Any) -> dict[str, Any]:
+    """The version manifest for a single-process snapshot (see docs/format.md)."""
+    from .manifest import FORMAT_VERSION
+    import socket
+    return {
+        "format_version": FORMAT_VERSION,
+        "id": vid,
+        "parents": [parent] if parent else [],
+        "step": step,
+        "time": time.time(),
+        "message": message,
+        "metrics": metrics,
+        "host": socket.gethostname(),
+        "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
+        "size": sum(a.nbytes for a in arrays.values()),
+        "arrays": {a.key: a.to_json() for a in arrays.values()},
+        "tensors": [
+            {"name": r.name, "dtype": r.dtype, "shape": list(r.shape),
+             "pieces": ([{"box": [[0] * len(r.shape), list(r.shape)], "array": arrays[p.dtype].key,
+                          "offset": p.offset}] if p.numel else [])}
+            for r, p in zip(records, plan.placements)],
+        "tree": skeleton,
+    }
+
+
+def _storage_error(job: _Job, seg: Segment, err: BaseException) -> BaseException:
+    if isinstance(err, CkptRepoError):
+        return err
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return StorageError(f"writing {job.arrays[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: {reason}")
+
+
+def _copy_module_buffers(state: Any, records: list[TensorRecord]) -> None:
+    """Copy now the buffers of modules in ``state``: forward may change them (BatchNorm statistics)."""
+    ptrs: set[int] = set()
+    stack = [state]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.nn.Module):
+            ptrs.update(b.data_ptr() for b in obj.buffers())
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    if ptrs:
+        for r in records:
+            if r.tensor.data_ptr() in ptrs and r.numel:
+                r.tensor = r.tensor.clone()
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return os.isatty(2)
+    except OSError:
+        return False
+
+
+def _wait_with_progress(jobs: list[_Job]) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn
+    with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  transient=True) as progress:
+        task = progress.add_task("wait", total=len(jobs))
+        for job in jobs:
+            job.handle._done.wait()
+            progress.advance(task)
+
+
+__all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats", "build_manifest", "parse_size", "np"]
