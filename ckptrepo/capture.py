@@ -446,6 +446,7 @@ class Snapshotter:
     def _commit(self, job: _Job) -> Version:
         manifest = build_manifest(job.vid, self._tip, job.handle.step, job.message, job.metrics, job.records,
                                   job.plan, job.arrays, job.skeleton)
+        job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
         manifest["stats"] = job.handle.stats.to_json()
         self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, seal(manifest))
         faults.point("after_manifest")

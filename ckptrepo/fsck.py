@@ -69,6 +69,9 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None) -> Fsc
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
+    for f in repo.failures():
+        report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
+                               f"{f.get('error')}")
     data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
     for vid in sorted(data_ids - set(manifests)):
         report.warnings.append(f"{DATA_PREFIX}{vid}/ has no manifest (an interrupted snapshot); gc will remove it")

@@ -290,6 +290,28 @@ class Repository:
         return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), m.get("layout", {}),
                               tensors, list(_objects(m["tree"])))
 
+    def fsck(self, on_bytes: Callable[[int], None] | None = None) -> Any:
+        """Read every object and verify every checksum and reference; returns a ckptrepo.fsck.FsckReport."""
+        from .fsck import fsck
+        return fsck(self, on_bytes=on_bytes)
+
+    def failures(self) -> list[dict[str, Any]]:
+        """Records of background snapshots that failed (id, step, time, branch, message, error), newest first."""
+        from .capture import FAILURES_PREFIX
+        out = []
+        for key in self.store.list(FAILURES_PREFIX):
+            raw = self.store.get(key)
+            if raw is not None:
+                try:
+                    out.append(unseal(raw, key))
+                except CkptRepoError as err:
+                    out.append({"id": key[len(FAILURES_PREFIX):], "step": None, "time": 0.0, "error": str(err)})
+        return sorted(out, key=lambda f: f.get("time", 0.0), reverse=True)
+
+    def stats(self, rev: str = "HEAD") -> dict[str, Any]:
+        """The capture statistics recorded with a version (blocking, capture, flush, total seconds; bytes; GB/s)."""
+        return dict(self.manifest(self.resolve(rev)).get("stats", {}))
+
     def all_version_ids(self) -> list[str]:
         """Every version manifest in storage, reachable or not."""
         return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX)]

@@ -75,21 +75,34 @@ def init(ctx: click.Context, url: str | None, exist_ok: bool) -> None:
 @click.argument("rev", required=False, default="HEAD")
 @click.option("--all", "all_", is_flag=True, help="Versions reachable from any branch or tag.")
 @click.option("-n", "--max-count", type=int, default=None, help="Show at most N versions.")
+@click.option("--stats", "with_stats", is_flag=True, help="Capture statistics of each version.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, as_json: bool) -> None:
-    """List versions, newest first."""
-    versions = _repo(ctx).log(rev, all=all_, limit=max_count)
+def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, with_stats: bool, as_json: bool) -> None:
+    """List versions, newest first (with --all, also snapshots that failed)."""
+    repo = _repo(ctx)
+    versions = repo.log(rev, all=all_, limit=max_count)
+    failures = repo.failures() if all_ else []
+    stats = {v.id: repo.stats(v.id) for v in versions} if with_stats else {}
     if as_json:
-        _emit_json([v.to_json() for v in versions])
+        rows = [dict(v.to_json(), **({"stats": stats[v.id]} if with_stats else {})) for v in versions]
+        _emit_json(rows + [dict(f, failed=True) for f in failures] if all_ else rows)
         return
-    if not versions:
+    if not versions and not failures:
         click.echo("no versions yet")
     for v in versions:
         refs = f" ({', '.join(v.refs)})" if v.refs else ""
         step = f"step {v.step}" if v.step is not None else "step -"
         out.print(f"[yellow]{v.short_id}[/]{refs}  {step}  {_when(v.time)}  {_size(v.size)}  "
                   f"{_metrics(v.metrics)}  {v.message}".rstrip(), markup=True)
+        if with_stats:
+            s = stats[v.id]
+            click.echo("    " + (f"blocking {s['blocking_s'] * 1e3:.1f} ms  capture {s['capture_s'] * 1e3:.1f} ms  "
+                                 f"flush {s['flush_s'] * 1e3:.1f} ms  total {s['total_s'] * 1e3:.1f} ms  "
+                                 f"{s['gbps']:.2f} GB/s" if s else "no statistics recorded"))
+    for f in failures:
+        out.print(f"[red]FAILED[/] {f['id'][:12]}  step {f.get('step')}  {_when(f.get('time', 0))}  {f.get('error')}",
+                  markup=True)
 
 
 @cli.command()

@@ -1,0 +1,224 @@
+"""The asynchronous snapshot hook: consistency under in-place mutation, ordering, backpressure, faults."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import ckptrepo
+from ckptrepo import faults
+from ckptrepo.errors import SnapshotFailedError
+from helpers import assert_bit_exact
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_hooks():
+    yield
+    faults.clear()
+
+
+def make_state(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"params": {f"w{i}": torch.randn(64, 33 + i, generator=g) for i in range(n)},
+            "half": torch.randn(1000, generator=g).to(torch.bfloat16), "counter": torch.zeros((), dtype=torch.int64)}
+
+
+def mutate(state):
+    for t in state["params"].values():
+        t.mul_(1.5).add_(0.25)
+    state["half"].add_(1)
+    state["counter"].add_(1)
+
+
+def test_every_version_equals_the_state_at_its_step_despite_mutation(repo):
+    state = make_state()
+    expected = {}
+    with repo.snapshotter(host_memory="16MiB") as snap:
+        for step in range(8):
+            h = snap.snapshot(state, step=step, metrics={"step": step})
+            expected[step] = copy.deepcopy(state)       # the truth at snapshot time
+            snap.wait_captured()                          # the barrier before an in-place change
+            mutate(state)
+        snap.wait()
+    assert [v.step for v in repo.log()] == list(range(7, -1, -1))
+    for step, truth in expected.items():
+        assert_bit_exact(truth, repo.load(f"@{step}"))
+    assert h.done() and h.result().step == 7
+    assert repo.plans.misses == 1, "the plan is computed once for an unchanged structure"
+
+
+def test_attached_optimizer_waits_for_capture_before_stepping(repo):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    truths = {}
+    with repo.snapshotter() as snap:
+        snap.attach(opt)
+        for step in range(6):
+            x = torch.randn(16, 32)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()                      # waits for the previous snapshot's capture only
+            opt.zero_grad()
+            handle = snap.snapshot({"model": model, "optimizer": opt}, step=step, metrics={"loss": loss.item()})
+            truths[step] = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        snap.wait()
+    for step, truth in truths.items():
+        assert_bit_exact(truth, repo.load(f"@{step}"))
+    s = handle.stats
+    assert s.bytes > 0 and s.total_s >= s.capture_s > 0 and s.blocking_s >= 0 and s.gbps > 0
+    assert repo.stats("HEAD")["bytes"] == s.bytes
+
+
+def test_several_snapshots_in_flight_commit_in_order(repo):
+    state = make_state(n=4)
+    gate_open = []
+
+    def slow(_):
+        if not gate_open:
+            time.sleep(0.05)
+
+    faults.set_hook("before_shard_write", slow)
+    with repo.snapshotter() as snap:
+        handles = []
+        for step in range(5):
+            handles.append(snap.snapshot(state, step=step))
+            snap.wait_captured()
+            mutate(state)
+        gate_open.append(True)
+        snap.wait()
+    log = repo.log()
+    assert [v.step for v in log] == [4, 3, 2, 1, 0]
+    for newer, older in zip(log, log[1:]):
+        assert newer.parents == (older.id,)
+    assert [h.result().id for h in handles] == [v.id for v in reversed(log)]
+
+
+def test_backpressure_with_a_pool_smaller_than_one_snapshot(repo):
+    g = torch.Generator().manual_seed(1)
+    state = {f"t{i}": torch.randn(1 << 20, generator=g) for i in range(8)}   # 32 MiB
+    truth = copy.deepcopy(state)
+    with repo.snapshotter(host_memory="4MiB") as snap:
+        assert snap.shard_bytes == 2 << 20
+        h = snap.snapshot(state, step=0)
+        snap.wait_captured()
+        for t in state.values():
+            t.zero_()
+        snap.wait()
+        assert snap.pool.allocated_bytes <= 4 << 20
+    assert h.stats.bytes == 32 << 20
+    assert_bit_exact(truth, repo.load("HEAD"))
+    m = repo.manifest(repo.resolve("HEAD"))
+    assert m["arrays"][f"data/{m['id']}/0/float32"]["shard_elems"] * 4 == 2 << 20
+
+
+def test_host_memory_stays_within_the_bound(tmp_path):
+    """Measured in a fresh process: peak RSS growth during a 96 MiB snapshot with a 16 MiB pool."""
+    code = textwrap.dedent(f"""
+        import resource, json, torch, ckptrepo
+        def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        state = {{f"t{{i}}": torch.randn(3 << 20) for i in range(8)}}
+        repo = ckptrepo.init({str(tmp_path / 'r')!r})
+        repo.snapshot({{"warm": torch.randn(1000)}}, step=0)
+        base = peak()
+        with repo.snapshotter(host_memory="16MiB") as snap:
+            snap.snapshot(state, step=1).result()
+            pool = snap.pool.allocated_bytes
+        print(json.dumps({{"growth": peak() - base, "pool": pool}}))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    figures = json.loads(p.stdout.strip().splitlines()[-1])
+    assert figures["pool"] <= 16 << 20
+    # the staging pool plus TensorStore's encoded copy of each shard in flight, plus slack for threads
+    assert figures["growth"] <= 2 * (16 << 20) + (24 << 20), figures
+
+
+def test_a_failing_write_never_stops_training_and_surfaces_at_the_next_call(repo):
+    state = make_state(n=3)
+    writes = {"n": 0, "fail_at": None}
+
+    def fail_nth(_):
+        writes["n"] += 1
+        if writes["n"] == writes["fail_at"]:
+            raise OSError("injected: no space left on device")
+
+    faults.set_hook("before_shard_write", fail_nth)
+    snap = repo.snapshotter()
+    h0 = snap.snapshot(state, step=0)
+    h0.result()
+    writes["fail_at"] = writes["n"] + 2   # the second shard write of the next snapshot fails
+    h1 = snap.snapshot(state, step=1)
+    with pytest.raises(SnapshotFailedError, match="step 1 was not committed: .*no space left"):
+        h1.result()
+    with pytest.raises(SnapshotFailedError, match="no space left"):
+        snap.snapshot(state, step=2)      # the error surfaces at the next call...
+    h3 = snap.snapshot(state, step=3)     # ...and the one after works again
+    snap.close()
+    assert h3.result().parents == (h0.id,), "the failed version is skipped, history stays linear"
+    assert [v.step for v in repo.log()] == [3, 0]
+    assert_bit_exact(state, repo.load("@0"))
+    failures = repo.failures()
+    assert [f["step"] for f in failures] == [1] and "no space left" in failures[0]["error"]
+    report = repo.fsck()
+    assert report.ok and any("failed and was not committed" in w for w in report.warnings)
+
+
+def test_exit_with_snapshots_in_flight_finishes_them(tmp_path):
+    url = str(tmp_path / "r")
+    code = textwrap.dedent(f"""
+        import torch, ckptrepo
+        repo = ckptrepo.init({url!r})
+        snap = repo.snapshotter()
+        for step in range(3):
+            snap.snapshot({{"w": torch.full((1 << 18,), float(step))}}, step=step)
+        # no wait(), no close(): the atexit hook must finish the snapshots
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    repo = ckptrepo.open(url)
+    assert [v.step for v in repo.log()] == [2, 1, 0]
+    assert repo.load("@2")["w"][0].item() == 2.0
+
+
+def test_snapshotter_refuses_a_detached_head(repo):
+    repo.snapshot({"w": torch.zeros(1)}, step=0)
+    repo.checkout("HEAD")
+    with pytest.raises(ckptrepo.DetachedHeadError):
+        repo.snapshotter()
+
+
+def test_log_stats_in_the_cli(repo, capsys, monkeypatch):
+    repo.snapshot(make_state(n=2), step=5)
+    from ckptrepo_cli.main import main
+    monkeypatch.setattr(sys, "argv", ["ckptrepo", "--repo", repo.url, "log", "--stats"])
+    main()
+    out = capsys.readouterr().out
+    assert "blocking" in out and "capture" in out and "GB/s" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_capture_is_consistent_and_ordered_by_events(repo):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    state = {f"w{i}": torch.randn(1 << 20, device=dev, generator=g) for i in range(16)}
+    state["cpu"] = torch.arange(10)
+    truths = {}
+    with repo.snapshotter(host_memory="64MiB") as snap:
+        assert snap.pool.pin
+        for step in range(4):
+            for t in (v for k, v in state.items() if k != "cpu"):
+                t.mul_(1.01).add_(step)   # queued on the training stream just before the snapshot
+            snap.snapshot(state, step=step)
+            truths[step] = {k: v.detach().cpu().clone() for k, v in state.items()}
+            snap.wait_captured()
+        snap.wait()
+    for step, truth in truths.items():
+        assert_bit_exact(truth, repo.load(f"@{step}"))
