@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="train until this step (inclusive)")
     p.add_argument("--resume", metavar="REV", help="roll back to REV on a new branch and continue from there")
     p.add_argument("--losses-out", metavar="FILE", help="write {step: float.hex(loss)} of the steps run here as JSON")
+    p.add_argument("--async", dest="async_", action="store_true",
+                   help="snapshot through the asynchronous hook (repo.snapshotter) instead of synchronously")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--n-embd", type=int, default=32)
@@ -144,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed from {v.short_id} (step {step}) on new branch {branch!r}", flush=True)
 
     losses: dict[str, str] = {}
+    snap = None
+    if args.async_:
+        snap = repo.snapshotter()
+        snap.attach(opt)  # opt.step() waits until the previous snapshot is captured; never for storage
     model.train()
     t0 = time.perf_counter()
     while step < args.steps:
@@ -157,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         sched.step()
         value = loss.item()
-        v = repo.snapshot(make_state(model, opt, sched, np_rng, step), step=step,
-                          message=f"step {step}", metrics={"loss": value, "lr": lr})
+        save = snap.snapshot if snap is not None else repo.snapshot
+        v = save(make_state(model, opt, sched, np_rng, step), step=step,
+                 message=f"step {step}", metrics={"loss": value, "lr": lr})
         losses[str(step)] = float.hex(value)
-        print(f"step {step:4d}  loss {value:.6f}  lr {lr:.2e}  version {v.short_id}", flush=True)
+        print(f"step {step:4d}  loss {value:.6f}  lr {lr:.2e}  version {v.id[:12]}", flush=True)
+    if snap is not None:
+        snap.close()  # waits until every snapshot is committed
     print(f"done: {len(losses)} steps in {time.perf_counter() - t0:.2f}s on branch {repo.current_branch()!r}",
           flush=True)
 

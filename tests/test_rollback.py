@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import ckptrepo
 from helpers import assert_bit_exact
 
@@ -29,11 +31,13 @@ def train(repo: Path, losses: Path, *extra: str) -> dict[int, str]:
     return {int(k): v for k, v in json.loads(losses.read_text()).items()}
 
 
-def test_resume_from_step_10_is_bit_exact_and_keeps_old_versions(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_from_step_10_is_bit_exact_and_keeps_old_versions(tmp_path, mode):
     repo_path = tmp_path / "repo"
+    flags = ["--async"] if mode == "async" else []
 
     # Run 1: steps 1..20 on main, one version per step.
-    first = train(repo_path, tmp_path / "first.json")
+    first = train(repo_path, tmp_path / "first.json", *flags)
     assert sorted(first) == list(range(1, 21))
     repo = ckptrepo.open(str(repo_path))
     assert repo.current_branch() == "main"
@@ -48,7 +52,7 @@ def test_resume_from_step_10_is_bit_exact_and_keeps_old_versions(tmp_path):
         assert float.hex(v.metrics["loss"]) == first[v.step]
 
     # Run 2, in a fresh process: roll back to @10 on a new branch and train to step 20 again.
-    resumed = train(repo_path, tmp_path / "resumed.json", "--resume", "@10")
+    resumed = train(repo_path, tmp_path / "resumed.json", "--resume", "@10", *flags)
     assert sorted(resumed) == list(range(11, 21))
     mismatched = {s: (first[s], resumed[s]) for s in resumed if resumed[s] != first[s]}
     assert not mismatched, f"resumed losses differ from the original run: {mismatched}"
