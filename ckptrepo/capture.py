@@ -349,35 +349,48 @@ class Snapshotter:
 
     def _capture(self, job: _Job) -> None:
         flat: dict[int, torch.Tensor] = {}
+        cuda = bool(job.ready)
+        if cuda and self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
 
         def source(i: int) -> torch.Tensor:
             t = flat.get(i)
             if t is None:
                 t = flat[i] = job.records[i].tensor.reshape(-1)
+                if t.is_cuda:  # the caching allocator must not reuse it before the side stream is done
+                    t.record_stream(self._side_stream)
             return t
 
-        cuda = bool(job.ready)
-        if cuda and self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=job.records[0].tensor.device
-                                                  if job.records[0].tensor.is_cuda else None)
         last_event = None
-        for seg in job.plan.segments:
-            buf = self.pool.take()
-            if job.error is not None:
-                self._flush_q.put((job, seg, buf, None, None))
-                continue
-            if cuda:
-                with torch.cuda.stream(self._side_stream):
-                    for ev in job.ready:
-                        self._side_stream.wait_event(ev)
-                    view = fill_segment(seg, source, buf, non_blocking=True)
-                    last_event = torch.cuda.Event()
-                    last_event.record(self._side_stream)
-            else:
-                view = fill_segment(seg, source, buf)
-            self._flush_q.put((job, seg, buf, view, last_event))
-        if last_event is not None:
-            last_event.synchronize()
+        queued = 0
+        try:
+            for seg in job.plan.segments:
+                buf = self.pool.take()
+                if job.error is not None:
+                    self._flush_q.put((job, seg, buf, None, None))
+                    queued += 1
+                    continue
+                try:
+                    if cuda:
+                        with torch.cuda.stream(self._side_stream):
+                            for ev in job.ready:
+                                self._side_stream.wait_event(ev)
+                            view = fill_segment(seg, source, buf, non_blocking=True)
+                            last_event = torch.cuda.Event()
+                            last_event.record(self._side_stream)
+                    else:
+                        view = fill_segment(seg, source, buf)
+                except BaseException:
+                    self.pool.give(buf)
+                    raise
+                self._flush_q.put((job, seg, buf, view, last_event))
+                queued += 1
+            if last_event is not None:
+                last_event.synchronize()
+        except BaseException as err:  # noqa: BLE001 - the segments never queued are accounted as failed
+            for _ in range(len(job.plan.segments) - queued):
+                job.segment_done(err)
+            raise
 
     # flush thread
     def _flush_loop(self) -> None:
