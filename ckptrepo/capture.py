@@ -175,12 +175,14 @@ class Snapshotter:
     statistics change in forward) are copied during ``snapshot``.
     """
 
-    def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None) -> None:
+    def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None,
+                 record_failures: bool = True) -> None:
         head = repo.refs.head()
         if head.branch is None:
             raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
                                     f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
         self.repo = repo
+        self.record_failures = record_failures  # False when the caller waits and gets the error itself
         self.branch = head.branch
         self._tip, self._generation = repo.refs.branch_tip_with_generation(head.branch)
         faults.point("after_read_head")
@@ -466,8 +468,10 @@ class Snapshotter:
         gen = self.repo.refs.move_branch(self.branch, job.vid, self._generation)
         if gen is None:
             now = self.repo.refs.branch_tip(self.branch)
+            base = f"version {self._tip[:12]}" if self._tip else "an empty branch"
             raise ConflictError(f"branch {self.branch!r} moved to {str(now)[:12]} while this snapshot was written "
-                                f"on top of {str(self._tip)[:12]}; version {job.vid[:12]} was not committed")
+                                f"on top of {base}; version {job.vid[:12]} was not committed: load the branch tip "
+                                f"and take the snapshot again")
         self._tip, self._generation = job.vid, gen
         faults.point("after_ref")
         self.repo.remember_manifest(manifest)
@@ -481,6 +485,8 @@ class Snapshotter:
         job.handle._error = failure
         with self._lock:
             self._errors.append(failure)
+        if not self.record_failures:
+            return
         log.error("ckptrepo: %s", failure)
         try:
             self.repo.store.put(FAILURES_PREFIX + job.vid, seal({

@@ -76,6 +76,7 @@ class Repository:
         self._manifests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self.plans = PlanCache()
+        self.host_memory: int | str | None = None  # default staging bound of this handle's snapshots
 
     def __repr__(self) -> str:
         return f"Repository({self.url!r})"
@@ -138,7 +139,8 @@ class Repository:
         DetachedHeadError on a detached HEAD and ConflictError if another writer
         moved the branch meanwhile (then nothing is committed).
         """
-        with self.snapshotter() as snap:
+        from .capture import Snapshotter
+        with Snapshotter(self, host_memory=self.host_memory, record_failures=False) as snap:
             handle = snap.snapshot(state, step=step, message=message, metrics=metrics)
             try:
                 return handle.result()
@@ -150,11 +152,11 @@ class Repository:
     def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
 
-        ``host_memory`` bounds the staging pool ("8GiB"; default: a quarter of
-        the available memory, at most 8 GiB).
+        ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
+        if set, else a quarter of the available memory, at most 8 GiB).
         """
         from .capture import Snapshotter
-        return Snapshotter(self, host_memory=host_memory, pin_memory=pin_memory)
+        return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory)
 
     def remember_manifest(self, manifest: dict[str, Any]) -> None:
         """Cache a manifest this process just committed (manifests never change)."""
