@@ -161,34 +161,26 @@ def _list_refs(refs: dict[str, str], current: str | None, as_json: bool) -> None
         click.echo(f"{'*' if n == current else ' '} {n:20s} {vid[:12]}")
 
 
-@cli.command()
-@click.argument("name", required=False)
-@click.argument("rev", required=False, default="HEAD")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
-@click.pass_context
-def branch(ctx: click.Context, name: str | None, rev: str, as_json: bool) -> None:
-    """List branches, or create branch NAME at REV (default HEAD)."""
-    repo = _repo(ctx)
-    if name is None:
-        _list_refs(repo.branches(), repo.current_branch(), as_json)
-        return
-    v = repo.branch(name, rev)
-    click.echo(f"created branch {name!r} at {v.short_id}")
+def _ref_command(kind: str, doc: str):
+    """``branch`` and ``tag``: list with no NAME, else create NAME at REV."""
+    @cli.command(name=kind, help=doc)
+    @click.argument("name", required=False)
+    @click.argument("rev", required=False, default="HEAD")
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
+    @click.pass_context
+    def command(ctx: click.Context, name: str | None, rev: str, as_json: bool) -> None:
+        repo = _repo(ctx)
+        if name is None:
+            refs = repo.branches() if kind == "branch" else repo.tags()
+            _list_refs(refs, repo.current_branch() if kind == "branch" else None, as_json)
+            return
+        v = (repo.branch if kind == "branch" else repo.tag)(name, rev)
+        click.echo(f"created {kind} {name!r} at {v.short_id}")
+    return command
 
 
-@cli.command()
-@click.argument("name", required=False)
-@click.argument("rev", required=False, default="HEAD")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
-@click.pass_context
-def tag(ctx: click.Context, name: str | None, rev: str, as_json: bool) -> None:
-    """List tags, or create tag NAME at REV (default HEAD)."""
-    repo = _repo(ctx)
-    if name is None:
-        _list_refs(repo.tags(), None, as_json)
-        return
-    v = repo.tag(name, rev)
-    click.echo(f"created tag {name!r} at {v.short_id}")
+branch = _ref_command("branch", "List branches, or create branch NAME at REV (default HEAD).")
+tag = _ref_command("tag", "List tags, or create tag NAME at REV (default HEAD); tags never move.")
 
 
 @cli.command()

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from helpers import assert_bit_exact as assert_same  # noqa: F401 - re-exported for the tests
+
 # Shards are 64 MiB by default, and the shard size follows the snapshotter's staging
 # memory (half of ``host_memory``, at least one 256 KiB inner chunk). Workers give
 # every snapshot 1 MiB of staging memory, so a few MiB of state spans many 256 KiB
@@ -60,30 +62,6 @@ def make_state(seed: int, big: bool = True) -> dict[str, Any]:
         "extra": [seed, float(seed) / 3, "text", (1, 2)],
         "np": np.arange(seed, seed + 100, dtype=np.float64),
     }
-
-
-def assert_same(got: Any, want: Any, path: str = "state") -> None:
-    """Structures, types, dtypes, shapes and every byte of every tensor match."""
-    assert type(got) is type(want), f"{path}: type {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, \
-            f"{path}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
-        a = got.detach().contiguous().reshape(-1).view(torch.uint8)
-        b = want.detach().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(a, b), f"{path}: tensor bytes differ"
-    elif isinstance(want, np.ndarray):
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{path}: ndarray dtype/shape differ"
-        assert got.tobytes() == want.tobytes(), f"{path}: ndarray bytes differ"
-    elif isinstance(want, dict):
-        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
-        for k in want:
-            assert_same(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert_same(a, b, f"{path}/{i}")
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
 
 
 def use_small_shards(repo: Any, host_memory: int = SMALL_HOST_MEMORY) -> None:
