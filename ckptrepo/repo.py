@@ -310,7 +310,7 @@ class Repository:
                     out.append({"id": key[len(FAILURES_PREFIX):], "step": None, "time": 0.0, "error": str(err)})
         return sorted(out, key=lambda f: f.get("time", 0.0), reverse=True)
 
-    def stats(self, rev: str = "HEAD") -> dict[str, Any]:
+    def capture_stats(self, rev: str = "HEAD") -> dict[str, Any]:
         """The capture statistics recorded with a version (blocking, capture, flush, total seconds; bytes; GB/s)."""
         return dict(self.manifest(self.resolve(rev)).get("stats", {}))
 

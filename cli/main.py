@@ -83,7 +83,7 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, with_st
     repo = _repo(ctx)
     versions = repo.log(rev, all=all_, limit=max_count)
     failures = repo.failures() if all_ else []
-    stats = {v.id: repo.stats(v.id) for v in versions} if with_stats else {}
+    stats = {v.id: repo.capture_stats(v.id) for v in versions} if with_stats else {}
     if as_json:
         rows = [dict(v.to_json(), **({"stats": stats[v.id]} if with_stats else {})) for v in versions]
         _emit_json(rows + [dict(f, failed=True) for f in failures] if all_ else rows)

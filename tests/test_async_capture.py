@@ -73,7 +73,7 @@ def test_attached_optimizer_waits_for_capture_before_stepping(repo):
         assert_bit_exact(truth, repo.load(f"@{step}"))
     s = handle.stats
     assert s.bytes > 0 and s.total_s >= s.capture_s > 0 and s.blocking_s >= 0 and s.gbps > 0
-    assert repo.stats("HEAD")["bytes"] == s.bytes
+    assert repo.capture_stats("HEAD")["bytes"] == s.bytes
 
 
 def test_several_snapshots_in_flight_commit_in_order(repo):
