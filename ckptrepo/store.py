@@ -184,6 +184,12 @@ class Store:
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"deleting {prefix}") from err
 
+    def local_root(self) -> str | None:
+        """The directory of a local ``file`` store (keys are paths under it); None for other drivers."""
+        if self.spec.get("driver") != "file" or set(self.spec) - {"driver", "path"}:
+            return None
+        return self.spec["path"]
+
     def child_spec(self, key_prefix: str) -> dict[str, Any]:
         """The kvstore spec for a sub-directory, for TensorStore drivers such as zarr3."""
         spec = dict(self.spec)

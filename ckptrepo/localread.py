@@ -1,0 +1,197 @@
+"""Verified reads of zarr v3 shards straight from local files: the fast load path for ``file`` stores.
+
+TensorStore reads the same shards correctly, but through its generic chunk
+cache and a software crc32c; on a 2-core machine that made loads CPU-bound
+(1.66 CPU-s/GB, 0.81 GB/s for 2 GB, benchmarks/save_load.py) where this path
+needs 1.09 CPU-s/GB for 1.06 GB/s. It reads with ``preadv`` straight into the
+destination tensors and checks the shard index's and every inner chunk's
+crc32c itself. Anything it does not expect (a missing object, a bad checksum,
+an unusual layout, a short read) raises ``Unexpected``, and the caller reads
+that run through TensorStore instead, so errors and their messages are those
+of the TensorStore path. Writes always go through TensorStore.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import torch
+
+from .arrays import ArrayInfo
+from .store import Store
+
+DIRECT_THREADS = 4             # concurrent preadv tasks
+DIRECT_TASK_BYTES = 16 << 20    # a run is split into chunk-aligned tasks of about this size
+_MISSING = (1 << 64) - 1       # shard index entry of an absent inner chunk
+_IOV_MAX = 1024
+
+
+class Unexpected(Exception):
+    """The direct path met something it does not handle; the run is read through TensorStore instead."""
+
+
+class DirectReader:
+    """Verified reads of zarr v3 shards (``sharding_indexed``, index at the end) straight from local files.
+
+    A shard object is the inner chunks' encodings (the chunk's bytes, then their
+    crc32c, little endian) followed by the index: one ``(offset, nbytes)`` pair
+    of little-endian uint64 per inner chunk, then the index's crc32c.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.pool = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="ckptrepo-read")
+        self._shards: dict[str, tuple[int, np.ndarray]] = {}   # shard key -> (open fd, verified index)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_store(cls, store: Store) -> "DirectReader | None":
+        root = store.local_root()
+        return cls(root) if root is not None and hasattr(os, "preadv") else None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for fd, _ in self._shards.values():
+            os.close(fd)
+        self._shards.clear()
+
+    def submit(self, info: ArrayInfo, run: Any, entries: list[Any],
+               targets: dict[int, torch.Tensor]) -> list[Future]:
+        """Queue the run as chunk-aligned tasks (never across a shard); the futures raise on any surprise."""
+        inner, shard = info.inner_elems, info.shard_elems
+        if shard % inner:
+            return [_failed()]
+        pieces = [(entries[i].offset, entries[i].offset + entries[i].numel,
+                   targets[i].reshape(-1).view(torch.uint8).numpy()) for i in run.members]
+        step = max(1, DIRECT_TASK_BYTES // (inner * info.itemsize))
+        per_shard = shard // inner
+        futs = []
+        c, last = run.start // inner, (run.stop - 1) // inner
+        while c <= last:
+            stop = min(last + 1, c + step, (c // per_shard + 1) * per_shard)
+            lo, hi = c * inner, stop * inner
+            mine = [p for p in pieces if p[0] < hi and p[1] > lo]
+            futs.append(self.pool.submit(self._read_chunks, info, c, stop, mine))
+            c = stop
+        return futs
+
+    def _shard(self, info: ArrayInfo, s: int) -> tuple[int, np.ndarray]:
+        """The open shard object and its verified index (opened once per load, shared by the tasks)."""
+        key = info.shard_key(s)
+        with self._lock:
+            got = self._shards.get(key)
+        if got is not None:
+            return got
+        try:
+            fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
+        except OSError as err:
+            raise Unexpected(str(err)) from err
+        try:
+            n = info.shard_elems // info.inner_elems
+            size = os.fstat(fd).st_size
+            length = 16 * n + 4
+            raw = os.pread(fd, length, size - length) if size >= length else b""
+            if len(raw) != length or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+                raise Unexpected(f"{key}: shard index")
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            got = self._shards.get(key)
+            if got is None:
+                got = self._shards[key] = (fd, np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2))
+                return got
+        os.close(fd)  # another task opened it meanwhile
+        return got
+
+    def _read_chunks(self, info: ArrayInfo, c0: int, c1: int,
+                     pieces: list[tuple[int, int, np.ndarray]]) -> None:
+        """Read inner chunks ``[c0, c1)`` of one shard into the pieces (scratch for bytes no piece wants)."""
+        item, inner = info.itemsize, info.inner_elems
+        per_shard = info.shard_elems // inner
+        s = c0 // per_shard
+        chunk_bytes = inner * item
+        fd, index = self._shard(info, s)
+        crcs = np.empty(4 * (c1 - c0), dtype=np.uint8)
+        chunks: list[list[np.ndarray]] = []
+        iov: list[np.ndarray] = []
+        file_off = expect = -1
+        p = 0
+        for k, c in enumerate(range(c0, c1)):
+            off, nbytes = (int(x) for x in index[c - s * per_shard])
+            if off == _MISSING or nbytes != chunk_bytes + 4:
+                raise Unexpected(f"{info.shard_key(s)}: inner chunk {c}")
+            if off != expect:
+                _preadv(fd, iov, file_off)
+                iov, file_off = [], off
+            expect = off + nbytes
+            lo, hi = c * inner, (c + 1) * inner
+            parts = []
+            pos = lo
+            while p < len(pieces) and pieces[p][1] <= lo:
+                p += 1
+            q = p
+            while q < len(pieces) and pieces[q][0] < hi:
+                start, stop, buf = pieces[q]
+                a, b = max(start, lo), min(stop, hi)
+                if a < pos:
+                    raise Unexpected("overlapping tensors")
+                if a > pos:
+                    parts.append(np.empty((a - pos) * item, dtype=np.uint8))
+                parts.append(buf[(a - start) * item:(b - start) * item])
+                pos = b
+                q += 1
+            if pos < hi:
+                parts.append(np.empty((hi - pos) * item, dtype=np.uint8))
+            chunks.append(parts)
+            iov.extend(parts)
+            iov.append(crcs[4 * k:4 * k + 4])
+        _preadv(fd, iov, file_off)
+        stored = crcs.view("<u4")
+        for k, parts in enumerate(chunks):
+            crc = 0
+            for part in parts:
+                crc = google_crc32c.extend(crc, part)
+            if crc != int(stored[k]):
+                raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + k} checksum")
+
+
+def _preadv(fd: int, iov: list[np.ndarray], offset: int) -> None:
+    """Fill every buffer of ``iov`` from ``offset`` on; a short read is a surprise."""
+    i = 0
+    while i < len(iov):
+        group = iov[i:i + _IOV_MAX]
+        want = sum(b.nbytes for b in group)
+        done = 0
+        while done < want:  # preadv may return short on large requests
+            views = _skip(group, done)
+            got = os.preadv(fd, views, offset + done)
+            if got <= 0:
+                raise Unexpected("short read")
+            done += got
+        offset += want
+        i += _IOV_MAX
+
+
+def _skip(group: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """The buffers of ``group`` without their first ``n`` bytes."""
+    if n == 0:
+        return group
+    out = []
+    for b in group:
+        if n >= b.nbytes:
+            n -= b.nbytes
+            continue
+        out.append(b[n:] if n else b)
+        n = 0
+    return out
+
+
+def _failed() -> Future:
+    f: Future = Future()
+    f.set_exception(Unexpected("unsupported geometry"))
+    return f
