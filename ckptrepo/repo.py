@@ -292,6 +292,21 @@ class Repository:
         return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), m.get("layout", {}),
                               tensors, list(_objects(m["tree"])))
 
+    def diff(self, a: str, b: str, pattern: str | None = None,
+             on_bytes: Callable[[int], None] | None = None) -> Any:
+        """Per tensor: changed or not, ||B-A||, ||B-A||/||A||, max |B-A|, cosine; objects: what changed.
+
+        Streamed chunk by chunk (memory stays bounded); see ckptrepo.inspect.
+        """
+        from .inspect import diff_versions
+        return diff_versions(self, a, b, pattern, on_bytes)
+
+    def stats(self, rev: str = "HEAD", pattern: str | None = None,
+                     on_bytes: Callable[[int], None] | None = None) -> Any:
+        """Per tensor: norm, mean, std, min, max, NaN and Inf counts (streamed)."""
+        from .inspect import tensor_stats
+        return tensor_stats(self, rev, pattern, on_bytes)
+
     def fsck(self, on_bytes: Callable[[int], None] | None = None) -> Any:
         """Read every object and verify every checksum and reference; returns a ckptrepo.fsck.FsckReport."""
         from .fsck import fsck

@@ -224,6 +224,63 @@ def du(ctx: click.Context, as_json: bool) -> None:
     click.echo(f"total {_size(sum(n for _, n in rows))} in {len(rows)} versions")
 
 
+def _num(v: float | None) -> str:
+    return "-" if v is None or v != v else f"{v:.4g}"
+
+
+@cli.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--stat", "summary", is_flag=True, help="One line per module prefix instead of per tensor.")
+@click.option("--depth", default=2, show_default=True, help="Name components that make a prefix (--stat).")
+@click.option("--sort", "sort_by", type=click.Choice(["name", "relative", "l2"]), default="name", show_default=True)
+@click.option("--only-changed", is_flag=True, help="Hide unchanged tensors.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def diff(ctx: click.Context, a: str, b: str, summary: bool, depth: int, sort_by: str, only_changed: bool,
+         as_json: bool) -> None:
+    """Compare two versions tensor by tensor (streamed: memory stays bounded) and object by object."""
+    d = _repo(ctx).diff(a, b)
+    if as_json:
+        _emit_json(dict(d.to_json(), prefixes=d.by_prefix(depth)) if summary else d.to_json())
+        return
+    key = {"name": lambda r: r["name"] if "name" in r else r["prefix"],
+           "relative": lambda r: -(r["relative"] if r["relative"] == r["relative"] else -1),
+           "l2": lambda r: -(r["l2"] if r["l2"] == r["l2"] else -1)}[sort_by]
+    if summary:
+        table = Table("prefix", "tensors", "changed", "||B-A||", "rel. change", title=f"{a} -> {b}", title_justify="left")
+        for g in sorted(d.by_prefix(depth), key=key):
+            table.add_row(g["prefix"], str(g["tensors"]), str(g["changed"]), _num(g["l2"]), _num(g["relative"]))
+    else:
+        table = Table("tensor", "status", "||B-A||", "rel. change", "max |B-A|", "cosine", title=f"{a} -> {b}",
+                      title_justify="left")
+        rows = [t.to_json() for t in d.tensors if not (only_changed and t.status == "unchanged")]
+        for t in sorted(rows, key=key):
+            table.add_row(t["name"], t["status"], _num(t["l2"]), _num(t["relative"]), _num(t["max_abs"]),
+                          _num(t["cosine"]))
+    out.print(table)
+    for o in d.objects:
+        click.echo(f"object {o.path}: {o.status} {o.a or ''} -> {o.b or ''}".rstrip())
+
+
+@cli.command()
+@click.argument("rev", default="HEAD")
+@click.option("--pattern", default=None, help="Only tensors whose name matches this glob.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> None:
+    """Per tensor norm, mean, std, min/max and NaN/Inf counts of REV (streamed)."""
+    rows = _repo(ctx).stats(rev, pattern)
+    if as_json:
+        _emit_json([r.to_json() for r in rows])
+        return
+    table = Table("tensor", "dtype", "norm", "mean", "std", "min", "max", "NaN", "Inf", title=rev, title_justify="left")
+    for r in rows:
+        table.add_row(r.name, r.dtype, _num(r.norm), _num(r.mean), _num(r.std), _num(r.min), _num(r.max),
+                      str(r.nan), str(r.inf))
+    out.print(table)
+
+
 def main() -> None:
     """Entry point: run the CLI, turning every error into one line on stderr and a non-zero exit."""
     try:

@@ -1,0 +1,300 @@
+"""Diff and statistics between versions, streamed chunk by chunk.
+
+Nothing here loads a whole version: every tensor is read in bounded chunks of
+its flat array (``CHUNK_BYTES`` at a time, per side), and each statistic is an
+accumulation over chunks in float64. So memory stays bounded whatever the
+checkpoint size. Pieces that point at the same stored bytes (dedup) are known
+to be equal without reading them.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from .arrays import ArrayInfo, open_array
+from .providers import BIGINT, NDARRAY, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, unflatten
+
+CHUNK_BYTES = 2 << 20  # per side, as float64; a few such temporaries are alive at once
+
+
+@dataclass
+class TensorDiff:
+    """How one tensor differs between two versions."""
+
+    name: str
+    status: str                      # "changed", "unchanged", "added", "removed", "reshaped"
+    dtype: str | None = None
+    shape: list[int] | None = None
+    l2: float = 0.0                  # ||B - A||
+    relative: float = 0.0            # ||B - A|| / ||A||
+    max_abs: float = 0.0             # max |B - A|
+    cosine: float = 1.0              # <A, B> / (||A|| ||B||)
+    norm_a: float = 0.0
+    norm_b: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class ObjectDiff:
+    """A plain value that changed: its path and both values (short text)."""
+
+    path: str
+    status: str                      # "changed", "added", "removed"
+    a: str | None = None
+    b: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class VersionDiff:
+    """Everything ``diff`` reports."""
+
+    a: str
+    b: str
+    tensors: list[TensorDiff] = field(default_factory=list)
+    objects: list[ObjectDiff] = field(default_factory=list)
+
+    def by_prefix(self, depth: int = 2) -> list[dict[str, Any]]:
+        """A summary per module prefix (the first ``depth`` name components), as ``diff --stat`` prints."""
+        groups: dict[str, dict[str, Any]] = {}
+        for t in self.tensors:
+            parts = t.name.replace("/", ".").split(".")
+            key = ".".join(parts[:depth])
+            g = groups.setdefault(key, {"prefix": key, "tensors": 0, "changed": 0, "sq_delta": 0.0, "sq_a": 0.0})
+            g["tensors"] += 1
+            g["changed"] += t.status != "unchanged"
+            g["sq_delta"] += t.l2 ** 2
+            g["sq_a"] += t.norm_a ** 2
+        out = []
+        for g in groups.values():
+            l2 = math.sqrt(g.pop("sq_delta"))
+            na = math.sqrt(g.pop("sq_a"))
+            out.append(dict(g, l2=l2, relative=l2 / na if na else (0.0 if l2 == 0 else math.inf)))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "tensors": [t.to_json() for t in self.tensors],
+                "objects": [o.to_json() for o in self.objects]}
+
+
+@dataclass
+class TensorStats:
+    """Per-tensor statistics of one version."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    numel: int
+    norm: float
+    mean: float
+    std: float
+    min: float
+    max: float
+    nan: int
+    inf: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.__dict__.items()}
+
+
+class _Chunks:
+    """Bounded reads of tensors of one version, as float64 (or complex128) chunks."""
+
+    def __init__(self, repo: Any, manifest: dict[str, Any]) -> None:
+        self.repo = repo
+        self.arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
+        self.handles: dict[str, ts.TensorStore] = {}
+
+    def array_info(self, key: str) -> ArrayInfo:
+        info = self.arrays.get(key)
+        if info is None:  # a piece that points into another version (dedup)
+            vid = key.split("/")[1]
+            m = self.repo.manifest(vid)
+            info = self.arrays[key] = ArrayInfo.from_json(key, m["arrays"][key])
+        return info
+
+    def read(self, entry: dict[str, Any], start: int, stop: int) -> torch.Tensor:
+        piece = entry["pieces"][0]
+        key = piece["array"]
+        h = self.handles.get(key)
+        if h is None:
+            h = self.handles[key] = open_array(self.repo.store, self.array_info(key))
+        off = piece["offset"]
+        data = h[off + start: off + stop].read().result()
+        t = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[entry["dtype"]])
+        return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
+
+
+def _numel(shape: list[int]) -> int:
+    return int(np.prod(shape)) if shape else 1
+
+
+def _chunk_elems(dtype: str) -> int:
+    return max(1, CHUNK_BYTES // 8 // (2 if dtype.startswith("complex") else 1))
+
+
+def _spans(n: int, step: int) -> Iterator[tuple[int, int]]:
+    for s in range(0, n, step):
+        yield s, min(n, s + step)
+
+
+def diff_versions(repo: Any, a: str, b: str, pattern: str | None = None,
+                  on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
+    """Compare versions ``a`` and ``b`` tensor by tensor (streamed) and object by object."""
+    va, vb = repo.resolve(a), repo.resolve(b)
+    ma, mb = repo.manifest(va), repo.manifest(vb)
+    ta = {t["name"]: t for t in ma["tensors"]}
+    tb = {t["name"]: t for t in mb["tensors"]}
+    ca, cb = _Chunks(repo, ma), _Chunks(repo, mb)
+    result = VersionDiff(va, vb)
+    names = list(ta) + [n for n in tb if n not in ta]
+    for name in names:
+        if pattern and not fnmatch.fnmatchcase(name, pattern):
+            continue
+        ea, eb = ta.get(name), tb.get(name)
+        if ea is None or eb is None:
+            e = ea or eb
+            result.tensors.append(TensorDiff(name, "added" if ea is None else "removed", e["dtype"], e["shape"],
+                                             math.nan, math.nan, math.nan, math.nan))
+            continue
+        if ea["shape"] != eb["shape"] or ea["dtype"] != eb["dtype"]:
+            result.tensors.append(TensorDiff(name, "reshaped", eb["dtype"], eb["shape"], math.nan, math.nan,
+                                             math.nan, math.nan))
+            continue
+        result.tensors.append(_diff_tensor(name, ea, eb, ca, cb, on_bytes))
+    result.objects = _diff_objects(ma["tree"], mb["tree"])
+    return result
+
+
+def _diff_tensor(name: str, ea: dict, eb: dict, ca: _Chunks, cb: _Chunks,
+                 on_bytes: Callable[[int], None] | None) -> TensorDiff:
+    n = _numel(ea["shape"])
+    if not ea["pieces"] or ea["pieces"] == eb["pieces"]:  # empty, or the very same stored bytes
+        norm = _norm_only(ea, ca, n, on_bytes) if ea["pieces"] else 0.0
+        return TensorDiff(name, "unchanged", ea["dtype"], ea["shape"], 0.0, 0.0, 0.0, 1.0, norm, norm)
+    sq_d = sq_a = sq_b = dot = 0.0
+    max_abs = 0.0
+    differs = False
+    for s, e in _spans(n, _chunk_elems(ea["dtype"])):
+        x, y = ca.read(ea, s, e), cb.read(eb, s, e)
+        if on_bytes is not None:
+            on_bytes(2 * (e - s) * torch.empty((), dtype=TORCH_DTYPES[ea["dtype"]]).element_size())
+        d = y - x
+        differs = differs or not torch.equal(x, y)
+        sq_d += float(d.abs().pow(2).sum())
+        sq_a += float(x.abs().pow(2).sum())
+        sq_b += float(y.abs().pow(2).sum())
+        dot += float((x.conj() * y).real.sum()) if x.is_complex() else float((x * y).sum())
+        if d.numel():
+            max_abs = max(max_abs, float(d.abs().max()))
+    l2, na, nb = math.sqrt(sq_d), math.sqrt(sq_a), math.sqrt(sq_b)
+    rel = l2 / na if na else (0.0 if l2 == 0 else math.inf)
+    cos = dot / (na * nb) if na and nb else (1.0 if na == nb else 0.0)
+    return TensorDiff(name, "changed" if differs else "unchanged", ea["dtype"], ea["shape"], l2, rel, max_abs, cos,
+                      na, nb)
+
+
+def _norm_only(entry: dict, chunks: _Chunks, n: int, on_bytes: Callable[[int], None] | None) -> float:
+    sq = 0.0
+    for s, e in _spans(n, _chunk_elems(entry["dtype"])):
+        sq += float(chunks.read(entry, s, e).abs().pow(2).sum())
+        if on_bytes is not None:
+            on_bytes((e - s) * torch.empty((), dtype=TORCH_DTYPES[entry["dtype"]]).element_size())
+    return math.sqrt(sq)
+
+
+def _plain_values(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    tag = tree[0]
+    if tag in (TENSOR, NDARRAY):
+        return
+    if tag in (SCALAR, BIGINT):
+        yield path or "<root>", tree[1]
+        return
+    if tag == STATEFUL:
+        yield from _plain_values(tree[2], path)
+        return
+    if tag in ("d", "o"):
+        for k, v in tree[1]:
+            key = unflatten(k, lambda i, n: None)
+            yield from _plain_values(v, f"{path}/{key}" if path else str(key))
+        return
+    if tag in ("l", "t"):
+        for i, c in enumerate(tree[1]):
+            yield from _plain_values(c, f"{path}/{i}" if path else str(i))
+        return
+    yield path or "<root>", repr(tree)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _diff_objects(ta: Any, tb: Any) -> list[ObjectDiff]:
+    a, b = dict(_plain_values(ta)), dict(_plain_values(tb))
+    out = []
+    for path in list(a) + [p for p in b if p not in a]:
+        if path not in b:
+            out.append(ObjectDiff(path, "removed", _short(a[path]), None))
+        elif path not in a:
+            out.append(ObjectDiff(path, "added", None, _short(b[path])))
+        elif a[path] != b[path] and not (a[path] != a[path] and b[path] != b[path]):  # NaN == NaN here
+            out.append(ObjectDiff(path, "changed", _short(a[path]), _short(b[path])))
+    return out
+
+
+def tensor_stats(repo: Any, rev: str, pattern: str | None = None,
+                 on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
+    """Norm, mean, std, min/max and NaN/Inf counts of every tensor of ``rev`` (streamed)."""
+    vid = repo.resolve(rev)
+    m = repo.manifest(vid)
+    chunks = _Chunks(repo, m)
+    out = []
+    for entry in m["tensors"]:
+        if pattern and not fnmatch.fnmatchcase(entry["name"], pattern):
+            continue
+        out.append(_stats_of(entry, chunks, on_bytes))
+    return out
+
+
+def _stats_of(entry: dict, chunks: _Chunks, on_bytes: Callable[[int], None] | None) -> TensorStats:
+    n = _numel(entry["shape"]) if entry["pieces"] else 0
+    count = 0
+    mean = m2 = sq = 0.0  # running mean and sum of squared deviations (Chan et al.), exact across chunks
+    lo, hi = math.inf, -math.inf
+    nan = inf = 0
+    for s, e in _spans(n, _chunk_elems(entry["dtype"])):
+        x = chunks.read(entry, s, e)
+        if on_bytes is not None:
+            on_bytes((e - s) * torch.empty((), dtype=TORCH_DTYPES[entry["dtype"]]).element_size())
+        if x.is_complex():
+            x = x.abs()
+        isnan, isinf = torch.isnan(x), torch.isinf(x)
+        nan += int(isnan.sum())
+        inf += int(isinf.sum())
+        finite = x[~(isnan | isinf)]
+        k = finite.numel()
+        if k:
+            cmean = float(finite.mean())
+            cm2 = float((finite - cmean).pow(2).sum())
+            delta, total = cmean - mean, count + k
+            mean += delta * k / total
+            m2 += cm2 + delta * delta * count * k / total
+            count = total
+            sq += float(finite.pow(2).sum())
+            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    if not count:
+        mean = lo = hi = math.nan
+    std = math.sqrt(m2 / count) if count else math.nan
+    return TensorStats(entry["name"], entry["dtype"], entry["shape"], _numel(entry["shape"]), math.sqrt(sq),
+                       mean, std, lo, hi, nan, inf)

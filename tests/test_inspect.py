@@ -1,0 +1,104 @@
+"""diff and stats: numbers equal a direct computation on loaded tensors, in bounded memory."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ckptrepo import inspect
+
+
+def two_versions(repo):
+    g = torch.Generator().manual_seed(0)
+    a = {"layers.0.w": torch.randn(300, 70, generator=g), "layers.1.w": torch.randn(50, generator=g),
+         "frozen": torch.randn(40, generator=g), "half": torch.randn(64, generator=g).to(torch.bfloat16),
+         "lr": 0.1, "name": "run", "gone": torch.ones(3)}
+    repo.snapshot(a, step=1)
+    b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items() if k != "gone"}
+    b["layers.0.w"] += 0.01 * torch.randn(300, 70, generator=g)
+    b["layers.1.w"][7] = float("nan") if False else b["layers.1.w"][7] * 3
+    b["half"] += 1
+    b["lr"] = 0.05
+    b["new"] = torch.zeros(2)
+    repo.snapshot(b, step=2)
+    return a, b
+
+
+def test_diff_matches_direct_computation(repo, monkeypatch):
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", 4096)   # many chunks per tensor: the streaming path
+    a, b = two_versions(repo)
+    d = {t.name: t for t in repo.diff("@1", "@2").tensors}
+    for name in ("layers.0.w", "layers.1.w", "half"):
+        x, y = a[name].double(), b[name].double()
+        t = d[name]
+        assert t.status == "changed"
+        assert t.l2 == pytest.approx(float((y - x).norm()), rel=1e-12)
+        assert t.relative == pytest.approx(float((y - x).norm() / x.norm()), rel=1e-12)
+        assert t.max_abs == pytest.approx(float((y - x).abs().max()), rel=1e-12)
+        assert t.cosine == pytest.approx(float(torch.dot(x.flatten(), y.flatten()) / (x.norm() * y.norm())), rel=1e-12)
+    assert d["frozen"].status == "unchanged" and d["frozen"].l2 == 0.0
+    assert d["gone"].status == "removed" and d["new"].status == "added"
+    objs = {o.path: o for o in repo.diff("@1", "@2").objects}
+    assert objs["lr"].status == "changed" and objs["lr"].a == "0.1" and objs["lr"].b == "0.05"
+    assert "name" not in objs
+
+
+def test_stat_groups_by_prefix(repo):
+    two_versions(repo)
+    groups = {g["prefix"]: g for g in repo.diff("@1", "@2").by_prefix(depth=2)}
+    assert groups["layers.0"]["changed"] == 1 and groups["layers.1"]["changed"] == 1
+    assert groups["frozen"]["changed"] == 0 and groups["frozen"]["l2"] == 0.0
+
+
+def test_stats_match_direct_computation(repo, monkeypatch):
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", 1024)
+    w = torch.randn(1000, 3, dtype=torch.float64)
+    w[5, 1] = float("nan")
+    w[9, 2] = float("inf")
+    repo.snapshot({"w": w, "i": torch.arange(10, dtype=torch.int32)}, step=0)
+    s = {t.name: t for t in repo.stats("HEAD")}
+    finite = w[torch.isfinite(w)]
+    assert s["w"].nan == 1 and s["w"].inf == 1 and s["w"].numel == 3000
+    assert s["w"].mean == pytest.approx(float(finite.mean()), rel=1e-12)
+    assert s["w"].std == pytest.approx(float(finite.std(unbiased=False)), rel=1e-9)
+    assert s["w"].norm == pytest.approx(float(finite.norm()), rel=1e-12)
+    assert (s["w"].min, s["w"].max) == (float(finite.min()), float(finite.max()))
+    assert s["i"].mean == 4.5 and s["i"].min == 0 and s["i"].max == 9 and not math.isnan(s["i"].std)
+
+
+def test_diff_streams_in_bounded_memory(tmp_path):
+    """A ~400 MB version pair is diffed with a small, fixed peak of extra memory (measured in a fresh process)."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent(f"""
+        import json, resource, torch, ckptrepo
+        repo = ckptrepo.init({str(tmp_path / 'r')!r})
+        state = {{f"t{{i}}": torch.randn(25 << 20 >> 2) for i in range(8)}}   # 200 MB
+        repo.snapshot(state, step=1)
+        for t in state.values():
+            t.add_(0.5)
+        repo.snapshot(state, step=2)
+        del state
+        import gc; gc.collect()
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096
+        base = rss()
+        peak = [base]
+        import threading, time
+        stop = threading.Event()
+        def watch():
+            while not stop.is_set():
+                peak[0] = max(peak[0], rss()); time.sleep(0.002)
+        th = threading.Thread(target=watch); th.start()
+        d = repo.diff("@1", "@2")
+        stop.set(); th.join()
+        print(json.dumps({{"growth": peak[0] - base, "changed": sum(t.status == "changed" for t in d.tensors)}}))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["changed"] == 8
+    assert r["growth"] < 100 << 20, r   # one version is 200 MB, the pair 400 MB
