@@ -18,7 +18,7 @@ import tensorstore as ts
 import torch
 
 from .arrays import ArrayInfo, open_array
-from .providers import BIGINT, NDARRAY, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, unflatten
+from .providers import TORCH_DTYPES, numel, plain_values
 
 CHUNK_BYTES = 2 << 20  # per side, as float64; a few such temporaries are alive at once
 
@@ -135,10 +135,6 @@ class _Chunks:
         return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
 
 
-def _numel(shape: list[int]) -> int:
-    return int(np.prod(shape)) if shape else 1
-
-
 def _chunk_elems(dtype: str) -> int:
     return max(1, CHUNK_BYTES // 8 // (2 if dtype.startswith("complex") else 1))
 
@@ -178,7 +174,7 @@ def diff_versions(repo: Any, a: str, b: str, pattern: str | None = None,
 
 def _diff_tensor(name: str, ea: dict, eb: dict, ca: _Chunks, cb: _Chunks,
                  on_bytes: Callable[[int], None] | None) -> TensorDiff:
-    n = _numel(ea["shape"])
+    n = numel(ea["shape"])
     if not ea["pieces"] or ea["pieces"] == eb["pieces"]:  # empty, or the very same stored bytes
         norm = _norm_only(ea, ca, n, on_bytes) if ea["pieces"] else 0.0
         return TensorDiff(name, "unchanged", ea["dtype"], ea["shape"], 0.0, 0.0, 0.0, 1.0, norm, norm)
@@ -213,35 +209,13 @@ def _norm_only(entry: dict, chunks: _Chunks, n: int, on_bytes: Callable[[int], N
     return math.sqrt(sq)
 
 
-def _plain_values(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    tag = tree[0]
-    if tag in (TENSOR, NDARRAY):
-        return
-    if tag in (SCALAR, BIGINT):
-        yield path or "<root>", tree[1]
-        return
-    if tag == STATEFUL:
-        yield from _plain_values(tree[2], path)
-        return
-    if tag in ("d", "o"):
-        for k, v in tree[1]:
-            key = unflatten(k, lambda i, n: None)
-            yield from _plain_values(v, f"{path}/{key}" if path else str(key))
-        return
-    if tag in ("l", "t"):
-        for i, c in enumerate(tree[1]):
-            yield from _plain_values(c, f"{path}/{i}" if path else str(i))
-        return
-    yield path or "<root>", repr(tree)
-
-
 def _short(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _diff_objects(ta: Any, tb: Any) -> list[ObjectDiff]:
-    a, b = dict(_plain_values(ta)), dict(_plain_values(tb))
+    a, b = dict(plain_values(ta)), dict(plain_values(tb))
     out = []
     for path in list(a) + [p for p in b if p not in a]:
         if path not in b:
@@ -268,7 +242,7 @@ def tensor_stats(repo: Any, rev: str, pattern: str | None = None,
 
 
 def _stats_of(entry: dict, chunks: _Chunks, on_bytes: Callable[[int], None] | None) -> TensorStats:
-    n = _numel(entry["shape"]) if entry["pieces"] else 0
+    n = numel(entry["shape"]) if entry["pieces"] else 0
     count = 0
     mean = m2 = sq = 0.0  # running mean and sum of squared deviations (Chan et al.), exact across chunks
     lo, hi = math.inf, -math.inf
@@ -296,5 +270,5 @@ def _stats_of(entry: dict, chunks: _Chunks, on_bytes: Callable[[int], None] | No
     if not count:
         mean = lo = hi = math.nan
     std = math.sqrt(m2 / count) if count else math.nan
-    return TensorStats(entry["name"], entry["dtype"], entry["shape"], _numel(entry["shape"]), math.sqrt(sq),
+    return TensorStats(entry["name"], entry["dtype"], entry["shape"], numel(entry["shape"]), math.sqrt(sq),
                        mean, std, lo, hi, nan, inf)

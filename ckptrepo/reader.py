@@ -27,7 +27,7 @@ import torch
 
 from .arrays import ArrayInfo, open_array
 from .errors import CorruptionError, StorageError
-from .providers import TORCH_DTYPES
+from .providers import TORCH_DTYPES, numel
 from .localread import DirectReader
 from .store import Store
 
@@ -48,10 +48,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return numel(self.shape)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TensorEntry":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from .binding import Binder
 from .errors import CkptRepoError, CorruptionError, NotARepositoryError, RepositoryExistsError, SnapshotFailedError
 from .manifest import (CONFIG_KEY, VERSIONS_PREFIX, Version, decode_config, encode_config,
                        unseal, version_from_manifest)
-from .providers import BIGINT, NDARRAY, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, unflatten
+from .providers import TORCH_DTYPES, numel, plain_values, unflatten
 from .reader import TensorEntry, read_tensors
 from .refs import Refs, init_head
 from .store import Store
@@ -286,11 +286,11 @@ class Repository:
         itemsizes = {a.dtype: a.itemsize for a in arrays.values()}
         tensors = []
         for t in m["tensors"]:
-            numel = int(np.prod(t["shape"])) if t["shape"] else 1
+            n = numel(t["shape"])
             item = itemsizes.get(t["dtype"]) or torch.empty((), dtype=TORCH_DTYPES[t["dtype"]]).element_size()
-            tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "bytes": numel * item})
+            tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "bytes": n * item})
         return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), m.get("layout", {}),
-                              tensors, list(_objects(m["tree"])))
+                              tensors, [(p, _short(v)) for p, v in plain_values(m["tree"], summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,
              on_bytes: Callable[[int], None] | None = None) -> Any:
@@ -352,30 +352,6 @@ def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _objects(tree: Any, path: str = "") -> Iterable[tuple[str, str]]:
-    """(path, short description) of each plain value in a skeleton; long sequences are summarised."""
-    tag = tree[0]
-    if tag in (TENSOR, NDARRAY):
-        return
-    if tag == SCALAR or tag == BIGINT:
-        text = repr(tree[1]) if tag == SCALAR else tree[1]
-        yield path or "<root>", text if len(text) <= 80 else text[:77] + "..."
-        return
-    if tag == STATEFUL:
-        yield from _objects(tree[2], path)
-        return
-    if tag in ("d", "o"):
-        for k, v in tree[1]:
-            key = unflatten(k, lambda i, n: None)
-            yield from _objects(v, f"{path}/{key}" if path else str(key))
-        return
-    if tag in ("l", "t"):
-        kids = tree[1]
-        if len(kids) > 8 and all(c[0] in (SCALAR, BIGINT) for c in kids):
-            kind = "list" if tag == "l" else "tuple"
-            yield path or "<root>", f"{kind} of {len(kids)} values"
-            return
-        for i, c in enumerate(kids):
-            yield from _objects(c, f"{path}/{i}" if path else str(i))
-        return
-    yield path or "<root>", {"G": "numpy Generator", "s": "numpy scalar", "D": "dtype", "Z": "torch.Size"}.get(tag, tag)
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) and value.startswith(("list of", "tuple of")) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
