@@ -272,3 +272,65 @@ def _stats_of(entry: dict, chunks: _Chunks, on_bytes: Callable[[int], None] | No
     std = math.sqrt(m2 / count) if count else math.nan
     return TensorStats(entry["name"], entry["dtype"], entry["shape"], numel(entry["shape"]), math.sqrt(sq),
                        mean, std, lo, hi, nan, inf)
+
+
+@dataclass
+class TrajectoryPoint:
+    """One tensor's value of a metric at one version."""
+
+    version: str
+    step: int | None
+    name: str
+    value: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+METRICS = ("norm", "delta", "relative-change")
+
+
+def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
+               until: int | None = None) -> list[TrajectoryPoint]:
+    """``metric`` of every tensor matching ``pattern`` along the first-parent history of ``rev``, oldest first.
+
+    ``norm`` is ||v_i||; ``delta`` is ||v_i - v_{i-1}|| and ``relative-change``
+    ||v_i - v_{i-1}|| / ||v_{i-1}|| against the previous version in the range
+    (absent for the first one). Steps outside [since, until] are skipped.
+    Streamed like ``diff``: memory stays bounded.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
+    chain = []
+    vid: str | None = repo.resolve(rev)
+    while vid is not None:
+        m = repo.manifest(vid)
+        step = m["step"]
+        if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
+            chain.append(vid)
+        vid = m["parents"][0] if m["parents"] else None
+    chain.reverse()
+    points: list[TrajectoryPoint] = []
+    previous: str | None = None
+    for vid in chain:
+        m = repo.manifest(vid)
+        if metric == "norm":
+            for t in tensor_stats(repo, vid, pattern):
+                points.append(TrajectoryPoint(vid, m["step"], t.name, t.norm))
+        elif previous is not None:
+            for t in diff_versions(repo, previous, vid, pattern).tensors:
+                if t.status in ("changed", "unchanged"):
+                    points.append(TrajectoryPoint(vid, m["step"], t.name, t.l2 if metric == "delta" else t.relative))
+        previous = vid
+    return points
+
+
+def metric_history(repo: Any, rev: str = "HEAD") -> list[dict[str, Any]]:
+    """The manifest metrics (loss, lr, ...) of every version on the first-parent history of ``rev``, oldest first."""
+    rows = []
+    vid: str | None = repo.resolve(rev)
+    while vid is not None:
+        m = repo.manifest(vid)
+        rows.append({"version": vid, "step": m["step"], **m["metrics"]})
+        vid = m["parents"][0] if m["parents"] else None
+    return rows[::-1]

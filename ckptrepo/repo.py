@@ -307,6 +307,17 @@ class Repository:
         from .inspect import tensor_stats
         return tensor_stats(self, rev, pattern, on_bytes)
 
+    def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
+                   until: int | None = None) -> Any:
+        """A metric (norm, delta, relative-change) of tensors matching ``pattern`` over the history of ``rev``."""
+        from .inspect import trajectory
+        return trajectory(self, pattern, metric, rev, since, until)
+
+    def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
+        """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
+        from .inspect import metric_history
+        return metric_history(self, rev)
+
     def fsck(self, on_bytes: Callable[[int], None] | None = None) -> Any:
         """Read every object and verify every checksum and reference; returns a ckptrepo.fsck.FsckReport."""
         from .fsck import fsck

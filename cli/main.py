@@ -281,6 +281,51 @@ def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> N
     out.print(table)
 
 
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def _sparkline(values: list[float]) -> str:
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if not finite:
+        return ""
+    lo, hi = min(finite), max(finite)
+    span = (hi - lo) or 1.0
+    return "".join(" " if v not in finite else _SPARK[min(7, int((v - lo) / span * 7.999))] for v in values)
+
+
+@cli.command()
+@click.argument("pattern")
+@click.option("--metric", type=click.Choice(["norm", "delta", "relative-change"]), default="norm", show_default=True)
+@click.option("--rev", default="HEAD", show_default=True, help="Walk the first-parent history of this revision.")
+@click.option("--since", type=int, default=None, help="First step to include.")
+@click.option("--until", type=int, default=None, help="Last step to include.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Also write the rows as CSV.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: int | None, until: int | None,
+               csv_path: str | None, as_json: bool) -> None:
+    """A metric of the tensors matching PATTERN (a glob) across versions, with a terminal sparkline."""
+    points = _repo(ctx).trajectory(pattern, metric, rev, since, until)
+    if csv_path:
+        import csv
+        with open(csv_path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["version", "step", "name", metric])
+            for p in points:
+                w.writerow([p.version, p.step, p.name, repr(p.value)])
+    if as_json:
+        _emit_json([p.to_json() for p in points])
+        return
+    by_name: dict[str, list] = {}
+    for p in points:
+        by_name.setdefault(p.name, []).append(p)
+    table = Table("tensor", "first", "last", "min", "max", "trend", title=f"{metric} of {pattern}", title_justify="left")
+    for name, ps in by_name.items():
+        vals = [p.value for p in ps]
+        table.add_row(name, _num(vals[0]), _num(vals[-1]), _num(min(vals)), _num(max(vals)), _sparkline(vals))
+    out.print(table)
+
+
 def main() -> None:
     """Entry point: run the CLI, turning every error into one line on stderr and a non-zero exit."""
     try:

@@ -128,3 +128,18 @@ def test_errors_are_one_line(tmp_path, populated, args, fragment):
     p = run(*args, repo=str(tmp_path / "empty") if args == ["log"] else url)
     assert p.returncode == 2
     assert p.stderr.startswith("ckptrepo: error:") and fragment in p.stderr and p.stderr.count("\n") == 1
+
+
+def test_diff_stats_trajectory_commands(populated, tmp_path):
+    url, _ = populated
+    d = json.loads(run("diff", "@0", "@20", "--json", repo=url).stdout)
+    assert {t["name"]: t["status"] for t in d["tensors"]} == {"model/w": "changed", "model/b": "unchanged"}
+    assert {o["path"] for o in d["objects"]} == {"step"}
+    p = run("diff", "@0", "@20", "--stat", "--sort", "relative", repo=url)
+    assert p.returncode == 0 and "model" in p.stdout
+    s = json.loads(run("stats", "HEAD", "--json", repo=url).stdout)
+    assert {r["name"]: r["nan"] for r in s} == {"model/w": 0, "model/b": 0}
+    csv_path = tmp_path / "t.csv"
+    p = run("trajectory", "model/*", "--metric", "delta", "--csv", str(csv_path), repo=url)
+    assert p.returncode == 0 and "model/w" in p.stdout
+    assert csv_path.read_text().splitlines()[0] == "version,step,name,delta" and len(csv_path.read_text().splitlines()) == 5

@@ -102,3 +102,22 @@ def test_diff_streams_in_bounded_memory(tmp_path):
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["changed"] == 8
     assert r["growth"] < 100 << 20, r   # one version is 200 MB, the pair 400 MB
+
+
+def test_trajectory_and_metric_history(repo, tmp_path):
+    g = torch.Generator().manual_seed(4)
+    state = {"enc.w": torch.randn(100, generator=g), "dec.w": torch.randn(10, generator=g)}
+    history = []
+    for step in range(4):
+        state["enc.w"] = state["enc.w"] * 1.5
+        history.append({k: v.clone() for k, v in state.items()})
+        repo.snapshot(state, step=step, metrics={"loss": 4.0 - step})
+    norms = repo.trajectory("enc.*", "norm")
+    assert [p.step for p in norms] == [0, 1, 2, 3] and {p.name for p in norms} == {"enc.w"}
+    for p, h in zip(norms, history):
+        assert p.value == pytest.approx(float(h["enc.w"].double().norm()), rel=1e-12)
+    rel = repo.trajectory("*", "relative-change", since=1)
+    assert [(p.step, p.name) for p in rel] == [(2, "enc.w"), (2, "dec.w"), (3, "enc.w"), (3, "dec.w")]
+    assert all(p.value == pytest.approx(0.5, rel=1e-6) for p in rel if p.name == "enc.w")
+    assert all(p.value == 0.0 for p in rel if p.name == "dec.w")
+    assert [r["loss"] for r in repo.metrics()] == [4.0, 3.0, 2.0, 1.0]
