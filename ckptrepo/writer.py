@@ -9,6 +9,7 @@ they are cached and reused: a training loop plans once.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -97,10 +98,15 @@ def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None) -
 
 
 class PlanCache:
-    """Plans keyed by the state's (dtype, shape) signature; counts how often planning ran."""
+    """Plans keyed by the state's (dtype, shape) signature and shard size; counts how often planning ran.
 
-    def __init__(self) -> None:
-        self._plans: dict[tuple, WritePlan] = {}
+    Holds the few most recent plans (a training loop has one structure; an
+    occasional other state, e.g. an evaluation snapshot, should not evict it).
+    """
+
+    def __init__(self, capacity: int = 8) -> None:
+        self._plans: OrderedDict[tuple, WritePlan] = OrderedDict()
+        self.capacity = capacity
         self.misses = 0
 
     def get(self, records: Sequence[TensorRecord], shard_bytes: int | None = None) -> WritePlan:
@@ -109,6 +115,10 @@ class PlanCache:
         if plan is None:
             self.misses += 1
             plan = self._plans[key] = make_plan(records, shard_bytes)
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
         return plan
 
 
