@@ -373,6 +373,7 @@ class Snapshotter:
                     queued += 1
                     continue
                 try:
+                    faults.point("before_capture")
                     if cuda:
                         with torch.cuda.stream(self._side_stream):
                             for ev in job.ready:

@@ -14,6 +14,7 @@ _hooks: dict[str, Callable[[str], None]] = {}
 
 POINTS = (
     "after_read_head",      # the parent (branch tip) has been read
+    "before_capture",       # a segment is about to be copied into staging (raise here to fail capture)
     "before_shard_write",   # a filled segment is about to be written (raise here to fail the write)
     "after_shard_write",    # one data shard is durable
     "after_data",           # every data shard is durable

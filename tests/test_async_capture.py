@@ -170,6 +170,32 @@ def test_a_failing_write_never_stops_training_and_surfaces_at_the_next_call(repo
     assert report.ok and any("failed and was not committed" in w for w in report.warnings)
 
 
+def test_a_failing_capture_fails_only_its_snapshot(repo):
+    g = torch.Generator().manual_seed(2)
+    state = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(8)}   # 8 MiB: 4 segments of 2 MiB
+    calls = {"n": 0, "fail": False}
+
+    def fail_second_segment(_):
+        calls["n"] += 1
+        if calls["fail"] and calls["n"] == 2:
+            raise RuntimeError("injected: device lost")
+
+    faults.set_hook("before_capture", fail_second_segment)
+    with repo.snapshotter(host_memory="4MiB") as snap:
+        good = snap.snapshot(state, step=0).result()
+        calls.update(n=0, fail=True)
+        bad = snap.snapshot(state, step=1)
+        with pytest.raises(SnapshotFailedError, match="device lost"):
+            bad.result(timeout=60)       # no hang: the segments never captured are accounted for
+        assert bad.captured()
+        with pytest.raises(SnapshotFailedError):
+            snap.wait_captured()
+        calls["fail"] = False
+        assert snap.snapshot(state, step=2).result(timeout=60).parents == (good.id,)
+    assert [v.step for v in repo.log()] == [2, 0]
+    assert_bit_exact(state, repo.load("@2"))
+
+
 def test_exit_with_snapshots_in_flight_finishes_them(tmp_path):
     url = str(tmp_path / "r")
     code = textwrap.dedent(f"""
