@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +29,23 @@ SYMREF_PREFIX = "ref: "
 
 
 def new_version_id() -> str:
-    """A fresh random 32-hex-digit id (128 bits).
+    """A fresh 32-hex-digit id: 80 random bits, then the creation time in milliseconds (48 bits).
 
-    Random rather than time-prefixed so that, as in git, a short prefix of a
-    few hex digits names a version uniquely in practice.
+    Random first, so that, as in git, a short prefix names a version uniquely
+    in practice; the time last, so that garbage collection can tell the age of
+    objects an interrupted or in-flight snapshot left without a manifest.
     """
-    return os.urandom(16).hex()
+    return f"{os.urandom(10).hex()}{int(time.time() * 1000) & ((1 << 48) - 1):012x}"
+
+
+def version_id_time(vid: str) -> float | None:
+    """The creation time (unix seconds) encoded in a version id, or None if it is not an id."""
+    if len(vid) != 32:
+        return None
+    try:
+        return int(vid[20:], 16) / 1000.0
+    except ValueError:
+        return None
 
 
 def crc32c(data: bytes | memoryview) -> int:
@@ -72,6 +84,7 @@ class Version:
     metrics: dict[str, Any]
     size: int
     refs: tuple[str, ...] = field(default=(), compare=False)
+    pruned: bool = field(default=False, compare=False)   # gc deleted its data; the manifest remains
 
     @property
     def short_id(self) -> str:
@@ -79,12 +92,14 @@ class Version:
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "parents": list(self.parents), "step": self.step, "time": self.time,
-                "message": self.message, "metrics": self.metrics, "size": self.size, "refs": list(self.refs)}
+                "message": self.message, "metrics": self.metrics, "size": self.size, "refs": list(self.refs),
+                "pruned": self.pruned}
 
 
-def version_from_manifest(m: dict[str, Any], refs: tuple[str, ...] = ()) -> Version:
+def version_from_manifest(m: dict[str, Any], refs: tuple[str, ...] = (), pruned: bool = False) -> Version:
     return Version(id=m["id"], parents=tuple(m["parents"]), step=m["step"], time=m["time"],
-                   message=m["message"], metrics=dict(m["metrics"]), size=m["size"], refs=refs)
+                   message=m["message"], metrics=dict(m["metrics"]), size=0 if pruned else m["size"], refs=refs,
+                   pruned=pruned)
 
 
 def encode_config(settings: dict[str, Any]) -> bytes:

@@ -19,12 +19,14 @@ import torch
 from . import revisions
 from .arrays import ArrayInfo
 from .binding import Binder
-from .errors import CkptRepoError, CorruptionError, NotARepositoryError, RepositoryExistsError, SnapshotFailedError
+from .errors import (CkptRepoError, CorruptionError, NotARepositoryError, RepositoryExistsError, RevisionError,
+                     SnapshotFailedError)
 from .manifest import (CONFIG_KEY, VERSIONS_PREFIX, Version, decode_config, encode_config,
                        unseal, version_from_manifest)
 from .providers import TORCH_DTYPES, numel, plain_values, unflatten
 from .reader import TensorEntry, read_tensors
 from .refs import Refs, init_head
+from .gc import PRUNED_PREFIX
 from .store import Store
 
 if TYPE_CHECKING:
@@ -175,6 +177,9 @@ class Repository:
         """
         vid = self.resolve(rev)
         m = self.manifest(vid)
+        if any(t["pieces"] for t in m["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
+            raise RevisionError(f"version {vid[:12]} (step {m['step']}) was pruned by gc: its tensor data is deleted; "
+                                f"pick a kept version from `ckptrepo log`")
         entries = [TensorEntry.from_json(t) for t in m["tensors"]]
         arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
         target_device = torch.device(device if device is not None else map_location) \
@@ -237,7 +242,9 @@ class Repository:
             stack.extend(m["parents"])
         found.sort(key=lambda m: m["time"], reverse=True)
         names = self._ref_names()
-        out = [version_from_manifest(m, names.get(m["id"], ())) for m in found]
+        from .gc import pruned_ids
+        pruned = pruned_ids(self)
+        out = [version_from_manifest(m, names.get(m["id"], ()), m["id"] in pruned) for m in found]
         return out[:limit] if limit is not None else out
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
@@ -317,6 +324,18 @@ class Repository:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
         from .inspect import metric_history
         return metric_history(self, rev)
+
+    def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
+           keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False) -> Any:
+        """Apply retention rules and collect unreachable objects; returns a ckptrepo.gc.GcReport.
+
+        Versions no rule keeps are pruned (data deleted, manifest and history
+        kept); objects no ref reaches are deleted once older than the grace
+        period (default one hour), so a concurrent writer is never harmed.
+        """
+        from .gc import DEFAULT_GRACE_S, collect
+        return collect(self, keep_last, keep_every, keep_tagged, keep_branch_heads,
+                       DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run)
 
     def fsck(self, on_bytes: Callable[[int], None] | None = None) -> Any:
         """Read every object and verify every checksum and reference; returns a ckptrepo.fsck.FsckReport."""

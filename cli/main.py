@@ -93,7 +93,8 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, with_st
     for v in versions:
         refs = f" ({', '.join(v.refs)})" if v.refs else ""
         step = f"step {v.step}" if v.step is not None else "step -"
-        out.print(f"[yellow]{v.short_id}[/]{refs}  {step}  {_when(v.time)}  {_size(v.size)}  "
+        size = "pruned" if v.pruned else _size(v.size)
+        out.print(f"[yellow]{v.short_id}[/]{refs}  {step}  {_when(v.time)}  {size}  "
                   f"{_metrics(v.metrics)}  {v.message}".rstrip(), markup=True)
         if with_stats:
             s = stats[v.id]
@@ -208,6 +209,31 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
         click.echo(f"checked {report.versions} versions, {report.objects} data objects, {_size(report.bytes)}: {status}")
     if not report.ok:
         sys.exit(1)
+
+
+@cli.command()
+@click.option("--keep-last", type=int, default=None, help="Keep the N newest versions of each branch.")
+@click.option("--keep-every", type=int, default=None, help="Keep versions whose step is a multiple of K.")
+@click.option("--keep-tagged/--no-keep-tagged", default=True, show_default=True, help="Never prune tagged versions.")
+@click.option("--keep-branch-heads/--no-keep-branch-heads", default=True, show_default=True,
+              help="Never prune branch tips and HEAD.")
+@click.option("--grace", "grace_s", type=float, default=3600.0, show_default=True,
+              help="Seconds an unreferenced object must have existed before it is collected (protects writers).")
+@click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_tagged: bool, keep_branch_heads: bool,
+       grace_s: float, dry_run: bool, as_json: bool) -> None:
+    """Prune versions no retention rule keeps (history stays) and delete what no ref reaches."""
+    r = _repo(ctx).gc(keep_last=keep_last, keep_every=keep_every, keep_tagged=keep_tagged,
+                      keep_branch_heads=keep_branch_heads, grace_period_s=grace_s, dry_run=dry_run)
+    if as_json:
+        _emit_json(r.to_json())
+        return
+    verb = "would free" if dry_run else "freed"
+    click.echo(f"kept {len(r.kept)} versions, pruned {len(r.pruned)}, collected {len(r.collected)} unreachable and "
+               f"{len(r.orphan_data)} leftover data sets; {verb} {_size(r.bytes_freed)}"
+               + (f"; {len(r.too_young)} unreferenced objects are younger than the grace period" if r.too_young else ""))
 
 
 @cli.command()

@@ -1,0 +1,141 @@
+"""Retention rules and garbage collection.
+
+Two kinds of deletion:
+
+* **Prune** a version that is still in the history but no retention rule keeps:
+  its tensor data is deleted, its small manifest stays (so ``log``, metrics and
+  parent links survive) and a ``pruned/<id>`` marker says the data is gone.
+* **Collect** what no ref reaches: manifests and data of abandoned or
+  interrupted snapshots, data without a manifest, old failure records.
+
+Safe against a concurrent writer: nothing younger than the grace period is
+collected (a writer in flight has objects no ref points to yet), branch heads
+and tagged versions are never pruned by default, and data still referenced by a
+kept version is never deleted.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .manifest import DATA_PREFIX, VERSIONS_PREFIX, version_id_time
+
+PRUNED_PREFIX = "pruned/"
+FAILURES_PREFIX = "failures/"
+DEFAULT_GRACE_S = 3600.0
+
+
+@dataclass
+class GcReport:
+    """What gc kept, pruned and collected (or would, with ``dry_run``)."""
+
+    kept: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)           # data deleted, manifest kept
+    collected: list[str] = field(default_factory=list)        # unreachable versions deleted entirely
+    orphan_data: list[str] = field(default_factory=list)      # data/<id>/ without a manifest
+    too_young: list[str] = field(default_factory=list)        # unreferenced, but inside the grace period
+    bytes_freed: int = 0
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def pruned_ids(repo: Any) -> set[str]:
+    """Versions whose data gc deleted."""
+    return {k[len(PRUNED_PREFIX):] for k in repo.store.list(PRUNED_PREFIX)}
+
+
+def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
+            keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
+            dry_run: bool = False) -> GcReport:
+    """Apply the retention rules and collect garbage; see the module docstring.
+
+    Without ``keep_last``/``keep_every`` every version in the history is kept
+    and only unreachable objects are collected. ``keep_last N`` keeps the N
+    newest versions of each branch's first-parent history, ``keep_every K``
+    the versions whose step is a multiple of K.
+    """
+    now = time.time()
+    report = GcReport(dry_run=dry_run)
+    manifests = {vid: repo.manifest(vid) for vid in repo.all_version_ids()}
+    already_pruned = pruned_ids(repo)
+    branches = repo.refs.branches()
+    tags = repo.refs.tags()
+    head = repo.refs.head()
+
+    reachable: set[str] = set()
+    stack = list(branches.values()) + list(tags.values()) + ([head.version] if head.version else [])
+    while stack:
+        vid = stack.pop()
+        if vid in reachable or vid not in manifests:
+            continue
+        reachable.add(vid)
+        stack.extend(manifests[vid]["parents"])
+
+    retention = keep_last is not None or keep_every is not None
+    keep: set[str] = set()
+    if not retention:
+        keep = set(reachable)
+    if keep_branch_heads:
+        keep.update(branches.values())
+        if head.version:
+            keep.add(head.version)
+    if keep_tagged:
+        keep.update(tags.values())
+    if keep_last is not None:
+        for tip in list(branches.values()) + ([head.version] if head.version else []):
+            vid, n = tip, 0
+            while vid in manifests and n < keep_last:
+                keep.add(vid)
+                n += 1
+                parents = manifests[vid]["parents"]
+                vid = parents[0] if parents else None
+    if keep_every:
+        keep.update(v for v in reachable if manifests[v]["step"] is not None and manifests[v]["step"] % keep_every == 0)
+    keep &= reachable
+
+    def young(vid: str, t: float | None) -> bool:
+        return t is None or now - t < grace_period_s
+
+    live_arrays = {p["array"] for vid in keep for t in manifests[vid]["tensors"] for p in t["pieces"]}
+    for vid in sorted(reachable):
+        if vid in keep:
+            report.kept.append(vid)
+        elif vid not in already_pruned:
+            report.pruned.append(vid)
+    for vid in sorted(set(manifests) - reachable):
+        if young(vid, manifests[vid]["time"]):
+            report.too_young.append(vid)
+        else:
+            report.collected.append(vid)
+    data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
+    for vid in sorted(data_ids - set(manifests)):
+        (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
+
+    doomed_arrays = {key: info for vid in report.pruned + report.collected
+                     for key, info in manifests[vid]["arrays"].items() if key not in live_arrays}
+    report.bytes_freed = sum(_array_bytes(info) for info in doomed_arrays.values())
+    if dry_run:
+        return report
+
+    for vid in report.pruned:
+        repo.store.put(PRUNED_PREFIX + vid, str(now).encode())   # mark first: a crash leaves data, never a lie
+    for vid in report.collected:
+        repo.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest
+        repo.store.delete(PRUNED_PREFIX + vid)
+    for key in sorted(doomed_arrays):
+        repo.store.delete_prefix(key + "/")
+    for vid in report.orphan_data:
+        repo.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
+    for key in repo.store.list(FAILURES_PREFIX):
+        vid = key[len(FAILURES_PREFIX):]
+        if vid not in manifests and not young(vid, version_id_time(vid)):
+            repo.store.delete(key)
+    return report
+
+
+def _array_bytes(info: dict[str, Any]) -> int:
+    from .arrays import ArrayInfo
+    return ArrayInfo.from_json("", info).nbytes

@@ -1,0 +1,104 @@
+"""Retention and garbage collection: keep exactly what the rules say, never harm kept versions or writers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptrepo
+from ckptrepo import faults
+from ckptrepo.errors import RevisionError
+from helpers import assert_bit_exact
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_hooks():
+    yield
+    faults.clear()
+
+
+def state_at(step):
+    return {"w": torch.full((1000,), float(step)), "step": step}
+
+
+def commit(repo, steps):
+    return {s: repo.snapshot(state_at(s), step=s).id for s in steps}
+
+
+def test_retention_rules_keep_exactly_what_they_say(repo):
+    ids = commit(repo, range(10))
+    repo.tag("best", "@3")
+    r = repo.gc(keep_last=2, keep_every=4, grace_period_s=0)
+    kept = {repo.version(v).step for v in r.kept}
+    assert kept == {9, 8, 0, 4, 8, 3}
+    assert {repo.version(v).step for v in r.pruned} == set(range(10)) - kept
+    assert r.bytes_freed == 4 * 1000 * len(r.pruned)
+    for s in kept:
+        assert_bit_exact(state_at(s), repo.load(f"@{s}"))
+    with pytest.raises(RevisionError, match="pruned by gc"):
+        repo.load("@5")
+    log = repo.log()
+    assert [v.step for v in log] == list(range(9, -1, -1)), "history and metrics stay after pruning"
+    assert {v.step for v in log if v.pruned} == set(range(10)) - kept and all(v.size == 0 for v in log if v.pruned)
+    report = repo.fsck()
+    assert report.ok, report.errors
+    assert not any(f"data/{ids[5]}" in k for k in repo.store.list("data/"))
+    again = repo.gc(keep_last=2, keep_every=4, grace_period_s=0)
+    assert again.pruned == [] and again.bytes_freed == 0
+
+
+def test_without_rules_only_unreachable_objects_go_and_the_grace_period_protects_writers(repo):
+    commit(repo, range(3))
+    repo.checkout("@1", branch="side")
+    side = repo.snapshot(state_at(100), step=100).id
+    repo.checkout("main")
+    # an interrupted snapshot: data and manifest written, ref never moved
+    faults.set_hook("after_manifest", lambda _: (_ for _ in ()).throw(OSError("interrupted")))
+    with pytest.raises(ckptrepo.CkptRepoError, match="interrupted"):
+        repo.snapshot(state_at(3), step=3)
+    faults.clear()
+    dangling = set(repo.all_version_ids()) - {v.id for v in repo.log(all=True)}
+    assert len(dangling) == 1
+    young = repo.gc()                                  # default grace: one hour
+    assert young.too_young == sorted(dangling) and young.collected == [] and young.pruned == []
+    assert set(repo.all_version_ids()) >= dangling
+    r = repo.gc(grace_period_s=0)
+    assert r.collected == sorted(dangling) and r.pruned == []
+    assert set(repo.all_version_ids()) == {v.id for v in repo.log(all=True)}
+    assert repo.version("side").id == side and len(repo.log("main")) == 3
+    assert repo.fsck().ok and not repo.fsck().warnings
+
+
+def test_branch_heads_and_tags_are_protected(repo):
+    commit(repo, range(5))
+    repo.branch("old", "@1")
+    repo.tag("t", "@2")
+    r = repo.gc(keep_last=1, grace_period_s=0)
+    assert {repo.version(v).step for v in r.kept} == {4, 1, 2}
+    assert_bit_exact(state_at(1), repo.load("old"))
+    assert_bit_exact(state_at(2), repo.load("t"))
+
+
+def test_dry_run_deletes_nothing(repo, tmp_path):
+    commit(repo, range(4))
+    before = sorted(repo.store.list(""))
+    r = repo.gc(keep_last=1, grace_period_s=0, dry_run=True)
+    assert len(r.pruned) == 3 and r.dry_run
+    assert sorted(repo.store.list("")) == before
+
+
+def test_cli_gc(repo):
+    commit(repo, range(4))
+    import contextlib
+    import io
+    import sys
+    from ckptrepo_cli.main import main
+    out = io.StringIO()
+    argv = sys.argv
+    try:
+        sys.argv = ["ckptrepo", "--repo", repo.url, "gc", "--keep-last", "2", "--grace", "0"]
+        with contextlib.redirect_stdout(out):
+            main()
+    finally:
+        sys.argv = argv
+    assert "pruned 2" in out.getvalue()
+    assert [v.pruned for v in ckptrepo.open(repo.url).log()] == [False, False, True, True]
