@@ -14,7 +14,7 @@ import numpy as np
 from .arrays import ArrayInfo, open_array
 from .errors import CkptRepoError
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX
-from .gc import pruned_ids
+from .gc import pruned_ids, reachable_versions
 from .repo import Repository
 
 
@@ -68,7 +68,7 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None) -> Fsc
         if vid not in pruned:  # gc deleted a pruned version's data on purpose
             _check_version_data(repo, vid, m, report, on_bytes)
 
-    reachable = _reachable(repo, manifests)
+    reachable = reachable_versions(repo, manifests)
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
@@ -91,21 +91,6 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport)
     head = repo.refs.head()
     if head.branch is None and head.version not in manifests:
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
-
-
-def _reachable(repo: Repository, manifests: dict[str, Any]) -> set[str]:
-    stack = list(repo.refs.branches().values()) + list(repo.refs.tags().values())
-    head = repo.refs.head()
-    if head.version:
-        stack.append(head.version)
-    seen: set[str] = set()
-    while stack:
-        vid = stack.pop()
-        if vid in seen or vid not in manifests:
-            continue
-        seen.add(vid)
-        stack.extend(manifests[vid]["parents"])
-    return seen
 
 
 def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: FsckReport,

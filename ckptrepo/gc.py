@@ -47,6 +47,22 @@ def pruned_ids(repo: Any) -> set[str]:
     return {k[len(PRUNED_PREFIX):] for k in repo.store.list(PRUNED_PREFIX)}
 
 
+def reachable_versions(repo: Any, manifests: dict[str, dict[str, Any]]) -> set[str]:
+    """Versions reachable from a branch, a tag or HEAD through parent links (among ``manifests``)."""
+    head = repo.refs.head()
+    stack = list(repo.refs.branches().values()) + list(repo.refs.tags().values())
+    if head.version:
+        stack.append(head.version)
+    seen: set[str] = set()
+    while stack:
+        vid = stack.pop()
+        if vid in seen or vid not in manifests:
+            continue
+        seen.add(vid)
+        stack.extend(manifests[vid]["parents"])
+    return seen
+
+
 def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
             keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
             dry_run: bool = False) -> GcReport:
@@ -65,14 +81,7 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     tags = repo.refs.tags()
     head = repo.refs.head()
 
-    reachable: set[str] = set()
-    stack = list(branches.values()) + list(tags.values()) + ([head.version] if head.version else [])
-    while stack:
-        vid = stack.pop()
-        if vid in reachable or vid not in manifests:
-            continue
-        reachable.add(vid)
-        stack.extend(manifests[vid]["parents"])
+    reachable = reachable_versions(repo, manifests)
 
     retention = keep_last is not None or keep_every is not None
     keep: set[str] = set()
