@@ -358,7 +358,7 @@ class Snapshotter:
         def source(i: int) -> torch.Tensor:
             t = flat.get(i)
             if t is None:
-                t = flat[i] = job.records[i].tensor.reshape(-1)
+                t = flat[i] = job.records[i].tensor.resolve_conj().resolve_neg().reshape(-1)
                 if t.is_cuda:  # the caching allocator must not reuse it before the side stream is done
                     t.record_stream(self._side_stream)
             return t

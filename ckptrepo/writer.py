@@ -162,14 +162,23 @@ def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf:
                  non_blocking: bool = False) -> np.ndarray:
     """Copy the segment's tensor slices into ``buf``; return the numpy view TensorStore will write.
 
-    With ``non_blocking`` (CUDA sources, pinned ``buf``) the copies are only
-    queued on the current stream: the caller must synchronise before writing.
+    CPU sources are copied with a plain single-threaded memcpy (numpy): torch's
+    ``copy_`` would start a second OpenMP team in the capture thread that
+    fights the training loop's team for the same cores. With ``non_blocking``
+    (CUDA sources, pinned ``buf``) the copies are only queued on the current
+    stream: the caller must synchronise before writing.
     """
     torch_dtype = TORCH_DTYPES[seg.dtype]
-    n = seg.stop - seg.start
-    nbytes = n * torch.empty((), dtype=torch_dtype).element_size()
-    typed = buf[:nbytes].view(torch_dtype)
+    item = torch.empty((), dtype=torch_dtype).element_size()
+    nbytes = (seg.stop - seg.start) * item
+    raw = buf[:nbytes]
+    raw_np = raw.numpy()
+    typed = None
     for idx, src, dst, count in seg.parts:
-        typed[dst:dst + count].copy_(flat_sources(idx)[src:src + count], non_blocking=non_blocking)
-    return buf[:nbytes].numpy().view(numpy_dtype(seg.dtype))
-
+        piece = flat_sources(idx)[src:src + count]
+        if piece.device.type == "cpu":
+            np.copyto(raw_np[dst * item:(dst + count) * item], piece.view(torch.uint8).numpy())
+        else:
+            typed = raw.view(torch_dtype) if typed is None else typed
+            typed[dst:dst + count].copy_(piece, non_blocking=non_blocking)
+    return raw_np.view(numpy_dtype(seg.dtype))
