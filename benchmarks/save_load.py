@@ -34,7 +34,6 @@ import gc
 import json
 import mmap
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -43,6 +42,9 @@ import warnings
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import cpu_s, fsync_dir  # noqa: E402
 
 import ckptrepo
 
@@ -212,18 +214,7 @@ def _version(dist: str) -> str:
         return "?"
 
 
-def cpu_s() -> float:
-    """CPU seconds (user + system, all threads) this process has used."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 # ---------------------------------------------------------------- methods
 

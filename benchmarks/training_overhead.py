@@ -65,6 +65,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import fsync_dir  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 
@@ -124,13 +127,6 @@ class Trainer:
 
 
 # ---------------------------------------------------------------- checkpoint modes
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Mode:
