@@ -25,19 +25,20 @@ import atexit
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import faults
 from .arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
 from .errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, StorageError
-from .manifest import DATA_PREFIX, VERSIONS_PREFIX, Version, seal, new_version_id, version_from_manifest
+from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
+                       version_from_manifest)
 from .providers import TensorRecord, flatten
 from .writer import Segment, StagingPool, WritePlan, fill_segment
 
@@ -213,7 +214,6 @@ class Snapshotter:
         self._raise_pending()
         if self._closed:
             raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
-        from .repo import plain_metrics
         skeleton, records = flatten(state)
         _copy_module_buffers(state, records)
         plan = self.repo.plans.get(records, self.shard_bytes)
@@ -484,10 +484,10 @@ class Snapshotter:
         failure = SnapshotFailedError(f"snapshot {job.vid[:12]}{step} was not committed: {cause}")
         failure.__cause__ = err
         job.handle._error = failure
+        if not self.record_failures:  # the caller waits on the handle and gets the error from it
+            return
         with self._lock:
             self._errors.append(failure)
-        if not self.record_failures:
-            return
         log.error("ckptrepo: %s", failure)
         try:
             self.repo.store.put(FAILURES_PREFIX + job.vid, seal({
@@ -501,8 +501,6 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
                    records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
                    skeleton: Any) -> dict[str, Any]:
     """The version manifest for a single-process snapshot (see docs/format.md)."""
-    from .manifest import FORMAT_VERSION
-    import socket
     return {
         "format_version": FORMAT_VERSION,
         "id": vid,
@@ -566,4 +564,4 @@ def _wait_with_progress(jobs: list[_Job]) -> None:
             progress.advance(task)
 
 
-__all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats", "build_manifest", "parse_size", "np"]
+__all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats", "build_manifest", "parse_size"]

@@ -15,6 +15,8 @@ from typing import Any
 
 import google_crc32c
 import msgpack
+import numpy as np
+import torch
 
 from .errors import CorruptionError, FormatVersionError
 
@@ -121,3 +123,17 @@ def decode_config(blob: bytes, url: str) -> dict[str, Any]:
     if version < 1:
         raise FormatVersionError(f"{url} uses unknown repository format {version}")
     return cfg
+
+
+def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted)."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor):
+            v = v.item()
+        elif isinstance(v, np.generic):
+            v = v.item()
+        if not isinstance(v, (int, float, str, bool)) and v is not None:
+            raise TypeError(f"metric {k!r} must be a number or string, not {type(v).__name__}")
+        out[str(k)] = v
+    return out

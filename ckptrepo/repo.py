@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 import torch
 
 from . import revisions
@@ -148,8 +147,6 @@ class Repository:
                 return handle.result()
             except SnapshotFailedError as err:
                 raise (err.__cause__ if isinstance(err.__cause__, CkptRepoError) else err) from None
-            finally:
-                snap._errors.clear()  # already raised here; close() must not raise it again
 
     def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
@@ -366,20 +363,6 @@ class Repository:
     def du(self) -> list[tuple[Version, int]]:
         """Bytes of tensor data each reachable version stores, newest first."""
         return [(v, v.size) for v in self.log(all=True)]
-
-
-def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted)."""
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, torch.Tensor):
-            v = v.item()
-        elif isinstance(v, np.generic):
-            v = v.item()
-        if not isinstance(v, (int, float, str, bool)) and v is not None:
-            raise TypeError(f"metric {k!r} must be a number or string, not {type(v).__name__}")
-        out[str(k)] = v
-    return out
 
 
 def _short(value: Any) -> str:
