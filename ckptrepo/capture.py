@@ -6,7 +6,7 @@ pipeline, each stage overlapping the others and the training loop:
 
 * capture: copies each segment's tensor slices into a staging buffer from a
   bounded pool (pinned memory and a side stream ordered after the training
-  stream by an event on CUDA; torch's parallel copies on CPU). An empty pool
+  stream by an event on CUDA; a single-threaded memcpy on CPU). An empty pool
   makes capture wait (backpressure), so host memory stays bounded.
 * flush: hands each filled buffer to TensorStore as one whole shard write; the
   buffer returns to the pool when the write is durable.
