@@ -214,8 +214,12 @@ class Repository:
             names.setdefault(head.version, []).insert(0, "HEAD")
         return {k: tuple(v) for k, v in names.items()}
 
-    def log(self, rev: str = "HEAD", all: bool = False, limit: int | None = None) -> list[Version]:  # noqa: A002
-        """Versions reachable from ``rev`` (or from every ref with ``all``), newest first."""
+    def log(self, rev: str = "HEAD", all: bool = False, limit: int | None = None,  # noqa: A002
+            since: int | None = None, until: int | None = None) -> list[Version]:
+        """Versions reachable from ``rev`` (or from every ref with ``all``), newest first.
+
+        ``since``/``until`` keep only versions whose step lies in that range (inclusive).
+        """
         starts: list[str] = []
         if all:
             starts = list(self.refs.branches().values()) + list(self.refs.tags().values())
@@ -238,6 +242,9 @@ class Repository:
             found.append(m)
             stack.extend(m["parents"])
         found.sort(key=lambda m: m["time"], reverse=True)
+        if since is not None or until is not None:
+            found = [m for m in found if m["step"] is not None and (since is None or m["step"] >= since)
+                     and (until is None or m["step"] <= until)]
         names = self._ref_names()
         from .gc import pruned_ids
         pruned = pruned_ids(self)

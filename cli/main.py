@@ -75,13 +75,16 @@ def init(ctx: click.Context, url: str | None, exist_ok: bool) -> None:
 @click.argument("rev", required=False, default="HEAD")
 @click.option("--all", "all_", is_flag=True, help="Versions reachable from any branch or tag.")
 @click.option("-n", "--max-count", type=int, default=None, help="Show at most N versions.")
+@click.option("--since", type=int, default=None, help="Only versions with step >= SINCE.")
+@click.option("--until", type=int, default=None, help="Only versions with step <= UNTIL.")
 @click.option("--stats", "with_stats", is_flag=True, help="Capture statistics of each version.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, with_stats: bool, as_json: bool) -> None:
+def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: int | None, until: int | None,
+        with_stats: bool, as_json: bool) -> None:
     """List versions, newest first (with --all, also snapshots that failed)."""
     repo = _repo(ctx)
-    versions = repo.log(rev, all=all_, limit=max_count)
+    versions = repo.log(rev, all=all_, limit=max_count, since=since, until=until)
     failures = repo.failures() if all_ else []
     stats = {v.id: repo.capture_stats(v.id) for v in versions} if with_stats else {}
     if as_json:

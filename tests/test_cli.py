@@ -83,6 +83,7 @@ def test_init_log_show_json(tmp_path, populated):
     assert "tag: good" in lines[1]
     data = json.loads(run("log", "--json", repo=url).stdout)
     assert [v["step"] for v in data] == [20, 10, 0] and data[0]["metrics"] == {"loss": 1.0}
+    assert [v["step"] for v in json.loads(run("log", "--since", "5", "--json", repo=url).stdout)] == [20, 10]
 
     shown = json.loads(run("show", "good", "--json", repo=url).stdout)
     assert shown["version"]["step"] == 10

@@ -25,6 +25,8 @@ def test_revision_forms(repo):
     repo.tag("best", "@1")
     assert repo.resolve("best") == ids[1] and repo.resolve("best~1") == ids[0]
     assert [v.step for v in repo.log()] == [4, 3, 2, 1, 0]
+    assert [v.step for v in repo.log(since=1, until=3)] == [3, 2, 1]
+    assert [v.step for v in repo.log(limit=2, since=2)] == [4, 3]
     assert repo.load("@2")["w"].tolist() == [2.0, 2.0]
 
 
