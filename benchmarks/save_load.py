@@ -257,17 +257,21 @@ class Disk(Method):
         fsync_dir(target)
 
     def load(self, target: str, template: Any) -> Any:
-        buf = bytearray(IO_CHUNK)
-        view = memoryview(buf)
-        total = 0
-        with open(os.path.join(target, "blob"), "rb", buffering=0) as f:
-            while True:
-                n = f.readinto(view)
-                if not n:
-                    break
-                total += n
-        assert total == self.nbytes
+        buf = memoryview(bytearray(IO_CHUNK))
+        read_blob(os.path.join(target, "blob"), lambda: buf, self.nbytes)
         return None
+
+
+def read_blob(path: str, next_buffer: Any, nbytes: int) -> None:
+    """Read ``path`` sequentially in IO_CHUNK pieces, each into the buffer ``next_buffer()`` returns."""
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(next_buffer())
+            if not n:
+                break
+            total += n
+    assert total == nbytes
 
 
 class DiskFresh(Disk):
@@ -277,17 +281,12 @@ class DiskFresh(Disk):
             "(page faults included), like a load that returns new tensors; a second ceiling, not the one ratios use")
 
     def load(self, target: str, template: Any) -> Any:
-        kept = []
-        total = 0
-        with open(os.path.join(target, "blob"), "rb", buffering=0) as f:
-            while True:
-                buf = torch.empty(IO_CHUNK, dtype=torch.uint8).numpy()
-                n = f.readinto(memoryview(buf))
-                if not n:
-                    break
-                kept.append(buf)
-                total += n
-        assert total == self.nbytes
+        kept: list[Any] = []
+
+        def fresh() -> memoryview:
+            kept.append(torch.empty(IO_CHUNK, dtype=torch.uint8).numpy())
+            return memoryview(kept[-1])
+        read_blob(os.path.join(target, "blob"), fresh, self.nbytes)
         return kept
 
 

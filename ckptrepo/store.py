@@ -120,16 +120,6 @@ class Store:
             return None, NO_VALUE
         return bytes(r.value), r.stamp.generation
 
-    def read_range(self, key: str, start: int, stop: int) -> bytes:
-        """Bytes ``[start, stop)`` of ``key``."""
-        try:
-            r = self.kv.read(key, byte_range=slice(start, stop)).result()
-        except Exception as err:  # noqa: BLE001
-            raise _wrap(err, f"reading {key}[{start}:{stop}]") from err
-        if r.state != "value":
-            raise StorageError(f"object {key} is missing")
-        return bytes(r.value)
-
     def put(self, key: str, value: bytes) -> None:
         """Write ``value`` durably (to the extent the driver guarantees)."""
         try:

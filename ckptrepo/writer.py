@@ -55,10 +55,6 @@ class WritePlan:
     def nbytes(self) -> int:
         return sum(n * np.dtype(numpy_dtype(d)).itemsize for d, (n, _, _) in self.streams.items())
 
-    @property
-    def max_segment_bytes(self) -> int:
-        return max((s.stop - s.start) * np.dtype(numpy_dtype(s.dtype)).itemsize for s in self.segments) if self.segments else 0
-
 
 def plan_signature(records: Sequence[TensorRecord]) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((r.dtype, r.shape) for r in records)
@@ -146,12 +142,6 @@ class StagingPool:
         with self._cv:
             self._free.append(buf)
             self._cv.notify()
-
-    @property
-    def exhausted(self) -> bool:
-        """True when ``take`` would block: every buffer is allocated and in use."""
-        with self._cv:
-            return not self._free and self._allocated >= self.max_buffers
 
     @property
     def allocated_bytes(self) -> int:
