@@ -36,10 +36,14 @@ import torch
 
 from . import faults
 from .arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
-from .errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, StorageError
+from .boxes import volume
+from .distributed import Staging, all_gather, merge_rank_manifests, process_group_rank, assign_writers
+from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, SnapshotFailedError, StorageError
+from .layout import ParallelLayout
 from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
                        version_from_manifest)
 from .providers import TensorRecord, flatten
+from .sharding import Sharder
 from .writer import Segment, StagingPool, WritePlan, fill_segment
 
 log = logging.getLogger("ckptrepo")
@@ -136,6 +140,9 @@ class _Job:
     message: str
     metrics: dict[str, Any]
     started: float
+    leaf_names: list[str] = field(default_factory=list)     # distributed: the stored name of each state tensor
+    names: list[list[Any]] = field(default_factory=list)    # distributed: [name, dtype, global shape] this rank holds
+    boxes: list[Any] = field(default_factory=list)          # distributed: the global box of each record (piece)
     ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
     arrays: dict[str, ArrayInfo] = field(default_factory=dict)
     handles: dict[str, Any] = field(default_factory=dict)
@@ -177,7 +184,17 @@ class Snapshotter:
     """
 
     def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None,
-                 record_failures: bool = True) -> None:
+                 record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
+                 group: Any = None, commit_timeout_s: float = 600.0) -> None:
+        self.rank, self.world_size = process_group_rank()
+        if parallel_layout is not None and parallel_layout.world_size != self.world_size:
+            raise LayoutError(f"the layout ({parallel_layout}) has {parallel_layout.world_size} ranks but "
+                              f"torch.distributed has {self.world_size}; initialise the process group first "
+                              f"(torchrun) or pass the layout that matches it")
+        self.layout = parallel_layout
+        self.distributed = self.world_size > 1
+        self.group = group
+        self.commit_timeout_s = commit_timeout_s
         head = repo.refs.head()
         if head.branch is None:
             raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
@@ -216,11 +233,16 @@ class Snapshotter:
             raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
         skeleton, records = flatten(state)
         _copy_module_buffers(state, records)
+        vid, leaf_names, names, boxes = new_version_id(), [], [], []
+        if self.distributed:
+            vid, records, boxes, leaf_names, names = self._shard(records)
         plan = self.repo.plans.get(records, self.shard_bytes)
-        handle = SnapshotHandle(new_version_id(), None if step is None else int(step))
-        job = _Job(handle, skeleton, records, plan, message, plain_metrics(metrics or {}), started=t0)
+        handle = SnapshotHandle(vid, None if step is None else int(step))
+        job = _Job(handle, skeleton, records, plan, message, plain_metrics(metrics or {}), started=t0,
+                   leaf_names=leaf_names, names=names, boxes=boxes)
         job.remaining = len(plan.segments)
-        job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/0/{d}", d, n, s, i) for d, (n, s, i) in plan.streams.items()}
+        job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
+                      for d, (n, s, i) in plan.streams.items()}
         handle.stats.bytes = plan.nbytes
         devices = {r.tensor.device for r in records if r.tensor.device.type == "cuda"}
         for dev in devices:
@@ -236,6 +258,23 @@ class Snapshotter:
         self._commit_q.put(job)
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle
+
+    def _shard(self, records: list[TensorRecord]) -> tuple[str, list[TensorRecord], list[Any], list[str],
+                                                           list[list[Any]]]:
+        """Distributed: this rank's pieces, the agreed version id, and which pieces this rank writes."""
+        sharded = Sharder(self.layout, self.rank, self.rank).shard(records)
+        meta = [(p.name, p.box, volume(p.box[1]) * p.view.element_size()) for p in sharded.pieces]
+        gathered = all_gather((new_version_id(), meta), self.group)
+        writes = assign_writers([g[1] for g in gathered])[self.rank]
+        mine = [p for p, w in zip(sharded.pieces, writes) if w]
+        names: dict[str, list[Any]] = {}
+        for p in sharded.pieces:
+            names.setdefault(p.name, [p.name, p.dtype, list(p.gshape)])
+        for rec, name in zip(records, sharded.leaf_names):   # zero-element tensors have no pieces
+            if rec.numel == 0 and "@rank" in name:
+                names.setdefault(name, [name, rec.dtype, list(rec.shape)])
+        return (gathered[0][0], [TensorRecord(p.name, p.view, p.dtype, p.box[1]) for p in mine],
+                [[list(p.box[0]), list(p.box[1])] for p in mine], sharded.leaf_names, list(names.values()))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step()`` first wait until every pending capture has finished."""
@@ -450,6 +489,8 @@ class Snapshotter:
                 faults.point("after_data")
                 version = self._commit(job)
             except BaseException as err:  # noqa: BLE001
+                if self.distributed:
+                    self._publish_failure(job, err)
                 self._record_failure(job, err)
             else:
                 stats.total_s = time.perf_counter() - job.started
@@ -460,8 +501,51 @@ class Snapshotter:
                 job.handle._done.set()
 
     def _commit(self, job: _Job) -> Version:
+        if self.distributed:
+            return self._commit_distributed(job)
         manifest = build_manifest(job.vid, self._tip, job.handle.step, job.message, job.metrics, job.records,
                                   job.plan, job.arrays, job.skeleton)
+        return self._publish(job, manifest)
+
+    def _commit_distributed(self, job: _Job) -> Version:
+        """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see distributed.py)."""
+        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
+        staging.publish_rank(self.rank, {
+            "rank": self.rank, "tree": job.skeleton, "leaf_names": job.leaf_names, "names": job.names,
+            "coords": vars(self.layout.coords(self.rank)) if self.layout is not None else None,
+            "tensors": [{"name": r.name, "pieces": [{"box": box, "array": job.arrays[p.dtype].key, "offset": p.offset}]}
+                        for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel],
+            "arrays": {a.key: a.to_json() for a in job.arrays.values()}})
+        if self.rank != 0:
+            staging.wait_outcome()
+            return version_from_manifest(self.repo.manifest(job.vid), (self.branch,))
+        try:
+            ranks = staging.gather_ranks()
+            manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
+            manifest.update({"format_version": FORMAT_VERSION, "id": job.vid,
+                             "parents": [self._tip] if self._tip else [], "step": job.handle.step,
+                             "time": time.time(), "message": job.message, "metrics": job.metrics,
+                             "host": socket.gethostname()})
+            version = self._publish(job, manifest)
+        except BaseException as err:
+            staging.publish_outcome(_first_line(err))
+            raise
+        staging.publish_outcome(None)
+        return version
+
+    def _publish_failure(self, job: _Job, err: BaseException) -> None:
+        """Let the other ranks know at once (rank 0 aborts the version; the others stop waiting)."""
+        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
+        try:
+            if self.rank == 0:
+                staging.publish_outcome(_first_line(err))
+            else:
+                staging.publish_rank(self.rank, {"rank": self.rank, "error": _first_line(err)})
+        except CkptRepoError as publish_err:
+            log.error("ckptrepo: could not publish the failure of %s: %s", job.vid[:12], publish_err)
+
+    def _publish(self, job: _Job, manifest: dict[str, Any]) -> Version:
+        """Write the manifest, then move the branch: the version exists once the ref moved."""
         job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
         manifest["stats"] = job.handle.stats.to_json()
         self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, seal(manifest))
@@ -489,6 +573,8 @@ class Snapshotter:
         with self._lock:
             self._errors.append(failure)
         log.error("ckptrepo: %s", failure)
+        if self.rank != 0:  # rank 0 records the failure of a distributed version
+            return
         try:
             self.repo.store.put(FAILURES_PREFIX + job.vid, seal({
                 "id": job.vid, "step": job.handle.step, "time": time.time(), "branch": self.branch,
@@ -520,6 +606,10 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
             for r, p in zip(records, plan.placements)],
         "tree": skeleton,
     }
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _storage_error(job: _Job, seg: Segment, err: BaseException) -> BaseException:

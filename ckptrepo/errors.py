@@ -57,3 +57,19 @@ class StorageError(CkptRepoError):
 
 class SnapshotFailedError(CkptRepoError):
     """A background snapshot could not be committed; raised at the next call into the snapshotter."""
+
+
+class ExchangeError(CkptRepoError):
+    """An export or import cannot be done as asked: unknown format or path, existing output, a value the format cannot hold."""
+
+
+class TrustRequiredError(CkptRepoError):
+    """Importing would unpickle the input, which can run arbitrary code; the caller must say it trusts the source."""
+
+
+class MissingDependencyError(CkptRepoError):
+    """An optional feature needs a package that is not installed; the message names the extra to install."""
+
+
+class LayoutError(CkptRepoError):
+    """A parallel layout or sharding rule does not fit the state (wrong degrees, indivisible sizes)."""

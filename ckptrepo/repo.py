@@ -8,6 +8,7 @@ removes; a lost compare-and-swap is a ConflictError and commits nothing.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from .store import Store
 
 if TYPE_CHECKING:
     from .capture import Snapshotter
+    from .layout import ParallelLayout
+    from .reshard import ReadStats
 from .writer import PlanCache
 
 DEFAULT_BRANCH = "main"
@@ -50,6 +53,12 @@ def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None
 def open(url: str, options: dict[str, Any] | None = None) -> "Repository":  # noqa: A001 - mirrors the public API
     """Open the repository at ``url``; NotARepositoryError when there is none."""
     return Repository(Store.open(url, options))
+
+
+def load(url: str, rev: str = "HEAD", parallel_layout: "ParallelLayout | None" = None, rank: int | None = None,
+         into: Any = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """``open(url).load(rev, ...)``: the rank defaults to this process's torch.distributed rank."""
+    return open(url, options).load(rev, into=into, parallel_layout=parallel_layout, rank=rank, **kwargs)
 
 
 @dataclass
@@ -132,7 +141,7 @@ class Repository:
 
     # ---- snapshot -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
-                 metrics: dict[str, Any] | None = None) -> Version:
+                 metrics: dict[str, Any] | None = None, parallel_layout: "ParallelLayout | None" = None) -> Version:
         """Save ``state`` as a new version on the current branch and return it.
 
         Synchronous: returns once the version is durable and the branch points
@@ -141,21 +150,27 @@ class Repository:
         moved the branch meanwhile (then nothing is committed).
         """
         from .capture import Snapshotter
-        with Snapshotter(self, host_memory=self.host_memory, record_failures=False) as snap:
+        with Snapshotter(self, host_memory=self.host_memory, record_failures=False,
+                         parallel_layout=parallel_layout) as snap:
             handle = snap.snapshot(state, step=step, message=message, metrics=metrics)
             try:
                 return handle.result()
             except SnapshotFailedError as err:
                 raise (err.__cause__ if isinstance(err.__cause__, CkptRepoError) else err) from None
 
-    def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None) -> "Snapshotter":
+    def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None,
+                    parallel_layout: "ParallelLayout | None" = None, group: Any = None,
+                    commit_timeout_s: float = 600.0) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
-        if set, else a quarter of the available memory, at most 8 GiB).
+        if set, else a quarter of the available memory, at most 8 GiB). Under
+        torch.distributed every rank makes the same ``snapshot`` calls; the
+        layout's rules (or the DTensors' placements) name what each rank holds.
         """
         from .capture import Snapshotter
-        return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory)
+        return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
+                           parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s)
 
     def remember_manifest(self, manifest: dict[str, Any]) -> None:
         """Cache a manifest this process just committed (manifests never change)."""
@@ -164,19 +179,30 @@ class Repository:
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,
-             on_bytes: Callable[[int], None] | None = None) -> Any:
+             on_bytes: Callable[[int], None] | None = None, parallel_layout: "ParallelLayout | None" = None,
+             rank: int | None = None, read_stats: "ReadStats | None" = None) -> Any:
         """Load version ``rev``: a new state with the saved nesting, or in place ``into`` an existing one.
 
         Tensors come back on the CPU unless ``map_location``/``device`` says
         otherwise. With ``into``, shapes and dtypes are checked before anything
         is changed; tensors are filled in place and Stateful objects get
         ``load_state_dict``. Only the skeleton's own types are ever built: no pickle.
+
+        ``parallel_layout`` (and ``rank``, default: this process's rank) loads
+        the state one rank of that layout holds, whatever layout saved it,
+        reading only the bytes that rank needs (``read_stats`` counts them);
+        ``into`` may then hold DTensors, whose placements say what to read. A
+        version saved by several ranks loads unsharded when no layout is given.
         """
         vid = self.resolve(rev)
         m = self.manifest(vid)
         if any(t["pieces"] for t in m["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
             raise RevisionError(f"version {vid[:12]} (step {m['step']}) was pruned by gc: its tensor data is deleted; "
                                 f"pick a kept version from `ckptrepo log`")
+        from .layout_load import load_layout, needs_layout_load
+        if needs_layout_load(m, parallel_layout, into):
+            return load_layout(self.store, m, parallel_layout, rank, into,
+                               device if device is not None else map_location, read_stats)
         entries = [TensorEntry.from_json(t) for t in m["tensors"]]
         arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
         target_device = torch.device(device if device is not None else map_location) \
@@ -367,9 +393,26 @@ class Repository:
         """Every version manifest in storage, reachable or not."""
         return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX)]
 
-    def du(self) -> list[tuple[Version, int]]:
-        """Bytes of tensor data each reachable version stores, newest first."""
-        return [(v, v.size) for v in self.log(all=True)]
+    def du(self) -> Any:
+        """Per reachable version (newest first) the bytes only it references and those it shares, and the total
+        stored with each array counted once; returns a ckptrepo.usage.DiskUsage."""
+        from .usage import disk_usage
+        return disk_usage(self)
+
+    def export(self, rev: str, out: str | os.PathLike[str], format: str = "torch") -> Version:  # noqa: A002
+        """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors or dcp) to ``out``."""
+        from .exchange import export_version
+        return export_version(self, rev, out, format)
+
+    def import_state(self, path: str | os.PathLike[str], trust: bool = False, step: int | None = None,
+                     message: str | None = None) -> Version:
+        """Commit a torch.save file, DCP checkpoint or safetensors export as a new version on the current branch.
+
+        Pickles (torch files that need more than the restricted unpickler, DCP
+        metadata) can run code, so they are refused unless ``trust`` is set.
+        """
+        from .exchange import import_state
+        return import_state(self, path, trust, step, message)
 
 
 def _short(value: Any) -> str:

@@ -1,0 +1,235 @@
+"""``load(version, parallel_layout=..., rank=...)``: build or fill one rank's state in any layout.
+
+The target state is either given (``into=``: plain tensors, DTensors, flat
+ZeRO partitions, filled in place) or built here from a *template*: the saved
+tree of the rank whose per-rank objects this rank gets, with every parameter
+section regenerated for the target layout (this rank's pipeline stage, its
+tensor-parallel slice, vocabulary padding, or a flat ZeRO partition). Either
+way the state is flattened, mapped to pieces of global tensors
+(:mod:`ckptrepo.sharding`) and filled by :func:`ckptrepo.reshard.read_pieces`,
+which reads only the bytes those pieces need.
+
+Per-rank objects (RNG states and anything no rule or placement shards) come
+from the saved rank with the same number when the layout is unchanged; when it
+changed, from saved rank ``rank % saved_world_size``, with a warning naming
+them, because their meaning (whose random stream?) depends on the layout.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .errors import LayoutError, StateMismatchError
+from .layout import ParallelLayout, zero_partition
+from .providers import DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten, unflatten
+from .reshard import ReadStats, read_pieces
+from .rules import Rules, local_shape
+from .sharding import Sharder, is_dtensor
+from .store import Store
+
+
+def saved_world(manifest: dict[str, Any]) -> int:
+    return int(manifest.get("layout", {}).get("world_size", 1))
+
+
+def rank_tree(manifest: dict[str, Any], rank: int) -> tuple[Any, list[str]]:
+    """The saved tree of ``rank`` and the stored name of each of its tensor leaves."""
+    if saved_world(manifest) > 1:
+        r = manifest["layout"]["ranks"][rank]
+        return r["tree"], r["leaf_names"]
+    return manifest["tree"], [t["name"] for t in manifest["tensors"]]
+
+
+def saved_rules(manifest: dict[str, Any]) -> Rules | None:
+    d = manifest.get("layout", {}).get("rules")
+    return Rules.from_json(d) if d else None
+
+
+def full_rules(rules: Rules | None) -> Rules | None:
+    """The rules of an unsharded load: the same sections, every parameter whole and unpadded."""
+    if rules is None:
+        return None
+    return Rules([], rules.sections, rules.optimizer_sections, rules.layer_prefix, rules.num_layers,
+                 rules.stage_sizes, rules.first_stage, rules.last_stage)
+
+
+def needs_layout_load(manifest: dict[str, Any], layout: ParallelLayout | None, into: Any) -> bool:
+    """Whether a load must go through pieces: a sharded version, a target layout, or DTensors to fill."""
+    return layout is not None or saved_world(manifest) > 1 or _has_dtensor(into)
+
+
+def _has_dtensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return is_dtensor(obj)
+    if isinstance(obj, dict):
+        return any(_has_dtensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_dtensor(v) for v in obj)
+    return False
+
+
+def template_rank(manifest: dict[str, Any], layout: ParallelLayout, rank: int) -> tuple[int, bool]:
+    """The saved rank whose per-rank objects ``rank`` gets, and whether the layout changed."""
+    world = saved_world(manifest)
+    if world == 1:
+        return 0, False
+    saved = manifest["layout"]
+    same = (saved.get("tp", 1), saved.get("pp", 1), saved.get("dp", world), saved.get("zero", 0)) == \
+        (layout.tp, layout.pp, layout.dp, layout.zero) and layout.world_size == world
+    return (rank if same else rank % world), not same
+
+
+def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout | None, rank: int | None,
+                into: Any = None, device: Any = None, stats: ReadStats | None = None) -> Any:
+    """Build (or fill ``into``) rank ``rank``'s state of ``layout`` from the version ``manifest``."""
+    world = saved_world(manifest)
+    rules = layout.rules if layout is not None and layout.rules is not None else saved_rules(manifest)
+    if layout is None:
+        target = ParallelLayout(rules=full_rules(rules))
+    elif layout.rules is None and rules is not None:
+        target = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, rules)
+    else:
+        target = layout
+    if rank is None:
+        from .distributed import process_group_rank
+        rank = process_group_rank()[0] if target.world_size > 1 else 0
+    tmpl, changed = template_rank(manifest, target, rank)
+    tree, leaf_names = rank_tree(manifest, tmpl)
+    shapes = {t["name"]: (tuple(t["shape"]), t["dtype"]) for t in manifest["tensors"]}
+    fresh = into is None
+    if fresh:
+        into = _build(manifest, tree, leaf_names, target, rank, shapes)
+    _, records = flatten(into)
+    per_rank = tmpl if world > 1 else None
+    sharder = Sharder(target, rank, per_rank, gshape_of=lambda n: shapes[n][0] if n in shapes else None)
+    sharded = sharder.shard(records)
+    if changed:
+        moved = sorted({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n})
+        if moved:
+            warnings.warn(f"layout changed ({_layout_str(manifest)} -> {target}): per-rank state "
+                          f"{', '.join(moved[:4])}{' ...' if len(moved) > 4 else ''} of rank {rank} comes from saved "
+                          f"rank {tmpl}; re-seed it if it must differ per rank", stacklevel=3)
+    for i in sharded.partial:          # padding rows and ZeRO tail padding load as zeros
+        records[i].tensor.zero_()
+    read_pieces(store, manifest, sharded.pieces, stats)
+    if not fresh:
+        _merge_plain(tree, into)
+        return into
+    return _to_device(into, device) if device is not None else into
+
+
+def _layout_str(manifest: dict[str, Any]) -> str:
+    lay = manifest.get("layout", {})
+    if "tp" in lay:
+        return f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} zero={lay.get('zero', 0)}"
+    return f"world_size={lay.get('world_size', 1)}"
+
+
+def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: ParallelLayout, rank: int,
+           shapes: dict[str, tuple[tuple[int, ...], str]]) -> Any:
+    """A fresh state for ``rank`` of ``layout``: the template's structure, parameter sections regenerated."""
+    rules = layout.rules
+    sections = set(rules.all_sections()) if rules is not None else set()
+    built: dict[str, Any] = {}
+
+    def section(name: str) -> Any:
+        if name in built:
+            return built[name]
+        assert rules is not None
+        c = layout.coords(rank)
+        if layout.zero and name in rules.optimizer_sections:
+            model = section(rules.model_section)
+            total = sum(t.numel() for t in model.values())
+            dtype = next((shapes[n][1] for n in shapes if n.startswith(name + "/")), "float32")
+            value: Any = torch.zeros(zero_partition(total, layout.dp, c.dp)[2], dtype=TORCH_DTYPES[dtype])
+        else:
+            value = {}
+            for t in manifest["tensors"]:
+                if not t["name"].startswith(name + "/"):
+                    continue
+                gparam = t["name"][len(name) + 1:]
+                local = rules.to_local(gparam, layout.pp, c.pp)
+                if local is not None:
+                    shape = local_shape(rules.spec(gparam), t["shape"], layout.tp, t["name"])
+                    value[local] = torch.zeros(shape, dtype=TORCH_DTYPES[t["dtype"]])
+            if not value and name == rules.model_section:
+                raise LayoutError(f"the version has no tensors under {name}/ for rank {rank} of {layout}; "
+                                  f"check the rules' sections")
+        built[name] = value
+        return value
+
+    def tensor(i: int) -> torch.Tensor:
+        name = leaf_names[i]
+        if name not in shapes:
+            plain = name.rsplit("@rank", 1)[0]
+            if plain not in shapes:
+                raise StateMismatchError(f"{name}: not in the version's tensor table; run `ckptrepo fsck`")
+            name = plain
+        shape, dtype = shapes[name]
+        return torch.empty(shape, dtype=TORCH_DTYPES[dtype])
+
+    def build(node: Any, path: str) -> Any:
+        if path in sections:
+            return section(path)
+        tag = node[0]
+        if tag in (DICT, ODICT):
+            out = {}
+            for k, v in node[1]:
+                key = unflatten(k, lambda i, n: None)
+                out[key] = build(v, f"{path}/{_key_str(key)}" if path else _key_str(key))
+            return out
+        if tag in (LIST, TUPLE):
+            items = [build(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node[1])]
+            return items if tag == LIST else tuple(items)
+        if tag == STATEFUL:
+            return build(node[2], path)
+        if tag in (TENSOR, NDARRAY):
+            t = tensor(node[1])
+            return t.numpy() if tag == NDARRAY else t
+        return unflatten(node, lambda i, n: None)
+
+    return build(tree, "")
+
+
+def _merge_plain(node: Any, target: Any) -> None:
+    """Set the template's plain values (step counters, seeds) into ``target``'s matching dicts and lists."""
+    tag = node[0]
+    if tag == STATEFUL:
+        _merge_plain(node[2], target)
+        return
+    if tag in (DICT, ODICT) and isinstance(target, dict):
+        for k, v in node[1]:
+            key = unflatten(k, lambda i, n: None)
+            if key not in target:
+                continue
+            if v[0] in (TENSOR, NDARRAY):
+                continue
+            if isinstance(target[key], (dict, list)) and v[0] in (DICT, ODICT, LIST, STATEFUL):
+                _merge_plain(v, target[key])
+            elif not isinstance(target[key], (torch.Tensor, tuple)):
+                target[key] = unflatten(v, lambda i, n: None)
+    elif tag == LIST and isinstance(target, list) and len(target) == len(node[1]):
+        for i, v in enumerate(node[1]):
+            if v[0] in (TENSOR, NDARRAY):
+                continue
+            if isinstance(target[i], (dict, list)):
+                _merge_plain(v, target[i])
+            elif not isinstance(target[i], torch.Tensor):
+                target[i] = unflatten(v, lambda i, n: None)
+
+
+def _to_device(obj: Any, device: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_device(v, device) for v in obj)
+    return obj
+
+
+__all__ = ["load_layout", "needs_layout_load", "rank_tree", "saved_rules", "saved_world", "template_rank"]

@@ -1,0 +1,170 @@
+"""Fill target pieces from saved pieces, reading only the bytes they need.
+
+For each target piece (a box of a global tensor and the local view that
+receives it) and each saved piece of that tensor, the intersection of the two
+boxes is a set of element runs in the saved piece's row-major storage
+(:func:`ckptrepo.boxes.runs`). Runs of one saved array are merged into read
+spans only across gaps smaller than an inner chunk (TensorStore fetches and
+verifies whole inner chunks anyway), and every span is read with a
+TensorStore byte-range read, all issued at once in one ``ts.Batch``. A span's
+elements are then scattered into the target view with one strided copy.
+
+``ReadStats`` counts what was needed, what was requested, and (through
+TensorStore's kvstore metrics) what storage actually delivered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from .arrays import ArrayInfo, open_array
+from .boxes import Box, intersect, row_major_strides, runs, slices, volume
+from .errors import CorruptionError, StorageError
+from .providers import TORCH_DTYPES
+from .sharding import Piece
+from .store import Store
+
+INFLIGHT_BYTES = 512 << 20
+
+
+@dataclass
+class ReadStats:
+    """Bytes a load needed, the bytes it asked storage for, and how many reads."""
+
+    needed_bytes: int = 0
+    requested_bytes: int = 0
+    spans: int = 0
+    runs: int = 0
+
+
+@dataclass
+class _Span:
+    array: str
+    start: int
+    stop: int
+    jobs: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+def kvstore_bytes_read() -> int:
+    """Bytes every TensorStore kvstore driver of this process has read so far (file, s3, gcs, memory)."""
+    total = 0
+    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
+        if m["name"].endswith("/bytes_read"):
+            total += sum(int(v.get("value", 0)) for v in m.get("values", []))
+    return total
+
+
+def read_pieces(store: Store, manifest: dict[str, Any], targets: list[Piece],
+                stats: ReadStats | None = None) -> ReadStats:
+    """Fill every target piece's view from the version's saved pieces."""
+    stats = stats or ReadStats()
+    arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
+    saved: dict[str, list[tuple[Box, str, int]]] = {}
+    for t in manifest["tensors"]:
+        saved[t["name"]] = [((tuple(p["box"][0]), tuple(p["box"][1])), p["array"], p["offset"]) for p in t["pieces"]]
+    spans = _plan(targets, saved, arrays, stats)
+    handles: dict[str, ts.TensorStore] = {}
+
+    def handle(key: str) -> ts.TensorStore:
+        if key not in handles:
+            info = arrays.get(key)
+            if info is None:
+                raise CorruptionError(f"the manifest refers to array {key}, which it does not describe")
+            try:
+                handles[key] = open_array(store, info)
+            except Exception as err:  # noqa: BLE001
+                raise CorruptionError(f"array {key} cannot be opened ({str(err).splitlines()[0]}); "
+                                      f"run `ckptrepo fsck`") from err
+        return handles[key]
+
+    i = 0
+    while i < len(spans):
+        batch, group, nbytes = ts.Batch(), [], 0
+        while i < len(spans) and (not group or nbytes < INFLIGHT_BYTES):
+            sp = spans[i]
+            group.append((sp, handle(sp.array)[sp.start:sp.stop].read(batch=batch)))
+            nbytes += (sp.stop - sp.start) * arrays[sp.array].itemsize
+            i += 1
+        batch.submit()
+        for sp, fut in group:
+            try:
+                data = fut.result()
+            except Exception as err:  # noqa: BLE001
+                raise _span_error(arrays[sp.array], sp, err) from err
+            src = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[arrays[sp.array].dtype])
+            for job in sp.jobs:
+                _scatter(src, sp.start, *job)
+    return stats
+
+
+def _plan(targets: list[Piece], saved: dict[str, list[tuple[Box, str, int]]], arrays: dict[str, ArrayInfo],
+          stats: ReadStats) -> list[_Span]:
+    """Group every (target, saved piece) intersection's runs into read spans."""
+    spans: list[_Span] = []
+    for tp in targets:
+        have = saved.get(tp.name)
+        if have is None:
+            raise CorruptionError(f"{tp.name} is not in the version's tensor table; run `ckptrepo fsck`")
+        covered = 0
+        for sbox, array, offset in have:
+            part = intersect(sbox, tp.box)
+            if part is None:
+                continue
+            covered += volume(part[1])
+            info = arrays[array]
+            starts, length = runs(sbox, part)
+            starts = starts + offset
+            stats.runs += len(starts)
+            stats.needed_bytes += volume(part[1]) * info.itemsize
+            # split where the gap to the next run exceeds an inner chunk: those bytes are not worth reading
+            gaps = starts[1:] - (starts[:-1] + length)
+            cuts = np.flatnonzero(gaps > info.inner_elems) + 1
+            for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(starts)]))):
+                sp = _Span(array, int(starts[lo]), int(starts[hi - 1]) + length)
+                sp.jobs.append((tp, sbox, part, offset, starts[lo:hi], length))
+                stats.requested_bytes += (sp.stop - sp.start) * info.itemsize
+                stats.spans += 1
+                spans.append(sp)
+        if covered != volume(tp.box[1]):
+            raise CorruptionError(f"{tp.name}: the version's pieces cover {covered} of the {volume(tp.box[1])} "
+                                  f"elements this rank needs; run `ckptrepo fsck`")
+    spans.sort(key=lambda s: (s.array, s.start))
+    return spans
+
+
+def _scatter(src: torch.Tensor, span_start: int, tp: Piece, sbox: Box, part: Box, offset: int,
+             starts: np.ndarray, length: int) -> None:
+    """Copy the runs of ``part`` that a read span holds into the target view."""
+    dest = tp.view[slices([p - t for p, t in zip(part[0], tp.box[0])], part[1])]
+    if len(starts) * length == volume(part[1]):
+        # the span holds the whole part: one strided view of it, one copy
+        first = int(starts[0]) - span_start
+        dest.copy_(src.as_strided(part[1], row_major_strides(sbox[1]), first) if part[1] else src[first:first + 1].view(()))
+        return
+    # the part is split over several spans: copy run by run (through a buffer when dest is not contiguous)
+    all_starts, _ = runs(sbox, part)
+    row_of = {int(s) + offset: k for k, s in enumerate(all_starts)}
+    rows = dest.view(len(all_starts), length) if dest.is_contiguous() else dest.reshape(len(all_starts), length).clone()
+    for s in starts:
+        rows[row_of[int(s)]].copy_(src[int(s) - span_start:int(s) - span_start + length])
+    if not dest.is_contiguous():
+        dest.copy_(rows.view(dest.shape))
+
+
+def _span_error(info: ArrayInfo, sp: _Span, err: Exception) -> Exception:
+    names = sorted({job[0].name for job in sp.jobs})
+    first, last = sp.start // info.shard_elems, (sp.stop - 1) // info.shard_elems
+    objects = ", ".join(info.shard_key(s) for s in range(first, last + 1))
+    reason = str(err).splitlines()[0]
+    if "missing" in reason.lower() or "not found" in reason.lower() or "checksum" in reason.lower() \
+            or "crc" in reason.lower() or "corrupt" in reason.lower() or "invalid" in reason.lower():
+        return CorruptionError(f"object {objects} is damaged ({reason}); affected tensors: {', '.join(names[:5])}; "
+                               f"run `ckptrepo fsck`")
+    return StorageError(f"reading {objects} failed: {reason}")
+
+
+__all__ = ["ReadStats", "kvstore_bytes_read", "read_pieces"]

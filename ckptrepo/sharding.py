@@ -1,0 +1,201 @@
+"""Map a rank's local state to pieces of layout-independent global tensors, and back.
+
+Saving and loading use the same mapping: every local tensor becomes a list of
+:class:`Piece` s, each a box of a global tensor plus a view of the local
+tensor holding exactly that box. On save the views are the sources; on load
+they are the destinations, so loading into any layout is "fill each piece".
+
+Where the mapping comes from, per tensor of the state:
+
+* a ``DTensor``: its device mesh and placements (``Shard(d)``/``Replicate()``);
+* a tensor in a parameter section of the layout's rules (``model/...``, or an
+  optimizer section keyed like it): the rule for its global parameter name
+  (pipeline layer renumbering, tensor-parallel split, vocabulary padding,
+  fused sub-parameters);
+* an optimizer section that is one flat 1-D tensor (ZeRO-1/2): the
+  data-parallel partition of the rank's parameters back to back;
+* anything else: a per-rank tensor, stored whole under ``<path>@rank<r>`` when
+  the state comes from several ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .boxes import Box, flat_boxes, intersect, slices, volume
+from .errors import LayoutError, StateMismatchError
+from .layout import ParallelLayout, zero_partition
+from .providers import DTYPE_NAMES, TensorRecord
+from .rules import Region, Rules, Spec, global_shape, local_shape, regions
+
+
+@dataclass
+class Piece:
+    """A box of global tensor ``name`` and the local view that holds it (shape == box sizes)."""
+
+    name: str
+    dtype: str
+    gshape: tuple[int, ...]
+    box: Box
+    view: torch.Tensor
+
+
+@dataclass
+class ShardedState:
+    """A rank's pieces, and for each state record the name it is stored under."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    leaf_names: list[str] = field(default_factory=list)
+    partial: list[int] = field(default_factory=list)   # records that pieces do not fully cover (padding)
+
+
+def rank_name(path: str, rank: int) -> str:
+    """The stored name of a per-rank tensor."""
+    return f"{path}@rank{rank}"
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def dtensor_box(t: Any) -> tuple[Box, torch.Tensor]:
+    """The global box a DTensor's local shard covers, and the local tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    for p in t.placements:
+        if type(p) not in (Shard, Replicate):  # _StridedShard, Partial: not a plain box
+            raise LayoutError(f"DTensor placement {p} is not supported; redistribute to Shard/Replicate before saving")
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise LayoutError(f"DTensor local shard has shape {list(local.shape)} but its placements say {list(shape)}")
+    return (tuple(offset), tuple(shape)), local
+
+
+class Sharder:
+    """Turns one rank's flattened state into pieces (see the module docstring).
+
+    ``gshape_of`` is given when loading: the global shape of a stored tensor by
+    name (None when the version does not have it). ``per_rank`` is the rank
+    whose per-rank tensors are meant (None: a single-process version, where
+    per-rank tensors are stored under their plain path).
+    """
+
+    def __init__(self, layout: ParallelLayout | None, rank: int, per_rank: int | None,
+                 gshape_of: Callable[[str], tuple[int, ...] | None] | None = None) -> None:
+        self.layout = layout or ParallelLayout()
+        self.rules: Rules | None = self.layout.rules
+        self.coords = self.layout.coords(rank)
+        self.per_rank = per_rank
+        self.gshape_of = gshape_of
+
+    def shard(self, records: Sequence[TensorRecord]) -> ShardedState:
+        out = ShardedState(leaf_names=[""] * len(records))
+        params: list[tuple[str, torch.Tensor, Spec, tuple[int, ...]]] = []
+        flat: list[tuple[int, str]] = []
+        for i, rec in enumerate(records):
+            t = rec.tensor
+            if is_dtensor(t):
+                box, local = dtensor_box(t)
+                out.leaf_names[i] = rec.name
+                self._check_known(rec.name, tuple(t.shape))
+                if volume(box[1]):
+                    out.pieces.append(Piece(rec.name, rec.dtype, tuple(t.shape), box, local))
+                continue
+            where = self.rules.section_of(rec.name) if self.rules else None
+            if where is not None:
+                section, param = where
+                gparam, spec, gshape = self._param(section, param, t)
+                name = f"{section}/{gparam}"
+                out.leaf_names[i] = name
+                if section == self.rules.model_section:
+                    params.append((gparam, t, spec, gshape))
+                regs = regions(spec, gshape, self.layout.tp, self.coords.tp)
+                for lo, go, sz in regs:
+                    out.pieces.append(Piece(name, rec.dtype, gshape, (go, sz), t[slices(lo, sz)]))
+                if sum(volume(sz) for _, _, sz in regs) != t.numel():
+                    out.partial.append(i)
+                continue
+            if self.rules and rec.name in self.rules.optimizer_sections and self.layout.zero:
+                out.leaf_names[i] = rec.name
+                flat.append((i, rec.name))
+                out.partial.append(i)
+                continue
+            name = rec.name if self.per_rank is None else rank_name(rec.name, self.per_rank)
+            if self.gshape_of is not None and self.gshape_of(name) is None and self.gshape_of(rec.name) is not None:
+                name = rec.name  # a global tensor (saved from DTensors) loaded whole
+            out.leaf_names[i] = name
+            self._check_known(name, rec.shape)
+            if rec.numel:
+                out.pieces.append(Piece(name, rec.dtype, rec.shape, ((0,) * len(rec.shape), rec.shape), t))
+        for i, section in flat:
+            out.pieces.extend(self._flat_pieces(section, records[i].tensor, params))
+        return out
+
+    def _check_known(self, name: str, shape: tuple[int, ...]) -> None:
+        if self.gshape_of is None:
+            return
+        saved = self.gshape_of(name)
+        if saved is None:
+            raise StateMismatchError(f"{name}: not in this version; load without into= to see what was saved")
+        if tuple(saved) != tuple(shape):
+            raise StateMismatchError(f"{name}: global shape {list(shape)} here but {list(saved)} in the version; "
+                                     f"build the state with the saved configuration")
+
+    def _param(self, section: str, param: str, t: torch.Tensor) -> tuple[str, Spec, tuple[int, ...]]:
+        assert self.rules is not None
+        lay, c = self.layout, self.coords
+        gparam = self.rules.to_global(param, lay.pp, c.pp)
+        spec = self.rules.spec(gparam)
+        what = f"{section}/{gparam}"
+        if self.gshape_of is None:
+            return gparam, spec, global_shape(spec, tuple(t.shape), lay.tp, what)
+        gshape = self.gshape_of(what)
+        if gshape is None:
+            raise StateMismatchError(f"{what}: not in this version (layout {lay}); check the rules and the layout")
+        want = local_shape(spec, gshape, lay.tp, what)
+        if tuple(t.shape) != want:
+            raise StateMismatchError(f"{section}/{param}: shape {list(t.shape)} here but {list(want)} expected for "
+                                     f"{what} {list(gshape)} under {lay}; build the state for this layout")
+        return gparam, spec, tuple(gshape)
+
+    def _flat_pieces(self, section: str, flat: torch.Tensor,
+                     params: list[tuple[str, torch.Tensor, Spec, tuple[int, ...]]]) -> list[Piece]:
+        """Pieces of a ZeRO flat partition over the rank's model parameters, in model-section order."""
+        lay, c = self.layout, self.coords
+        if flat.dim() != 1:
+            raise LayoutError(f"{section}: a ZeRO (zero={lay.zero}) optimizer section must be one flat 1-D tensor")
+        total = sum(t.numel() for _, t, _, _ in params)
+        start, stop, size = zero_partition(total, lay.dp, c.dp)
+        if flat.numel() != size:
+            raise StateMismatchError(f"{section}: {flat.numel()} elements here but the ZeRO partition of dp rank "
+                                     f"{c.dp} over {total} parameter elements has {size}; check the layout")
+        dtype = DTYPE_NAMES[flat.dtype]
+        out: list[Piece] = []
+        base = 0
+        for gparam, t, spec, gshape in params:
+            n = t.numel()
+            lo, hi = max(start, base), min(stop, base + n)
+            if lo < hi:
+                regs: list[Region] = regions(spec, gshape, lay.tp, c.tp)
+                for fstart, box in flat_boxes(tuple(t.shape), lo - base, hi - base):
+                    at = base + fstart - start
+                    boxview = flat[at:at + volume(box[1])].view(box[1])
+                    for rlo, rgo, rsz in regs:
+                        part = intersect(box, (rlo, rsz))
+                        if part is None:
+                            continue
+                        rel = tuple(p - b for p, b in zip(part[0], box[0]))
+                        gbox = (tuple(g + p - r for g, p, r in zip(rgo, part[0], rlo)), part[1])
+                        out.append(Piece(f"{section}/{gparam}", dtype, gshape, gbox, boxview[slices(rel, part[1])]))
+            base += n
+        return out
+
+
+__all__ = ["Piece", "ShardedState", "Sharder", "dtensor_box", "is_dtensor", "rank_name"]
