@@ -262,7 +262,9 @@ class Snapshotter:
     def _shard(self, records: list[TensorRecord]) -> tuple[str, list[TensorRecord], list[Any], list[str],
                                                            list[list[Any]]]:
         """Distributed: this rank's pieces, the agreed version id, and which pieces this rank writes."""
-        sharded = Sharder(self.layout, self.rank, self.rank).shard(records)
+        # without a layout (DTensor placements say what each rank holds) every rank is its own data-parallel slot
+        layout = self.layout or ParallelLayout(dp=self.world_size)
+        sharded = Sharder(layout, self.rank, self.rank).shard(records)
         meta = [(p.name, p.box, volume(p.box[1]) * p.view.element_size()) for p in sharded.pieces]
         gathered = all_gather((new_version_id(), meta), self.group)
         writes = assign_writers([g[1] for g in gathered])[self.rank]

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
 from .arrays import ArrayInfo, open_array
+from .boxes import volume
+from .distributed import check_coverage
 from .errors import CkptRepoError
-from .manifest import DATA_PREFIX, VERSIONS_PREFIX
 from .gc import pruned_ids, reachable_versions
-from .providers import numel
+from .manifest import DATA_PREFIX, VERSIONS_PREFIX
 from .repo import Repository
 
 
@@ -97,11 +97,15 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
                         on_bytes: Callable[[int], None] | None) -> None:
     arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
     for t in m["tensors"]:
-        n = numel(t["shape"])
         for piece in t["pieces"]:
             info = arrays.get(piece["array"])
-            if info is None or piece["offset"] + n > info.numel:
+            if info is None or piece["offset"] + volume(piece["box"][1]) > info.numel:
                 report.errors.append(f"version {vid[:12]}: tensor {t['name']} points outside its array {piece['array']}")
+    try:
+        check_coverage({t["name"]: (t["shape"], [(tuple(p["box"][0]), tuple(p["box"][1])) for p in t["pieces"]])
+                        for t in m["tensors"]})
+    except CkptRepoError as err:
+        report.errors.append(f"version {vid[:12]}: {err}")
     for key, info in arrays.items():
         try:
             arr = open_array(repo.store, info)
@@ -115,7 +119,7 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
             except Exception as err:  # noqa: BLE001
                 names = [t["name"] for t in m["tensors"] for p in t["pieces"]
                          if p["array"] == key and p["offset"] < hi
-                         and p["offset"] + numel(t["shape"]) > lo]
+                         and p["offset"] + volume(p["box"][1]) > lo]
                 report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
                                      f"({str(err).splitlines()[0]}); tensors: {', '.join(names[:5])}"
                                      + (f" and {len(names) - 5} more" if len(names) > 5 else ""))

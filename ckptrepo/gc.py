@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .distributed import STAGING_PREFIX
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX, version_id_time
 
 PRUNED_PREFIX = "pruned/"
@@ -142,6 +143,10 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
         vid = key[len(FAILURES_PREFIX):]
         if vid not in manifests and not young(vid, version_id_time(vid)):
             repo.store.delete(key)
+    # the commit handshakes of distributed snapshots, once stale
+    for vid in sorted({k[len(STAGING_PREFIX):].split("/", 1)[0] for k in repo.store.list(STAGING_PREFIX)}):
+        if not young(vid, version_id_time(vid)):
+            repo.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
     return report
 
 

@@ -18,7 +18,10 @@ import tensorstore as ts
 import torch
 
 from .arrays import ArrayInfo, open_array
+from .boxes import flat_boxes, volume
 from .providers import TORCH_DTYPES, numel, plain_values
+from .reshard import read_pieces
+from .sharding import Piece
 
 CHUNK_BYTES = 2 << 20  # per side, as float64; a few such temporaries are alive at once
 
@@ -112,6 +115,7 @@ class _Chunks:
 
     def __init__(self, repo: Any, manifest: dict[str, Any]) -> None:
         self.repo = repo
+        self.manifest = manifest
         self.arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
         self.handles: dict[str, ts.TensorStore] = {}
 
@@ -124,14 +128,22 @@ class _Chunks:
         return info
 
     def read(self, entry: dict[str, Any], start: int, stop: int) -> torch.Tensor:
-        piece = entry["pieces"][0]
-        key = piece["array"]
-        h = self.handles.get(key)
-        if h is None:
-            h = self.handles[key] = open_array(self.repo.store, self.array_info(key))
-        off = piece["offset"]
-        data = h[off + start: off + stop].read().result()
-        t = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[entry["dtype"]])
+        """Elements ``[start, stop)`` of the tensor in row-major order, whichever pieces hold them."""
+        pieces = entry["pieces"]
+        if len(pieces) == 1 and list(pieces[0]["box"][1]) == list(entry["shape"]):
+            key = pieces[0]["array"]
+            h = self.handles.get(key)
+            if h is None:
+                h = self.handles[key] = open_array(self.repo.store, self.array_info(key))
+            off = pieces[0]["offset"]
+            data = h[off + start: off + stop].read().result()
+            t = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[entry["dtype"]])
+        else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
+            shape = tuple(entry["shape"])
+            t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry["dtype"]])
+            targets = [Piece(entry["name"], entry["dtype"], shape, box, t[f - start:f - start + volume(box[1])].view(box[1]))
+                       for f, box in flat_boxes(shape, start, stop)]
+            read_pieces(self.repo.store, self.manifest, targets)
         return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
 
 

@@ -13,6 +13,7 @@ Per-rank objects (RNG states and anything no rule or placement shards) come
 from the saved rank with the same number when the layout is unchanged; when it
 changed, from saved rank ``rank % saved_world_size``, with a warning naming
 them, because their meaning (whose random stream?) depends on the layout.
+An unsharded load (no layout given) takes saved rank 0's, without a warning.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     per_rank = tmpl if world > 1 else None
     sharder = Sharder(target, rank, per_rank, gshape_of=lambda n: shapes[n][0] if n in shapes else None)
     sharded = sharder.shard(records)
-    if changed:
+    if changed and layout is not None:   # an unsharded load (no layout) takes saved rank 0's, as documented
         moved = sorted({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n})
         if moved:
             warnings.warn(f"layout changed ({_layout_str(manifest)} -> {target}): per-rank state "

@@ -1,0 +1,93 @@
+"""Worker bodies of the distributed snapshot tests (module level, so they pickle to worker processes).
+
+Each runs inside one rank of a gloo process group started by
+``megatron_ref.launch`` (or the kill test's own launcher).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import ckptrepo
+from ckptrepo import faults
+from ckptrepo.layout import ParallelLayout
+from ckptrepo.rules import megatron_gpt
+from megatron_ref import GPTConfig, Trainer, init_full_params, shard_full
+
+
+def with_rules(cfg: GPTConfig, layout: ParallelLayout) -> ParallelLayout:
+    """The layout with the reference model's rules."""
+    rules = megatron_gpt(cfg.layers, cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    return ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, rules)
+
+
+def _clone(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    return state
+
+
+def train_and_snapshot(rank: int, layout: ParallelLayout, url: str, cfg: GPTConfig, before: int,
+                       after: int) -> dict[str, Any]:
+    """Train ``before`` steps, snapshot asynchronously, train ``after`` more while it is written.
+
+    Returns the version id, a copy of the state at the snapshot (what the
+    version must hold, although training went on mutating it in place) and the
+    losses of the continuation under this unchanged layout.
+    """
+    state = shard_full(cfg, layout, rank, init_full_params(cfg))
+    trainer = Trainer(cfg, layout, rank, state)
+    for i in range(before):
+        trainer.step(i)
+    repo = ckptrepo.open(url)
+    with repo.snapshotter(parallel_layout=with_rules(cfg, layout), host_memory=1 << 20) as snap:
+        handle = snap.snapshot(state, step=before)
+        saved = _clone(state)
+        snap.wait_captured()
+        losses = [trainer.step(i) for i in range(before, before + after)]
+        snap.wait()
+    return {"vid": handle.result().id, "saved": saved, "losses": losses}
+
+
+def resume(rank: int, layout: ParallelLayout, url: str, cfg: GPTConfig, vid: str, steps: int,
+           use_into: bool) -> list[float]:
+    """Load version ``vid`` into this layout (built by ckptrepo, or into a state built here) and train on."""
+    lay = with_rules(cfg, layout)
+    if use_into:
+        state = shard_full(cfg, layout, rank, {k: torch.zeros_like(v) for k, v in init_full_params(cfg).items()})
+        ckptrepo.load(url, vid, parallel_layout=lay, into=state)
+    else:
+        state = ckptrepo.load(url, vid, parallel_layout=lay)
+    start = state["optimizer"]["step"]
+    trainer = Trainer(cfg, layout, rank, state)
+    return [trainer.step(i) for i in range(start, start + steps)]
+
+
+def snapshot_and_die(rank: int, layout: ParallelLayout, url: str, cfg: GPTConfig, victim: int,
+                     queue: Any) -> None:
+    """Snapshot once (committed), then again with rank ``victim`` killed after its first shard write."""
+    state = shard_full(cfg, layout, rank, init_full_params(cfg))
+    repo = ckptrepo.open(url)
+    lay = with_rules(cfg, layout)
+    first = repo.snapshot(state, step=1, parallel_layout=lay)
+    if rank == victim:
+        faults.set_hook("after_shard_write", lambda _name: os._exit(17))
+    with torch.no_grad():
+        for t in state["model"].values():
+            t.add_(1.0)
+    snap = repo.snapshotter(parallel_layout=lay, host_memory=1 << 20, commit_timeout_s=8.0)
+    snap.snapshot(state, step=2)
+    try:
+        snap.wait()
+        queue.put((rank, first.id, "committed"))
+    except ckptrepo.CkptRepoError as err:
+        queue.put((rank, first.id, str(err)))
+    finally:
+        try:
+            snap.close()
+        except ckptrepo.CkptRepoError:
+            pass

@@ -1,0 +1,157 @@
+"""Distributed snapshots and resharding loads, with the reference Megatron-style GPT on gloo.
+
+Every layout of the matrix trains a few steps in real worker processes and
+snapshots asynchronously while training goes on; each version is then loaded
+into every other layout, rank by rank, and the reassembled global parameters
+and optimizer states (reassembled by the reference model's own code, not by
+ckptrepo's) must equal the saved ones bit for bit.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptrepo
+from ckptrepo.layout import ParallelLayout
+from ckptrepo.reshard import ReadStats, kvstore_bytes_read
+from _ckpt_workers import mp_context
+from _dist_workers import resume, snapshot_and_die, train_and_snapshot, with_rules
+from helpers import assert_bit_exact
+from megatron_ref import GPTConfig, _worker, assemble, launch
+
+CFG = GPTConfig()
+BEFORE, AFTER = 2, 2
+MATRIX = [ParallelLayout(2, 2, 2), ParallelLayout(1, 1, 4), ParallelLayout(4, 1, 1),
+          ParallelLayout(2, 1, 2, zero=1), ParallelLayout(1, 2, 2)]
+
+
+def _id(lay: ParallelLayout) -> str:
+    return f"tp{lay.tp}pp{lay.pp}dp{lay.dp}z{lay.zero}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One version per layout of the matrix, with the state each rank had at its snapshot."""
+    url = str(tmp_path_factory.mktemp("dist") / "repo")
+    ckptrepo.init(url)
+    out = {}
+    for lay in MATRIX:
+        results = launch(lay, train_and_snapshot, url, CFG, BEFORE, AFTER)
+        vids = {r["vid"] for r in results}
+        assert len(vids) == 1, f"{lay}: ranks disagree on the version id: {vids}"
+        out[_id(lay)] = {"layout": lay, "vid": vids.pop(), "losses": results[0]["losses"],
+                         "full": assemble(CFG, lay, {r: res["saved"] for r, res in enumerate(results)})}
+    return {"url": url, "versions": out}
+
+
+def test_each_layout_commits_one_version_with_every_replica_written_once(saved: dict) -> None:
+    repo = ckptrepo.open(saved["url"])
+    assert len(repo.log()) == len(MATRIX)
+    for v in saved["versions"].values():
+        m = repo.manifest(v["vid"])
+        lay = v["layout"]
+        assert (m["layout"]["tp"], m["layout"]["pp"], m["layout"]["dp"], m["layout"]["zero"]) == \
+            (lay.tp, lay.pp, lay.dp, lay.zero)
+        assert len(m["layout"]["ranks"]) == lay.world_size
+        # the version stores the global model and optimizer state once, plus each rank's own RNG state
+        full = v["full"]
+        logical = sum(t.numel() * 4 for sec in (full["model"], full["optimizer"]["exp_avg"],
+                                                full["optimizer"]["exp_avg_sq"]) for t in sec.values())
+        rng = sum(t["shape"][0] for t in m["tensors"] if t["name"].startswith("rng/torch@rank"))
+        assert m["size"] == logical + rng
+        names = {t["name"] for t in m["tensors"]}
+        assert "model/layers.3.attn.qkv.weight" in names and "optimizer/exp_avg/head.weight" in names
+        assert {t["shape"][0] for t in m["tensors"] if t["name"].endswith("word_embeddings.weight")} == {CFG.vocab_size}
+    assert repo.fsck().ok
+
+
+def test_the_unsharded_load_equals_the_saved_state(saved: dict) -> None:
+    repo = ckptrepo.open(saved["url"])
+    for v in saved["versions"].values():
+        state = repo.load(v["vid"])
+        assert_bit_exact(state["model"], v["full"]["model"])
+        assert_bit_exact({k: state["optimizer"][k] for k in ("step", "exp_avg", "exp_avg_sq")}, v["full"]["optimizer"])
+
+
+@pytest.mark.parametrize("target", MATRIX, ids=_id)
+def test_every_version_loads_into_this_layout_bit_exact(saved: dict, target: ParallelLayout) -> None:
+    repo = ckptrepo.open(saved["url"])
+    lay = with_rules(CFG, target)
+    for key, v in saved["versions"].items():
+        if key == _id(target):
+            continue
+        states, needed, read = {}, 0, 0
+        for r in range(target.world_size):
+            stats = ReadStats()
+            before = kvstore_bytes_read()
+            with pytest.warns(UserWarning, match="per-rank state"):
+                states[r] = repo.load(v["vid"], parallel_layout=lay, rank=r, read_stats=stats)
+            read += kvstore_bytes_read() - before
+            needed += stats.needed_bytes
+            own = sum(t.numel() * t.element_size() for t in _tensors(states[r]))
+            assert stats.needed_bytes <= own, f"rank {r} was sent more than it holds"
+        assert_bit_exact(assemble(CFG, target, states), v["full"], f"{key}->{_id(target)}")
+        assert read >= needed
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    return []
+
+
+@pytest.mark.parametrize("source,target,use_into", [
+    (ParallelLayout(2, 1, 2, zero=1), ParallelLayout(1, 2, 2), True),
+    (ParallelLayout(2, 2, 2), ParallelLayout(4, 1, 1), False),
+], ids=["zero1-tp2dp2_to_pp2dp2_into", "tp2pp2dp2_to_tp4_built"])
+def test_training_continues_after_a_reshard_like_the_unchanged_layout(saved: dict, source: ParallelLayout,
+                                                                      target: ParallelLayout, use_into: bool) -> None:
+    v = saved["versions"][_id(source)]
+    losses = launch(target, resume, saved["url"], CFG, v["vid"], AFTER, use_into)
+    assert all(run == losses[0] for run in losses), "ranks report different losses"
+    assert losses[0] == pytest.approx(v["losses"], rel=1e-5, abs=1e-6)
+
+
+def test_a_rank_killed_during_a_distributed_snapshot_leaves_no_version(tmp_path) -> None:
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    lay = ParallelLayout(2, 1, 2)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    ctx = mp_context()
+    results, reports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, lay, store.port, results, snapshot_and_die,
+                                               (url, CFG, 1, reports)), daemon=True) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = {}
+    deadline = time.monotonic() + 120
+    try:
+        while len(got) < 3 and time.monotonic() < deadline:
+            try:
+                rank, first, outcome = reports.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            got[rank] = (first, outcome)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == 17, "the victim did not die where planned"
+    assert sorted(got) == [0, 2, 3]
+    first = got[0][0]
+    for rank, (_, outcome) in got.items():
+        assert "not committed" in outcome and "rank" in outcome, f"rank {rank}: {outcome}"
+    repo = ckptrepo.open(url)
+    assert [v.id for v in repo.log()] == [first]
+    state = repo.load(first)
+    assert state["optimizer"]["step"] == 0
+    assert repo.fsck().ok
