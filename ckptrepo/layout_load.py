@@ -88,7 +88,11 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     world = saved_world(manifest)
     rules = layout.rules if layout is not None and layout.rules is not None else saved_rules(manifest)
     if layout is None:
-        target = ParallelLayout(rules=full_rules(rules))
+        # DTensors to fill under torch.distributed: every process is its own rank, so per-rank state
+        # comes from the saved rank with its number (or rank % saved world size when that changed)
+        from .distributed import process_group_rank
+        pg_world = process_group_rank()[1] if _has_dtensor(into) else 1
+        target = ParallelLayout(dp=pg_world, rules=full_rules(rules))
     elif layout.rules is None and rules is not None:
         target = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, rules)
     else:
