@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from .errors import CorruptionError
 from .store import Store
 
 SHARD_BYTES = 64 << 20
@@ -95,3 +96,25 @@ def open_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
     spec = {"driver": "zarr3", "kvstore": store.child_spec(info.key), "metadata": _metadata(info),
             "open": True, "fill_missing_data_reads": False, "recheck_cached_data": False}
     return ts.open(spec, context=store.context, read=True).result()
+
+
+class ArrayHandles:
+    """Read handles of a version's arrays, each opened once; an array that cannot be opened is corruption."""
+
+    def __init__(self, store: Store, arrays: dict[str, ArrayInfo]) -> None:
+        self.store = store
+        self.arrays = arrays
+        self._handles: dict[str, ts.TensorStore] = {}
+
+    def get(self, key: str) -> ts.TensorStore:
+        h = self._handles.get(key)
+        if h is None:
+            info = self.arrays.get(key)
+            if info is None:
+                raise CorruptionError(f"the manifest refers to array {key}, which it does not describe")
+            try:
+                h = self._handles[key] = open_array(self.store, info)
+            except Exception as err:  # noqa: BLE001
+                raise CorruptionError(f"array {key} cannot be opened ({str(err).splitlines()[0]}); "
+                                      f"run `ckptrepo fsck`") from err
+        return h

@@ -25,7 +25,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from .arrays import ArrayInfo, open_array
+from .arrays import ArrayHandles, ArrayInfo, open_array
 from .errors import CorruptionError, StorageError
 from .providers import TORCH_DTYPES, numel
 from .localread import DirectReader
@@ -106,18 +106,7 @@ def read_tensors(store: Store, arrays: dict[str, ArrayInfo], entries: list[Tenso
         if e.numel == 0:
             t = torch.empty(e.shape, dtype=TORCH_DTYPES[e.dtype])
             out[i] = into[i] if i in into else t
-    handles: dict[str, ts.TensorStore] = {}
-
-    def handle(key: str) -> ts.TensorStore:
-        if key not in handles:
-            info = arrays.get(key)
-            if info is None:
-                raise CorruptionError(f"the manifest refers to array {key}, which it does not describe")
-            try:
-                handles[key] = open_array(store, info)
-            except Exception as err:  # noqa: BLE001
-                raise CorruptionError(f"array {key} cannot be opened ({str(err).splitlines()[0]}); run `ckptrepo fsck`") from err
-        return handles[key]
+    handle = ArrayHandles(store, arrays).get
 
     def itemsize(dtype: str) -> int:
         return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()

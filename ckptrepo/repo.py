@@ -326,7 +326,8 @@ class Repository:
             n = numel(t["shape"])
             item = itemsizes.get(t["dtype"]) or torch.empty((), dtype=TORCH_DTYPES[t["dtype"]]).element_size()
             tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "bytes": n * item})
-        return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), m.get("layout", {}),
+        layout = {k: v for k, v in m.get("layout", {}).items() if k not in ("ranks", "rules")}  # summary only
+        return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), layout,
                               tensors, [(p, _short(v)) for p, v in plain_values(m["tree"], summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,

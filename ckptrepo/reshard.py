@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from .arrays import ArrayInfo, open_array
+from .arrays import ArrayHandles, ArrayInfo
 from .boxes import Box, intersect, row_major_strides, runs, slices, volume
 from .errors import CorruptionError, StorageError
 from .providers import TORCH_DTYPES
@@ -67,20 +67,7 @@ def read_pieces(store: Store, manifest: dict[str, Any], targets: list[Piece],
     for t in manifest["tensors"]:
         saved[t["name"]] = [((tuple(p["box"][0]), tuple(p["box"][1])), p["array"], p["offset"]) for p in t["pieces"]]
     spans = _plan(targets, saved, arrays, stats)
-    handles: dict[str, ts.TensorStore] = {}
-
-    def handle(key: str) -> ts.TensorStore:
-        if key not in handles:
-            info = arrays.get(key)
-            if info is None:
-                raise CorruptionError(f"the manifest refers to array {key}, which it does not describe")
-            try:
-                handles[key] = open_array(store, info)
-            except Exception as err:  # noqa: BLE001
-                raise CorruptionError(f"array {key} cannot be opened ({str(err).splitlines()[0]}); "
-                                      f"run `ckptrepo fsck`") from err
-        return handles[key]
-
+    handle = ArrayHandles(store, arrays).get
     i = 0
     while i < len(spans):
         batch, group, nbytes = ts.Batch(), [], 0

@@ -109,14 +109,21 @@ def _divide(size: int, tp: int, what: str) -> int:
     return size // tp
 
 
+def _split_dim(spec: Spec, shape: Sequence[int], what: str) -> int | None:
+    """The dimension ``spec`` splits (None for a replicated tensor), checked against ``shape``."""
+    if isinstance(spec, Replicated):
+        return None
+    if spec.dim >= len(shape):
+        raise LayoutError(f"{what}: rule splits dim {spec.dim} but the tensor has shape {list(shape)}")
+    return spec.dim
+
+
 def local_shape(spec: Spec, global_shape: Sequence[int], tp: int, what: str = "tensor") -> tuple[int, ...]:
     """The shape a tensor-parallel rank holds for a tensor of ``global_shape``."""
     shape = list(global_shape)
-    if isinstance(spec, Replicated):
+    d = _split_dim(spec, shape, what)
+    if d is None:
         return tuple(shape)
-    d = spec.dim
-    if d >= len(shape):
-        raise LayoutError(f"{what}: rule splits dim {d} but the tensor has shape {list(shape)}")
     if isinstance(spec, Split):
         shape[d] = _divide(shape[d], tp, what)
     elif isinstance(spec, VocabSplit):
@@ -131,11 +138,9 @@ def local_shape(spec: Spec, global_shape: Sequence[int], tp: int, what: str = "t
 def global_shape(spec: Spec, local: Sequence[int], tp: int, what: str = "tensor") -> tuple[int, ...]:
     """The global (unpadded) shape of a tensor a tensor-parallel rank holds with shape ``local``."""
     shape = list(local)
-    if isinstance(spec, Replicated):
+    d = _split_dim(spec, shape, what)
+    if d is None:
         return tuple(shape)
-    d = spec.dim
-    if d >= len(shape):
-        raise LayoutError(f"{what}: rule splits dim {d} but the local tensor has shape {list(shape)}")
     if isinstance(spec, VocabSplit):
         if shape[d] * tp != spec.padded(tp):
             raise LayoutError(f"{what}: {shape[d]} local rows x tp={tp} is not the padded vocabulary "

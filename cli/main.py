@@ -13,7 +13,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 import ckptrepo
+from ckptrepo import plot
 from ckptrepo.errors import CkptRepoError
+from ckptrepo.graph import GraphRow, graph as graph_rows
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -37,6 +39,15 @@ def _when(t: float) -> str:
 
 def _metrics(m: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+def _log_line(v: ckptrepo.Version) -> str:
+    """One version as ``log`` prints it (rich markup)."""
+    refs = f" ({', '.join(v.refs)})" if v.refs else ""
+    step = f"step {v.step}" if v.step is not None else "step -"
+    size = "pruned" if v.pruned else _size(v.size)
+    return (f"[yellow]{v.short_id}[/]{refs}  {step}  {_when(v.time)}  {size}  {_metrics(v.metrics)}  "
+            f"{v.message}").rstrip()
 
 
 def _emit_json(data: Any) -> None:
@@ -78,11 +89,14 @@ def init(ctx: click.Context, url: str | None, exist_ok: bool) -> None:
 @click.option("--since", type=int, default=None, help="Only versions with step >= SINCE.")
 @click.option("--until", type=int, default=None, help="Only versions with step <= UNTIL.")
 @click.option("--stats", "with_stats", is_flag=True, help="Capture statistics of each version.")
+@click.option("--graph", is_flag=True, help="Draw forks and joins of the history (with --all: every branch).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: int | None, until: int | None,
-        with_stats: bool, as_json: bool) -> None:
+        with_stats: bool, graph: bool, as_json: bool) -> None:
     """List versions, newest first (with --all, also snapshots that failed)."""
+    if graph and (as_json or with_stats):
+        raise click.UsageError("--graph cannot be combined with --json or --stats")
     repo = _repo(ctx)
     versions = repo.log(rev, all=all_, limit=max_count, since=since, until=until)
     failures = repo.failures() if all_ else []
@@ -93,14 +107,13 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
         return
     if not versions and not failures:
         click.echo("no versions yet")
-    for v in versions:
-        refs = f" ({', '.join(v.refs)})" if v.refs else ""
-        step = f"step {v.step}" if v.step is not None else "step -"
-        size = "pruned" if v.pruned else _size(v.size)
-        out.print(f"[yellow]{v.short_id}[/]{refs}  {step}  {_when(v.time)}  {size}  "
-                  f"{_metrics(v.metrics)}  {v.message}".rstrip(), markup=True)
+    for row in graph_rows(versions) if graph else [GraphRow("", v) for v in versions]:
+        if row.version is None:   # a line that only connects columns
+            click.echo(row.prefix)
+            continue
+        out.print(row.prefix + _log_line(row.version), markup=True)
         if with_stats:
-            s = stats[v.id]
+            s = stats[row.version.id]
             click.echo("    " + (f"blocking {s['blocking_s'] * 1e3:.1f} ms  capture {s['capture_s'] * 1e3:.1f} ms  "
                                  f"flush {s['flush_s'] * 1e3:.1f} ms  total {s['total_s'] * 1e3:.1f} ms  "
                                  f"{s['gbps']:.2f} GB/s" if s else "no statistics recorded"))
@@ -126,6 +139,9 @@ def show(ctx: click.Context, rev: str, as_json: bool) -> None:
         click.echo(f"refs    {', '.join(v.refs)}")
     click.echo(f"parents {' '.join(v.parents) or '-'}")
     click.echo(f"step    {v.step}\ntime    {_when(v.time)}\nsize    {_size(v.size)}")
+    if d.layout.get("world_size", 1) > 1:
+        degrees = " ".join(f"{k}={d.layout[k]}" for k in ("tp", "pp", "dp", "zero") if k in d.layout)
+        click.echo(f"layout  {degrees + ', ' if degrees else ''}{d.layout['world_size']} ranks")
     if v.metrics:
         click.echo(f"metrics {_metrics(v.metrics)}")
     if v.message:
@@ -243,14 +259,16 @@ def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_t
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def du(ctx: click.Context, as_json: bool) -> None:
-    """Bytes of tensor data per version."""
-    rows = _repo(ctx).du()
+    """Bytes of tensor data per version: unique to it, and shared with other versions (per stored array)."""
+    usage = _repo(ctx).du()
     if as_json:
-        _emit_json([{"id": v.id, "step": v.step, "bytes": n} for v, n in rows])
+        _emit_json(usage.to_json())
         return
-    for v, n in rows:
-        click.echo(f"{v.short_id}  step {v.step if v.step is not None else '-':>8}  {_size(n):>10}")
-    click.echo(f"total {_size(sum(n for _, n in rows))} in {len(rows)} versions")
+    for u in usage.versions:
+        v = u.version
+        click.echo(f"{v.short_id}  step {v.step if v.step is not None else '-':>8}  unique {_size(u.unique_bytes):>10}"
+                   f"  shared {_size(u.shared_bytes):>10}" + ("  pruned" if v.pruned else ""))
+    click.echo(f"total {_size(usage.total_bytes)} stored for {len(usage.versions)} versions (each array counted once)")
 
 
 def _num(v: float | None) -> str:
@@ -329,12 +347,18 @@ def _sparkline(values: list[float]) -> str:
 @click.option("--since", type=int, default=None, help="First step to include.")
 @click.option("--until", type=int, default=None, help="Last step to include.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Also write the rows as CSV.")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
+              help="Also plot them to a PNG file (needs ckptrepo[plot]).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: int | None, until: int | None,
-               csv_path: str | None, as_json: bool) -> None:
+               csv_path: str | None, png_path: str | None, as_json: bool) -> None:
     """A metric of the tensors matching PATTERN (a glob) across versions, with a terminal sparkline."""
+    if png_path:
+        plot.require_matplotlib()
     points = _repo(ctx).trajectory(pattern, metric, rev, since, until)
+    if png_path:
+        plot.trajectory_png(points, png_path, metric, pattern)
     if csv_path:
         import csv
         with open(csv_path, "w", newline="") as f:
@@ -353,6 +377,55 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
         vals = [p.value for p in ps]
         table.add_row(name, _num(vals[0]), _num(vals[-1]), _num(min(vals)), _num(max(vals)), _sparkline(vals))
     out.print(table)
+
+
+@cli.command()
+@click.argument("rev", default="HEAD")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
+              help="Also plot them to a PNG file, one panel per metric (needs ckptrepo[plot]).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def metrics(ctx: click.Context, rev: str, png_path: str | None, as_json: bool) -> None:
+    """The recorded metrics (loss, lr, ...) along the first-parent history of REV, with a terminal sparkline."""
+    if png_path:
+        plot.require_matplotlib()
+    rows = _repo(ctx).metrics(rev)
+    if png_path:
+        plot.metrics_png(rows, png_path, f"metrics of {rev}")
+    if as_json:
+        _emit_json(rows)
+        return
+    table = Table("metric", "first", "last", "min", "max", "trend", title=f"metrics of {rev}", title_justify="left")
+    for name, (_, vals) in plot.metric_series(rows).items():
+        table.add_row(name, _num(vals[0]), _num(vals[-1]), _num(min(vals)), _num(max(vals)), _sparkline(vals))
+    out.print(table)
+
+
+@cli.command()
+@click.argument("rev")
+@click.argument("out_path", metavar="OUT", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp"]), default="torch", show_default=True,
+              help="torch: OUT is a torch.save file; safetensors: OUT is a directory (model.safetensors + "
+                   "objects.json); dcp: OUT is a torch.distributed.checkpoint directory.")
+@click.pass_context
+def export(ctx: click.Context, rev: str, out_path: str, fmt: str) -> None:
+    """Write the full, unsharded state of REV to OUT in a plain checkpoint format."""
+    v = _repo(ctx).export(rev, out_path, format=fmt)
+    click.echo(f"exported {v.short_id} (step {v.step}) to {out_path} as {fmt}")
+
+
+@cli.command(name="import")
+@click.argument("path", type=click.Path())
+@click.option("--trust", is_flag=True,
+              help="Allow full pickle (torch files with arbitrary objects, DCP): it can run code from the file.")
+@click.option("--step", type=int, default=None, help="The training step to record.")
+@click.option("-m", "--message", default=None, help="Version message (default: where it was imported from).")
+@click.pass_context
+def import_(ctx: click.Context, path: str, trust: bool, step: int | None, message: str | None) -> None:
+    """Commit a torch.save file, a DCP checkpoint or a safetensors export as a new version on the current branch."""
+    repo = _repo(ctx)
+    v = repo.import_state(path, trust=trust, step=step, message=message)
+    click.echo(f"imported {path} as {v.short_id} (step {v.step}) on branch {repo.current_branch()!r}")
 
 
 def main() -> None:

@@ -113,7 +113,10 @@ def test_checkout_branch_tag_du_fsck(populated):
     assert run("tag", "v2", "main", repo=url).returncode == 0
     assert set(json.loads(run("tag", "--json", repo=url).stdout)[i]["name"] for i in range(2)) == {"good", "v2"}
     du = json.loads(run("du", "--json", repo=url).stdout)
-    assert len(du) == 3 and all(r["bytes"] == 54 for r in du)
+    assert len(du["versions"]) == 3 and du["total_bytes"] == 3 * 54
+    assert all((r["bytes"], r["unique_bytes"], r["shared_bytes"]) == (54, 54, 0) for r in du["versions"])
+    p = run("du", repo=url)
+    assert p.returncode == 0 and "unique" in p.stdout and p.stdout.splitlines()[-1].startswith("total 162 B")
     p = run("fsck", repo=url)
     assert p.returncode == 0 and "ok" in p.stdout
 
@@ -144,3 +147,26 @@ def test_diff_stats_trajectory_commands(populated, tmp_path):
     p = run("trajectory", "model/*", "--metric", "delta", "--csv", str(csv_path), repo=url)
     assert p.returncode == 0 and "model/w" in p.stdout
     assert csv_path.read_text().splitlines()[0] == "version,step,name,delta" and len(csv_path.read_text().splitlines()) == 5
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_trajectory_and_metrics_png(populated, tmp_path):
+    url, _ = populated
+    p = run("trajectory", "model/*", "--png", str(tmp_path / "t.png"), repo=url)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "t.png").read_bytes().startswith(PNG_MAGIC)
+    p = run("metrics", "--png", str(tmp_path / "m.png"), repo=url)
+    assert p.returncode == 0 and "loss" in p.stdout
+    assert (tmp_path / "m.png").read_bytes().startswith(PNG_MAGIC)
+    assert [r["loss"] for r in json.loads(run("metrics", "--json", repo=url).stdout)] == [3.0, 2.0, 1.0]
+
+
+def test_png_without_matplotlib_is_one_line(populated, tmp_path, monkeypatch):
+    url, _ = populated
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)   # makes their import raise ImportError
+    p = run("trajectory", "model/*", "--png", str(tmp_path / "t.png"), repo=url)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "pip install 'ckptrepo[plot]'" in p.stderr
+    assert not (tmp_path / "t.png").exists()

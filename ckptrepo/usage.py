@@ -1,0 +1,97 @@
+"""Disk usage per version: bytes only it references, bytes it shares with other versions, and the total stored.
+
+A version's tensors are pieces of flat arrays, and a piece may point into an
+array another version wrote (dedup). So "the size of a version" has two useful
+meanings: what deleting it alone would free (unique) and what it reads that
+others read too (shared). Sharing is decided per array: an array that pieces of
+two or more versions point into is shared by all of them, even where they use
+different parts of it. That is the granularity at which gc deletes data, so the
+unique bytes of a version are a good estimate of what pruning it frees.
+Pruned versions store nothing and reference nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .arrays import ArrayInfo
+from .errors import CorruptionError
+from .manifest import Version
+from .providers import TORCH_DTYPES, numel
+
+
+@dataclass(frozen=True)
+class VersionUsage:
+    """One version's share of the repository: bytes of its pieces, split by whether other versions use their arrays."""
+
+    version: Version
+    unique_bytes: int
+    shared_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """All tensor bytes the version references (unique + shared)."""
+        return self.unique_bytes + self.shared_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        v = self.version
+        return {"id": v.id, "step": v.step, "pruned": v.pruned, "unique_bytes": self.unique_bytes,
+                "shared_bytes": self.shared_bytes, "bytes": self.total_bytes}
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    """``du``: one row per version reachable from a ref (newest first) and the bytes stored for all of them."""
+
+    versions: list[VersionUsage]
+    total_bytes: int   # every array referenced by a listed version, counted once
+
+    def to_json(self) -> dict[str, Any]:
+        return {"versions": [u.to_json() for u in self.versions], "total_bytes": self.total_bytes}
+
+
+def disk_usage(repo: Any) -> DiskUsage:
+    """Unique and shared bytes of every version reachable from a ref, and the total stored once."""
+    versions = repo.log(all=True)
+    referrers: dict[str, set[str]] = {}            # array key -> versions with a piece in it
+    pieces: dict[str, list[tuple[str, int]]] = {}  # version -> (array key, bytes) of each piece
+    extent: dict[str, int] = {}                    # array key -> bytes up to the end of its last referenced piece
+    infos: dict[str, dict[str, Any]] = {}          # array key -> its manifest entry, where a manifest lists it
+    for v in versions:
+        if v.pruned:
+            continue
+        m = repo.manifest(v.id)
+        infos.update(m["arrays"])
+        mine = pieces.setdefault(v.id, [])
+        for t in m["tensors"]:
+            itemsize = TORCH_DTYPES[t["dtype"]].itemsize
+            for p in t["pieces"]:
+                n = numel(p["box"][1])
+                key = p["array"]
+                referrers.setdefault(key, set()).add(v.id)
+                mine.append((key, n * itemsize))
+                extent[key] = max(extent.get(key, 0), (p["offset"] + n) * itemsize)
+    rows = []
+    for v in versions:
+        unique = shared = 0
+        for key, n in pieces.get(v.id, ()):
+            if len(referrers[key]) == 1:
+                unique += n
+            else:
+                shared += n
+        rows.append(VersionUsage(v, unique, shared))
+    total = sum(_array_bytes(repo, key, infos, extent[key]) for key in referrers)
+    return DiskUsage(rows, total)
+
+
+def _array_bytes(repo: Any, key: str, infos: dict[str, dict[str, Any]], extent: int) -> int:
+    """Stored bytes of array ``key``: from a manifest that lists it (its own version's, even if that one is pruned
+    or unreachable), else at least up to the end of its last referenced piece."""
+    info = infos.get(key)
+    if info is None:
+        owner = key.split("/")[1]
+        try:
+            info = repo.manifest(owner)["arrays"].get(key)
+        except CorruptionError:   # the owner's manifest was collected; its array lives on through the pieces
+            info = None
+    return ArrayInfo.from_json(key, info).nbytes if info is not None else extent

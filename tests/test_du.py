@@ -1,0 +1,38 @@
+"""du: bytes unique to a version and shared with others when pieces point into another version's arrays."""
+from __future__ import annotations
+
+import torch
+
+import ckptrepo
+from ckptrepo.manifest import VERSIONS_PREFIX, seal
+
+
+def test_unique_and_shared_bytes_follow_the_arrays(repo, tmp_path):
+    """v2's float64 tensor reuses v1's stored bytes (as dedup will), so v1's float64 array is shared by both."""
+    url = str(tmp_path / "repo")
+    frozen = torch.randn(10, dtype=torch.float64)                    # 80 B
+    v1 = repo.snapshot({"w": torch.randn(6), "frozen": frozen}, step=1)   # w: 24 B of float32
+    v2 = repo.snapshot({"w": torch.randn(6), "frozen": frozen}, step=2)
+    m1, m2 = repo.manifest(v1.id), repo.manifest(v2.id)
+    shared_key = f"data/{v1.id}/0/float64"
+    m2["tensors"][1]["pieces"] = m1["tensors"][1]["pieces"]
+    m2["arrays"] = {k: v for k, v in m2["arrays"].items() if not k.endswith("float64")}
+    m2["arrays"][shared_key] = m1["arrays"][shared_key]
+    repo.store.put(VERSIONS_PREFIX + v2.id, seal(m2))
+    repo.store.delete_prefix(f"data/{v2.id}/0/float64/")
+
+    usage = ckptrepo.open(url).du()
+    rows = {u.version.id: u for u in usage.versions}
+    assert [u.version.id for u in usage.versions] == [v2.id, v1.id]
+    assert (rows[v1.id].unique_bytes, rows[v1.id].shared_bytes) == (24, 80)
+    assert (rows[v2.id].unique_bytes, rows[v2.id].shared_bytes, rows[v2.id].total_bytes) == (24, 80, 104)
+    assert usage.total_bytes == 24 + 24 + 80                         # the shared array counted once
+
+    ckptrepo.open(url).gc(keep_last=1)                                # prunes v1; its float64 array lives on for v2
+    usage = ckptrepo.open(url).du()
+    rows = {u.version.id: u for u in usage.versions}
+    assert rows[v1.id].version.pruned and (rows[v1.id].unique_bytes, rows[v1.id].shared_bytes) == (0, 0)
+    assert (rows[v2.id].unique_bytes, rows[v2.id].shared_bytes) == (104, 0)
+    assert usage.total_bytes == 104
+    assert usage.to_json()["versions"][0] == {"id": v2.id, "step": 2, "pruned": False, "unique_bytes": 104,
+                                              "shared_bytes": 0, "bytes": 104}
