@@ -110,7 +110,8 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     per_rank = tmpl if world > 1 else None
     sharder = Sharder(target, rank, per_rank, gshape_of=lambda n: shapes[n][0] if n in shapes else None)
     sharded = sharder.shard(records)
-    if changed and layout is not None:   # an unsharded load (no layout) takes saved rank 0's, as documented
+    # an unsharded load (no layout) takes saved rank 0's, as documented; DTensors under a process group do not
+    if changed and (layout is not None or target.world_size > 1):
         moved = sorted({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n})
         if moved:
             warnings.warn(f"layout changed ({_layout_str(manifest)} -> {target}): per-rank state "
