@@ -30,6 +30,21 @@ _MISSING = (1 << 64) - 1       # shard index entry of an absent inner chunk
 _IOV_MAX = 1024
 
 
+_bytes_read = 0
+_bytes_lock = threading.Lock()
+
+
+def bytes_read() -> int:
+    """Bytes this process has read through the direct path so far (the counterpart of TensorStore's metrics)."""
+    return _bytes_read
+
+
+def _count(n: int) -> None:
+    global _bytes_read
+    with _bytes_lock:
+        _bytes_read += n
+
+
 class Unexpected(Exception):
     """The direct path met something it does not handle; the run is read through TensorStore instead."""
 
@@ -95,6 +110,7 @@ class DirectReader:
             size = os.fstat(fd).st_size
             length = 16 * n + 4
             raw = os.pread(fd, length, size - length) if size >= length else b""
+            _count(len(raw))
             if len(raw) != length or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
                 raise Unexpected(f"{key}: shard index")
         except BaseException:
@@ -172,6 +188,7 @@ def _preadv(fd: int, iov: list[np.ndarray], offset: int) -> None:
             got = os.preadv(fd, views, offset + done)
             if got <= 0:
                 raise Unexpected("short read")
+            _count(got)
             done += got
         offset += want
         i += _IOV_MAX

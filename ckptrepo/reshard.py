@@ -7,7 +7,13 @@ boxes is a set of element runs in the saved piece's row-major storage
 spans only across gaps smaller than an inner chunk (TensorStore fetches and
 verifies whole inner chunks anyway), and every span is read with a
 TensorStore byte-range read, all issued at once in one ``ts.Batch``. A span's
-elements are then scattered into the target view with one strided copy.
+elements are then scattered into the target view with one strided copy. On a
+local ``file`` store, spans are read by :class:`ckptrepo.localread.DirectReader`
+(``preadv``, crc32c checked; spans sharing an inner chunk in one go, so it is
+read once): a span that lands in one contiguous stretch of the target (a
+whole piece, a pipeline stage, a column-parallel slice) straight into it,
+others into a buffer they are scattered from. Anything unexpected falls back
+to TensorStore.
 
 ``ReadStats`` counts what was needed, what was requested, and (through
 TensorStore's kvstore metrics) what storage actually delivered.
@@ -21,9 +27,12 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from . import reader
 from .arrays import ArrayHandles, ArrayInfo
 from .boxes import Box, intersect, row_major_strides, runs, slices, volume
 from .errors import CorruptionError, StorageError
+from . import localread
+from .localread import DirectReader
 from .providers import TORCH_DTYPES
 from .sharding import Piece
 from .store import Store
@@ -50,8 +59,9 @@ class _Span:
 
 
 def kvstore_bytes_read() -> int:
-    """Bytes every TensorStore kvstore driver of this process has read so far (file, s3, gcs, memory)."""
-    total = 0
+    """Bytes this process has read from storage so far: every TensorStore kvstore driver's own counter
+    (file, s3, gcs, memory) plus the direct local-file path's."""
+    total = localread.bytes_read()
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
         if m["name"].endswith("/bytes_read"):
             total += sum(int(v.get("value", 0)) for v in m.get("values", []))
@@ -68,24 +78,122 @@ def read_pieces(store: Store, manifest: dict[str, Any], targets: list[Piece],
         saved[t["name"]] = [((tuple(p["box"][0]), tuple(p["box"][1])), p["array"], p["offset"]) for p in t["pieces"]]
     spans = _plan(targets, saved, arrays, stats)
     handle = ArrayHandles(store, arrays).get
-    i = 0
-    while i < len(spans):
-        batch, group, nbytes = ts.Batch(), [], 0
-        while i < len(spans) and (not group or nbytes < INFLIGHT_BYTES):
-            sp = spans[i]
-            group.append((sp, handle(sp.array)[sp.start:sp.stop].read(batch=batch)))
-            nbytes += (sp.stop - sp.start) * arrays[sp.array].itemsize
-            i += 1
-        batch.submit()
-        for sp, fut in group:
-            try:
-                data = fut.result()
-            except Exception as err:  # noqa: BLE001
-                raise _span_error(arrays[sp.array], sp, err) from err
-            src = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[arrays[sp.array].dtype])
-            for job in sp.jobs:
-                _scatter(src, sp.start, *job)
+    direct = DirectReader.for_store(store) if reader.DIRECT_READS else None
+    try:
+        i = 0
+        while i < len(spans):
+            batch, group, nbytes = ts.Batch(), [], 0
+            while i < len(spans) and (not group or nbytes < INFLIGHT_BYTES):
+                if direct is not None:
+                    run = _direct_run(spans, i, arrays)
+                    info = arrays[run.array]
+                    handle(run.array)  # checks the array's metadata against the manifest on either path
+                    futs = direct.submit(info, run, run.entries, dict(enumerate(run.dests)))
+                    group.append((list(zip(run.spans, run.scratch)), None, futs))
+                    nbytes += (run.stop - run.start) * info.itemsize
+                    i += len(run.spans)
+                    continue
+                sp = spans[i]
+                group.append(([sp], handle(sp.array)[sp.start:sp.stop].read(batch=batch), None))
+                nbytes += (sp.stop - sp.start) * arrays[sp.array].itemsize
+                i += 1
+            batch.submit()
+            for members, fut, direct_futs in group:
+                if direct_futs is not None:
+                    try:
+                        for f in direct_futs:
+                            f.result()
+                    except Exception:  # noqa: BLE001 - anything unexpected: TensorStore reads (and judges) them
+                        pass
+                    else:
+                        for sp, scratch in members:
+                            if scratch is not None:  # a strided part: read whole, now scattered
+                                for job in sp.jobs:
+                                    _scatter(scratch, sp.start, *job)
+                        continue
+                    members = [sp for sp, _ in members]
+                for sp in members:
+                    _read_span_ts(sp, handle(sp.array) if fut is None else None, fut, arrays[sp.array])
+    finally:
+        if direct is not None:
+            direct.close()
     return stats
+
+
+def _read_span_ts(sp: _Span, h: Any, fut: Any, info: ArrayInfo) -> None:
+    """Finish (or, with ``h``, issue) a span's TensorStore read and scatter it into the targets."""
+    try:
+        data = (h[sp.start:sp.stop].read() if fut is None else fut).result()
+    except Exception as err:  # noqa: BLE001
+        raise _span_error(info, sp, err) from err
+    src = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[info.dtype])
+    for job in sp.jobs:
+        _scatter(src, sp.start, *job)
+
+
+@dataclass
+class _Entry:
+    offset: int
+    numel: int
+
+
+@dataclass
+class _DirectRun:
+    """Consecutive spans of one array read in one go by localread.DirectReader, each into its target memory.
+
+    Spans that share an inner chunk are read together so that chunk is read once.
+    """
+
+    array: str
+    start: int
+    stop: int
+    spans: list[_Span] = field(default_factory=list)
+    entries: list[_Entry] = field(default_factory=list)
+    dests: list[torch.Tensor] = field(default_factory=list)
+    scratch: list[torch.Tensor | None] = field(default_factory=list)   # per span: a buffer to scatter from
+
+    def add(self, sp: _Span, info: ArrayInfo) -> None:
+        dest = _contiguous_destination(sp, info)
+        scratch = None
+        if dest is None:
+            dest = scratch = torch.empty(sp.stop - sp.start, dtype=TORCH_DTYPES[info.dtype])
+        self.spans.append(sp)
+        self.entries.append(_Entry(sp.start, sp.stop - sp.start))
+        self.dests.append(dest)
+        self.scratch.append(scratch)
+        self.stop = sp.stop
+
+    @property
+    def members(self) -> range:
+        return range(len(self.entries))
+
+
+def _direct_run(spans: list[_Span], i: int, arrays: dict[str, ArrayInfo]) -> _DirectRun:
+    """The direct read starting at span ``i``: it and the following spans that share its inner chunks."""
+    info = arrays[spans[i].array]
+    run = _DirectRun(spans[i].array, spans[i].start, spans[i].stop)
+    run.add(spans[i], info)
+    inner = info.inner_elems
+    j = i + 1
+    while j < len(spans) and spans[j].array == run.array and spans[j].start >= run.stop \
+            and spans[j].start // inner <= (run.stop - 1) // inner:
+        run.add(spans[j], info)
+        j += 1
+    return run
+
+
+def _contiguous_destination(sp: _Span, info: ArrayInfo) -> torch.Tensor | None:
+    """The target memory a span can be read into directly: one run landing in a contiguous CPU view."""
+    if len(sp.jobs) != 1:
+        return None
+    tp, _sbox, part, _offset, starts, length = sp.jobs[0]
+    if len(starts) != 1 or length != volume(part[1]):
+        return None
+    dest = tp.view[slices([p - t for p, t in zip(part[0], tp.box[0])], part[1])]
+    if dest.device.type != "cpu" or not dest.is_contiguous() or dest.dtype != TORCH_DTYPES[info.dtype] \
+            or dest.requires_grad or dest.is_conj() or dest.is_neg():
+        return None
+    return dest
 
 
 def _plan(targets: list[Piece], saved: dict[str, list[tuple[Box, str, int]]], arrays: dict[str, ArrayInfo],
