@@ -18,6 +18,10 @@ state: ``attach(optimizer)`` installs a pre-step hook that does so, or call
 ``wait_captured()``. It never waits for storage. A failed write never raises
 inside training: the version is not committed, a failure record is written, and
 the error is raised by the next ``snapshot``/``wait``/``wait_captured``/``close``.
+
+Dedup: a tensor whose bytes did not change since the last version this
+snapshotter committed is not written again; its piece points at the stored
+bytes (see ``_Stored`` and ``Snapshotter._decide``).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from . import faults
 from .arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
@@ -131,12 +136,31 @@ class SnapshotHandle:
         return f"SnapshotHandle({self.id[:12]}, step={self.step}, {state})"
 
 
+DedupKey = tuple  # (dtype, shape, stride, data_ptr, autograd version) of a live CPU tensor
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Dedup: one tensor of the last version this snapshotter committed, and where its bytes are stored.
+
+    ``digest`` is the xxh3-128 of exactly the bytes stored at ``array``/``offset``
+    (None when they were not hashed); ``info`` is the array's ArrayInfo JSON,
+    copied into the manifest of every version that reuses the piece.
+    """
+
+    key: DedupKey
+    digest: int | None
+    array: str
+    offset: int
+    info: dict[str, Any]
+
+
 @dataclass
 class _Job:
     handle: SnapshotHandle
     skeleton: Any
     records: list[TensorRecord]
-    plan: WritePlan
+    plan: WritePlan | None          # None until the capture thread has decided what to write (dedup)
     message: str
     metrics: dict[str, Any]
     started: float
@@ -144,6 +168,13 @@ class _Job:
     names: list[list[Any]] = field(default_factory=list)    # distributed: [name, dtype, global shape] this rank holds
     boxes: list[Any] = field(default_factory=list)          # distributed: the global box of each record (piece)
     ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
+    # dedup (single process, CPU tensors): see Snapshotter._decide
+    keys: list[DedupKey | None] = field(default_factory=list)   # per record; None: never deduped nor hashed
+    match: dict[int, _Stored] = field(default_factory=dict)      # record -> last committed tensor with its key
+    reused: dict[int, _Stored] = field(default_factory=dict)     # record -> stored bytes it points at instead
+    written: list[int] = field(default_factory=list)            # records written, in plan order
+    watch: set[int] = field(default_factory=set)                # records to hash if written (maybe frozen)
+    hashers: dict[int, Any] = field(default_factory=dict)        # plan index -> xxh3-128 of its staged bytes
     arrays: dict[str, ArrayInfo] = field(default_factory=dict)
     handles: dict[str, Any] = field(default_factory=dict)
     remaining: int = 0
@@ -181,11 +212,17 @@ class Snapshotter:
     Plain Python values and the structure are recorded during ``snapshot``
     itself. Buffers of ``nn.Module``s in the state (BatchNorm running
     statistics change in forward) are copied during ``snapshot``.
+
+    With ``dedup`` (the default; single process only), a CPU tensor whose
+    bytes equal those of the same tensor in the last version this snapshotter
+    committed is not written again: its piece points at the stored bytes. The
+    training thread only compares (data_ptr, version counter, dtype, shape,
+    stride); the capture thread confirms with an xxh3-128 of the bytes.
     """
 
     def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None,
                  record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
-                 group: Any = None, commit_timeout_s: float = 600.0) -> None:
+                 group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True) -> None:
         self.rank, self.world_size = process_group_rank()
         if parallel_layout is not None and parallel_layout.world_size != self.world_size:
             raise LayoutError(f"the layout ({parallel_layout}) has {parallel_layout.world_size} ranks but "
@@ -195,6 +232,8 @@ class Snapshotter:
         self.distributed = self.world_size > 1
         self.group = group
         self.commit_timeout_s = commit_timeout_s
+        self.dedup = dedup and not self.distributed   # distributed snapshots always write everything
+        self._stored: dict[str, _Stored] = {}         # dedup: the last committed version's tensors, by name
         head = repo.refs.head()
         if head.branch is None:
             raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
@@ -232,25 +271,30 @@ class Snapshotter:
         if self._closed:
             raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
         skeleton, records = flatten(state)
+        keys = [_dedup_key(r) for r in records] if self.dedup else []   # of the live tensors, before buffer copies
         _copy_module_buffers(state, records)
         vid, leaf_names, names, boxes = new_version_id(), [], [], []
         if self.distributed:
             vid, records, boxes, leaf_names, names = self._shard(records)
-        plan = self.repo.plans.get(records, self.shard_bytes)
         handle = SnapshotHandle(vid, None if step is None else int(step))
-        job = _Job(handle, skeleton, records, plan, message, plain_metrics(metrics or {}), started=t0,
-                   leaf_names=leaf_names, names=names, boxes=boxes)
-        job.remaining = len(plan.segments)
-        job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
-                      for d, (n, s, i) in plan.streams.items()}
-        handle.stats.bytes = plan.nbytes
+        job = _Job(handle, skeleton, records, None, message, plain_metrics(metrics or {}), started=t0,
+                   leaf_names=leaf_names, names=names, boxes=boxes, keys=keys)
+        stored = self._stored   # replaced (never mutated) by the commit thread
+        for i, key in enumerate(keys):
+            if key is None:
+                continue
+            prev = stored.get(records[i].name)
+            if prev is None or prev.key == key:   # new to this snapshotter, or looks unchanged: worth hashing
+                job.watch.add(i)
+                if prev is not None:
+                    job.match[i] = prev
+        if not any(m.digest is not None for m in job.match.values()):
+            self._plan(job, list(range(len(records))))   # nothing can be reused: plan here, as without dedup
         devices = {r.tensor.device for r in records if r.tensor.device.type == "cuda"}
         for dev in devices:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             job.ready.append(ev)
-        if job.remaining == 0:
-            job.data_done.set()
         self._start_threads()
         with self._lock:
             self._inflight.append(job)
@@ -258,6 +302,41 @@ class Snapshotter:
         self._commit_q.put(job)
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle
+
+    def _plan(self, job: _Job, written: list[int]) -> None:
+        """Plan the records to write (all but the reused ones) and account for their segments.
+
+        Runs in ``snapshot()``, or in the capture thread once dedup has decided;
+        either way before any segment of the job is queued.
+        """
+        plan = self.repo.plans.get([job.records[i] for i in written], self.shard_bytes)
+        job.written = written
+        job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
+                      for d, (n, s, i) in plan.streams.items()}
+        job.hashers = {pi: xxhash.xxh3_128() for pi, ri in enumerate(written) if ri in job.watch}
+        job.handle.stats.bytes = plan.nbytes
+        job.remaining = len(plan.segments)
+        job.plan = plan
+        if job.remaining == 0:
+            job.data_done.set()
+
+    def _decide(self, job: _Job) -> None:
+        """Capture thread, before planning: which matched tensors reuse their stored bytes.
+
+        The key match in ``snapshot()`` (same name, dtype, shape, stride, storage
+        and autograd version as in the last committed version) only says which
+        tensors are worth hashing: writes through ``.data`` or a numpy view leave
+        the version counter alone. A stored piece is reused only when the
+        xxh3-128 of the current bytes equals the hash of the bytes stored there.
+        """
+        written = []
+        for i, r in enumerate(job.records):
+            prev = job.match.get(i)
+            if prev is not None and prev.digest is not None and _digest(r.tensor) == prev.digest:
+                job.reused[i] = prev
+            else:
+                written.append(i)
+        self._plan(job, written)
 
     def _shard(self, records: list[TensorRecord]) -> tuple[str, list[TensorRecord], list[Any], list[str],
                                                            list[list[Any]]]:
@@ -391,15 +470,23 @@ class Snapshotter:
                 job.handle._captured.set()
 
     def _capture(self, job: _Job) -> None:
+        if job.plan is None:
+            try:
+                self._decide(job)
+            except BaseException:
+                job.data_done.set()   # no segment was queued; the commit thread sees the job's error
+                raise
+        plan = job.plan
+        assert plan is not None
         flat: dict[int, torch.Tensor] = {}
         cuda = bool(job.ready)
         if cuda and self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
 
-        def source(i: int) -> torch.Tensor:
+        def source(i: int) -> torch.Tensor:   # i: index in the plan (of the written records)
             t = flat.get(i)
             if t is None:
-                t = flat[i] = job.records[i].tensor.resolve_conj().resolve_neg().reshape(-1)
+                t = flat[i] = job.records[job.written[i]].tensor.resolve_conj().resolve_neg().reshape(-1)
                 if t.is_cuda:  # the caching allocator must not reuse it before the side stream is done
                     t.record_stream(self._side_stream)
             return t
@@ -407,7 +494,7 @@ class Snapshotter:
         last_event = None
         queued = 0
         try:
-            for seg in job.plan.segments:
+            for seg in plan.segments:
                 buf = self.pool.take()
                 if job.error is not None:
                     self._flush_q.put((job, seg, buf, None, None))
@@ -419,11 +506,11 @@ class Snapshotter:
                         with torch.cuda.stream(self._side_stream):
                             for ev in job.ready:
                                 self._side_stream.wait_event(ev)
-                            view = fill_segment(seg, source, buf, non_blocking=True)
+                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.hashers)
                             last_event = torch.cuda.Event()
                             last_event.record(self._side_stream)
                     else:
-                        view = fill_segment(seg, source, buf)
+                        view = fill_segment(seg, source, buf, hashers=job.hashers)
                 except BaseException:
                     self.pool.give(buf)
                     raise
@@ -432,7 +519,7 @@ class Snapshotter:
             if last_event is not None:
                 last_event.synchronize()
         except BaseException as err:  # noqa: BLE001 - the segments never queued are accounted as failed
-            for _ in range(len(job.plan.segments) - queued):
+            for _ in range(len(plan.segments) - queued):
                 job.segment_done(err)
             raise
 
@@ -505,9 +592,46 @@ class Snapshotter:
     def _commit(self, job: _Job) -> Version:
         if self.distributed:
             return self._commit_distributed(job)
+        assert job.plan is not None
+        if job.reused:
+            self._check_reused(job)
         manifest = build_manifest(job.vid, self._tip, job.handle.step, job.message, job.metrics, job.records,
-                                  job.plan, job.arrays, job.skeleton)
-        return self._publish(job, manifest)
+                                  job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused)
+        version = self._publish(job, manifest)
+        if self.dedup:
+            self._remember(job)
+        return version
+
+    def _check_reused(self, job: _Job) -> None:
+        """The arrays a version reuses must still be there (gc deletes an array no kept version refers to)."""
+        for key, info in sorted({s.array: s.info for s in job.reused.values()}.items()):
+            array = ArrayInfo.from_json(key, info)
+            present = set(self.repo.store.list(key + "/"))
+            missing = [k for k in [f"{key}/zarr.json", *(array.shard_key(s) for s in array.shards())]
+                       if k not in present]
+            if missing:
+                self._stored = {}   # write everything again from the next snapshot on
+                raise StorageError(f"{missing[0]} was deleted (gc) while snapshot {job.vid[:12]} was in flight "
+                                   f"and this snapshot reuses its unchanged tensors; take the snapshot again "
+                                   f"(the next one writes every tensor), and run gc between snapshotter.wait() "
+                                   f"and the next snapshot")
+
+    def _remember(self, job: _Job) -> None:
+        """After a commit: this version's tensors become what the next snapshots compare with (dedup)."""
+        assert job.plan is not None
+        placement = {ri: pi for pi, ri in enumerate(job.written)}
+        stored: dict[str, _Stored] = {}
+        for i, (r, key) in enumerate(zip(job.records, job.keys)):
+            if key is None:
+                continue
+            if i in job.reused:
+                stored[r.name] = job.reused[i]
+                continue
+            pi = placement[i]
+            p, h = job.plan.placements[pi], job.hashers.get(pi)
+            info = job.arrays[p.dtype]
+            stored[r.name] = _Stored(key, None if h is None else h.intdigest(), info.key, p.offset, info.to_json())
+        self._stored = stored   # replaced whole: snapshot() reads it without a lock
 
     def _commit_distributed(self, job: _Job) -> Version:
         """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see distributed.py)."""
@@ -587,8 +711,27 @@ class Snapshotter:
 
 def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
                    records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
-                   skeleton: Any) -> dict[str, Any]:
-    """The version manifest for a single-process snapshot (see docs/format.md)."""
+                   skeleton: Any, written: list[int] | None = None,
+                   reused: dict[int, _Stored] | None = None) -> dict[str, Any]:
+    """The version manifest for a single-process snapshot (see docs/format.md).
+
+    ``plan`` covers the ``written`` records (default: all); a ``reused`` record's
+    piece points at bytes an earlier version stored, and that array is listed
+    in ``arrays`` too. ``size`` counts only the bytes this version wrote.
+    """
+    reused = reused or {}
+    placement = dict(zip(range(len(records)) if written is None else written, plan.placements))
+    listed = {a.key: a.to_json() for a in arrays.values()}
+    for s in reused.values():
+        listed.setdefault(s.array, s.info)
+
+    def pieces(i: int, r: TensorRecord) -> list[dict[str, Any]]:
+        box = [[0] * len(r.shape), list(r.shape)]
+        if i in reused:
+            return [{"box": box, "array": reused[i].array, "offset": reused[i].offset}]
+        p = placement[i]
+        return [{"box": box, "array": arrays[p.dtype].key, "offset": p.offset}] if p.numel else []
+
     return {
         "format_version": FORMAT_VERSION,
         "id": vid,
@@ -600,14 +743,29 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
         "host": socket.gethostname(),
         "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
         "size": sum(a.nbytes for a in arrays.values()),
-        "arrays": {a.key: a.to_json() for a in arrays.values()},
-        "tensors": [
-            {"name": r.name, "dtype": r.dtype, "shape": list(r.shape),
-             "pieces": ([{"box": [[0] * len(r.shape), list(r.shape)], "array": arrays[p.dtype].key,
-                          "offset": p.offset}] if p.numel else [])}
-            for r, p in zip(records, plan.placements)],
+        "arrays": listed,
+        "tensors": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "pieces": pieces(i, r)}
+                    for i, r in enumerate(records)],
         "tree": skeleton,
     }
+
+
+def _dedup_key(r: TensorRecord) -> DedupKey | None:
+    """What must be unchanged for a tensor to be worth hashing; None: never dedup it (CUDA, empty)."""
+    t = r.tensor
+    if t.device.type != "cpu" or not r.numel:
+        return None
+    try:
+        version = t._version
+    except RuntimeError:   # inference tensors have no version counter: the hash alone decides
+        version = -1
+    return (r.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), version)
+
+
+def _digest(t: torch.Tensor) -> int:
+    """xxh3-128 of a CPU tensor's bytes in row-major order (no copy when contiguous)."""
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    return xxhash.xxh3_128_intdigest(flat.view(torch.uint8).numpy())
 
 
 def _first_line(err: BaseException) -> str:

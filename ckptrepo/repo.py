@@ -151,7 +151,7 @@ class Repository:
         """
         from .capture import Snapshotter
         with Snapshotter(self, host_memory=self.host_memory, record_failures=False,
-                         parallel_layout=parallel_layout) as snap:
+                         parallel_layout=parallel_layout, dedup=False) as snap:  # no previous version to dedup against
             handle = snap.snapshot(state, step=step, message=message, metrics=metrics)
             try:
                 return handle.result()
@@ -160,17 +160,20 @@ class Repository:
 
     def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None,
                     parallel_layout: "ParallelLayout | None" = None, group: Any = None,
-                    commit_timeout_s: float = 600.0) -> "Snapshotter":
+                    commit_timeout_s: float = 600.0, dedup: bool = True) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
         if set, else a quarter of the available memory, at most 8 GiB). Under
         torch.distributed every rank makes the same ``snapshot`` calls; the
         layout's rules (or the DTensors' placements) name what each rank holds.
+        ``dedup``: a CPU tensor whose bytes are unchanged since this snapshotter's
+        previous version is not written again (single process only).
         """
         from .capture import Snapshotter
         return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
-                           parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s)
+                           parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
+                           dedup=dedup)
 
     def remember_manifest(self, manifest: dict[str, Any]) -> None:
         """Cache a manifest this process just committed (manifests never change)."""

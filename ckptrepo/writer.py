@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -104,18 +104,20 @@ class PlanCache:
         self._plans: OrderedDict[tuple, WritePlan] = OrderedDict()
         self.capacity = capacity
         self.misses = 0
+        self._lock = threading.Lock()  # snapshot() threads and capture threads (dedup plans there) share it
 
     def get(self, records: Sequence[TensorRecord], shard_bytes: int | None = None) -> WritePlan:
         key = (plan_signature(records), shard_bytes)
-        plan = self._plans.get(key)
-        if plan is None:
-            self.misses += 1
-            plan = self._plans[key] = make_plan(records, shard_bytes)
-            while len(self._plans) > self.capacity:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return plan
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                self.misses += 1
+                plan = self._plans[key] = make_plan(records, shard_bytes)
+                while len(self._plans) > self.capacity:
+                    self._plans.popitem(last=False)
+            else:
+                self._plans.move_to_end(key)
+            return plan
 
 
 class StagingPool:
@@ -149,7 +151,7 @@ class StagingPool:
 
 
 def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf: torch.Tensor,
-                 non_blocking: bool = False) -> np.ndarray:
+                 non_blocking: bool = False, hashers: Mapping[int, Any] | None = None) -> np.ndarray:
     """Copy the segment's tensor slices into ``buf``; return the numpy view TensorStore will write.
 
     CPU sources are copied with a plain single-threaded memcpy (numpy): torch's
@@ -157,6 +159,11 @@ def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf:
     fights the training loop's team for the same cores. With ``non_blocking``
     (CUDA sources, pinned ``buf``) the copies are only queued on the current
     stream: the caller must synchronise before writing.
+
+    ``hashers`` (tensor index -> incremental hash, e.g. ``xxhash.xxh3_128()``)
+    are fed the staged bytes of those tensors (CPU sources only): the hash of
+    exactly what is written. A tensor's slices come in order as long as the
+    segments of its dtype are filled in plan order.
     """
     torch_dtype = TORCH_DTYPES[seg.dtype]
     item = torch.empty((), dtype=torch_dtype).element_size()
@@ -167,7 +174,10 @@ def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf:
     for idx, src, dst, count in seg.parts:
         piece = flat_sources(idx)[src:src + count]
         if piece.device.type == "cpu":
-            np.copyto(raw_np[dst * item:(dst + count) * item], piece.view(torch.uint8).numpy())
+            staged = raw_np[dst * item:(dst + count) * item]
+            np.copyto(staged, piece.view(torch.uint8).numpy())
+            if hashers is not None and idx in hashers:
+                hashers[idx].update(staged)
         else:
             typed = raw.view(torch_dtype) if typed is None else typed
             typed[dst:dst + count].copy_(piece, non_blocking=non_blocking)
