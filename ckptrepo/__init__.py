@@ -8,6 +8,7 @@ from . import rules
 from .errors import (CkptRepoError, ConflictError, CorruptionError, DetachedHeadError, FormatVersionError,
                      LayoutError, NotARepositoryError, RefError, RepositoryExistsError, RevisionError,
                      StateMismatchError, StorageError, UnsupportedValueError)
+from .gc import RetentionPolicy
 from .layout import ParallelLayout
 from .manifest import Version
 from .repo import Repository, VersionDetails, init, load, open
@@ -16,7 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadError", "FormatVersionError", "LayoutError",
-    "ParallelLayout", "load", "rules",
+    "ParallelLayout", "RetentionPolicy", "load", "rules",
     "NotARepositoryError", "RefError", "RepositoryExistsError", "RevisionError", "StateMismatchError",
     "StorageError", "UnsupportedValueError", "Repository", "Version", "VersionDetails", "init", "open",
 ]

@@ -44,6 +44,7 @@ from .arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
 from .boxes import volume
 from .distributed import Staging, all_gather, merge_rank_manifests, process_group_rank, assign_writers
 from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, SnapshotFailedError, StorageError
+from .gc import RetentionPolicy
 from .layout import ParallelLayout
 from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
                        version_from_manifest)
@@ -222,8 +223,11 @@ class Snapshotter:
 
     def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None,
                  record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
-                 group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True) -> None:
+                 group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
+                 retention: RetentionPolicy | None = None) -> None:
         self.rank, self.world_size = process_group_rank()
+        self.retention = retention
+        self._commits = 0
         if parallel_layout is not None and parallel_layout.world_size != self.world_size:
             raise LayoutError(f"the layout ({parallel_layout}) has {parallel_layout.world_size} ranks but "
                               f"torch.distributed has {self.world_size}; initialise the process group first "
@@ -584,10 +588,14 @@ class Snapshotter:
             else:
                 stats.total_s = time.perf_counter() - job.started
                 job.handle._version = version
+                self._commits += 1
             finally:
                 with self._lock:
                     self._inflight.remove(job)
                 job.handle._done.set()
+            if job.handle._error is None and self.retention is not None and self.rank == 0 \
+                    and self._commits % max(1, self.retention.every_commits) == 0:
+                self._apply_retention()
 
     def _commit(self, job: _Job) -> Version:
         if self.distributed:
@@ -658,6 +666,18 @@ class Snapshotter:
             raise
         staging.publish_outcome(None)
         return version
+
+    def _apply_retention(self) -> None:
+        """Background gc after a commit; a failure is logged and raised by the next call, like a failed snapshot."""
+        try:
+            self.retention.apply(self.repo)
+        except Exception as err:  # noqa: BLE001 - never kills the commit thread
+            failure = SnapshotFailedError(f"background retention (gc) failed: {_first_line(err)}; "
+                                          f"run `ckptrepo gc` by hand")
+            failure.__cause__ = err
+            log.error("ckptrepo: %s", failure)
+            with self._lock:
+                self._errors.append(failure)
 
     def _publish_failure(self, job: _Job, err: BaseException) -> None:
         """Let the other ranks know at once (rank 0 aborts the version; the others stop waiting)."""

@@ -43,6 +43,26 @@ class GcReport:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Retention rules a snapshotter applies in the background, every ``every_commits`` commits.
+
+    The same rules as ``repo.gc(...)``; the grace period protects what a
+    concurrent writer (or this snapshotter's next snapshot) has in flight.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_tagged: bool = True
+    keep_branch_heads: bool = True
+    grace_period_s: float = DEFAULT_GRACE_S
+    every_commits: int = 1
+
+    def apply(self, repo: Any) -> GcReport:
+        return collect(repo, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
+                       self.grace_period_s)
+
+
 def pruned_ids(repo: Any) -> set[str]:
     """Versions whose data gc deleted."""
     return {k[len(PRUNED_PREFIX):] for k in repo.store.list(PRUNED_PREFIX)}

@@ -31,6 +31,7 @@ from .store import Store
 
 if TYPE_CHECKING:
     from .capture import Snapshotter
+    from .gc import RetentionPolicy
     from .layout import ParallelLayout
     from .reshard import ReadStats
 from .writer import PlanCache
@@ -160,7 +161,8 @@ class Repository:
 
     def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None,
                     parallel_layout: "ParallelLayout | None" = None, group: Any = None,
-                    commit_timeout_s: float = 600.0, dedup: bool = True) -> "Snapshotter":
+                    commit_timeout_s: float = 600.0, dedup: bool = True,
+                    retention: "RetentionPolicy | None" = None) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
@@ -169,11 +171,13 @@ class Repository:
         layout's rules (or the DTensors' placements) name what each rank holds.
         ``dedup``: a CPU tensor whose bytes are unchanged since this snapshotter's
         previous version is not written again (single process only).
+        ``retention``: a :class:`ckptrepo.gc.RetentionPolicy` applied in the
+        background after commits (what ``repo.gc(...)`` does by hand).
         """
         from .capture import Snapshotter
         return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
                            parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
-                           dedup=dedup)
+                           dedup=dedup, retention=retention)
 
     def remember_manifest(self, manifest: dict[str, Any]) -> None:
         """Cache a manifest this process just committed (manifests never change)."""

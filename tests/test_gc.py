@@ -102,3 +102,29 @@ def test_cli_gc(repo):
         sys.argv = argv
     assert "pruned 2" in out.getvalue()
     assert [v.pruned for v in ckptrepo.open(repo.url).log()] == [False, False, True, True]
+
+
+def test_a_snapshotter_retention_policy_prunes_in_the_background(repo):
+    policy = ckptrepo.RetentionPolicy(keep_last=2, keep_every=5, grace_period_s=0)
+    with repo.snapshotter(retention=policy) as snap:
+        for s in range(8):
+            snap.snapshot(state_at(s), step=s)
+            snap.wait()
+    log = repo.log()
+    assert [v.step for v in log] == list(range(7, -1, -1))
+    assert {v.step for v in log if not v.pruned} == {7, 6, 5, 0}
+    for s in (7, 6, 5, 0):
+        assert_bit_exact(state_at(s), repo.load(f"@{s}"))
+    assert repo.fsck().ok
+
+
+def test_a_failing_background_retention_is_raised_at_the_next_call(repo, monkeypatch):
+    def broken(self, _repo):
+        raise ckptrepo.StorageError("disk on fire")
+    monkeypatch.setattr(ckptrepo.RetentionPolicy, "apply", broken)
+    snap = repo.snapshotter(retention=ckptrepo.RetentionPolicy(keep_last=1))
+    snap.snapshot(state_at(0), step=0)
+    with pytest.raises(ckptrepo.CkptRepoError, match="retention.*disk on fire"):
+        snap.wait()
+    assert [v.step for v in repo.log()] == [0], "the snapshot itself is committed"
+    snap.close()
