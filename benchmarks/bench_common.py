@@ -1,8 +1,10 @@
 """Helpers shared by the benchmark scripts (run them as `python benchmarks/NAME.py`)."""
 from __future__ import annotations
 
+import json
 import os
 import resource
+from typing import Any, Callable
 
 
 def cpu_s() -> float:
@@ -18,3 +20,13 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def report(summary: dict[str, Any], print_table: Callable[[dict[str, Any]], None], json_path: str | None) -> int:
+    """Print a benchmark's table and, if asked, write its figures as JSON; the script's exit status."""
+    print_table(summary)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(summary, fh, indent=2)
+        print(f"figures written to {json_path}")
+    return 0

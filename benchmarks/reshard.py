@@ -60,6 +60,8 @@ from typing import Any
 
 import torch
 
+from bench_common import report  # noqa: E402 - run as a script from benchmarks/
+
 MiB = 1 << 20
 TARGET_READ_RATIO = 1.1     # bytes read <= 1.1x the bytes needed
 TARGET_TIME_RATIO = 0.5     # ckptrepo load time <= 0.5x DCP's
@@ -440,13 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where to write (a temp dir is made under it); default: the temp dir")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures as JSON to OUT")
     args = p.parse_args(argv)
-    summary = run(args)
-    print_table(summary)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=2)
-        print(f"figures written to {args.json}")
-    return 0
+    return report(run(args), print_table, args.json)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import mmap
 import os
 import shutil
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import cpu_s, fsync_dir  # noqa: E402
+from bench_common import cpu_s, fsync_dir, report  # noqa: E402
 
 import ckptrepo
 
@@ -505,13 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ts-reads", action="store_true",
                    help="add a row for ckptrepo loading through TensorStore only (no direct local-file reads)")
     args = p.parse_args(argv)
-    summary = run(args)
-    print_table(summary)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=2)
-        print(f"figures written to {args.json}")
-    return 0
+    return report(run(args), print_table, args.json)
 
 
 if __name__ == "__main__":

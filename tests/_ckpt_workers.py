@@ -38,7 +38,10 @@ def mp_context() -> Any:
     with _ctx_lock:
         if _ctx is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["ckptrepo", "ckptrepo.capture", "ckptrepo.faults", "_ckpt_workers"])
+            # one forkserver serves every multi-process test: preload what all their workers import
+            ctx.set_forkserver_preload(["ckptrepo", "ckptrepo.capture", "ckptrepo.faults", "_ckpt_workers",
+                                        "_dtensor_workers", "_dist_workers", "torch.distributed.tensor.parallel",
+                                        "torch.distributed.checkpoint.state_dict"])
             _ctx = ctx
     return _ctx
 

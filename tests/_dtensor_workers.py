@@ -16,10 +16,8 @@ worker's traceback).
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import socket
-import threading
 import traceback
 import warnings
 from datetime import timedelta
@@ -28,23 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_ctx: Any = None
-_ctx_lock = threading.Lock()
-
-
-def mp_context() -> Any:
-    """The forkserver context; the server preloads torch.distributed's tensor parallelism and ckptrepo once."""
-    global _ctx
-    with _ctx_lock:
-        if _ctx is None:
-            ctx = multiprocessing.get_context("forkserver")
-            # the forkserver is one per process: keep what tests/_ckpt_workers.py preloads too
-            ctx.set_forkserver_preload(["ckptrepo", "ckptrepo.capture", "ckptrepo.faults", "_ckpt_workers",
-                                        "_dtensor_workers", "torch.distributed.tensor.parallel",
-                                        "torch.distributed.checkpoint.state_dict"])
-            _ctx = ctx
-    return _ctx
-
+from _ckpt_workers import mp_context
 
 def free_port() -> int:
     with socket.socket() as s:
