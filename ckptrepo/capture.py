@@ -47,7 +47,7 @@ from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError
 from .gc import RetentionPolicy
 from .layout import ParallelLayout
 from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
-                       version_from_manifest)
+                       version_from_manifest, version_id_time)
 from .providers import TensorRecord, flatten
 from .sharding import Sharder
 from .writer import Segment, StagingPool, WritePlan, fill_segment
@@ -669,8 +669,11 @@ class Snapshotter:
 
     def _apply_retention(self) -> None:
         """Background gc after a commit; a failure is logged and raised by the next call, like a failed snapshot."""
+        with self._lock:   # never collect what this snapshotter has in flight, or starts meanwhile
+            born = [version_id_time(j.vid) or 0.0 for j in self._inflight]
+        since = min(born + [time.time()]) - 1.0
         try:
-            self.retention.apply(self.repo)
+            self.retention.apply(self.repo, protect_since=since)
         except Exception as err:  # noqa: BLE001 - never kills the commit thread
             failure = SnapshotFailedError(f"background retention (gc) failed: {_first_line(err)}; "
                                           f"run `ckptrepo gc` by hand")

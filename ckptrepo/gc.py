@@ -58,9 +58,9 @@ class RetentionPolicy:
     grace_period_s: float = DEFAULT_GRACE_S
     every_commits: int = 1
 
-    def apply(self, repo: Any) -> GcReport:
+    def apply(self, repo: Any, protect_since: float | None = None) -> GcReport:
         return collect(repo, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
-                       self.grace_period_s)
+                       self.grace_period_s, protect_since=protect_since)
 
 
 def pruned_ids(repo: Any) -> set[str]:
@@ -86,13 +86,15 @@ def reachable_versions(repo: Any, manifests: dict[str, dict[str, Any]]) -> set[s
 
 def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
             keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
-            dry_run: bool = False) -> GcReport:
+            dry_run: bool = False, protect_since: float | None = None) -> GcReport:
     """Apply the retention rules and collect garbage; see the module docstring.
 
     Without ``keep_last``/``keep_every`` every version in the history is kept
     and only unreachable objects are collected. ``keep_last N`` keeps the N
     newest versions of each branch's first-parent history, ``keep_every K``
-    the versions whose step is a multiple of K.
+    the versions whose step is a multiple of K. ``protect_since`` (unix
+    seconds): nothing created at or after it is collected, whatever the grace
+    period (a snapshotter protects the snapshots it has in flight this way).
     """
     now = time.time()
     report = GcReport(dry_run=dry_run)
@@ -127,7 +129,9 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     keep &= reachable
 
     def young(vid: str, t: float | None) -> bool:
-        return t is None or now - t < grace_period_s
+        born = version_id_time(vid)
+        return t is None or now - t < grace_period_s or \
+            (protect_since is not None and (born is None or born >= protect_since))
 
     live_arrays = {p["array"] for vid in keep for t in manifests[vid]["tensors"] for p in t["pieces"]}
     for vid in sorted(reachable):
