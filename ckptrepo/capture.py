@@ -713,7 +713,7 @@ class Snapshotter:
 
     def _record_failure(self, job: _Job, err: BaseException) -> None:
         step = "" if job.handle.step is None else f" at step {job.handle.step}"
-        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        cause = _first_line(err)
         failure = SnapshotFailedError(f"snapshot {job.vid[:12]}{step} was not committed: {cause}")
         failure.__cause__ = err
         job.handle._error = failure
@@ -798,7 +798,7 @@ def _first_line(err: BaseException) -> str:
 def _storage_error(job: _Job, seg: Segment, err: BaseException) -> BaseException:
     if isinstance(err, CkptRepoError):
         return err
-    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    reason = _first_line(err)
     return StorageError(f"writing {job.arrays[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: {reason}")
 
 

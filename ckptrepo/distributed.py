@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .arrays import ArrayInfo
 from .boxes import Box, intersect, volume
 from .errors import LayoutError, SnapshotFailedError
 from .manifest import seal, unseal
@@ -170,16 +171,9 @@ def merge_rank_manifests(ranks: list[dict[str, Any]], layout: "ParallelLayout | 
     lay = layout.to_json() if layout is not None else {}
     lay.update({"world_size": world_size, "ranks": [
         {"rank": p["rank"], "coords": p["coords"], "tree": p["tree"], "leaf_names": p["leaf_names"]} for p in ranks]})
-    itemsize = {k: _itemsize(v["dtype"]) for k, v in arrays.items()}
     return {"layout": lay, "arrays": arrays, "tensors": tensors,
-            "size": sum(v["numel"] * itemsize[k] for k, v in arrays.items()),
+            "size": sum(ArrayInfo.from_json(k, v).nbytes for k, v in arrays.items()),
             "tree": full_tree(ranks[0]["tree"], ranks[0]["leaf_names"], tensors, index, sections)}
-
-
-def _itemsize(dtype: str) -> int:
-    from .arrays import numpy_dtype
-    import numpy as np
-    return np.dtype(numpy_dtype(dtype)).itemsize
 
 
 def full_tree(tree: Any, leaf_names: list[str], tensors: list[dict[str, Any]], index: dict[str, int],

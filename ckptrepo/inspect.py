@@ -20,7 +20,7 @@ import torch
 from .arrays import ArrayInfo, open_array
 from .boxes import flat_boxes, volume
 from .providers import TORCH_DTYPES, numel, plain_values
-from .reshard import read_pieces
+from .reshard import VersionReader
 from .sharding import Piece
 
 CHUNK_BYTES = 2 << 20  # per side, as float64; a few such temporaries are alive at once
@@ -118,6 +118,13 @@ class _Chunks:
         self.manifest = manifest
         self.arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
         self.handles: dict[str, ts.TensorStore] = {}
+        self._pieces: VersionReader | None = None   # for tensors saved as several pieces, made on first need
+
+    @property
+    def pieces(self) -> VersionReader:
+        if self._pieces is None:
+            self._pieces = VersionReader(self.repo.store, self.manifest)
+        return self._pieces
 
     def array_info(self, key: str) -> ArrayInfo:
         info = self.arrays.get(key)
@@ -143,7 +150,7 @@ class _Chunks:
             t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry["dtype"]])
             targets = [Piece(entry["name"], entry["dtype"], shape, box, t[f - start:f - start + volume(box[1])].view(box[1]))
                        for f, box in flat_boxes(shape, start, stop)]
-            read_pieces(self.repo.store, self.manifest, targets)
+            self.pieces.read(targets)
         return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
 from .providers import DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten, unflatten
@@ -90,7 +91,6 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     if layout is None:
         # DTensors to fill under torch.distributed: every process is its own rank, so per-rank state
         # comes from the saved rank with its number (or rank % saved world size when that changed)
-        from .distributed import process_group_rank
         pg_world = process_group_rank()[1] if _has_dtensor(into) else 1
         target = ParallelLayout(dp=pg_world, rules=full_rules(rules))
     elif layout.rules is None and rules is not None:
@@ -98,7 +98,6 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     else:
         target = layout
     if rank is None:
-        from .distributed import process_group_rank
         rank = process_group_rank()[0] if target.world_size > 1 else 0
     tmpl, changed = template_rank(manifest, target, rank)
     tree, leaf_names = rank_tree(manifest, tmpl)

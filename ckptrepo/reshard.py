@@ -68,16 +68,36 @@ def kvstore_bytes_read() -> int:
     return total
 
 
+class VersionReader:
+    """Reads target pieces from one version: its pieces indexed by tensor, its arrays opened once.
+
+    Keep one per version when reading many times (the inspection tools read
+    a tensor chunk by chunk).
+    """
+
+    def __init__(self, store: Store, manifest: dict[str, Any]) -> None:
+        self.store = store
+        self.arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
+        self.saved: dict[str, list[tuple[Box, str, int]]] = {
+            t["name"]: [((tuple(p["box"][0]), tuple(p["box"][1])), p["array"], p["offset"]) for p in t["pieces"]]
+            for t in manifest["tensors"]}
+        self.handle = ArrayHandles(store, self.arrays).get
+
+    def read(self, targets: list[Piece], stats: ReadStats | None = None) -> ReadStats:
+        """Fill every target piece's view from the version's saved pieces."""
+        stats = stats or ReadStats()
+        _read(self.store, self.arrays, self.handle, _plan(targets, self.saved, self.arrays, stats))
+        return stats
+
+
 def read_pieces(store: Store, manifest: dict[str, Any], targets: list[Piece],
                 stats: ReadStats | None = None) -> ReadStats:
-    """Fill every target piece's view from the version's saved pieces."""
-    stats = stats or ReadStats()
-    arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
-    saved: dict[str, list[tuple[Box, str, int]]] = {}
-    for t in manifest["tensors"]:
-        saved[t["name"]] = [((tuple(p["box"][0]), tuple(p["box"][1])), p["array"], p["offset"]) for p in t["pieces"]]
-    spans = _plan(targets, saved, arrays, stats)
-    handle = ArrayHandles(store, arrays).get
+    """Fill every target piece's view from the version's saved pieces (once; see VersionReader)."""
+    return VersionReader(store, manifest).read(targets, stats)
+
+
+def _read(store: Store, arrays: dict[str, ArrayInfo], handle: Any, spans: list[_Span]) -> None:
+    """Read the spans (directly from local files where possible) and scatter them into their targets."""
     direct = DirectReader.for_store(store) if reader.DIRECT_READS else None
     try:
         i = 0
@@ -117,7 +137,6 @@ def read_pieces(store: Store, manifest: dict[str, Any], targets: list[Piece],
     finally:
         if direct is not None:
             direct.close()
-    return stats
 
 
 def _read_span_ts(sp: _Span, h: Any, fut: Any, info: ArrayInfo) -> None:
@@ -262,4 +281,4 @@ def _span_error(info: ArrayInfo, sp: _Span, err: Exception) -> Exception:
     return StorageError(f"reading {objects} failed: {reason}")
 
 
-__all__ = ["ReadStats", "kvstore_bytes_read", "read_pieces"]
+__all__ = ["ReadStats", "VersionReader", "kvstore_bytes_read", "read_pieces"]
