@@ -8,10 +8,11 @@ destination tensors and checks the shard index's and every inner chunk's
 crc32c itself. Anything it does not expect (a missing object, a bad checksum,
 an unusual layout, a short read) raises ``Unexpected``, and the caller reads
 that run through TensorStore instead, so errors and their messages are those
-of the TensorStore path. Writes always go through TensorStore.
+of the TensorStore path. Writes have their own direct path (localwrite.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +22,7 @@ import google_crc32c
 import numpy as np
 import torch
 
-from .arrays import ArrayInfo
+from .arrays import ArrayInfo, metadata_matches
 from .store import Store
 
 DIRECT_THREADS = 4             # concurrent preadv tasks
@@ -61,6 +62,7 @@ class DirectReader:
         self.root = root
         self.pool = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="ckptrepo-read")
         self._shards: dict[str, tuple[int, np.ndarray]] = {}   # shard key -> (open fd, verified index)
+        self._metadata: dict[str, bool] = {}                    # array key -> zarr.json matches the manifest
         self._lock = threading.Lock()
 
     @classmethod
@@ -73,6 +75,26 @@ class DirectReader:
         for fd, _ in self._shards.values():
             os.close(fd)
         self._shards.clear()
+
+    def metadata_ok(self, info: ArrayInfo) -> bool:
+        """Whether the array's ``zarr.json`` says what the manifest says (read and parsed here, once per array).
+
+        This replaces opening the array through TensorStore on the direct path;
+        False sends the caller to TensorStore, which opens it and reports what is wrong.
+        """
+        with self._lock:
+            ok = self._metadata.get(info.key)
+        if ok is None:
+            try:
+                with open(os.path.join(self.root, info.key, "zarr.json"), "rb") as f:
+                    raw = f.read()
+                _count(len(raw))
+                ok = metadata_matches(info, json.loads(raw))
+            except (OSError, ValueError):
+                ok = False
+            with self._lock:
+                self._metadata[info.key] = ok
+        return ok
 
     def submit(self, info: ArrayInfo, run: Any, entries: list[Any],
                targets: dict[int, torch.Tensor]) -> list[Future]:
@@ -137,10 +159,14 @@ class DirectReader:
         iov: list[np.ndarray] = []
         file_off = expect = -1
         p = 0
+        entries = index[c0 - s * per_shard:c1 - s * per_shard]
+        bad = np.flatnonzero((entries[:, 0] == _MISSING) | (entries[:, 1] != chunk_bytes + 4))
+        if len(bad):
+            raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + int(bad[0])}")
+        offsets = entries[:, 0].tolist()   # checked in one go above; plain ints for the loop
+        nbytes = chunk_bytes + 4
         for k, c in enumerate(range(c0, c1)):
-            off, nbytes = (int(x) for x in index[c - s * per_shard])
-            if off == _MISSING or nbytes != chunk_bytes + 4:
-                raise Unexpected(f"{info.shard_key(s)}: inner chunk {c}")
+            off = offsets[k]
             if off != expect:
                 _preadv(fd, iov, file_off)
                 iov, file_off = [], off

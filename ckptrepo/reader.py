@@ -146,9 +146,13 @@ def read_tensors(store: Store, arrays: dict[str, ArrayInfo], entries: list[Tenso
         inflight -= nbytes
         if targets is not None:
             try:
+                # checked while the reads are in flight (a cold small read costs a disk round trip)
+                ok = direct is not None and direct.metadata_ok(arrays[run.array])
                 for f in futs:
                     f.result()
             except Exception:  # noqa: BLE001 - anything unexpected: let TensorStore read (and judge) this run
+                ok = False
+            if not ok:
                 futs, targets = submit_ts(run), None
             else:
                 for i in run.members:
@@ -168,7 +172,6 @@ def read_tensors(store: Store, arrays: dict[str, ArrayInfo], entries: list[Tenso
             nbytes = (run.stop - run.start) * itemsize(entries[run.members[0]].dtype)
             while pending and inflight + nbytes > INFLIGHT_BYTES:
                 finish()
-            handle(run.array)  # checks the array's metadata against the manifest on either path
             if direct is not None:
                 targets = {i: target(i) for i in run.members}
                 try:

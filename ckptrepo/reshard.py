@@ -20,8 +20,10 @@ TensorStore's kvstore metrics) what storage actually delivered.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorstore as ts
@@ -107,9 +109,10 @@ def _read(store: Store, arrays: dict[str, ArrayInfo], handle: Any, spans: list[_
                 if direct is not None:
                     run = _direct_run(spans, i, arrays)
                     info = arrays[run.array]
-                    handle(run.array)  # checks the array's metadata against the manifest on either path
                     futs = direct.submit(info, run, run.entries, dict(enumerate(run.dests)))
-                    group.append((list(zip(run.spans, run.scratch)), None, futs))
+                    # strided parts are scattered by the reader thread that finishes the run, not here: the
+                    # main thread would wait for the GIL between copies while the readers run Python
+                    group.append((list(zip(run.spans, run.scratch)), None, _when_all(futs, run.scatter)))
                     nbytes += (run.stop - run.start) * info.itemsize
                     i += len(run.spans)
                     continue
@@ -118,18 +121,15 @@ def _read(store: Store, arrays: dict[str, ArrayInfo], handle: Any, spans: list[_
                 nbytes += (sp.stop - sp.start) * arrays[sp.array].itemsize
                 i += 1
             batch.submit()
-            for members, fut, direct_futs in group:
-                if direct_futs is not None:
+            for members, fut, direct_done in group:
+                if direct_done is not None:
                     try:
-                        for f in direct_futs:
-                            f.result()
+                        # checked while the reads are in flight (a cold small read costs a disk round trip)
+                        ok = direct.metadata_ok(arrays[members[0][0].array])
+                        direct_done.result()
                     except Exception:  # noqa: BLE001 - anything unexpected: TensorStore reads (and judges) them
-                        pass
-                    else:
-                        for sp, scratch in members:
-                            if scratch is not None:  # a strided part: read whole, now scattered
-                                for job in sp.jobs:
-                                    _scatter(scratch, sp.start, *job)
+                        ok = False
+                    if ok:
                         continue
                     members = [sp for sp, _ in members]
                 for sp in members:
@@ -185,6 +185,51 @@ class _DirectRun:
     @property
     def members(self) -> range:
         return range(len(self.entries))
+
+    def scatter(self) -> None:
+        """Copy the spans read into scratch buffers (strided targets) to where they belong."""
+        for sp, scratch in zip(self.spans, self.scratch):
+            if scratch is not None:
+                for job in sp.jobs:
+                    _scatter(scratch, sp.start, *job)
+
+
+def _when_all(futs: list[Future], then: Callable[[], None]) -> Future:
+    """A future that runs ``then`` in the thread that completes the last of ``futs`` once all succeeded.
+
+    Callbacks, not a waiting task: a task waiting in the same pool for others could starve it.
+    """
+    done: Future = Future()
+    left = [len(futs)]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def one(f: Future) -> None:
+        err = f.exception()
+        with lock:
+            if err is not None:
+                errors.append(err)
+            left[0] -= 1
+            last = left[0] == 0
+        if not last:
+            return
+        if errors:
+            done.set_exception(errors[0])
+            return
+        try:
+            then()
+        except BaseException as err2:  # noqa: BLE001 - handed to whoever waits
+            done.set_exception(err2)
+        else:
+            done.set_result(None)
+
+    if not futs:   # nothing to wait for: run it now
+        futs = [Future()]
+        left[0] = 1
+        futs[0].set_result(None)
+    for f in futs:
+        f.add_done_callback(one)
+    return done
 
 
 def _direct_run(spans: list[_Span], i: int, arrays: dict[str, ArrayInfo]) -> _DirectRun:
@@ -257,7 +302,7 @@ def _scatter(src: torch.Tensor, span_start: int, tp: Piece, sbox: Box, part: Box
     if len(starts) * length == volume(part[1]):
         # the span holds the whole part: one strided view of it, one copy
         first = int(starts[0]) - span_start
-        dest.copy_(src.as_strided(part[1], row_major_strides(sbox[1]), first) if part[1] else src[first:first + 1].view(()))
+        _copy(dest, src.as_strided(part[1], row_major_strides(sbox[1]), first) if part[1] else src[first:first + 1].view(()))
         return
     # the part is split over several spans: copy run by run (through a buffer when dest is not contiguous)
     all_starts, _ = runs(sbox, part)
@@ -267,6 +312,16 @@ def _scatter(src: torch.Tensor, span_start: int, tp: Piece, sbox: Box, part: Box
         rows[row_of[int(s)]].copy_(src[int(s) - span_start:int(s) - span_start + length])
     if not dest.is_contiguous():
         dest.copy_(rows.view(dest.shape))
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``dest.copy_(src)``, by numpy for CPU tensors with contiguous rows: one thread that lets go of the GIL,
+    where torch would start (or spin) an OpenMP team in a reader thread."""
+    if dest.device.type == "cpu" and dest.dim() and dest.stride(-1) == 1 and src.stride(-1) == 1 \
+            and dest.dtype == src.dtype and not dest.requires_grad and not (dest.is_conj() or dest.is_neg()):
+        np.copyto(dest.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
+    else:
+        dest.copy_(src)
 
 
 def _span_error(info: ArrayInfo, sp: _Span, err: Exception) -> Exception:

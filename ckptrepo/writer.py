@@ -150,12 +150,15 @@ class StagingPool:
         return self._allocated * self.buffer_bytes
 
 
-def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf: torch.Tensor,
+def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.Tensor,
                  non_blocking: bool = False, hashers: Mapping[int, Any] | None = None) -> np.ndarray:
     """Copy the segment's tensor slices into ``buf``; return the numpy view TensorStore will write.
 
-    CPU sources are copied with a plain single-threaded memcpy (numpy): torch's
-    ``copy_`` would start a second OpenMP team in the capture thread that
+    ``sources(i)`` is tensor ``i`` of the plan, in any shape; its elements are
+    taken in row-major order. CPU sources are copied with a plain
+    single-threaded memcpy (numpy), strided ones (the column blocks of a
+    distributed snapshot) row by row from where they are: torch's ``copy_`` or
+    ``reshape`` would start a second OpenMP team in the capture thread that
     fights the training loop's team for the same cores. With ``non_blocking``
     (CUDA sources, pinned ``buf``) the copies are only queued on the current
     stream: the caller must synchronise before writing.
@@ -172,13 +175,62 @@ def fill_segment(seg: Segment, flat_sources: Callable[[int], torch.Tensor], buf:
     raw_np = raw.numpy()
     typed = None
     for idx, src, dst, count in seg.parts:
-        piece = flat_sources(idx)[src:src + count]
-        if piece.device.type == "cpu":
+        tensor = sources(idx)
+        if tensor.device.type == "cpu":
             staged = raw_np[dst * item:(dst + count) * item]
-            np.copyto(staged, piece.view(torch.uint8).numpy())
+            copy_flat_range(staged, tensor, src, count)
             if hashers is not None and idx in hashers:
                 hashers[idx].update(staged)
         else:
             typed = raw.view(torch_dtype) if typed is None else typed
-            typed[dst:dst + count].copy_(piece, non_blocking=non_blocking)
+            typed[dst:dst + count].copy_(tensor.reshape(-1)[src:src + count], non_blocking=non_blocking)
     return raw_np.view(numpy_dtype(seg.dtype))
+
+
+def copy_flat_range(staged: np.ndarray, tensor: torch.Tensor, start: int, count: int) -> None:
+    """Copy elements ``[start, start + count)`` of a CPU tensor, in row-major order, into the bytes ``staged``.
+
+    A tensor whose rows are contiguous (a column block of a weight: last
+    stride 1, leading dimensions mergeable) is copied as a 2-D strided block
+    plus the partial rows at either end, with no intermediate copy; anything
+    stranger goes through ``reshape`` (one copy).
+    """
+    if tensor.is_contiguous():
+        np.copyto(staged, tensor.reshape(-1)[start:start + count].view(torch.uint8).numpy())
+        return
+    rows = _byte_rows(tensor)
+    if rows is None:
+        part = torch.empty(count, dtype=tensor.dtype).copy_(tensor.reshape(-1)[start:start + count])
+        np.copyto(staged, part.view(torch.uint8).numpy())
+        return
+    item = tensor.element_size()
+    width = rows.shape[1]
+    lo, hi = start * item, (start + count) * item
+    r0, c0 = divmod(lo, width)
+    r1, c1 = divmod(hi, width)
+    if r0 == r1:
+        np.copyto(staged, rows[r0, c0:c1])
+        return
+    pos = 0
+    if c0:
+        np.copyto(staged[:width - c0], rows[r0, c0:])
+        pos, r0 = width - c0, r0 + 1
+    if r1 > r0:
+        n = (r1 - r0) * width
+        np.copyto(staged[pos:pos + n].reshape(r1 - r0, width), rows[r0:r1])
+        pos += n
+    if c1:
+        np.copyto(staged[pos:pos + c1], rows[r1, :c1])
+
+
+def _byte_rows(tensor: torch.Tensor) -> np.ndarray | None:
+    """The tensor as a 2-D numpy byte view (rows x bytes per row) without copying, or None if it is not one."""
+    if tensor.dim() == 0 or tensor.stride(-1) != 1 or any(s < 0 for s in tensor.stride()):
+        return None
+    arr = tensor.view(torch.uint8).numpy()
+    view = arr.view()
+    try:
+        view.shape = (-1, arr.shape[-1])   # raises rather than copy when the leading dims do not merge
+    except AttributeError:
+        return None
+    return view

@@ -22,9 +22,9 @@ import torch
 from helpers import assert_bit_exact as assert_same  # noqa: F401 - re-exported for the tests
 
 # Shards are 64 MiB by default, and the shard size follows the snapshotter's staging
-# memory (half of ``host_memory``, at least one 256 KiB inner chunk). Workers give
-# every snapshot 1 MiB of staging memory, so a few MiB of state spans many 256 KiB
-# shards (the smallest possible) and capture runs ahead of the writes by 4 buffers.
+# memory (half of ``host_memory``, at least one inner chunk). Workers give every
+# snapshot 1 MiB of staging memory, so a few MiB of state spans many 512 KiB shards
+# and capture runs at most 2 buffers ahead of the writes.
 SMALL_HOST_MEMORY = 1 << 20
 BARRIER_TIMEOUT = 60.0
 

@@ -13,7 +13,7 @@ import torch
 import ckptrepo
 from ckptrepo import faults
 from ckptrepo.layout import ParallelLayout
-from ckptrepo.rules import megatron_gpt
+from ckptrepo.rules import Replicated, Rules, Split, megatron_gpt
 from megatron_ref import GPTConfig, Trainer, init_full_params, shard_full
 
 
@@ -91,3 +91,22 @@ def snapshot_and_die(rank: int, layout: ParallelLayout, url: str, cfg: GPTConfig
             snap.close()
         except ckptrepo.CkptRepoError:
             pass
+
+
+SPLIT_RULES = Rules([("col.weight", Split(0)), ("row.weight", Split(1)), ("norm.weight", Replicated())])
+
+
+def split_state(seed: int) -> dict[str, torch.Tensor]:
+    """Full tensors: a column-parallel and a row-parallel weight (8 MiB each, fp32) and a replicated norm."""
+    g = torch.Generator().manual_seed(seed)
+    return {"col.weight": torch.randn(8192, 256, generator=g), "row.weight": torch.randn(256, 8192, generator=g),
+            "norm.weight": torch.randn(256, generator=g)}
+
+
+def snapshot_split_state(rank: int, layout: ParallelLayout, url: str, seed: int) -> str:
+    """Snapshot this tensor-parallel rank's slices of ``split_state(seed)`` (SPLIT_RULES); return the version id."""
+    dims = {"col.weight": 0, "row.weight": 1}
+    full = split_state(seed)
+    local = {n: t.chunk(layout.tp, dim=dims[n])[rank].clone() if n in dims else t for n, t in full.items()}
+    lay = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, SPLIT_RULES)
+    return ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay).id

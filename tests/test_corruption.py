@@ -16,12 +16,13 @@ import pytest
 import torch
 
 import ckptrepo
+from ckptrepo.arrays import INNER_BYTES
 from ckptrepo.errors import CorruptionError
 from ckptrepo.fsck import fsck
 
 from _ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
 
-INNER = 65536  # float32 elements per 256 KiB inner chunk
+INNER = INNER_BYTES // 4  # float32 elements per inner chunk
 
 
 def _state(seed: int) -> dict:
@@ -121,7 +122,7 @@ def test_deleted_middle_shard_of_multi_shard_array(tmp_path):
     """With several shards per array, exactly the lost one is named, with the tensors inside it."""
     path = tmp_path / "repo"
     repo = ckptrepo.init(str(path))
-    with repo.snapshotter(host_memory=SMALL_HOST_MEMORY) as snap:   # 256 KiB shards
+    with repo.snapshotter(host_memory=SMALL_HOST_MEMORY) as snap:   # 512 KiB shards
         vid = snap.snapshot(make_state(7), step=7).result().id
     info = repo.manifest(vid)["arrays"][f"data/{vid}/0/float32"]
     assert info["numel"] > 3 * info["shard_elems"]
