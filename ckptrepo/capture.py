@@ -8,8 +8,9 @@ pipeline, each stage overlapping the others and the training loop:
   bounded pool (pinned memory and a side stream ordered after the training
   stream by an event on CUDA; a single-threaded memcpy on CPU). An empty pool
   makes capture wait (backpressure), so host memory stays bounded.
-* flush: hands each filled buffer to TensorStore as one whole shard write; the
-  buffer returns to the pool when the write is durable.
+* flush: hands each filled buffer on as one whole shard write (to the direct
+  writer's threads for a local store, localwrite.py; to TensorStore
+  otherwise); the buffer returns to the pool when the write is durable.
 * commit: in snapshot order, once a version's data is durable, writes its
   manifest and moves the branch by compare-and-swap.
 
@@ -46,10 +47,11 @@ from .distributed import Staging, all_gather, merge_rank_manifests, process_grou
 from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, SnapshotFailedError, StorageError
 from .gc import RetentionPolicy
 from .layout import ParallelLayout
+from .localwrite import DirectWriter
 from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
                        version_from_manifest, version_id_time)
 from .providers import TensorRecord, flatten
-from .sharding import Sharder
+from .sharding import Sharder, column_blocks
 from .writer import Segment, StagingPool, WritePlan, fill_segment
 
 log = logging.getLogger("ckptrepo")
@@ -252,6 +254,11 @@ class Snapshotter:
         self.shard_bytes = shard
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin)
+        self._direct = DirectWriter.for_store(repo.store)   # local store: shards written without TensorStore
+        # TensorStore may reference a staging buffer instead of copying it; fine where the kvstore copies the
+        # bytes out before the write completes, but the memory kvstore would keep the buffer as the stored
+        # value, which the pool then reuses for another shard
+        self._store_copies = repo.store.spec.get("driver") != "memory"
         self._capture_q: queue.Queue = queue.Queue()
         self._flush_q: queue.Queue = queue.Queue()
         self._commit_q: queue.Queue = queue.Queue()
@@ -348,12 +355,13 @@ class Snapshotter:
         # without a layout (DTensor placements say what each rank holds) every rank is its own data-parallel slot
         layout = self.layout or ParallelLayout(dp=self.world_size)
         sharded = Sharder(layout, self.rank, self.rank).shard(records)
-        meta = [(p.name, p.box, volume(p.box[1]) * p.view.element_size()) for p in sharded.pieces]
+        pieces = column_blocks(sharded.pieces)
+        meta = [(p.name, p.box, volume(p.box[1]) * p.view.element_size()) for p in pieces]
         gathered = all_gather((new_version_id(), meta), self.group)
         writes = assign_writers([g[1] for g in gathered])[self.rank]
-        mine = [p for p, w in zip(sharded.pieces, writes) if w]
+        mine = [p for p, w in zip(pieces, writes) if w]
         names: dict[str, list[Any]] = {}
-        for p in sharded.pieces:
+        for p in pieces:
             names.setdefault(p.name, [p.name, p.dtype, list(p.gshape)])
         for rec, name in zip(records, sharded.leaf_names):   # zero-element tensors have no pieces
             if rec.numel == 0 and "@rank" in name:
@@ -447,6 +455,8 @@ class Snapshotter:
         for t in self._threads:
             t.join()
         self._threads.clear()
+        if self._direct is not None:
+            self._direct.close()
         atexit.unregister(self._atexit)
 
     def _close_at_exit(self) -> None:
@@ -490,9 +500,11 @@ class Snapshotter:
         def source(i: int) -> torch.Tensor:   # i: index in the plan (of the written records)
             t = flat.get(i)
             if t is None:
-                t = flat[i] = job.records[job.written[i]].tensor.resolve_conj().resolve_neg().reshape(-1)
-                if t.is_cuda:  # the caching allocator must not reuse it before the side stream is done
+                t = job.records[job.written[i]].tensor.resolve_conj().resolve_neg()
+                if t.is_cuda:  # flattened once (a strided one copied on the device) and kept alive for the side stream
+                    t = t.reshape(-1)
                     t.record_stream(self._side_stream)
+                flat[i] = t   # CPU: fill_segment copies strided tensors from where they are
             return t
 
         last_event = None
@@ -547,7 +559,12 @@ class Snapshotter:
                 faults.point("before_shard_write")
                 if not job.first_write:
                     job.first_write = time.perf_counter()
-                fut = handle[seg.start:seg.stop].write(view, can_reference_source_data_indefinitely=True).commit
+                # a local store: one whole shard object written directly (localwrite.py), durable once the future
+                # completes, like TensorStore's commit future; otherwise (or for an odd segment) through TensorStore
+                fut = None if self._direct is None else self._direct.submit(job.arrays[seg.dtype], seg.start, view)
+                if fut is None:
+                    fut = handle[seg.start:seg.stop].write(
+                        view, can_reference_source_data_indefinitely=self._store_copies).commit
             except BaseException as err:  # noqa: BLE001
                 self.pool.give(buf)
                 job.segment_done(_storage_error(job, seg, err))

@@ -16,6 +16,7 @@ POINTS = (
     "after_read_head",      # the parent (branch tip) has been read
     "before_capture",       # a segment is about to be copied into staging (raise here to fail capture)
     "before_shard_write",   # a filled segment is about to be written (raise here to fail the write)
+    "before_shard_rename",  # local direct writes only: the shard is durable under its temporary name, not yet renamed
     "after_shard_write",    # one data shard is durable
     "after_data",           # every data shard is durable
     "after_manifest",       # the version manifest is durable; the ref has not moved

@@ -1,0 +1,342 @@
+"""The direct shard writer for local stores (localwrite.py): TensorStore's bytes, its durability, its errors."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import ckptrepo
+from ckptrepo import faults, localwrite
+from ckptrepo.arrays import ArrayInfo, choose_geometry, create_array
+from ckptrepo.errors import SnapshotFailedError
+from ckptrepo.fsck import fsck
+from ckptrepo.localwrite import DirectWriter
+from ckptrepo.store import Store
+
+from _ckpt_workers import crash_writer, make_state, mp_context
+from helpers import assert_bit_exact
+
+INNER = 4096            # small geometry: many inner chunks and shards from a few KiB
+SHARD = 4 * INNER
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_hooks():
+    yield
+    faults.clear()
+
+
+def _write_both_ways(root: str, dtype: str, numel: int, seed: int,
+                     bounce: np.ndarray | None) -> tuple[str, str, ArrayInfo]:
+    """The same bytes as one array written through TensorStore and one written by DirectWriter."""
+    store = Store.open(root)
+    shard, inner = choose_geometry(dtype, numel, shard_bytes=SHARD, inner_bytes=INNER)
+    keys = []
+    writer = DirectWriter(root)
+    for how in ("ts", "direct"):
+        info = ArrayInfo(f"data/{how}-{dtype}-{numel}", dtype, numel, shard, inner)
+        handle = create_array(store, info)
+        raw = np.random.default_rng(seed).integers(0, 256, numel * info.itemsize, dtype=np.uint8)
+        if dtype == "bool":
+            raw &= 1
+        data = raw.view(handle.dtype.numpy_dtype)
+        for start in range(0, numel, shard):
+            stop = min(numel, start + shard)
+            if how == "ts":
+                handle[start:stop].write(data[start:stop], can_reference_source_data_indefinitely=True).result()
+            else:
+                writer.write_shard(info, start, data[start:stop], bounce)
+        keys.append(info.key)
+    assert writer.direct_io, "O_DIRECT was refused: only the page-cache path was tested"
+    writer.close()
+    return keys[0], keys[1], info
+
+
+CHUNKS = [0.3, 1, 2.5, 4, 5, 9.7, 12, 17.01]   # array sizes in inner chunks (4 per shard)
+
+
+def test_the_sizes_cover_partial_chunks_partial_shards_and_absent_chunks():
+    partial_chunk = [c for c in CHUNKS if c != int(c)]
+    partial_shard = [c for c in CHUNKS if c > SHARD // INNER and -(-c // 1) % (SHARD // INNER)]
+    assert partial_chunk and partial_shard   # the last shard of 5, 9.7, 17.01 has absent inner chunks in its index
+    assert set(partial_chunk) & set(partial_shard)
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "complex128", "bool"])
+@pytest.mark.parametrize("chunks", CHUNKS)
+def test_shard_objects_are_byte_identical_to_tensorstores(tmp_path, monkeypatch, io, dtype, chunks):
+    """Whole shards, a last partial shard (absent inner chunks in its index), a partial last inner chunk.
+
+    ``direct``: O_DIRECT through a bounce buffer of three pages, so chunks and
+    their crc32c straddle its refills; ``buffered``: pwritev of views.
+    """
+    monkeypatch.setattr(localwrite, "BOUNCE_BYTES", 3 * 4096)
+    bounce = localwrite._bounce_buffer() if io == "direct" else None
+    item = ArrayInfo("x", dtype, 1, 1, 1).itemsize
+    numel = max(1, int(chunks * INNER / item))
+    ts_key, direct_key, info = _write_both_ways(str(tmp_path), dtype, numel, int(chunks * 100), bounce)
+    ts_dir, direct_dir = tmp_path / ts_key / "c", tmp_path / direct_key / "c"
+    names = sorted(os.listdir(ts_dir))
+    assert names == sorted(os.listdir(direct_dir)) == [str(i) for i in info.shards()]
+    for name in names:
+        assert (ts_dir / name).read_bytes() == (direct_dir / name).read_bytes(), f"shard {name} differs"
+    assert Store.open(str(tmp_path)).list(direct_key + "/") == sorted(
+        f"{direct_key}/{k}" for k in ["zarr.json"] + [f"c/{n}" for n in names])   # no temporary file left
+
+
+def _arrays_bytes(root, manifest) -> dict[str, list[bytes]]:
+    """Every shard object of a version, by dtype, in shard order."""
+    out = {}
+    for key, a in manifest["arrays"].items():
+        info = ArrayInfo.from_json(key, a)
+        out[info.dtype] = [open(os.path.join(root, info.shard_key(s)), "rb").read() for s in info.shards()]
+    return out
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300, 1001, generator=g),                    # ~1.2 MB float32: several shards
+            "b": torch.randn(777, generator=g),
+            "h": torch.randn(5000, 13, generator=g).to(torch.bfloat16),  # numel not a multiple of an inner chunk
+            "i": torch.randint(-2**40, 2**40, (12345,), generator=g, dtype=torch.int64),
+            "m": torch.rand(999, generator=g) > 0.5,
+            "step": 7}
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_snapshot_goes_through_the_direct_path_and_loads_bit_exact(tmp_path, monkeypatch, direct_io):
+    monkeypatch.setattr(localwrite, "DIRECT_IO", direct_io)
+    root = str(tmp_path / "r")
+    repo = ckptrepo.init(root)
+    state = _state()
+    before = localwrite.bytes_written()
+    with repo.snapshotter(host_memory="1MiB") as snap:
+        assert snap._direct is not None
+        v = snap.snapshot(state, step=1).result()
+        assert snap._direct.direct_io == direct_io
+    written = localwrite.bytes_written() - before
+    assert written > v.size > 0   # every byte of data plus the crc32cs and indexes
+    assert_bit_exact(state, ckptrepo.open(root).load("HEAD"))
+    assert fsck(ckptrepo.open(root)).ok
+    assert not [f for _, _, files in os.walk(root) for f in files if f.endswith(localwrite.LOCK_SUFFIX)]
+
+    # the same state through TensorStore: the very same objects
+    monkeypatch.setattr(localwrite, "DIRECT_WRITES", False)
+    with repo.snapshotter(host_memory="1MiB") as snap:
+        assert snap._direct is None
+        snap.snapshot(state, step=2).result()
+    assert localwrite.bytes_written() - before == written
+    ts_objects = _arrays_bytes(root, repo.manifest(repo.resolve("@2")))
+    direct_objects = _arrays_bytes(root, repo.manifest(repo.resolve("@1")))
+    assert ts_objects == direct_objects
+    assert max(len(objs) for objs in direct_objects.values()) >= 3, "the state should span several shards"
+
+
+def test_a_buffer_returns_to_the_pool_only_once_its_shard_is_durable(tmp_path):
+    root = str(tmp_path / "r")
+    repo = ckptrepo.init(root)
+    state = {"w": torch.randn(1 << 20)}   # 4 MiB: 8 shards of 512 KiB with 1 MiB of staging memory
+    snap = repo.snapshotter(host_memory="1MiB")
+    give, seen = snap.pool.give, []
+
+    def checked_give(buf):   # records, never raises: it runs in a writer thread's completion callback
+        seen.append(sum(f.isdigit() for _, _, files in os.walk(os.path.join(root, "data")) for f in files))
+        give(buf)
+
+    snap.pool.give = checked_give
+    with snap:
+        snap.snapshot(state, step=0).result(timeout=60)
+    assert len(seen) == 8
+    late = [(i + 1, n) for i, n in enumerate(seen) if n < i + 1]
+    assert not late, f"buffers came back before their shards were renamed into place (nth give, shards): {late}"
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("where", ["write", "fsync", "before_shard_rename"])
+def test_a_failing_direct_write_commits_nothing_and_leaves_no_object(tmp_path, monkeypatch, where, direct_io):
+    monkeypatch.setattr(localwrite, "DIRECT_IO", direct_io)
+    root = str(tmp_path / "r")
+    repo = ckptrepo.init(root)
+    state = {"w": torch.randn(1 << 19), "h": torch.randn(3000).to(torch.float16)}
+    calls = {"n": 0}
+
+    def should_fail() -> bool:
+        calls["n"] += 1
+        return calls["n"] == 3
+
+    if where == "write" and not direct_io:   # a short write, then ENOSPC
+        real = os.pwritev
+
+        def pwritev(fd, buffers, offset):
+            if should_fail():
+                assert real(fd, buffers[:1], offset) > 0
+                raise OSError(errno.ENOSPC, "injected: no space left on device")
+            return real(fd, buffers, offset)
+        monkeypatch.setattr(localwrite.os, "pwritev", pwritev)
+    elif where == "write":   # O_DIRECT: half of a bounce buffer written, then ENOSPC
+        real_pwrite = os.pwrite
+
+        def pwrite(fd, buf, offset):
+            if should_fail():
+                assert real_pwrite(fd, buf[:len(buf) // 2 // 4096 * 4096], offset) > 0
+                raise OSError(errno.ENOSPC, "injected: no space left on device")
+            return real_pwrite(fd, buf, offset)
+        monkeypatch.setattr(localwrite.os, "pwrite", pwrite)
+    elif where == "fsync":
+        real_fsync = os.fsync
+
+        def fsync(fd):
+            if should_fail():
+                raise OSError(errno.EIO, "injected: I/O error")
+            real_fsync(fd)
+        monkeypatch.setattr(localwrite.os, "fsync", fsync)
+    else:
+        def hook(_name):
+            if should_fail():
+                raise OSError(errno.EIO, "injected: I/O error before rename")
+        faults.set_hook("before_shard_rename", hook)
+
+    snap = repo.snapshotter(host_memory="1MiB", dedup=False)
+    h = snap.snapshot(state, step=0)
+    with pytest.raises(SnapshotFailedError, match="step 0 was not committed: .*injected"):
+        h.result()
+    with pytest.raises(SnapshotFailedError, match="injected"):
+        snap.snapshot(state, step=1)      # surfaces at the next call, like a TensorStore write error
+    faults.clear()
+    monkeypatch.undo()
+    ok = snap.snapshot(state, step=2).result()
+    snap.close()
+    assert [v.step for v in repo.log()] == [2] and ok.parents == ()
+    assert [f["step"] for f in repo.failures()] == [0]
+    vid = h.id
+    data = os.path.join(root, "data", vid)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(data) for f in fs]
+    assert not [f for f in files if f.endswith(localwrite.LOCK_SUFFIX)], "the temporary file is removed"
+    for f in files:   # every object under a final name is whole and valid
+        if os.path.basename(os.path.dirname(f)) == "c":
+            _assert_valid_shard(f)
+    report = fsck(repo)
+    assert report.ok, report.errors
+    assert_bit_exact(state, repo.load("@2"))
+
+
+def _assert_valid_shard(path: str) -> None:
+    """A shard object's index checks out and every chunk it lists lies inside the file with a valid crc32c."""
+    import google_crc32c
+    raw = open(path, "rb").read()
+    # the index has one (offset, nbytes) pair per inner chunk: find n from the total size
+    for n in range(1, 4097):
+        tail = 16 * n + 4
+        if tail > len(raw):
+            break
+        idx = raw[-tail:-4]
+        if google_crc32c.value(idx) != int.from_bytes(raw[-4:], "little"):
+            continue
+        entries = np.frombuffer(idx, dtype="<u8").reshape(n, 2)
+        present = entries[entries[:, 0] != (1 << 64) - 1]
+        if present.size and int(present[:, 0].max() + present[:, 1].max()) <= len(raw) - tail:
+            for off, nb in present:
+                off, nb = int(off), int(nb)
+                body = raw[off:off + nb - 4]
+                assert google_crc32c.value(body) == int.from_bytes(raw[off + nb - 4:off + nb], "little"), path
+            return
+    raise AssertionError(f"{path} is not a complete shard object")
+
+
+def test_a_kill_before_the_rename_leaves_only_a_hidden_temporary_file(tmp_path):
+    url = str(tmp_path / "repo")
+    p = mp_context().Process(target=crash_writer, args=(url, 2, "before_shard_rename", 3))
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        pytest.fail("the worker neither finished nor died")
+    assert p.exitcode == -signal.SIGKILL
+    repo = ckptrepo.open(url)
+    report = fsck(repo)
+    assert report.ok, report.errors
+    assert [v.step for v in reversed(repo.log())] == [0, 1]
+    for v in repo.log():
+        assert_bit_exact(repo.load(v.id), make_state(v.step))
+    committed = {v.id for v in repo.log()}
+    interrupted = [d for d in os.listdir(os.path.join(url, "data")) if d not in committed]
+    assert len(interrupted) == 1
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(url, "data", interrupted[0])) for f in fs]
+    locks = [f for f in files if f.endswith(localwrite.LOCK_SUFFIX)]
+    assert locks, files   # the shard whose rename the kill preempted (and any other the writer threads had begun)
+    for lock in locks:
+        assert not os.path.exists(lock[:-len(localwrite.LOCK_SUFFIX)]), "nothing under the final name"
+    for f in files:
+        if os.path.basename(os.path.dirname(f)) == "c" and f not in locks:
+            _assert_valid_shard(f)
+    assert not [k for k in repo.store.list("data/") if k.endswith(localwrite.LOCK_SUFFIX)]
+    head = repo.head_version()
+    assert repo.snapshot(make_state(9), step=9).parents == (head,)
+    assert_bit_exact(repo.load("HEAD"), make_state(9))
+    repo.gc(grace_period_s=0)
+    left = [f for _, _, fs in os.walk(os.path.join(url, "data", interrupted[0])) for f in fs]
+    assert not left, "gc deletes the leftovers, the temporary file included"
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"])
+def test_other_stores_keep_the_tensorstore_path(request, backend):
+    url = f"memory://{uuid.uuid4().hex}" if backend == "memory" else request.getfixturevalue("s3_url")
+    assert DirectWriter.for_store(Store.open(url)) is None
+    repo = ckptrepo.init(url)
+    state = _state(1) if backend == "s3" else {"w": _state(1)["w"], "step": 7}   # memory: one segment, see below
+    before = localwrite.bytes_written()
+    with repo.snapshotter(host_memory="1MiB" if backend == "s3" else "64MiB") as snap:
+        assert snap._direct is None
+        snap.snapshot(state, step=0).result()
+    assert localwrite.bytes_written() == before
+    assert_bit_exact(state, ckptrepo.open(url).load("HEAD"))
+
+
+def test_the_crc32c_matches_google_crc32c_on_views():
+    import google_crc32c
+    a = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    for lo, hi in [(0, 1 << 20), (3, 70000), (65536, 65536 + 262144), (5, 5)]:
+        assert localwrite.crc32c(a[lo:hi]) == google_crc32c.value(a[lo:hi].tobytes())
+    assert localwrite.crc32c(a[100:200], 12345) == google_crc32c.extend(12345, a[100:200].tobytes())
+
+
+def test_a_memory_store_with_reused_staging_buffers():
+    """TensorStore's memory kvstore keeps what it is given: a staging buffer handed over by reference
+    (can_reference_source_data_indefinitely) and then reused would overwrite shards already stored."""
+    url = f"memory://{uuid.uuid4().hex}"
+    repo = ckptrepo.init(url)
+    state = _state(2)
+    with repo.snapshotter(host_memory="1MiB") as snap:   # 2 buffers of 512 KiB for ~1.4 MB of float32
+        snap.snapshot(state, step=0).result()
+    assert_bit_exact(state, ckptrepo.open(url).load("HEAD"))
+
+
+def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(tmp_path, monkeypatch):
+    def refuse(fd, shard, bounce):
+        raise OSError(errno.EINVAL, "Invalid argument")
+    monkeypatch.setattr(localwrite, "_write_aligned", refuse)
+    root = str(tmp_path / "r")
+    repo = ckptrepo.init(root)
+    state = _state(3)
+    with repo.snapshotter(host_memory="1MiB") as snap:
+        snap.snapshot(state, step=0).result()
+        assert snap._direct.direct_io is False
+    assert_bit_exact(state, ckptrepo.open(root).load("HEAD"))
+    assert fsck(ckptrepo.open(root)).ok
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_without_the_native_crc32c_the_objects_are_the_same(tmp_path, monkeypatch, io):
+    monkeypatch.setattr(localwrite, "_crc_extend", None)   # google_crc32c's own functions instead
+    monkeypatch.setattr(localwrite, "BOUNCE_BYTES", 3 * 4096)
+    bounce = localwrite._bounce_buffer() if io == "direct" else None
+    ts_key, direct_key, info = _write_both_ways(str(tmp_path), "float32", int(9.7 * INNER / 4), 5, bounce)
+    for s in info.shards():
+        assert (tmp_path / ts_key / "c" / str(s)).read_bytes() == (tmp_path / direct_key / "c" / str(s)).read_bytes()
