@@ -98,7 +98,11 @@ class DirectReader:
 
     def submit(self, info: ArrayInfo, run: Any, entries: list[Any],
                targets: dict[int, torch.Tensor]) -> list[Future]:
-        """Queue the run as chunk-aligned tasks (never across a shard); the futures raise on any surprise."""
+        """Queue the run as chunk-aligned tasks (never across a shard); the futures raise on any surprise.
+
+        Each future's ``elems`` is the ``(start, stop)`` element range of the array its task reads, so a
+        caller can act on part of a run as soon as the tasks covering it are done.
+        """
         inner, shard = info.inner_elems, info.shard_elems
         if shard % inner:
             return [_failed()]
@@ -112,7 +116,9 @@ class DirectReader:
             stop = min(last + 1, c + step, (c // per_shard + 1) * per_shard)
             lo, hi = c * inner, stop * inner
             mine = [p for p in pieces if p[0] < hi and p[1] > lo]
-            futs.append(self.pool.submit(self._read_chunks, info, c, stop, mine))
+            fut = self.pool.submit(self._read_chunks, info, c, stop, mine)
+            fut.elems = (lo, hi)   # type: ignore[attr-defined]
+            futs.append(fut)
             c = stop
         return futs
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -110,9 +111,12 @@ def _read(store: Store, arrays: dict[str, ArrayInfo], handle: Any, spans: list[_
                     run = _direct_run(spans, i, arrays)
                     info = arrays[run.array]
                     futs = direct.submit(info, run, run.entries, dict(enumerate(run.dests)))
-                    # strided parts are scattered by the reader thread that finishes the run, not here: the
-                    # main thread would wait for the GIL between copies while the readers run Python
-                    group.append((list(zip(run.spans, run.scratch)), None, _when_all(futs, run.scatter)))
+                    # a strided span is scattered by the reader thread that finishes the last task covering it,
+                    # while later tasks still read; not here: the main thread would queue for the GIL between
+                    # copies while the readers run Python
+                    scattered = [_when_all([f for f in futs if _covers(f, sp)], partial(_scatter_span, sp, scratch))
+                                 for sp, scratch in zip(run.spans, run.scratch) if scratch is not None]
+                    group.append((list(zip(run.spans, run.scratch)), None, _when_all(futs + scattered, _nothing)))
                     nbytes += (run.stop - run.start) * info.itemsize
                     i += len(run.spans)
                     continue
@@ -186,12 +190,22 @@ class _DirectRun:
     def members(self) -> range:
         return range(len(self.entries))
 
-    def scatter(self) -> None:
-        """Copy the spans read into scratch buffers (strided targets) to where they belong."""
-        for sp, scratch in zip(self.spans, self.scratch):
-            if scratch is not None:
-                for job in sp.jobs:
-                    _scatter(scratch, sp.start, *job)
+
+
+def _scatter_span(sp: _Span, scratch: torch.Tensor) -> None:
+    """Copy a span read into a scratch buffer (a strided target) to where it belongs."""
+    for job in sp.jobs:
+        _scatter(scratch, sp.start, *job)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _covers(fut: Future, sp: _Span) -> bool:
+    """Whether a direct read task holds part of the span (a task without a range: assume it does)."""
+    lo, hi = getattr(fut, "elems", (sp.start, sp.stop))
+    return lo < sp.stop and hi > sp.start
 
 
 def _when_all(futs: list[Future], then: Callable[[], None]) -> Future:
