@@ -47,7 +47,7 @@ from .distributed import Staging, all_gather, merge_rank_manifests, process_grou
 from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, SnapshotFailedError, StorageError
 from .gc import RetentionPolicy
 from .layout import ParallelLayout
-from .localwrite import DirectWriter
+from .localwrite import DirectWriter, staging_slack
 from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
                        version_from_manifest, version_id_time)
 from .providers import TensorRecord, flatten
@@ -253,8 +253,12 @@ class Snapshotter:
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin)
         self._direct = DirectWriter.for_store(repo.store)   # local store: shards written without TensorStore
+        if self._direct is not None and self._direct.direct_io:   # room to stage shards as their objects
+            self.pool = StagingPool(shard + staging_slack(shard), max(2, self.host_memory // shard), pin=pin,
+                                    align=4096)
+        else:
+            self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin)
         # TensorStore may reference a staging buffer instead of copying it; fine where the kvstore copies the
         # bytes out before the write completes, but the memory kvstore would keep the buffer as the stored
         # value, which the pool then reuses for another shard
@@ -513,24 +517,29 @@ class Snapshotter:
             for seg in plan.segments:
                 buf = self.pool.take()
                 if job.error is not None:
-                    self._flush_q.put((job, seg, buf, None, None))
+                    self._flush_q.put((job, seg, buf, None, None, False))
                     queued += 1
                     continue
                 try:
                     faults.point("before_capture")
+                    # a local store with O_DIRECT: staged as the shard object itself (crc32c gaps after the
+                    # inner chunks), which the direct writer then writes from this buffer without a copy
+                    chunk_bytes = None if self._direct is None else self._direct.in_place(
+                        job.arrays[seg.dtype], seg.start, seg.stop, buf.data_ptr(), buf.numel())
                     if cuda:
                         with torch.cuda.stream(self._side_stream):
                             for ev in job.ready:
                                 self._side_stream.wait_event(ev)
-                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.hashers)
+                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.hashers,
+                                                chunk_bytes=chunk_bytes)
                             last_event = torch.cuda.Event()
                             last_event.record(self._side_stream)
                     else:
-                        view = fill_segment(seg, source, buf, hashers=job.hashers)
+                        view = fill_segment(seg, source, buf, hashers=job.hashers, chunk_bytes=chunk_bytes)
                 except BaseException:
                     self.pool.give(buf)
                     raise
-                self._flush_q.put((job, seg, buf, view, last_event))
+                self._flush_q.put((job, seg, buf, view, last_event, chunk_bytes is not None))
                 queued += 1
             if last_event is not None:
                 last_event.synchronize()
@@ -545,7 +554,7 @@ class Snapshotter:
             item = self._flush_q.get()
             if item is None:
                 return
-            job, seg, buf, view, event = item
+            job, seg, buf, view, event, in_place = item
             if job.error is not None or view is None:
                 self.pool.give(buf)
                 job.segment_done()
@@ -561,7 +570,11 @@ class Snapshotter:
                     job.first_write = time.perf_counter()
                 # a local store: one whole shard object written directly (localwrite.py), durable once the future
                 # completes, like TensorStore's commit future; otherwise (or for an odd segment) through TensorStore
-                fut = None if self._direct is None else self._direct.submit(job.arrays[seg.dtype], seg.start, view)
+                info = job.arrays[seg.dtype]
+                if in_place:
+                    fut = self._direct.submit_in_place(info, seg.start, seg.stop, view)
+                else:
+                    fut = None if self._direct is None else self._direct.submit(info, seg.start, view)
                 if fut is None:
                     fut = handle[seg.start:seg.stop].write(
                         view, can_reference_source_data_indefinitely=self._store_copies).commit

@@ -8,13 +8,18 @@ of its wheel, and a buffered ``write(2)`` into new page-cache pages, which
 costs ~1 CPU-s/GB by itself there), and with training using both cores that
 CPU comes out of the training loop. Here, per shard object:
 
-* each inner chunk is copied from the staging buffer into a page-aligned
-  bounce buffer (``BOUNCE_BYTES`` per writer thread) and its crc32c is taken
-  there while the bytes are in cache (libcrc32c, which google_crc32c wraps,
-  through ctypes so that the GIL is released: google_crc32c itself keeps the
-  GIL for buffers under 1 MiB);
-* the bounce buffer is written with ``O_DIRECT``: no page-cache pages to
-  allocate, no writeback (~0.05 CPU-s/GB for the write itself).
+* staged in place (``submit_in_place``, the snapshotter's way while
+  ``O_DIRECT`` works): the staging buffer already holds the inner chunks at
+  their offsets in the object, a 4-byte gap after each; each chunk's crc32c
+  goes into its gap (libcrc32c, which google_crc32c wraps, through ctypes so
+  that the GIL is released: google_crc32c itself keeps the GIL for buffers
+  under 1 MiB), the index after them, and the staging buffer itself is
+  written with ``O_DIRECT``: no copy, no page-cache pages to allocate, no
+  writeback (~0.05 CPU-s/GB for the write itself);
+* staged contiguously (``submit``): each inner chunk is copied into a
+  page-aligned bounce buffer (``BOUNCE_BYTES`` per writer thread), its
+  crc32c taken there while the bytes are in cache, and the bounce buffer
+  written with ``O_DIRECT``.
 
 Measured on that machine (1 GB snapshots without training, process CPU, best
 of 3): TensorStore 2.05-2.14 CPU-s/GB at 0.8 GB/s; this path 0.59-0.66 at
@@ -22,9 +27,12 @@ of 3): TensorStore 2.05-2.14 CPU-s/GB at 0.8 GB/s; this path 0.59-0.66 at
 writer without O_DIRECT (``pwritev`` of views of the staging buffer, no
 user-space copy at all) 1.74-2.05, because of the page-cache write. With
 training (benchmarks/training_overhead.py --every 1, 404 MB every step) the
-overhead per checkpoint went from 0.69 s to 0.30 s. More in docs/design.md,
-"Where the background CPU goes". A file system that refuses ``O_DIRECT``
-(EINVAL) gets the ``pwritev`` path.
+overhead per checkpoint went from 0.69 s to 0.30 s. Staging in place then
+took the bounce copy away: 0.88 -> 0.53 CPU-s/GB back to back on a busier
+day (writer threads 0.62 -> 0.26, now mostly the crc32c reading the chunks
+from DRAM). More in docs/design.md, "Where the background CPU goes". A file
+system that refuses ``O_DIRECT`` (EINVAL) gets the page cache: ``pwrite`` of
+a buffer staged in place, ``pwritev`` of views of a contiguous one.
 
 The object is byte-identical to TensorStore's (tests/test_localwrite.py
 checks every dtype size, partial last shards and partial last inner chunks),
@@ -59,7 +67,7 @@ import google_crc32c
 import numpy as np
 
 from . import faults
-from .arrays import ArrayInfo
+from .arrays import INNER_BYTES, ArrayInfo
 from .store import Store
 
 DIRECT_WRITES = True     # False: every shard goes through TensorStore (read when a Snapshotter is created)
@@ -149,13 +157,15 @@ class _Shard:
     index's own crc32c.
     """
 
-    def __init__(self, info: ArrayInfo, data: np.ndarray) -> None:
-        self.raw = data.reshape(-1).view(np.uint8)
+    def __init__(self, info: ArrayInfo, data: np.ndarray | None, nbytes: int | None = None) -> None:
+        """``data``: the shard's elements; or None and ``nbytes``, their size (the layout only)."""
+        self.raw = np.empty(0, np.uint8) if data is None else data.reshape(-1).view(np.uint8)
+        self.nbytes = self.raw.nbytes if data is not None else int(nbytes or 0)
         self.chunk_bytes = info.inner_elems * info.itemsize
         n = info.shard_elems // info.inner_elems
-        self.chunks = -(-self.raw.nbytes // self.chunk_bytes)
-        if self.chunks > n or self.raw.nbytes % info.itemsize:
-            raise ValueError(f"{self.raw.nbytes} bytes do not fit one shard of {info.key}")
+        self.chunks = -(-self.nbytes // self.chunk_bytes)
+        if self.chunks > n or self.nbytes % info.itemsize:
+            raise ValueError(f"{self.nbytes} bytes do not fit one shard of {info.key}")
         index = np.full((n, 2), _MISSING, dtype="<u8")
         index[:self.chunks, 0] = np.arange(self.chunks, dtype=np.uint64) * (self.chunk_bytes + 4)
         index[:self.chunks, 1] = self.chunk_bytes + 4
@@ -259,6 +269,67 @@ def _write_aligned(fd: int, shard: _Shard, bounce: np.ndarray) -> None:
     out.finish(shard.total)
 
 
+def staging_slack(buffer_bytes: int, min_chunk: int = INNER_BYTES // 2) -> int:
+    """Bytes a staging buffer needs past ``buffer_bytes`` of data to hold the shard object laid out in place.
+
+    The crc32c gaps and the index of inner chunks of ``min_chunk`` bytes or
+    more (``choose_geometry``'s are ``INNER_BYTES`` rounded down to whole
+    elements), and the padding of the object to a multiple of ``_ALIGN`` (the
+    start's own alignment is ``StagingPool``'s ``align``): 48 KiB for 64 MiB.
+    A segment that still does not fit is staged contiguously (``in_place``).
+    """
+    chunks = -(-buffer_bytes // max(1, min_chunk))
+    return -(-(20 * chunks + 4) // _ALIGN) * _ALIGN + _ALIGN
+
+
+def _complete_in_place(shard: _Shard, obj: np.ndarray) -> int:
+    """Finish a shard object staged in its own layout in ``obj``; return its length padded to ``_ALIGN``.
+
+    The inner chunks' bytes are already at ``k * (chunk_bytes + 4)``; this
+    zeroes the rest of a partial last chunk (the fill value), puts each
+    chunk's crc32c into the 4-byte gap after it, the index after the last
+    one, and zeros up to the next ``_ALIGN`` (written, then truncated away).
+    The crc32c reads the chunks from memory where they are: no copy.
+    """
+    cb, stride, k = shard.chunk_bytes, shard.chunk_bytes + 4, shard.chunks
+    padded = -(-shard.total // _ALIGN) * _ALIGN
+    if padded > obj.nbytes:
+        raise ValueError(f"a {obj.nbytes}-byte buffer cannot hold a {shard.total}-byte shard object")
+    last = shard.nbytes - (k - 1) * cb
+    if last < cb:
+        obj[(k - 1) * stride + last:(k - 1) * stride + cb] = 0
+    crcs = np.empty(k, dtype="<u4")
+    if _crc_extend is not None:
+        addr = obj.ctypes.data
+        for i in range(k):
+            crcs[i] = _crc_extend(0, addr + i * stride, cb)
+    else:
+        for i in range(k):
+            crcs[i] = google_crc32c.value(obj[i * stride:i * stride + cb])
+    obj[:k * stride].reshape(k, stride)[:, cb:] = crcs.view(np.uint8).reshape(k, 4)
+    obj[k * stride:shard.total] = np.frombuffer(shard.tail, dtype=np.uint8)
+    obj[shard.total:padded] = 0
+    return padded
+
+
+def _pwrite_all(fd: int, buf: np.ndarray) -> None:
+    """Write ``buf`` at offset 0, however the kernel splits it (a short aligned write leaves an aligned rest)."""
+    done, want = 0, buf.nbytes
+    while done < want:
+        n = os.pwrite(fd, buf[done:], done)
+        if n <= 0:
+            raise OSError(f"pwrite wrote nothing at offset {done}")
+        done += n
+    _count(want)
+
+
+def _write_in_place(fd: int, obj: np.ndarray, padded: int, total: int) -> None:
+    """The staged object (``padded`` bytes of a page-aligned buffer) through an ``O_DIRECT`` descriptor."""
+    _pwrite_all(fd, obj[:padded])
+    if padded != total:
+        os.ftruncate(fd, total)
+
+
 def _bounce_buffer() -> np.ndarray:
     """A page-aligned buffer of ``BOUNCE_BYTES`` (anonymous memory from mmap)."""
     return np.frombuffer(mmap.mmap(-1, BOUNCE_BYTES), dtype=np.uint8)
@@ -302,28 +373,59 @@ class DirectWriter:
         """
         if not supports(info, start, start + data.size):
             return None
+        return self._enqueue(info, start, data, None)
+
+    def in_place(self, info: ArrayInfo, start: int, stop: int, address: int, nbytes: int) -> int | None:
+        """Whether elements ``[start, stop)`` can be staged as their shard object itself, in a buffer at
+        ``address`` of ``nbytes``: the inner chunk size in bytes if so (see ``submit_in_place``), else None.
+
+        Only while ``O_DIRECT`` works (else the contiguous layout and ``pwritev``
+        cost no copy either), for exactly one shard object, into a page-aligned
+        buffer that holds the object padded to ``_ALIGN``.
+        """
+        if not self.direct_io or address % _ALIGN or not supports(info, start, stop):
+            return None
+        shard = _Shard(info, None, (stop - start) * info.itemsize)
+        if -(-shard.total // _ALIGN) * _ALIGN > nbytes:
+            return None
+        return shard.chunk_bytes
+
+    def submit_in_place(self, info: ArrayInfo, start: int, stop: int, obj: np.ndarray) -> "Future[None]":
+        """Queue the write of a shard staged in its object layout in ``obj`` (uint8, page-aligned).
+
+        Inner chunk ``k``'s bytes are at ``k * (chunk_bytes + 4)`` (``in_place``
+        said yes to this buffer); the writer fills in the crc32c gaps and the
+        index and writes ``obj`` itself with ``O_DIRECT``: no copy. ``obj`` must
+        stay untouched until the future (durable) completes.
+        """
+        return self._enqueue(info, start, obj, stop)
+
+    def _enqueue(self, info: ArrayInfo, start: int, data: np.ndarray, stop: int | None) -> "Future[None]":
         fut: Future[None] = Future()
         with self._lock:
             if len(self._workers) < self.threads:
                 t = threading.Thread(target=self._work, name=f"ckptrepo-write-{len(self._workers)}", daemon=True)
                 t.start()
                 self._workers.append(t)
-        self._queue.put((fut, info, start, data))
+        self._queue.put((fut, info, start, data, stop))
         return fut
 
     def _work(self) -> None:
-        bounce: np.ndarray | None = None   # one per thread, allocated at the first O_DIRECT write
+        bounce: np.ndarray | None = None   # one per thread, allocated at the first O_DIRECT write through it
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            fut, info, start, data = item
+            fut, info, start, data, stop = item
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                if bounce is None and self.direct_io:
-                    bounce = _bounce_buffer()
-                self.write_shard(info, start, data, bounce)
+                if stop is not None:   # staged in its object layout: written from where it is
+                    self.write_in_place(info, start, stop, data)
+                else:
+                    if bounce is None and self.direct_io:
+                        bounce = _bounce_buffer()
+                    self.write_shard(info, start, data, bounce)
             except BaseException as err:  # noqa: BLE001 - delivered through the future
                 fut.set_exception(err)
             else:
@@ -349,6 +451,23 @@ class DirectWriter:
                 self.direct_io = False
         iov, total = encode_shard(info, data)
         write_object(path, total, lambda fd: _pwritev_all(fd, iov, 0), self._make_dir)
+
+    def write_in_place(self, info: ArrayInfo, start: int, stop: int, obj: np.ndarray) -> None:
+        """Complete and write durably one shard object staged in its own layout (synchronous; see
+        ``submit_in_place``). With ``O_DIRECT`` refused, the same bytes go through the page cache."""
+        if not supports(info, start, stop):
+            raise ValueError(f"elements [{start}, {stop}) are not one shard of {info.key}")
+        shard = _Shard(info, None, (stop - start) * info.itemsize)
+        padded = _complete_in_place(shard, obj)
+        path = os.path.join(self.root, info.shard_key(start // info.shard_elems))
+        if self.direct_io and obj.ctypes.data % _ALIGN == 0:
+            try:
+                write_object(path, shard.total, lambda fd: _write_in_place(fd, obj, padded, shard.total),
+                             self._make_dir, direct_io=True)
+                return
+            except _NoDirectIO:
+                self.direct_io = False
+        write_object(path, shard.total, lambda fd: _pwrite_all(fd, obj[:shard.total]), self._make_dir)
 
     def _make_dir(self, directory: str) -> None:
         """Create the shard directory once per writer (TensorStore creates missing parents the same way)."""

@@ -121,12 +121,18 @@ class PlanCache:
 
 
 class StagingPool:
-    """A bounded set of reusable host buffers; ``take`` blocks when all are in use (backpressure)."""
+    """A bounded set of reusable host buffers; ``take`` blocks when all are in use (backpressure).
 
-    def __init__(self, buffer_bytes: int, max_buffers: int, pin: bool = False) -> None:
+    With ``align``, each buffer starts at a multiple of ``align`` bytes (it is
+    allocated ``align`` bytes larger and sliced; pinned buffers too), so that
+    it can be written with ``O_DIRECT`` as it is.
+    """
+
+    def __init__(self, buffer_bytes: int, max_buffers: int, pin: bool = False, align: int = 0) -> None:
         self.buffer_bytes = buffer_bytes
         self.max_buffers = max(1, max_buffers)
         self.pin = pin
+        self.align = align
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._cv = threading.Condition()
@@ -138,7 +144,9 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._allocated += 1
-        return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        buf = torch.empty(self.buffer_bytes + self.align, dtype=torch.uint8, pin_memory=self.pin)
+        skip = (-buf.data_ptr()) % self.align if self.align else 0
+        return buf[skip:skip + self.buffer_bytes]
 
     def give(self, buf: torch.Tensor) -> None:
         with self._cv:
@@ -147,12 +155,16 @@ class StagingPool:
 
     @property
     def allocated_bytes(self) -> int:
-        return self._allocated * self.buffer_bytes
+        return self._allocated * (self.buffer_bytes + self.align)
 
 
 def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.Tensor,
-                 non_blocking: bool = False, hashers: Mapping[int, Any] | None = None) -> np.ndarray:
+                 non_blocking: bool = False, hashers: Mapping[int, Any] | None = None,
+                 chunk_bytes: int | None = None) -> np.ndarray:
     """Copy the segment's tensor slices into ``buf``; return the numpy view TensorStore will write.
+
+    With ``chunk_bytes``, the slices are staged in the layout of the shard
+    object instead (see ``fill_in_place``) and all of ``buf`` is returned, as bytes.
 
     ``sources(i)`` is tensor ``i`` of the plan, in any shape; its elements are
     taken in row-major order. CPU sources are copied with a plain
@@ -168,6 +180,8 @@ def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torc
     exactly what is written. A tensor's slices come in order as long as the
     segments of its dtype are filled in plan order.
     """
+    if chunk_bytes is not None:
+        return fill_in_place(seg, sources, buf, chunk_bytes, non_blocking, hashers)
     torch_dtype = TORCH_DTYPES[seg.dtype]
     item = torch.empty((), dtype=torch_dtype).element_size()
     nbytes = (seg.stop - seg.start) * item
@@ -185,6 +199,72 @@ def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torc
             typed = raw.view(torch_dtype) if typed is None else typed
             typed[dst:dst + count].copy_(tensor.reshape(-1)[src:src + count], non_blocking=non_blocking)
     return raw_np.view(numpy_dtype(seg.dtype))
+
+
+def fill_in_place(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.Tensor, chunk_bytes: int,
+                  non_blocking: bool = False, hashers: Mapping[int, Any] | None = None) -> np.ndarray:
+    """``fill_segment`` into the layout of the shard object itself; return ``buf`` as numpy bytes.
+
+    Inner chunk ``k`` (``chunk_bytes`` of the segment's bytes) goes to offset
+    ``k * (chunk_bytes + 4)``, leaving a 4-byte gap after each for its crc32c
+    (localwrite fills the gaps and the index and writes the buffer with
+    ``O_DIRECT``, without copying it again). A slice that spans chunks is cut
+    at their boundaries. A contiguous CPU source is copied with one strided
+    numpy copy per slice (whole chunks as the rows of a 2-D view), a strided
+    one per chunk piece with ``copy_flat_range``; CUDA sources per chunk
+    piece, ``non_blocking``. ``hashers`` see each tensor's bytes in order.
+    """
+    item = torch.empty((), dtype=TORCH_DTYPES[seg.dtype]).element_size()
+    inner = chunk_bytes // item
+    stride = chunk_bytes + 4
+    raw_np = buf.numpy()
+    for idx, src, dst, count in seg.parts:
+        tensor = sources(idx)
+        hasher = hashers.get(idx) if hashers is not None else None
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            data = tensor.reshape(-1)[src:src + count].view(torch.uint8).numpy()
+            pos = 0   # bytes of ``data`` done
+            lo, hi = dst * item, (dst + count) * item   # bytes within the segment
+            head = min(hi, -(-lo // chunk_bytes) * chunk_bytes) - lo   # to the first chunk boundary
+            staged = []
+            if head:
+                k, r = divmod(lo, chunk_bytes)
+                staged.append(raw_np[k * stride + r:k * stride + r + head])
+                np.copyto(staged[-1], data[:head])
+                pos = head
+            rows = (hi - lo - pos) // chunk_bytes
+            if rows:
+                k = (lo + pos) // chunk_bytes
+                block = raw_np[k * stride:(k + rows) * stride].reshape(rows, stride)[:, :chunk_bytes]
+                np.copyto(block, data[pos:pos + rows * chunk_bytes].reshape(rows, chunk_bytes))
+                if hasher is not None:
+                    staged.extend(block)
+                pos += rows * chunk_bytes
+            if pos < hi - lo:
+                k = (lo + pos) // chunk_bytes
+                staged.append(raw_np[k * stride:k * stride + hi - lo - pos])
+                np.copyto(staged[-1], data[pos:])
+            if hasher is not None:
+                for piece in staged:
+                    hasher.update(piece)
+            continue
+        if tensor.device.type != "cpu":
+            flat = tensor.reshape(-1)[src:src + count].view(torch.uint8)
+        e = dst
+        while e < dst + count:
+            k = e // inner
+            n = min(dst + count, (k + 1) * inner) - e
+            off = k * stride + (e - k * inner) * item
+            if tensor.device.type == "cpu":
+                staged = raw_np[off:off + n * item]
+                copy_flat_range(staged, tensor, src + e - dst, n)
+                if hasher is not None:
+                    hasher.update(staged)
+            else:
+                a = (e - dst) * item
+                buf[off:off + n * item].copy_(flat[a:a + n * item], non_blocking=non_blocking)
+            e += n
+    return raw_np
 
 
 def copy_flat_range(staged: np.ndarray, tensor: torch.Tensor, start: int, count: int) -> None:

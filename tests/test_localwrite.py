@@ -319,9 +319,10 @@ def test_a_memory_store_with_reused_staging_buffers():
 
 
 def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(tmp_path, monkeypatch):
-    def refuse(fd, shard, bounce):
+    def refuse(*_args):
         raise OSError(errno.EINVAL, "Invalid argument")
     monkeypatch.setattr(localwrite, "_write_aligned", refuse)
+    monkeypatch.setattr(localwrite, "_write_in_place", refuse)   # a shard already staged in place: pwrite it
     root = str(tmp_path / "r")
     repo = ckptrepo.init(root)
     state = _state(3)
@@ -340,3 +341,51 @@ def test_without_the_native_crc32c_the_objects_are_the_same(tmp_path, monkeypatc
     ts_key, direct_key, info = _write_both_ways(str(tmp_path), "float32", int(9.7 * INNER / 4), 5, bounce)
     for s in info.shards():
         assert (tmp_path / ts_key / "c" / str(s)).read_bytes() == (tmp_path / direct_key / "c" / str(s)).read_bytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "complex128", "bool"])
+@pytest.mark.parametrize("chunks", CHUNKS)
+def test_shards_staged_in_place_are_byte_identical_to_tensorstores(tmp_path, monkeypatch, dtype, chunks):
+    """Tensor slices staged straight into the object layout (crc32c gaps), slices cut at inner chunk
+    boundaries, a strided source among them; the hashers see each tensor's bytes in order."""
+    import xxhash
+    from ckptrepo.providers import TORCH_DTYPES
+    from ckptrepo.writer import StagingPool, fill_segment, make_plan
+    item = ArrayInfo("x", dtype, 1, 1, 1).itemsize
+    numel = max(1, int(chunks * INNER / item))
+    ts_key, _, info = _write_both_ways(str(tmp_path), dtype, numel, int(chunks * 100), None)
+    data = torch.from_numpy(np.random.default_rng(int(chunks * 100)).integers(0, 256, numel * item, dtype=np.uint8))
+    if dtype == "bool":
+        data &= 1
+    flat = data.view(TORCH_DTYPES[dtype])
+    cut = [0, numel // 3, numel // 3 + 1, numel * 2 // 3, numel]   # a one-element tensor in the middle
+    parts = [flat[a:b].clone() for a, b in zip(cut, cut[1:])]
+    rows = max(1, (cut[4] - cut[3]) // 5)
+    if (cut[4] - cut[3]) % rows == 0:   # the last one as a column block of a wider matrix: strided
+        wide = torch.zeros(rows, (cut[4] - cut[3]) // rows * 2 + 3, dtype=flat.dtype)
+        wide[:, 1:1 + (cut[4] - cut[3]) // rows] = parts[3].reshape(rows, -1)
+        parts[3] = wide[:, 1:1 + (cut[4] - cut[3]) // rows]
+        assert not parts[3].is_contiguous() or parts[3].numel() <= 1
+    records = [type("R", (), {"dtype": dtype, "shape": tuple(p.shape), "numel": p.numel()})() for p in parts]
+    monkeypatch.setattr("ckptrepo.writer.choose_geometry",
+                        lambda d, n, shard_bytes: choose_geometry(d, n, shard_bytes=shard_bytes, inner_bytes=INNER))
+    plan = make_plan(records, shard_bytes=SHARD)
+    writer = DirectWriter(str(tmp_path))
+    key = f"data/inplace-{dtype}-{numel}"
+    info = ArrayInfo(key, dtype, numel, *plan.streams[dtype][1:])
+    pool = StagingPool(SHARD + localwrite.staging_slack(SHARD), 1, align=4096)
+    hashers = {i: xxhash.xxh3_128() for i in range(len(parts))}
+    for seg in plan.segments:
+        buf = pool.take()
+        buf.fill_(0xAB)   # stale bytes from an earlier shard
+        assert buf.data_ptr() % 4096 == 0
+        chunk_bytes = writer.in_place(info, seg.start, seg.stop, buf.data_ptr(), buf.numel())
+        assert chunk_bytes == info.inner_elems * item
+        obj = fill_segment(seg, parts.__getitem__, buf, hashers=hashers, chunk_bytes=chunk_bytes)
+        writer.write_in_place(info, seg.start, seg.stop, obj)
+        pool.give(buf)
+    assert writer.direct_io, "O_DIRECT was refused: only the page-cache path was tested"
+    for s in info.shards():
+        assert (tmp_path / ts_key / "c" / str(s)).read_bytes() == (tmp_path / key / "c" / str(s)).read_bytes()
+    for i, p in enumerate(parts):
+        assert hashers[i].intdigest() == xxhash.xxh3_128(p.contiguous().view(torch.uint8).numpy()).intdigest()
