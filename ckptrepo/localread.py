@@ -22,28 +22,21 @@ import google_crc32c
 import numpy as np
 import torch
 
-from .arrays import ArrayInfo, metadata_matches
+from .arrays import MISSING_CHUNK, ArrayInfo, ByteCounter, metadata_matches
 from .store import Store
+from .vectored import transfer_all
 
 DIRECT_THREADS = 4             # concurrent preadv tasks
 DIRECT_TASK_BYTES = 16 << 20    # a run is split into chunk-aligned tasks of about this size
-_MISSING = (1 << 64) - 1       # shard index entry of an absent inner chunk
-_IOV_MAX = 1024
 
 
-_bytes_read = 0
-_bytes_lock = threading.Lock()
+_read = ByteCounter()
+_count = _read.add
 
 
 def bytes_read() -> int:
     """Bytes this process has read through the direct path so far (the counterpart of TensorStore's metrics)."""
-    return _bytes_read
-
-
-def _count(n: int) -> None:
-    global _bytes_read
-    with _bytes_lock:
-        _bytes_read += n
+    return _read.total()
 
 
 class Unexpected(Exception):
@@ -166,7 +159,7 @@ class DirectReader:
         file_off = expect = -1
         p = 0
         entries = index[c0 - s * per_shard:c1 - s * per_shard]
-        bad = np.flatnonzero((entries[:, 0] == _MISSING) | (entries[:, 1] != chunk_bytes + 4))
+        bad = np.flatnonzero((entries[:, 0] == MISSING_CHUNK) | (entries[:, 1] != chunk_bytes + 4))
         if len(bad):
             raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + int(bad[0])}")
         offsets = entries[:, 0].tolist()   # checked in one go above; plain ints for the loop
@@ -209,35 +202,8 @@ class DirectReader:
 
 
 def _preadv(fd: int, iov: list[np.ndarray], offset: int) -> None:
-    """Fill every buffer of ``iov`` from ``offset`` on; a short read is a surprise."""
-    i = 0
-    while i < len(iov):
-        group = iov[i:i + _IOV_MAX]
-        want = sum(b.nbytes for b in group)
-        done = 0
-        while done < want:  # preadv may return short on large requests
-            views = _skip(group, done)
-            got = os.preadv(fd, views, offset + done)
-            if got <= 0:
-                raise Unexpected("short read")
-            _count(got)
-            done += got
-        offset += want
-        i += _IOV_MAX
-
-
-def _skip(group: list[np.ndarray], n: int) -> list[np.ndarray]:
-    """The buffers of ``group`` without their first ``n`` bytes."""
-    if n == 0:
-        return group
-    out = []
-    for b in group:
-        if n >= b.nbytes:
-            n -= b.nbytes
-            continue
-        out.append(b[n:] if n else b)
-        n = 0
-    return out
+    """Fill every buffer of ``iov`` from ``offset`` on; a short read (ShortTransfer) is a surprise."""
+    transfer_all(os.preadv, fd, iov, offset, _count)
 
 
 def _failed() -> Future:

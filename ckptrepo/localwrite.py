@@ -67,8 +67,9 @@ import google_crc32c
 import numpy as np
 
 from . import faults
-from .arrays import INNER_BYTES, ArrayInfo
+from .arrays import INNER_BYTES, MISSING_CHUNK, ArrayInfo, ByteCounter
 from .store import Store
+from .vectored import transfer_all
 
 DIRECT_WRITES = True     # False: every shard goes through TensorStore (read when a Snapshotter is created)
 DIRECT_IO = True         # False: write through the page cache (pwritev of views of the staging buffer)
@@ -76,26 +77,18 @@ WRITE_THREADS = 4        # shard writes in flight: one thread's device wait over
 BOUNCE_BYTES = 2 << 20   # per writer thread, for O_DIRECT
 _ALIGN = 4096            # O_DIRECT offsets, lengths and addresses (the largest logical block size in use)
 LOCK_SUFFIX = ".__lock"  # TensorStore's file kvstore writes a value to <key>.__lock, then renames it
-_MISSING = (1 << 64) - 1  # shard index entry of an absent inner chunk
-_IOV_MAX = 1024
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
 _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", None)   # Linux: the open-file-description lock TensorStore takes
 _WRITE_LOCK = struct.pack("hhqqi4x", 1, os.SEEK_SET, 0, 0, 0)   # struct flock {F_WRLCK, SEEK_SET, 0, 0, 0}
 
 
-_bytes_written = 0
-_bytes_lock = threading.Lock()
+_written = ByteCounter()
+_count = _written.add
 
 
 def bytes_written() -> int:
     """Bytes this process has written through the direct path so far (tests check which path ran)."""
-    return _bytes_written
-
-
-def _count(n: int) -> None:
-    global _bytes_written
-    with _bytes_lock:
-        _bytes_written += n
+    return _written.total()
 
 
 def _native_crc32c() -> Callable[[int, int, int], int] | None:
@@ -166,7 +159,7 @@ class _Shard:
         self.chunks = -(-self.nbytes // self.chunk_bytes)
         if self.chunks > n or self.nbytes % info.itemsize:
             raise ValueError(f"{self.nbytes} bytes do not fit one shard of {info.key}")
-        index = np.full((n, 2), _MISSING, dtype="<u8")
+        index = np.full((n, 2), MISSING_CHUNK, dtype="<u8")
         index[:self.chunks, 0] = np.arange(self.chunks, dtype=np.uint64) * (self.chunk_bytes + 4)
         index[:self.chunks, 1] = self.chunk_bytes + 4
         tail = index.tobytes()
@@ -558,32 +551,5 @@ def _open_locked(path: str) -> int:
 
 
 def _pwritev_all(fd: int, iov: list[Any], offset: int) -> None:
-    """Write every buffer of ``iov`` from ``offset`` on, however the kernel splits it."""
-    i = 0
-    while i < len(iov):
-        group = iov[i:i + _IOV_MAX]
-        want = sum(memoryview(b).nbytes for b in group)
-        done = 0
-        while done < want:
-            n = os.pwritev(fd, _skip(group, done), offset + done)
-            if n <= 0:
-                raise OSError(f"pwritev wrote nothing at offset {offset + done}")
-            _count(n)
-            done += n
-        offset += want
-        i += _IOV_MAX
-
-
-def _skip(group: list[Any], n: int) -> list[Any]:
-    """The buffers of ``group`` without their first ``n`` bytes."""
-    if n == 0:
-        return group
-    out = []
-    for b in group:
-        mv = memoryview(b).cast("B")
-        if n >= mv.nbytes:
-            n -= mv.nbytes
-            continue
-        out.append(mv[n:] if n else mv)
-        n = 0
-    return out
+    """Write every buffer of ``iov`` from ``offset`` on."""
+    transfer_all(os.pwritev, fd, iov, offset, _count)
