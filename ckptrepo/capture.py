@@ -523,8 +523,10 @@ class Snapshotter:
                 try:
                     faults.point("before_capture")
                     # a local store with O_DIRECT: staged as the shard object itself (crc32c gaps after the
-                    # inner chunks), which the direct writer then writes from this buffer without a copy
-                    chunk_bytes = None if self._direct is None else self._direct.in_place(
+                    # inner chunks), which the direct writer then writes from this buffer without a copy. Not
+                    # for CUDA states: that layout cuts device-to-host copies into one per inner chunk (64 KiB
+                    # DMAs, thousands of launches); they stay whole and the writer's bounce copy remains
+                    chunk_bytes = None if self._direct is None or cuda else self._direct.in_place(
                         job.arrays[seg.dtype], seg.start, seg.stop, buf.data_ptr(), buf.numel())
                     if cuda:
                         with torch.cuda.stream(self._side_stream):
