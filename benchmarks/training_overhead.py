@@ -276,8 +276,8 @@ class CkptRepo(Mode):
 class CkptRepoNice(CkptRepo):
     """Experiment: ckptrepo with its write path at low CPU priority (benchmark-side, no library change).
 
-    After each ``snapshot()`` call, the flush and commit threads and TensorStore's ``ts_pool_worker``
-    threads (encode, crc32c, write syscalls) get ``nice 19``, so on a saturated machine the training
+    After each ``snapshot()`` call, the flush and commit threads, the direct writer's threads and
+    TensorStore's ``ts_pool_worker`` threads (encode, crc32c, write syscalls) get ``nice 19``, so on a saturated machine the training
     threads win the CPU and the writes fill the gaps. The capture thread keeps normal priority: the
     optimizer waits for it.
     """
@@ -290,7 +290,8 @@ class CkptRepoNice(CkptRepo):
 
     def checkpoint(self, i: int, loss: torch.Tensor) -> None:
         super().checkpoint(i, loss)
-        targets = {t.native_id for t in threading.enumerate() if t.name in ("ckptrepo-flush", "ckptrepo-commit")}
+        targets = {t.native_id for t in threading.enumerate()
+                   if t.name in ("ckptrepo-flush", "ckptrepo-commit") or t.name.startswith("ckptrepo-write")}
         for tid in os.listdir("/proc/self/task"):
             t = int(tid)
             if t in self.reniced:
