@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .arrays import MISSING_CHUNK, ArrayInfo, ByteCounter, metadata_matches
+from .crc import crc32c
 from .store import Store
 from .vectored import transfer_all
 
@@ -162,8 +163,8 @@ class DirectReader:
         bad = np.flatnonzero((entries[:, 0] == MISSING_CHUNK) | (entries[:, 1] != chunk_bytes + 4))
         if len(bad):
             raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + int(bad[0])}")
-        offsets = entries[:, 0].tolist()   # checked in one go above; plain ints for the loop
         nbytes = chunk_bytes + 4
+        offsets = entries[:, 0].tolist()   # checked in one go above; plain ints for the loop
         for k, c in enumerate(range(c0, c1)):
             off = offsets[k]
             if off != expect:
@@ -196,7 +197,7 @@ class DirectReader:
         for k, parts in enumerate(chunks):
             crc = 0
             for part in parts:
-                crc = google_crc32c.extend(crc, part)
+                crc = crc32c(part, crc)
             if crc != int(stored[k]):
                 raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + k} checksum")
 

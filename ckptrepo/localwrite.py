@@ -11,8 +11,8 @@ CPU comes out of the training loop. Here, per shard object:
 * staged in place (``submit_in_place``, the snapshotter's way while
   ``O_DIRECT`` works): the staging buffer already holds the inner chunks at
   their offsets in the object, a 4-byte gap after each; each chunk's crc32c
-  goes into its gap (libcrc32c, which google_crc32c wraps, through ctypes so
-  that the GIL is released: google_crc32c itself keeps the GIL for buffers
+  goes into its gap (crc.py: libcrc32c, which google_crc32c wraps, through
+  ctypes so that the GIL is released: google_crc32c itself keeps the GIL for buffers
   under 1 MiB), the index after them, and the staging buffer itself is
   written with ``O_DIRECT``: no copy, no page-cache pages to allocate, no
   writeback (~0.05 CPU-s/GB for the write itself);
@@ -46,10 +46,7 @@ array's ``zarr.json`` is still created through TensorStore.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import glob
 import mmap
 import os
 import queue
@@ -68,6 +65,7 @@ import numpy as np
 
 from . import faults
 from .arrays import INNER_BYTES, MISSING_CHUNK, ArrayInfo, ByteCounter
+from .crc import crc32c
 from .store import Store
 from .vectored import transfer_all
 
@@ -89,47 +87,6 @@ _count = _written.add
 def bytes_written() -> int:
     """Bytes this process has written through the direct path so far (tests check which path ran)."""
     return _written.total()
-
-
-def _native_crc32c() -> Callable[[int, int, int], int] | None:
-    """``crc32c_extend(crc, address, length)`` of the libcrc32c that google_crc32c wraps, called through ctypes.
-
-    Why: google_crc32c's own functions keep the GIL for buffers under 1 MiB
-    (inner chunks are 256 KiB or less), so 4 writer threads would compete with
-    the training thread for the GIL over every chunk; a ctypes call releases
-    it. None when the library cannot be found or disagrees with google_crc32c
-    (then google_crc32c is used, GIL held).
-    """
-    if google_crc32c.implementation != "c":
-        return None
-    here = os.path.dirname(os.path.abspath(google_crc32c.__file__))
-    candidates = sorted(glob.glob(os.path.join(os.path.dirname(here), "google_crc32c.libs", "libcrc32c*.so*")))
-    candidates += sorted(glob.glob(os.path.join(here, ".libs", "libcrc32c*")))
-    found = ctypes.util.find_library("crc32c")
-    if found:
-        candidates.append(found)
-    probe = np.frombuffer(bytes(range(256)) * 5, dtype=np.uint8)
-    for path in candidates:
-        try:
-            fn = ctypes.CDLL(path).crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
-        if fn(0, probe.ctypes.data, probe.nbytes) == google_crc32c.value(probe) \
-                and fn(7, probe.ctypes.data, 100) == google_crc32c.extend(7, probe[:100]):
-            return fn
-    return None
-
-
-_crc_extend = _native_crc32c()
-
-
-def crc32c(buf: np.ndarray, crc: int = 0) -> int:
-    """crc32c of a C-contiguous array's bytes, extending ``crc``; without the GIL where possible."""
-    if _crc_extend is not None:
-        return _crc_extend(crc, buf.ctypes.data, buf.nbytes)
-    return google_crc32c.extend(crc, buf)
 
 
 def supports(info: ArrayInfo, start: int, stop: int) -> bool:
@@ -207,7 +164,6 @@ class _AlignedStream:
 
     def __init__(self, fd: int, bounce: np.ndarray) -> None:
         self.fd, self.buf = fd, bounce
-        self.addr = bounce.ctypes.data
         self.pos = self.offset = 0
 
     def put(self, src: np.ndarray, crc: int | None = None) -> int:
@@ -219,8 +175,7 @@ class _AlignedStream:
             dst = self.buf[self.pos:self.pos + k]
             np.copyto(dst, src[i:i + k])
             if crc is not None:
-                crc = _crc_extend(crc, self.addr + self.pos, k) if _crc_extend is not None \
-                    else google_crc32c.extend(crc, dst)
+                crc = crc32c(dst, crc)
             self.pos += k
             i += k
             if self.pos == size:
@@ -228,13 +183,8 @@ class _AlignedStream:
         return 0 if crc is None else crc
 
     def _flush(self, nbytes: int) -> None:
-        done = 0
-        while done < nbytes:   # a short write of an aligned request leaves an aligned rest
-            n = os.pwrite(self.fd, self.buf[done:nbytes], self.offset + done)
-            if n <= 0:
-                raise OSError(f"pwrite wrote nothing at offset {self.offset + done}")
-            done += n
-        _count(nbytes)
+        # a short write of an aligned request leaves an aligned rest
+        transfer_all(os.pwritev, self.fd, [self.buf[:nbytes]], self.offset, _count)
         self.offset += nbytes
         self.pos = 0
 
@@ -292,13 +242,8 @@ def _complete_in_place(shard: _Shard, obj: np.ndarray) -> int:
     if last < cb:
         obj[(k - 1) * stride + last:(k - 1) * stride + cb] = 0
     crcs = np.empty(k, dtype="<u4")
-    if _crc_extend is not None:
-        addr = obj.ctypes.data
-        for i in range(k):
-            crcs[i] = _crc_extend(0, addr + i * stride, cb)
-    else:
-        for i in range(k):
-            crcs[i] = google_crc32c.value(obj[i * stride:i * stride + cb])
+    for i in range(k):
+        crcs[i] = crc32c(obj[i * stride:i * stride + cb])
     obj[:k * stride].reshape(k, stride)[:, cb:] = crcs.view(np.uint8).reshape(k, 4)
     obj[k * stride:shard.total] = np.frombuffer(shard.tail, dtype=np.uint8)
     obj[shard.total:padded] = 0
@@ -307,13 +252,7 @@ def _complete_in_place(shard: _Shard, obj: np.ndarray) -> int:
 
 def _pwrite_all(fd: int, buf: np.ndarray) -> None:
     """Write ``buf`` at offset 0, however the kernel splits it (a short aligned write leaves an aligned rest)."""
-    done, want = 0, buf.nbytes
-    while done < want:
-        n = os.pwrite(fd, buf[done:], done)
-        if n <= 0:
-            raise OSError(f"pwrite wrote nothing at offset {done}")
-        done += n
-    _count(want)
+    transfer_all(os.pwritev, fd, [buf], 0, _count)
 
 
 def _write_in_place(fd: int, obj: np.ndarray, padded: int, total: int) -> None:

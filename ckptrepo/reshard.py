@@ -191,7 +191,6 @@ class _DirectRun:
         return range(len(self.entries))
 
 
-
 def _scatter_span(sp: _Span, scratch: torch.Tensor) -> None:
     """Copy a span read into a scratch buffer (a strided target) to where it belongs."""
     for job in sp.jobs:

@@ -60,6 +60,7 @@ def rank_name(path: str, rank: int) -> str:
 
 BLOCKS_PER_PIECE = 8            # a saved piece is cut into this many column blocks at most...
 MIN_BLOCK_BYTES = 64 << 10      # ...each at least this big
+_POWERS_OF_TWO = [1 << i for i in range(BLOCKS_PER_PIECE.bit_length() - 1, 0, -1)]   # 8, 4, 2
 
 
 def column_blocks(pieces: Sequence[Piece]) -> list[Piece]:
@@ -85,7 +86,7 @@ def column_blocks(pieces: Sequence[Piece]) -> list[Piece]:
             continue
         limit = min(BLOCKS_PER_PIECE, sizes[d], volume(sizes) * p.view.element_size() // MIN_BLOCK_BYTES)
         # a power of two that divides the size evenly keeps block edges on the edges of other tp splits
-        k = next((n for n in (8, 4, 2) if n <= limit and sizes[d] % n == 0), limit)
+        k = next((n for n in _POWERS_OF_TWO if n <= limit and sizes[d] % n == 0), limit)
         if k < 2:
             out.append(p)
             continue
