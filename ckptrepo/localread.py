@@ -19,7 +19,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import torch
 
@@ -134,7 +133,7 @@ class DirectReader:
             length = 16 * n + 4
             raw = os.pread(fd, length, size - length) if size >= length else b""
             _count(len(raw))
-            if len(raw) != length or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            if len(raw) != length or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
                 raise Unexpected(f"{key}: shard index")
         except BaseException:
             os.close(fd)

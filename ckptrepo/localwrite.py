@@ -11,9 +11,8 @@ CPU comes out of the training loop. Here, per shard object:
 * staged in place (``submit_in_place``, the snapshotter's way while
   ``O_DIRECT`` works): the staging buffer already holds the inner chunks at
   their offsets in the object, a 4-byte gap after each; each chunk's crc32c
-  goes into its gap (crc.py: libcrc32c, which google_crc32c wraps, through
-  ctypes so that the GIL is released: google_crc32c itself keeps the GIL for buffers
-  under 1 MiB), the index after them, and the staging buffer itself is
+  goes into its gap (crc.py: the ``crc32c`` package, hardware CRC with the GIL
+  released), the index after them, and the staging buffer itself is
   written with ``O_DIRECT``: no copy, no page-cache pages to allocate, no
   writeback (~0.05 CPU-s/GB for the write itself);
 * staged contiguously (``submit``): each inner chunk is copied into a
@@ -60,7 +59,6 @@ try:
 except ImportError:   # not POSIX: every shard goes through TensorStore
     fcntl = None  # type: ignore[assignment]
 
-import google_crc32c
 import numpy as np
 
 from . import faults
@@ -120,7 +118,7 @@ class _Shard:
         index[:self.chunks, 0] = np.arange(self.chunks, dtype=np.uint64) * (self.chunk_bytes + 4)
         index[:self.chunks, 1] = self.chunk_bytes + 4
         tail = index.tobytes()
-        self.tail = tail + google_crc32c.value(tail).to_bytes(4, "little")
+        self.tail = tail + crc32c(tail).to_bytes(4, "little")
         self.total = self.chunks * (self.chunk_bytes + 4) + len(self.tail)
 
     def chunk(self, k: int) -> tuple[np.ndarray, int]:

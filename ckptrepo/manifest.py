@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import google_crc32c
 import msgpack
 import numpy as np
 import torch
 
+from .crc import crc32c
 from .errors import CorruptionError, FormatVersionError
 
 FORMAT_VERSION = 1
@@ -48,11 +48,6 @@ def version_id_time(vid: str) -> float | None:
         return int(vid[20:], 16) / 1000.0
     except ValueError:
         return None
-
-
-def crc32c(data: bytes | memoryview) -> int:
-    """The crc32c of ``data`` (hardware-accelerated where available)."""
-    return google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data)
 
 
 def seal(payload: dict[str, Any]) -> bytes:
