@@ -236,9 +236,12 @@ class Snapshotter:
                               f"(torchrun) or pass the layout that matches it")
         self.layout = parallel_layout
         self.distributed = self.world_size > 1
+        # through the Sharder (global names, boxes, column blocks): every distributed snapshot, and a
+        # single process that names a layout (so a later tensor-parallel load reads whole column blocks)
+        self.sharded = self.distributed or parallel_layout is not None
         self.group = group
         self.commit_timeout_s = commit_timeout_s
-        self.dedup = dedup and not self.distributed   # distributed snapshots always write everything
+        self.dedup = dedup and not self.sharded   # sharded snapshots always write everything
         self._stored: dict[str, _Stored] = {}         # dedup: the last committed version's tensors, by name
         head = repo.refs.head()
         if head.branch is None:
@@ -289,7 +292,7 @@ class Snapshotter:
         keys = [_dedup_key(r) for r in records] if self.dedup else []   # of the live tensors, before buffer copies
         _copy_module_buffers(state, records)
         vid, leaf_names, names, boxes = new_version_id(), [], [], []
-        if self.distributed:
+        if self.sharded:
             vid, records, boxes, leaf_names, names = self._shard(records)
         handle = SnapshotHandle(vid, None if step is None else int(step))
         job = _Job(handle, skeleton, records, None, message, plain_metrics(metrics or {}), started=t0,
@@ -355,13 +358,14 @@ class Snapshotter:
 
     def _shard(self, records: list[TensorRecord]) -> tuple[str, list[TensorRecord], list[Any], list[str],
                                                            list[list[Any]]]:
-        """Distributed: this rank's pieces, the agreed version id, and which pieces this rank writes."""
+        """Sharded: this rank's pieces, the agreed version id, and which pieces this rank writes."""
         # without a layout (DTensor placements say what each rank holds) every rank is its own data-parallel slot
         layout = self.layout or ParallelLayout(dp=self.world_size)
         sharded = Sharder(layout, self.rank, self.rank).shard(records)
         pieces = column_blocks(sharded.pieces)
         meta = [(p.name, p.box, volume(p.box[1]) * p.view.element_size()) for p in pieces]
-        gathered = all_gather((new_version_id(), meta), self.group)
+        mine_meta = (new_version_id(), meta)
+        gathered = all_gather(mine_meta, self.group) if self.distributed else [mine_meta]
         writes = assign_writers([g[1] for g in gathered])[self.rank]
         mine = [p for p, w in zip(pieces, writes) if w]
         names: dict[str, list[Any]] = {}
@@ -614,7 +618,7 @@ class Snapshotter:
                 faults.point("after_data")
                 version = self._commit(job)
             except BaseException as err:  # noqa: BLE001
-                if self.distributed:
+                if self.sharded:
                     self._publish_failure(job, err)
                 self._record_failure(job, err)
             else:
@@ -630,8 +634,8 @@ class Snapshotter:
                 self._apply_retention()
 
     def _commit(self, job: _Job) -> Version:
-        if self.distributed:
-            return self._commit_distributed(job)
+        if self.sharded:
+            return self._commit_sharded(job)
         assert job.plan is not None
         if job.reused:
             self._check_reused(job)
@@ -673,7 +677,7 @@ class Snapshotter:
             stored[r.name] = _Stored(key, None if h is None else h.intdigest(), info.key, p.offset, info.to_json())
         self._stored = stored   # replaced whole: snapshot() reads it without a lock
 
-    def _commit_distributed(self, job: _Job) -> Version:
+    def _commit_sharded(self, job: _Job) -> Version:
         """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see distributed.py)."""
         staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
         staging.publish_rank(self.rank, {

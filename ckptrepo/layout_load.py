@@ -58,8 +58,13 @@ def full_rules(rules: Rules | None) -> Rules | None:
 
 
 def needs_layout_load(manifest: dict[str, Any], layout: ParallelLayout | None, into: Any) -> bool:
-    """Whether a load must go through pieces: a sharded version, a target layout, or DTensors to fill."""
-    return layout is not None or saved_world(manifest) > 1 or _has_dtensor(into)
+    """Whether a load must go through pieces: a sharded version, a target layout, or DTensors to fill.
+
+    A single process that named a layout at save time also stores tensors in
+    several pieces (column blocks), which only the piece-wise path assembles.
+    """
+    return layout is not None or saved_world(manifest) > 1 or _has_dtensor(into) \
+        or any(len(t["pieces"]) > 1 for t in manifest["tensors"])
 
 
 def _has_dtensor(obj: Any) -> bool:

@@ -96,3 +96,31 @@ def test_more_tensor_parallel_ranks_read_only_the_column_blocks_they_need(tp2_re
         t, stats, read = _load(tp2_repo, "row.weight", tp, rank, full)
         assert stats.needed_bytes == t.numel() * 4
         assert read <= 1.1 * stats.needed_bytes + 2 * INNER_BYTES + INDEX_BYTES, (rank, read, stats)
+
+
+@pytest.fixture(scope="module")
+def one_process_repo(tmp_path_factory: pytest.TempPathFactory) -> ckptrepo.Repository:
+    """split_state(4) saved by one process that names a layout (its rules), as after single-GPU training."""
+    r = ckptrepo.init(str(tmp_path_factory.mktemp("one") / "repo"))
+    r.snapshot({"model": split_state(4)}, step=1, parallel_layout=ParallelLayout(rules=RULES))
+    return r
+
+
+def test_one_process_with_a_layout_stores_row_parallel_tensors_as_column_blocks(one_process_repo) -> None:
+    tensors = {t["name"]: t for t in one_process_repo.manifest(one_process_repo.resolve("HEAD"))["tensors"]}
+    boxes = sorted(tuple(map(tuple, p["box"])) for p in tensors["model/row.weight"]["pieces"])
+    assert boxes == [((0, 1024 * i), (256, 1024)) for i in range(8)]
+    assert len(tensors["model/col.weight"]["pieces"]) == 1
+    loaded = one_process_repo.load("HEAD")["model"]   # without a layout: the whole tensors, bit-exact
+    for name, t in split_state(4).items():
+        assert torch.equal(loaded[name], t)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_a_one_process_save_with_a_layout_loads_into_tensor_parallel_ranks_reading_what_they_need(
+        one_process_repo, tp: int) -> None:
+    """Without the layout at save time, each of these loads read the whole 8 MiB tensor (test above: per-run bound)."""
+    full = split_state(4)["row.weight"]
+    for rank in range(tp):
+        t, stats, read = _load(one_process_repo, "row.weight", tp, rank, full)
+        assert read <= 1.1 * stats.needed_bytes + 2 * INNER_BYTES + INDEX_BYTES, (rank, read, stats)
