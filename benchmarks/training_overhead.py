@@ -34,7 +34,9 @@ Reported per mode, for each ``every``:
 * within-run (every >= 4): (wall - steps x the run's own median step time over the second half of
   each interval between checkpoints) / checkpoints; immune to drift between runs (the baseline of
   this 2-vCPU VM varied by 10-30 % from run to run)
-* extra CPU/ckpt: process CPU time (user+sys, all threads) beyond the baseline's, per checkpoint
+* extra CPU/ckpt: process CPU time (user+sys, all threads) beyond the baseline's, per checkpoint; for
+  ckptrepo the details also give its own threads' CPU per checkpoint (the rest of the extra CPU is
+  what the training threads lost to sharing the cores: OpenMP barrier spinning, caches)
 
 With ``--repeat R`` every mode runs R times (alternating the order) and its fastest run counts, as
 does the fastest baseline: load from elsewhere only ever adds time. Each run also records how much
@@ -368,6 +370,26 @@ def system_busy() -> float:
     return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def library_threads_cpu() -> float:
+    """CPU-seconds (user+sys) of ckptrepo's own threads (capture, flush, write, commit) so far; 0 off Linux.
+
+    Set beside the process's extra CPU, it splits a checkpoint's CPU cost into the background work
+    itself and what the training threads lost to sharing the cores with it.
+    """
+    total = 0.0
+    tck = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for t in threading.enumerate():
+        if not t.name.startswith("ckptrepo-") or t.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tck
+    return total
+
+
 def run_mode(mode_name: str, every: int, args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
     trainer = Trainer(args)
@@ -383,7 +405,7 @@ def run_mode(mode_name: str, every: int, args: argparse.Namespace) -> dict[str, 
             mode.finish()
         mode.reset()
         os.sync()
-        c0, s0, t0 = cpu_time(), system_busy(), time.perf_counter()
+        c0, s0, t0, b0 = cpu_time(), system_busy(), time.perf_counter(), library_threads_cpu()
         n_ckpt = 0
         step_times = []
         for i in range(args.steps):
@@ -400,6 +422,7 @@ def run_mode(mode_name: str, every: int, args: argparse.Namespace) -> dict[str, 
         foreign = max(0.0, system_busy() - s0 - cpu)  # other processes, and kernel threads (writeback)
         mode.finish()
         if isinstance(mode, CkptRepo):  # also CkptRepoNice
+            mode.extra["threads_cpu_s"] = [(library_threads_cpu() - b0) / max(1, n_ckpt)]
             mode.close()
         return {"mode": mode_name, "every": every if mode_name != "none" else None, "checkpoints": n_ckpt,
                 "wall_s": wall, "loop_s": t_loop, "drain_s": wall - t_loop, "cpu_s": cpu,
@@ -529,7 +552,7 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
         if r["mode"].startswith("ckptrepo"):
             details = (f"call {f(ex.get('call_s'))} + pre-step wait {f(ex.get('prestep_wait_s'))}; "
                        f"capture {f(ex.get('capture_s'))}, flush {f(ex.get('flush_s'))}, "
-                       f"{f(ex.get('gbps'), '{:.2f}')} GB/s")
+                       f"{f(ex.get('gbps'), '{:.2f}')} GB/s; its threads {f(ex.get('threads_cpu_s'))} CPU-s")
         elif r["mode"] == "dcp.async_save":
             details = f"call {f(ex.get('call_s'))} + wait prev {f(ex.get('wait_prev_s'))}"
         else:
