@@ -230,6 +230,8 @@ class Snapshotter:
         self.rank, self.world_size = process_group_rank()
         self.retention = retention
         self._commits = 0
+        self._retention_idle = threading.Event()   # clear while a background gc pass is pending or running
+        self._retention_idle.set()
         if parallel_layout is not None and parallel_layout.world_size != self.world_size:
             raise LayoutError(f"the layout ({parallel_layout}) has {parallel_layout.world_size} ranks but "
                               f"torch.distributed has {self.world_size}; initialise the process group first "
@@ -396,6 +398,7 @@ class Snapshotter:
             _wait_with_progress(jobs)
         for job in jobs:
             job.handle._done.wait()
+        self._retention_idle.wait()   # a gc pass after the last commit: its failure is raised here too
         self._raise_pending()
 
     def close(self) -> None:
@@ -610,6 +613,7 @@ class Snapshotter:
             job.data_done.wait()
             job.handle._captured.wait()
             stats = job.handle.stats
+            retain = False
             if job.first_write:
                 stats.flush_s = time.perf_counter() - job.first_write
             try:
@@ -625,13 +629,19 @@ class Snapshotter:
                 stats.total_s = time.perf_counter() - job.started
                 job.handle._version = version
                 self._commits += 1
+                if self.retention is not None and self.rank == 0 \
+                        and self._commits % max(1, self.retention.every_commits) == 0:
+                    retain = True
+                    self._retention_idle.clear()   # before the job is done, so wait() also waits for this gc
             finally:
                 with self._lock:
                     self._inflight.remove(job)
                 job.handle._done.set()
-            if job.handle._error is None and self.retention is not None and self.rank == 0 \
-                    and self._commits % max(1, self.retention.every_commits) == 0:
-                self._apply_retention()
+            if retain:
+                try:
+                    self._apply_retention()
+                finally:
+                    self._retention_idle.set()
 
     def _commit(self, job: _Job) -> Version:
         if self.sharded:
