@@ -168,8 +168,8 @@ class _Job:
     metrics: dict[str, Any]
     started: float
     leaf_names: list[str] = field(default_factory=list)     # distributed: the stored name of each state tensor
-    names: list[list[Any]] = field(default_factory=list)    # distributed: [name, dtype, global shape] this rank holds
-    boxes: list[Any] = field(default_factory=list)          # distributed: the global box of each record (piece)
+    names: list[list[Any]] = field(default_factory=list)    # sharded: [name, dtype, global shape] this rank holds
+    boxes: list[Any] = field(default_factory=list)          # sharded: the global box of each record (piece)
     ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
     # dedup (single process, CPU tensors): see Snapshotter._decide
     keys: list[DedupKey | None] = field(default_factory=list)   # per record; None: never deduped nor hashed
@@ -622,7 +622,7 @@ class Snapshotter:
                 faults.point("after_data")
                 version = self._commit(job)
             except BaseException as err:  # noqa: BLE001
-                if self.sharded:
+                if self.distributed:
                     self._publish_failure(job, err)
                 self._record_failure(job, err)
             else:
@@ -688,30 +688,41 @@ class Snapshotter:
         self._stored = stored   # replaced whole: snapshot() reads it without a lock
 
     def _commit_sharded(self, job: _Job) -> Version:
-        """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see distributed.py)."""
-        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
-        staging.publish_rank(self.rank, {
+        """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see distributed.py).
+
+        A single process (a layout named without torch.distributed) is the only
+        rank: its part is merged and checked the same way, without the handshake
+        objects in the store.
+        """
+        part = {
             "rank": self.rank, "tree": job.skeleton, "leaf_names": job.leaf_names, "names": job.names,
             "coords": vars(self.layout.coords(self.rank)) if self.layout is not None else None,
             "tensors": [{"name": r.name, "pieces": [{"box": box, "array": job.arrays[p.dtype].key, "offset": p.offset}]}
                         for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel],
-            "arrays": {a.key: a.to_json() for a in job.arrays.values()}})
+            "arrays": {a.key: a.to_json() for a in job.arrays.values()}}
+        if not self.distributed:
+            return self._publish_merged(job, [part])
+        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
+        staging.publish_rank(self.rank, part)
         if self.rank != 0:
             staging.wait_outcome()
             return version_from_manifest(self.repo.manifest(job.vid), (self.branch,))
         try:
-            ranks = staging.gather_ranks()
-            manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
-            manifest.update({"format_version": FORMAT_VERSION, "id": job.vid,
-                             "parents": [self._tip] if self._tip else [], "step": job.handle.step,
-                             "time": time.time(), "message": job.message, "metrics": job.metrics,
-                             "host": socket.gethostname()})
-            version = self._publish(job, manifest)
+            version = self._publish_merged(job, staging.gather_ranks())
         except BaseException as err:
             staging.publish_outcome(_first_line(err))
             raise
         staging.publish_outcome(None)
         return version
+
+    def _publish_merged(self, job: _Job, ranks: list[dict[str, Any]]) -> Version:
+        """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
+        manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
+        manifest.update({"format_version": FORMAT_VERSION, "id": job.vid,
+                         "parents": [self._tip] if self._tip else [], "step": job.handle.step,
+                         "time": time.time(), "message": job.message, "metrics": job.metrics,
+                         "host": socket.gethostname()})
+        return self._publish(job, manifest)
 
     def _apply_retention(self) -> None:
         """Background gc after a commit; a failure is logged and raised by the next call, like a failed snapshot."""

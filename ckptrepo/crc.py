@@ -15,8 +15,6 @@ from typing import Any
 
 import crc32c as _crc32c
 
-HARDWARE: bool = bool(_crc32c.hardware_based)
-
 
 def crc32c(buf: Any, crc: int = 0) -> int:
     """crc32c of a C-contiguous buffer's bytes (numpy array, bytes, memoryview), extending ``crc``."""

@@ -182,7 +182,7 @@ class _AlignedStream:
 
     def _flush(self, nbytes: int) -> None:
         # a short write of an aligned request leaves an aligned rest
-        transfer_all(os.pwritev, self.fd, [self.buf[:nbytes]], self.offset, _count)
+        _pwritev_all(self.fd, [self.buf[:nbytes]], self.offset)
         self.offset += nbytes
         self.pos = 0
 
@@ -248,14 +248,9 @@ def _complete_in_place(shard: _Shard, obj: np.ndarray) -> int:
     return padded
 
 
-def _pwrite_all(fd: int, buf: np.ndarray) -> None:
-    """Write ``buf`` at offset 0, however the kernel splits it (a short aligned write leaves an aligned rest)."""
-    transfer_all(os.pwritev, fd, [buf], 0, _count)
-
-
 def _write_in_place(fd: int, obj: np.ndarray, padded: int, total: int) -> None:
     """The staged object (``padded`` bytes of a page-aligned buffer) through an ``O_DIRECT`` descriptor."""
-    _pwrite_all(fd, obj[:padded])
+    _pwritev_all(fd, [obj[:padded]], 0)   # a short aligned write leaves an aligned rest
     if padded != total:
         os.ftruncate(fd, total)
 
@@ -397,7 +392,7 @@ class DirectWriter:
                 return
             except _NoDirectIO:
                 self.direct_io = False
-        write_object(path, shard.total, lambda fd: _pwrite_all(fd, obj[:shard.total]), self._make_dir)
+        write_object(path, shard.total, lambda fd: _pwritev_all(fd, [obj[:shard.total]], 0), self._make_dir)
 
     def _make_dir(self, directory: str) -> None:
         """Create the shard directory once per writer (TensorStore creates missing parents the same way)."""

@@ -149,9 +149,7 @@ def _read_span_ts(sp: _Span, h: Any, fut: Any, info: ArrayInfo) -> None:
         data = (h[sp.start:sp.stop].read() if fut is None else fut).result()
     except Exception as err:  # noqa: BLE001
         raise _span_error(info, sp, err) from err
-    src = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[info.dtype])
-    for job in sp.jobs:
-        _scatter(src, sp.start, *job)
+    _scatter_span(sp, torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[info.dtype]))
 
 
 @dataclass
@@ -191,10 +189,10 @@ class _DirectRun:
         return range(len(self.entries))
 
 
-def _scatter_span(sp: _Span, scratch: torch.Tensor) -> None:
-    """Copy a span read into a scratch buffer (a strided target) to where it belongs."""
+def _scatter_span(sp: _Span, src: torch.Tensor) -> None:
+    """Copy a span's elements, read into a buffer (TensorStore's, or scratch for a strided target), to its targets."""
     for job in sp.jobs:
-        _scatter(scratch, sp.start, *job)
+        _scatter(src, sp.start, *job)
 
 
 def _nothing() -> None:
