@@ -6,8 +6,12 @@ pipeline, each stage overlapping the others and the training loop:
 
 * capture: copies each segment's tensor slices into a staging buffer from a
   bounded pool (pinned memory and a side stream ordered after the training
-  stream by an event on CUDA; a single-threaded memcpy on CPU). An empty pool
-  makes capture wait (backpressure), so host memory stays bounded.
+  stream by an event on CUDA). A CPU state bound for a local store with
+  ``O_DIRECT`` is not copied: each segment becomes a ``LiveShard`` whose whole
+  inner chunks are written from the tensors' own memory, only the chunks at
+  tensor edges being copied (``writer.fill_live``); the pre-step hook copies
+  whatever the writers have not written yet. An empty pool makes capture wait
+  (backpressure), so host memory stays bounded.
 * flush: hands each filled buffer on as one whole shard write (to the direct
   writer's threads for a local store, localwrite.py; to TensorStore
   otherwise); the buffer returns to the pool when the write is durable.
@@ -16,7 +20,8 @@ pipeline, each stage overlapping the others and the training loop:
 
 The training loop waits only for *capture*, and only before it mutates the
 state: ``attach(optimizer)`` installs a pre-step hook that does so, or call
-``wait_captured()``. It never waits for storage. A failed write never raises
+``wait_captured()``. It never waits for storage (for live shards: at most for
+the one ``LIVE_BATCH`` write in flight per writer thread, ~4 MiB each). A failed write never raises
 inside training: the version is not committed, a failure record is written, and
 the error is raised by the next ``snapshot``/``wait``/``wait_captured``/``close``.
 
@@ -47,12 +52,12 @@ from .distributed import Staging, all_gather, merge_rank_manifests, process_grou
 from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, SnapshotFailedError, StorageError
 from .gc import RetentionPolicy
 from .layout import ParallelLayout
-from .localwrite import DirectWriter, staging_slack
+from .localwrite import DirectWriter, LiveShard
 from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
                        version_from_manifest, version_id_time)
 from .providers import TensorRecord, flatten
 from .sharding import Sharder, column_blocks
-from .writer import Segment, StagingPool, WritePlan, fill_segment
+from .writer import Segment, StagingPool, WritePlan, fill_live, fill_segment, live_residues
 
 log = logging.getLogger("ckptrepo")
 
@@ -87,10 +92,11 @@ class SnapshotStats:
     """Timings of one snapshot, in seconds, and its size."""
 
     blocking_s: float = 0.0   # the training loop was held: the snapshot() call plus pre-step waits
-    capture_s: float = 0.0    # snapshot() until every byte was in staging memory
+    capture_s: float = 0.0    # snapshot() until the state was free to change (copied to staging, or written)
     flush_s: float = 0.0      # first shard write until the data was durable
     total_s: float = 0.0      # snapshot() until committed
     bytes: int = 0
+    copied_bytes: int = 0     # bytes copied out of the state into staging (all of them, unless written in place)
 
     @property
     def gbps(self) -> float:
@@ -99,7 +105,7 @@ class SnapshotStats:
 
     def to_json(self) -> dict[str, float]:
         return {"blocking_s": self.blocking_s, "capture_s": self.capture_s, "flush_s": self.flush_s,
-                "total_s": self.total_s, "bytes": self.bytes, "gbps": self.gbps}
+                "total_s": self.total_s, "bytes": self.bytes, "copied_bytes": self.copied_bytes, "gbps": self.gbps}
 
 
 class SnapshotHandle:
@@ -181,6 +187,11 @@ class _Job:
     arrays: dict[str, ArrayInfo] = field(default_factory=dict)
     handles: dict[str, Any] = field(default_factory=dict)
     remaining: int = 0
+    # written from the tensors' memory (a CPU state, a local store with O_DIRECT): see Snapshotter._capture
+    live: bool = False
+    live_shards: list[LiveShard] = field(default_factory=list)
+    holds: int = 1                  # the capture thread's, plus one per live shard not yet released
+    staged: threading.Event = field(default_factory=threading.Event)   # the capture thread is done with the job
     error: BaseException | None = None
     first_write: float = 0.0
     data_done: threading.Event = field(default_factory=threading.Event)
@@ -194,6 +205,15 @@ class _Job:
         with self.lock:
             if self.error is None:
                 self.error = err
+
+    def drop_hold(self) -> None:
+        """One hold on the state's memory is gone; with the last, the state may be mutated again."""
+        with self.lock:
+            self.holds -= 1
+            last = self.holds == 0
+        if last:
+            self.handle.stats.capture_s = time.perf_counter() - self.started
+            self.handle._captured.set()
 
     def segment_done(self, err: BaseException | None = None) -> None:
         if err is not None:
@@ -259,11 +279,9 @@ class Snapshotter:
         self.shard_bytes = shard
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._direct = DirectWriter.for_store(repo.store)   # local store: shards written without TensorStore
-        if self._direct is not None and self._direct.direct_io:   # room to stage shards as their objects
-            self.pool = StagingPool(shard + staging_slack(shard), max(2, self.host_memory // shard), pin=pin,
-                                    align=4096)
-        else:
-            self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin)
+        # page-aligned buffers where the direct writer may write them with O_DIRECT as they are (fill_live)
+        self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin,
+                                align=4096 if self._direct is not None and self._direct.direct_io else 0)
         # TensorStore may reference a staging buffer instead of copying it; fine where the kvstore copies the
         # bytes out before the write completes, but the memory kvstore would keep the buffer as the stored
         # value, which the pool then reuses for another shard
@@ -299,6 +317,9 @@ class Snapshotter:
         handle = SnapshotHandle(vid, None if step is None else int(step))
         job = _Job(handle, skeleton, records, None, message, plain_metrics(metrics or {}), started=t0,
                    leaf_names=leaf_names, names=names, boxes=boxes, keys=keys)
+        # a CPU state to a local store with O_DIRECT is written from where it is (not for CUDA tensors: their
+        # bytes must come to the host anyway, and whole-segment DMAs into pinned staging are the cheap way)
+        job.live = self._direct is not None and self._direct.direct_io and not any(r.tensor.is_cuda for r in records)
         stored = self._stored   # replaced (never mutated) by the commit thread
         for i, key in enumerate(keys):
             if key is None:
@@ -329,7 +350,9 @@ class Snapshotter:
         Runs in ``snapshot()``, or in the capture thread once dedup has decided;
         either way before any segment of the job is queued.
         """
-        plan = self.repo.plans.get([job.records[i] for i in written], self.shard_bytes)
+        records = [job.records[i] for i in written]
+        residues = live_residues(records, INNER_BYTES) if job.live else None
+        plan = self.repo.plans.get(records, self.shard_bytes, residues)
         job.written = written
         job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
                       for d, (n, s, i) in plan.streams.items()}
@@ -432,6 +455,11 @@ class Snapshotter:
         t0 = time.perf_counter()
         jobs = [j for j in self._pending_jobs() if not j.handle.captured()]
         for job in jobs:
+            if job.live:   # what the writers have not written yet is copied out of the state now
+                job.staged.wait()
+                copied = sum(shard.release() for shard in list(job.live_shards))
+                with job.lock:
+                    job.handle.stats.copied_bytes += copied
             job.handle._captured.wait()
         if jobs:
             jobs[-1].handle.stats.blocking_s += time.perf_counter() - t0
@@ -491,8 +519,8 @@ class Snapshotter:
             except BaseException as err:  # noqa: BLE001 - reported through the job
                 job.fail(err)
             finally:
-                job.handle.stats.capture_s = time.perf_counter() - job.started
-                job.handle._captured.set()
+                job.staged.set()
+                job.drop_hold()   # captured now, or once its live shards are written or released
 
     def _capture(self, job: _Job) -> None:
         if job.plan is None:
@@ -524,31 +552,39 @@ class Snapshotter:
             for seg in plan.segments:
                 buf = self.pool.take()
                 if job.error is not None:
-                    self._flush_q.put((job, seg, buf, None, None, False))
+                    self._flush_q.put((job, seg, buf, None, None))
                     queued += 1
                     continue
                 try:
                     faults.point("before_capture")
-                    # a local store with O_DIRECT: staged as the shard object itself (crc32c gaps after the
-                    # inner chunks), which the direct writer then writes from this buffer without a copy. Not
-                    # for CUDA states: that layout cuts device-to-host copies into one per inner chunk (64 KiB
-                    # DMAs, thousands of launches); they stay whole and the writer's bounce copy remains
-                    chunk_bytes = None if self._direct is None or cuda else self._direct.in_place(
-                        job.arrays[seg.dtype], seg.start, seg.stop, buf.data_ptr(), buf.numel())
-                    if cuda:
+                    if job.live:
+                        # written from where it is: only the chunks that are not wholly in one aligned tensor
+                        # (edges, small and strided tensors) are copied into the buffer now; the rest stays in
+                        # the tensors until the writer has written it or the pre-step hook copies it
+                        info = job.arrays[seg.dtype]
+                        cb = info.inner_elems * info.itemsize
+                        chunks, live = fill_live(seg, source, buf, cb, job.hashers)
+                        with job.lock:
+                            job.holds += 1
+                            job.handle.stats.copied_bytes += cb * live.count(False)
+                        keep = [source(p[0]).untyped_storage() for p in seg.parts]
+                        view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep)
+                        job.live_shards.append(view)
+                    elif cuda:
                         with torch.cuda.stream(self._side_stream):
                             for ev in job.ready:
                                 self._side_stream.wait_event(ev)
-                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.hashers,
-                                                chunk_bytes=chunk_bytes)
+                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.hashers)
                             last_event = torch.cuda.Event()
                             last_event.record(self._side_stream)
                     else:
-                        view = fill_segment(seg, source, buf, hashers=job.hashers, chunk_bytes=chunk_bytes)
+                        view = fill_segment(seg, source, buf, hashers=job.hashers)
+                    if not job.live:
+                        job.handle.stats.copied_bytes += (seg.stop - seg.start) * job.arrays[seg.dtype].itemsize
                 except BaseException:
                     self.pool.give(buf)
                     raise
-                self._flush_q.put((job, seg, buf, view, last_event, chunk_bytes is not None))
+                self._flush_q.put((job, seg, buf, view, last_event))
                 queued += 1
             if last_event is not None:
                 last_event.synchronize()
@@ -563,8 +599,10 @@ class Snapshotter:
             item = self._flush_q.get()
             if item is None:
                 return
-            job, seg, buf, view, event, in_place = item
+            job, seg, buf, view, event = item
             if job.error is not None or view is None:
+                if isinstance(view, LiveShard):
+                    view.finish()
                 self.pool.give(buf)
                 job.segment_done()
                 continue
@@ -580,25 +618,29 @@ class Snapshotter:
                 # a local store: one whole shard object written directly (localwrite.py), durable once the future
                 # completes, like TensorStore's commit future; otherwise (or for an odd segment) through TensorStore
                 info = job.arrays[seg.dtype]
-                if in_place:
-                    fut = self._direct.submit_in_place(info, seg.start, seg.stop, view)
+                if isinstance(view, LiveShard):
+                    fut = self._direct.submit_live(info, seg.start, view)
                 else:
                     fut = None if self._direct is None else self._direct.submit(info, seg.start, view)
                 if fut is None:
                     fut = handle[seg.start:seg.stop].write(
                         view, can_reference_source_data_indefinitely=self._store_copies).commit
             except BaseException as err:  # noqa: BLE001
+                if isinstance(view, LiveShard):
+                    view.finish()
                 self.pool.give(buf)
                 job.segment_done(_storage_error(job, seg, err))
                 continue
-            fut.add_done_callback(lambda f, job=job, seg=seg, buf=buf: self._written(job, seg, buf, f))
+            fut.add_done_callback(lambda f, job=job, seg=seg, buf=buf, view=view: self._written(job, seg, buf, view, f))
 
-    def _written(self, job: _Job, seg: Segment, buf: torch.Tensor, fut: Any) -> None:
+    def _written(self, job: _Job, seg: Segment, buf: torch.Tensor, view: Any, fut: Any) -> None:
         err = None
         try:
             fut.result()
         except BaseException as e:  # noqa: BLE001
             err = _storage_error(job, seg, e)
+        if isinstance(view, LiveShard):
+            view.finish()
         self.pool.give(buf)
         if err is None:
             faults.point("after_shard_write")
@@ -822,7 +864,7 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
         "metrics": metrics,
         "host": socket.gethostname(),
         "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
-        "size": sum(a.nbytes for a in arrays.values()),
+        "size": plan.nbytes,
         "arrays": listed,
         "tensors": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "pieces": pieces(i, r)}
                     for i, r in enumerate(records)],

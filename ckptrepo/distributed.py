@@ -17,6 +17,8 @@ no version appears, and every rank gets the error.
 """
 from __future__ import annotations
 
+import math
+
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -172,7 +174,8 @@ def merge_rank_manifests(ranks: list[dict[str, Any]], layout: "ParallelLayout | 
     lay.update({"world_size": world_size, "ranks": [
         {"rank": p["rank"], "coords": p["coords"], "tree": p["tree"], "leaf_names": p["leaf_names"]} for p in ranks]})
     return {"layout": lay, "arrays": arrays, "tensors": tensors,
-            "size": sum(ArrayInfo.from_json(k, v).nbytes for k, v in arrays.items()),
+            "size": sum(math.prod(p["box"][1]) * ArrayInfo.from_json(p["array"], arrays[p["array"]]).itemsize
+                        for t in tensors for p in t["pieces"]),
             "tree": full_tree(ranks[0]["tree"], ranks[0]["leaf_names"], tensors, index, sections)}
 
 

@@ -165,12 +165,17 @@ class DirectReader:
             raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + int(bad[0])}")
         nbytes = chunk_bytes + 4
         whole = [q for q in pieces if q[0] <= c0 * inner and q[1] >= c1 * inner]
-        if whole and bool((entries[:, 0] == entries[0, 0] + nbytes * np.arange(c1 - c0, dtype=np.uint64)).all()):
-            # the common case, one tensor's memory holding every chunk, stored back to back: no per-chunk planning
+        # chunks back to back (TensorStore's layout) or at a block-aligned stride (localwrite.write_live's)
+        stride = int(entries[1, 0] - entries[0, 0]) if c1 - c0 > 1 else nbytes
+        if whole and nbytes <= stride <= nbytes + _MAX_GAP and bool(
+                (entries[:, 0] == entries[0, 0] + stride * np.arange(c1 - c0, dtype=np.uint64)).all()):
+            # the common case, one tensor's memory holding every chunk, stored in order: no per-chunk planning
             start, _, buf = whole[0]
             first = (c0 * inner - start) * item
             rows = buf[first:first + (c1 - c0) * chunk_bytes].reshape(c1 - c0, chunk_bytes)
-            _preadv(fd, [x for k in range(c1 - c0) for x in (rows[k], crcs[4 * k:4 * k + 4])], int(entries[0, 0]))
+            gap = _scratch(stride - nbytes)
+            iov = [x for k in range(c1 - c0) for x in (rows[k], crcs[4 * k:4 * k + 4], gap)]
+            _preadv(fd, [x for x in iov[:-1] if x.nbytes], int(entries[0, 0]))
             stored = crcs.view("<u4").tolist()
             for k in range(c1 - c0):
                 if crc32c(rows[k]) != stored[k]:
@@ -179,7 +184,9 @@ class DirectReader:
         offsets = entries[:, 0].tolist()   # checked in one go above; plain ints for the loop
         for k, c in enumerate(range(c0, c1)):
             off = offsets[k]
-            if off != expect:
+            if expect < off <= expect + _MAX_GAP and iov:   # padding after the previous chunk: read past it
+                iov.append(_scratch(off - expect))
+            elif off != expect:
                 _preadv(fd, iov, file_off)
                 iov, file_off = [], off
             expect = off + nbytes
@@ -212,6 +219,14 @@ class DirectReader:
                 crc = crc32c(part, crc)
             if crc != int(stored[k]):
                 raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + k} checksum")
+
+
+_MAX_GAP = 4096   # padding between chunk encodings read through rather than skipped with another preadv
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """Somewhere to read bytes nobody wants (padding between chunks)."""
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 def _preadv(fd: int, iov: list[np.ndarray], offset: int) -> None:

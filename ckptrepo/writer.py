@@ -53,19 +53,36 @@ class WritePlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(n * np.dtype(numpy_dtype(d)).itemsize for d, (n, _, _) in self.streams.items())
+        """The tensors' bytes (not the zeros that align some of them in their stream)."""
+        return sum(p.numel * np.dtype(numpy_dtype(p.dtype)).itemsize for p in self.placements)
 
 
 def plan_signature(records: Sequence[TensorRecord]) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((r.dtype, r.shape) for r in records)
 
 
-def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None) -> WritePlan:
-    """Pack tensors per dtype in state order and cut each stream into segments."""
+LIVE_ALIGN = 4096   # memory and file alignment of chunks written from where they are (O_DIRECT's largest)
+
+
+def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None,
+              residues: Sequence[int | None] | None = None) -> WritePlan:
+    """Pack tensors per dtype in state order and cut each stream into segments.
+
+    ``residues`` (per record, None or a byte offset modulo ``LIVE_ALIGN``):
+    such a tensor is placed where its first byte's stream offset has that
+    residue, its memory address's (at most ``LIVE_ALIGN`` bytes of zeros
+    before it). Every inner chunk wholly inside it is then page-aligned in
+    memory as it is in the stream, so localwrite can write it with
+    ``O_DIRECT`` from the tensor itself (``fill_live``).
+    """
     totals: dict[str, int] = {}
     placements = []
-    for r in records:
+    for i, r in enumerate(records):
         off = totals.get(r.dtype, 0)
+        residue = residues[i] if residues is not None else None
+        if residue is not None:
+            item = np.dtype(numpy_dtype(r.dtype)).itemsize
+            off += (residue // item - off) % (LIVE_ALIGN // item)
         placements.append(Placement(r.dtype, off, r.numel))
         totals[r.dtype] = off + r.numel
     streams = {}
@@ -93,6 +110,17 @@ def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None) -
     return WritePlan(plan_signature(records), streams, tuple(placements), tuple(segments))
 
 
+def live_residues(records: Sequence[TensorRecord], chunk_bytes: int) -> tuple[int | None, ...]:
+    """``make_plan``'s residues for writing from the tensors' memory: contiguous CPU tensors of two
+    inner chunks or more are placed at their address's offset modulo ``LIVE_ALIGN``; the rest packed."""
+    out = []
+    for r in records:
+        t = r.tensor
+        big = t.device.type == "cpu" and t.is_contiguous() and r.numel * t.element_size() >= 2 * chunk_bytes
+        out.append(t.data_ptr() % LIVE_ALIGN if big and t.data_ptr() % t.element_size() == 0 else None)
+    return tuple(out)
+
+
 class PlanCache:
     """Plans keyed by the state's (dtype, shape) signature and shard size; counts how often planning ran.
 
@@ -106,13 +134,16 @@ class PlanCache:
         self.misses = 0
         self._lock = threading.Lock()  # snapshot() threads and capture threads (dedup plans there) share it
 
-    def get(self, records: Sequence[TensorRecord], shard_bytes: int | None = None) -> WritePlan:
-        key = (plan_signature(records), shard_bytes)
+    def get(self, records: Sequence[TensorRecord], shard_bytes: int | None = None,
+            residues: Sequence[int | None] | None = None) -> WritePlan:
+        """The plan for these records (``residues``: see ``make_plan``; a training loop's tensors keep their
+        addresses, so it still plans once)."""
+        key = (plan_signature(records), shard_bytes, None if residues is None else tuple(residues))
         with self._lock:
             plan = self._plans.get(key)
             if plan is None:
                 self.misses += 1
-                plan = self._plans[key] = make_plan(records, shard_bytes)
+                plan = self._plans[key] = make_plan(records, shard_bytes, residues)
                 while len(self._plans) > self.capacity:
                     self._plans.popitem(last=False)
             else:
@@ -159,12 +190,10 @@ class StagingPool:
 
 
 def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.Tensor,
-                 non_blocking: bool = False, hashers: Mapping[int, Any] | None = None,
-                 chunk_bytes: int | None = None) -> np.ndarray:
+                 non_blocking: bool = False, hashers: Mapping[int, Any] | None = None) -> np.ndarray:
     """Copy the segment's tensor slices into ``buf``; return the numpy view TensorStore will write.
 
-    With ``chunk_bytes``, the slices are staged in the layout of the shard
-    object instead (see ``fill_in_place``) and all of ``buf`` is returned, as bytes.
+    (A local store with ``O_DIRECT`` and a CPU state skips this copy: ``fill_live``.)
 
     ``sources(i)`` is tensor ``i`` of the plan, in any shape; its elements are
     taken in row-major order. CPU sources are copied with a plain
@@ -180,8 +209,6 @@ def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torc
     exactly what is written. A tensor's slices come in order as long as the
     segments of its dtype are filled in plan order.
     """
-    if chunk_bytes is not None:
-        return fill_in_place(seg, sources, buf, chunk_bytes, non_blocking, hashers)
     torch_dtype = TORCH_DTYPES[seg.dtype]
     item = torch.empty((), dtype=torch_dtype).element_size()
     nbytes = (seg.stop - seg.start) * item
@@ -201,70 +228,67 @@ def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torc
     return raw_np.view(numpy_dtype(seg.dtype))
 
 
-def fill_in_place(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.Tensor, chunk_bytes: int,
-                  non_blocking: bool = False, hashers: Mapping[int, Any] | None = None) -> np.ndarray:
-    """``fill_segment`` into the layout of the shard object itself; return ``buf`` as numpy bytes.
+def fill_live(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.Tensor, chunk_bytes: int,
+              hashers: Mapping[int, Any] | None = None) -> tuple[list[np.ndarray], list[bool]]:
+    """Prepare a segment of CPU tensors to be written as its shard object from where the bytes are.
 
-    Inner chunk ``k`` (``chunk_bytes`` of the segment's bytes) goes to offset
-    ``k * (chunk_bytes + 4)``, leaving a 4-byte gap after each for its crc32c
-    (localwrite fills the gaps and the index and writes the buffer with
-    ``O_DIRECT``, without copying it again). A slice that spans chunks is cut
-    at their boundaries. A contiguous CPU source is copied with one strided
-    numpy copy per slice (whole chunks as the rows of a 2-D view), a strided
-    one per chunk piece with ``copy_flat_range``; CUDA sources per chunk
-    piece, ``non_blocking``. ``hashers`` see each tensor's bytes in order.
+    Returns one ``chunk_bytes`` uint8 array per inner chunk of the segment,
+    and whether it is *live*: the tensor's own memory, where the chunk lies
+    wholly inside one contiguous tensor at a ``LIVE_ALIGN``-aligned address
+    (``live_residues`` placed big tensors so that all their inner chunks but
+    the edges are); else slot ``k`` of ``buf`` (page-aligned, ``chunk_bytes``
+    per slot), into which that chunk's bytes are copied here: tensor edges,
+    small and strided tensors, the zeros between aligned tensors and past the
+    array's end. Only those slots are written, so a state of big tensors costs
+    almost no copy; the caller must keep the tensors unchanged until the live
+    chunks are written or copied away (``localwrite.LiveShard.release``).
+    ``hashers`` see each tensor's bytes in order, read where they are.
     """
     item = torch.empty((), dtype=TORCH_DTYPES[seg.dtype]).element_size()
-    inner = chunk_bytes // item
-    stride = chunk_bytes + 4
-    raw_np = buf.numpy()
+    cb = chunk_bytes
+    n = -(-(seg.stop - seg.start) * item // cb)
+    raw = buf.numpy()
+    if n * cb > raw.nbytes or buf.data_ptr() % LIVE_ALIGN or cb % LIVE_ALIGN:
+        raise ValueError(f"a {raw.nbytes}-byte buffer cannot stage {n} chunks of {cb} bytes from where they are")
+    chunks: list[np.ndarray | None] = [None] * n
     for idx, src, dst, count in seg.parts:
         tensor = sources(idx)
-        hasher = hashers.get(idx) if hashers is not None else None
-        if tensor.device.type == "cpu" and tensor.is_contiguous():
-            data = tensor.reshape(-1)[src:src + count].view(torch.uint8).numpy()
-            pos = 0   # bytes of ``data`` done
-            lo, hi = dst * item, (dst + count) * item   # bytes within the segment
-            head = min(hi, -(-lo // chunk_bytes) * chunk_bytes) - lo   # to the first chunk boundary
-            staged = []
-            if head:
-                k, r = divmod(lo, chunk_bytes)
-                staged.append(raw_np[k * stride + r:k * stride + r + head])
-                np.copyto(staged[-1], data[:head])
-                pos = head
-            rows = (hi - lo - pos) // chunk_bytes
-            if rows:
-                k = (lo + pos) // chunk_bytes
-                block = raw_np[k * stride:(k + rows) * stride].reshape(rows, stride)[:, :chunk_bytes]
-                np.copyto(block, data[pos:pos + rows * chunk_bytes].reshape(rows, chunk_bytes))
-                if hasher is not None:
-                    staged.extend(block)
-                pos += rows * chunk_bytes
-            if pos < hi - lo:
-                k = (lo + pos) // chunk_bytes
-                staged.append(raw_np[k * stride:k * stride + hi - lo - pos])
-                np.copyto(staged[-1], data[pos:])
-            if hasher is not None:
-                for piece in staged:
-                    hasher.update(piece)
-            continue
         if tensor.device.type != "cpu":
-            flat = tensor.reshape(-1)[src:src + count].view(torch.uint8)
-        e = dst
-        while e < dst + count:
-            k = e // inner
-            n = min(dst + count, (k + 1) * inner) - e
-            off = k * stride + (e - k * inner) * item
-            if tensor.device.type == "cpu":
-                staged = raw_np[off:off + n * item]
-                copy_flat_range(staged, tensor, src + e - dst, n)
-                if hasher is not None:
-                    hasher.update(staged)
-            else:
-                a = (e - dst) * item
-                buf[off:off + n * item].copy_(flat[a:a + n * item], non_blocking=non_blocking)
-            e += n
-    return raw_np
+            raise ValueError("only CPU tensors are written from where they are")
+        if not tensor.is_contiguous():
+            continue
+        lo, hi = dst * item, (dst + count) * item
+        data = tensor.reshape(-1)[src:src + count].view(torch.uint8).numpy()
+        first = -(-lo // cb)
+        if (tensor.data_ptr() + src * item + first * cb - lo) % LIVE_ALIGN == 0:
+            for k in range(first, hi // cb):
+                chunks[k] = data[k * cb - lo:(k + 1) * cb - lo]
+        if hashers is not None and idx in hashers:
+            hashers[idx].update(data)
+    live = [c is not None for c in chunks]
+
+    def zero(a: int, b: int) -> None:
+        for k in range(a // cb, -(-b // cb)):
+            if not live[k]:
+                raw[max(a, k * cb):min(b, (k + 1) * cb)] = 0
+
+    pos = 0
+    for idx, src, dst, count in seg.parts:
+        lo, hi = dst * item, (dst + count) * item
+        if lo > pos:
+            zero(pos, lo)
+        pos = hi
+        tensor = sources(idx)
+        hasher = hashers.get(idx) if hashers is not None and not tensor.is_contiguous() else None
+        for k in range(lo // cb, -(-hi // cb)):
+            if live[k]:
+                continue
+            a, b = max(lo, k * cb), min(hi, (k + 1) * cb)
+            copy_flat_range(raw[a:b], tensor, src + (a - lo) // item, (b - a) // item)
+            if hasher is not None:
+                hasher.update(raw[a:b])
+    zero(pos, n * cb)
+    return [c if c is not None else raw[k * cb:(k + 1) * cb] for k, c in enumerate(chunks)], live
 
 
 def copy_flat_range(staged: np.ndarray, tensor: torch.Tensor, start: int, count: int) -> None:

@@ -116,7 +116,9 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
             s = stats[row.version.id]
             click.echo("    " + (f"blocking {s['blocking_s'] * 1e3:.1f} ms  capture {s['capture_s'] * 1e3:.1f} ms  "
                                  f"flush {s['flush_s'] * 1e3:.1f} ms  total {s['total_s'] * 1e3:.1f} ms  "
-                                 f"{s['gbps']:.2f} GB/s" if s else "no statistics recorded"))
+                                 f"{s['gbps']:.2f} GB/s"
+                                 + (f"  copied {s['copied_bytes'] / 1e6:.1f} MB" if "copied_bytes" in s else "")
+                                 if s else "no statistics recorded"))
     for f in failures:
         out.print(f"[red]FAILED[/] {f['id'][:12]}  step {f.get('step')}  {_when(f.get('time', 0))}  {f.get('error')}",
                   markup=True)

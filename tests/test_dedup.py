@@ -70,7 +70,8 @@ def test_lora_fine_tune_writes_only_adapters_and_optimizer_state(repo):
     for step in range(1, 5):
         assert expected <= sizes[step] <= 1.1 * expected, (step, sizes[step], expected)
     usage = repo.du()
-    assert usage.total_bytes == sum(sizes.values()), "the frozen base is stored once"
+    # the frozen base is stored once (arrays also hold the few KiB of zeros that page-align big tensors)
+    assert sum(sizes.values()) <= usage.total_bytes <= 1.01 * sum(sizes.values())
     assert repo.plans.misses == 2, "one plan for the full state, one for the changing part"
     for step, truth in truths.items():
         assert_bit_exact(truth, repo.load(f"@{step}"))

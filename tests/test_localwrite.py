@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptrepo
-from ckptrepo import crc, faults, localwrite
+from ckptrepo import crc, faults, localread, localwrite
 from ckptrepo.arrays import ArrayInfo, choose_geometry, create_array
 from ckptrepo.errors import SnapshotFailedError
 from ckptrepo.fsck import fsck
@@ -126,6 +126,21 @@ def test_a_snapshot_goes_through_the_direct_path_and_loads_bit_exact(tmp_path, m
     assert fsck(ckptrepo.open(root)).ok
     assert not [f for _, _, files in os.walk(root) for f in files if f.endswith(localwrite.LOCK_SUFFIX)]
 
+    if direct_io:   # written from the tensors' memory: every chunk's encoding starts on a device block
+        m = repo.manifest(repo.resolve("@1"))
+        for key, info in m["arrays"].items():
+            info = ArrayInfo.from_json(key, info)
+            for s in info.shards():
+                raw = (tmp_path / "r" / info.shard_key(s)).read_bytes()
+                n = info.shard_elems // info.inner_elems
+                index = np.frombuffer(raw[-(16 * n + 4):-4], dtype="<u8").reshape(n, 2)
+                present = index[index[:, 0] != (1 << 64) - 1]
+                assert len(present) and (present[:, 0] % 512 == 0).all(), key
+        # and every zarr reader reads them: TensorStore alone (crc32c checked there) gives the same tensors
+        monkeypatch.setattr(localread.DirectReader, "for_store", classmethod(lambda cls, store: None))
+        assert_bit_exact(state, ckptrepo.open(root).load("@1"))
+        return
+
     # the same state through TensorStore: the very same objects
     monkeypatch.setattr(localwrite, "DIRECT_WRITES", False)
     with repo.snapshotter(host_memory="1MiB") as snap:
@@ -151,8 +166,9 @@ def test_a_buffer_returns_to_the_pool_only_once_its_shard_is_durable(tmp_path):
 
     snap.pool.give = checked_give
     with snap:
-        snap.snapshot(state, step=0).result(timeout=60)
-    assert len(seen) == 8
+        v = snap.snapshot(state, step=0).result(timeout=60)
+    (info,) = [ArrayInfo.from_json(k, a) for k, a in repo.manifest(v.id)["arrays"].items()]
+    assert len(seen) == len(info.shards()) >= 8
     late = [(i + 1, n) for i, n in enumerate(seen) if n < i + 1]
     assert not late, f"buffers came back before their shards were renamed into place (nth give, shards): {late}"
 
@@ -315,29 +331,40 @@ def test_a_memory_store_with_reused_staging_buffers():
 def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(tmp_path, monkeypatch):
     def refuse(*_args):
         raise OSError(errno.EINVAL, "Invalid argument")
+    real_live = localwrite._write_live
+
+    def refuse_live(fd, layout, shard, block, direct_io):   # O_DIRECT refused at 512 and at 4096 bytes
+        if direct_io:
+            tried.append(block)
+            refuse()
+        real_live(fd, layout, shard, block, direct_io)
+
+    tried: list[int] = []
     monkeypatch.setattr(localwrite, "_write_aligned", refuse)
-    monkeypatch.setattr(localwrite, "_write_in_place", refuse)   # a shard already staged in place: pwrite it
+    monkeypatch.setattr(localwrite, "_write_live", refuse_live)
     root = str(tmp_path / "r")
     repo = ckptrepo.init(root)
     state = _state(3)
     with repo.snapshotter(host_memory="1MiB") as snap:
         snap.snapshot(state, step=0).result()
         assert snap._direct.direct_io is False
+    assert tried[0] == 512 and 4096 in tried   # (several writer threads may try 512 before the first refusal)
     assert_bit_exact(state, ckptrepo.open(root).load("HEAD"))
     assert fsck(ckptrepo.open(root)).ok
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "complex128", "bool"])
-@pytest.mark.parametrize("chunks", CHUNKS)
-def test_shards_staged_in_place_are_byte_identical_to_tensorstores(tmp_path, monkeypatch, dtype, chunks):
-    """Tensor slices staged straight into the object layout (crc32c gaps), slices cut at inner chunk
-    boundaries, a strided source among them; the hashers see each tensor's bytes in order."""
+@pytest.mark.parametrize("chunks", CHUNKS + [40])
+def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tmp_path, monkeypatch, dtype, chunks):
+    """fill_live + write_live: big tensors placed at their address's page offset go from their own memory,
+    the rest (edges, a one-element tensor, a strided column block, the zeros between and after) through the
+    staging buffer, whose stale bytes must not leak; TensorStore decodes the objects (crc32c checked) to the
+    same elements, and the hashers see each tensor's bytes in order."""
     import xxhash
-    from ckptrepo.providers import TORCH_DTYPES
-    from ckptrepo.writer import StagingPool, fill_segment, make_plan
+    from ckptrepo.providers import TORCH_DTYPES, TensorRecord
+    from ckptrepo.writer import StagingPool, fill_live, live_residues, make_plan
     item = ArrayInfo("x", dtype, 1, 1, 1).itemsize
     numel = max(1, int(chunks * INNER / item))
-    ts_key, _, info = _write_both_ways(str(tmp_path), dtype, numel, int(chunks * 100), None)
     data = torch.from_numpy(np.random.default_rng(int(chunks * 100)).integers(0, 256, numel * item, dtype=np.uint8))
     if dtype == "bool":
         data &= 1
@@ -350,26 +377,68 @@ def test_shards_staged_in_place_are_byte_identical_to_tensorstores(tmp_path, mon
         wide[:, 1:1 + (cut[4] - cut[3]) // rows] = parts[3].reshape(rows, -1)
         parts[3] = wide[:, 1:1 + (cut[4] - cut[3]) // rows]
         assert not parts[3].is_contiguous() or parts[3].numel() <= 1
-    records = [type("R", (), {"dtype": dtype, "shape": tuple(p.shape), "numel": p.numel()})() for p in parts]
+    records = [TensorRecord(f"t{i}", p, dtype, tuple(p.shape)) for i, p in enumerate(parts)]
     monkeypatch.setattr("ckptrepo.writer.choose_geometry",
                         lambda d, n, shard_bytes: choose_geometry(d, n, shard_bytes=shard_bytes, inner_bytes=INNER))
-    plan = make_plan(records, shard_bytes=SHARD)
+    plan = make_plan(records, shard_bytes=SHARD, residues=live_residues(records, INNER))
+    store = Store.open(str(tmp_path))
     writer = DirectWriter(str(tmp_path))
-    key = f"data/inplace-{dtype}-{numel}"
-    info = ArrayInfo(key, dtype, numel, *plan.streams[dtype][1:])
-    pool = StagingPool(SHARD + localwrite.staging_slack(SHARD), 1, align=4096)
+    key = f"data/live-{dtype}-{numel}"
+    info = ArrayInfo(key, dtype, *plan.streams[dtype])
+    handle = create_array(store, info)
+    pool = StagingPool(SHARD, 1, align=4096)
     hashers = {i: xxhash.xxh3_128() for i in range(len(parts))}
+    live = 0
     for seg in plan.segments:
         buf = pool.take()
         buf.fill_(0xAB)   # stale bytes from an earlier shard
-        assert buf.data_ptr() % 4096 == 0
-        chunk_bytes = writer.in_place(info, seg.start, seg.stop, buf.data_ptr(), buf.numel())
-        assert chunk_bytes == info.inner_elems * item
-        obj = fill_segment(seg, parts.__getitem__, buf, hashers=hashers, chunk_bytes=chunk_bytes)
-        writer.write_in_place(info, seg.start, seg.stop, obj)
+        chunks_, live_ = fill_live(seg, parts.__getitem__, buf, INNER, hashers)
+        assert [c.ctypes.data != buf.data_ptr() + k * INNER for k, c in enumerate(chunks_)] == live_
+        live += sum(live_)
+        released = []
+        shard = localwrite.LiveShard(chunks_, live_, buf.numpy(), lambda: released.append(1))
+        writer.write_live(info, seg.start, shard)
+        assert released == [1] and shard.release() == 0   # all written: nothing left to copy
         pool.give(buf)
     assert writer.direct_io, "O_DIRECT was refused: only the page-cache path was tested"
-    for s in info.shards():
-        assert (tmp_path / ts_key / "c" / str(s)).read_bytes() == (tmp_path / key / "c" / str(s)).read_bytes()
+    if chunks >= 12:
+        assert live > 0, "big tensors should go from their own memory"
+    stored = handle.read().result()
+    expected = np.zeros(info.numel, dtype=stored.dtype)   # zeros wherever no tensor is placed
+    for p, pl in zip(parts, plan.placements):
+        expected[pl.offset:pl.offset + pl.numel] = p.contiguous().reshape(-1).view(torch.uint8).numpy().view(stored.dtype)
+    assert stored.tobytes() == expected.tobytes()
     for i, p in enumerate(parts):
         assert hashers[i].intdigest() == xxhash.xxh3_128(p.contiguous().view(torch.uint8).numpy()).intdigest()
+
+
+def test_release_copies_what_is_not_written_yet_and_the_version_keeps_the_old_bytes(tmp_path):
+    """The pre-step barrier while the writers are held up: every chunk still in the tensors is copied out,
+    the loop mutates the state, and the version still holds the bytes of its own step."""
+    import threading
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(5000)}   # 4 MiB: mostly whole aligned chunks
+    truth = {k: v.clone() for k, v in state.items()}
+    gate = threading.Event()
+    faults.set_hook("before_shard_write", lambda _name: gate.wait(60))
+    with repo.snapshotter(host_memory="64MiB") as snap:
+        h = snap.snapshot(state, step=1)
+        snap.wait_captured()                 # nothing written yet: this copies the live chunks
+        assert h.captured()
+        for t in state.values():
+            t.mul_(-3).add_(1)
+        gate.set()
+        v = h.result(timeout=60)
+    assert h.stats.copied_bytes >= 4 << 20
+    assert_bit_exact(truth, repo.load(v.id))
+
+
+def test_an_undisturbed_snapshot_copies_almost_nothing(tmp_path):
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    state = {"w": torch.randn(4 << 20), "m": torch.randn(1 << 20), "b": torch.randn(5000)}   # 20 MiB
+    with repo.snapshotter(host_memory="64MiB") as snap:
+        h = snap.snapshot(state, step=1)
+        v = h.result(timeout=60)
+        assert h.captured()
+    assert h.stats.copied_bytes <= 4 * 64 << 10   # the edges of each tensor's chunks
+    assert_bit_exact(state, repo.load(v.id))

@@ -13,6 +13,7 @@ from megatron_ref import launch
 
 RULES = SPLIT_RULES   # col.weight: Split(0), row.weight: Split(1), norm.weight: Replicated
 INDEX_BYTES = 64 << 10   # shard indexes: 16 bytes per inner chunk, read once per shard
+PADDING = 1 + 512 / INNER_BYTES   # the direct writer pads each chunk's encoding to a 512-byte block; reads read it
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,8 @@ def test_a_strided_slice_reads_within_the_issue_bound(repo, tp: int) -> None:
         assert stats.needed_bytes == t.numel() * 4
         assert stats.runs == 512
         assert read <= 1.1 * stats.needed_bytes + stats.runs * INNER_BYTES
-        assert read <= 512 * 2048 * 4 + INDEX_BYTES   # never more than the tensor itself
+        # never more than the tensor itself: its chunks, the one it shares with its neighbour, the padding
+        assert read <= 512 * 2048 * 4 * PADDING + INNER_BYTES + INDEX_BYTES
 
 
 def test_replicated_tensors_and_the_rest_are_not_read(repo) -> None:

@@ -153,7 +153,8 @@ def test_large_multi_shard_state_round_trips(repo, monkeypatch):
     """Tensors spanning shard boundaries and several streams per dtype still round-trip."""
     from ckptrepo import writer
     original = writer.make_plan
-    monkeypatch.setattr(writer, "make_plan", lambda records, shard_bytes=None: original(records, shard_bytes=1 << 20))
+    monkeypatch.setattr(writer, "make_plan", lambda records, shard_bytes=None, residues=None:
+                        original(records, shard_bytes=1 << 20, residues=residues))
     repo.plans = writer.PlanCache()
     g = torch.Generator().manual_seed(3)
     state = {f"t{i}": torch.randn(int(1000 + 37_000 * (i % 5)), generator=g) for i in range(20)}
