@@ -263,6 +263,7 @@ class CkptRepo(Mode):
             self.durable.append(s.total_s)
             for k in ("capture_s", "flush_s", "gbps"):
                 self.extra.setdefault(k, []).append(getattr(s, k))
+            self.extra.setdefault("copied_mb", []).append(s.copied_bytes / 1e6)
         self.extra["call_s"] = list(self.call_s)
         self.extra["prestep_wait_s"] = [max(0.0, b - c) for b, c in zip(self.blocking, self.call_s)]
 
@@ -552,7 +553,8 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
         if r["mode"].startswith("ckptrepo"):
             details = (f"call {f(ex.get('call_s'))} + pre-step wait {f(ex.get('prestep_wait_s'))}; "
                        f"capture {f(ex.get('capture_s'))}, flush {f(ex.get('flush_s'))}, "
-                       f"{f(ex.get('gbps'), '{:.2f}')} GB/s; its threads {f(ex.get('threads_cpu_s'))} CPU-s")
+                       f"{f(ex.get('gbps'), '{:.2f}')} GB/s; copied {f(ex.get('copied_mb'), '{:.1f}')} MB; "
+                       f"its threads {f(ex.get('threads_cpu_s'))} CPU-s")
         elif r["mode"] == "dcp.async_save":
             details = f"call {f(ex.get('call_s'))} + wait prev {f(ex.get('wait_prev_s'))}"
         else:
