@@ -57,7 +57,7 @@ from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, ne
                        version_from_manifest, version_id_time)
 from .providers import TensorRecord, flatten
 from .sharding import Sharder, column_blocks
-from .writer import Segment, StagingPool, WritePlan, fill_live, fill_segment, live_residues
+from .writer import LIVE_ALIGN, Segment, StagingPool, WritePlan, fill_live, fill_segment, live_residues
 
 log = logging.getLogger("ckptrepo")
 
@@ -916,7 +916,20 @@ def _copy_module_buffers(state: Any, records: list[TensorRecord]) -> None:
     if ptrs:
         for r in records:
             if r.tensor.data_ptr() in ptrs and r.numel:
-                r.tensor = r.tensor.clone()
+                r.tensor = _page_aligned_copy(r.tensor)
+
+
+def _page_aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that starts on a page (CPU): a new address every snapshot, but always the same
+    offset within a page, so the write plan (``live_residues``) stays the same and is not made again."""
+    if t.device.type != "cpu":
+        return t.clone()
+    nbytes = t.numel() * t.element_size()
+    raw = torch.empty(nbytes + LIVE_ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % LIVE_ALIGN
+    out = raw[skip:skip + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def _stderr_is_terminal() -> bool:

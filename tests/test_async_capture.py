@@ -53,6 +53,30 @@ def test_every_version_equals_the_state_at_its_step_despite_mutation(repo):
     assert repo.plans.misses == 1, "the plan is computed once for an unchanged structure"
 
 
+def test_module_buffers_copied_each_snapshot_do_not_make_a_new_plan(repo):
+    """A big module buffer is copied at every snapshot (forward may change it): at a new address each
+    time, but the plan (which places big tensors at their address's offset in a page) stays the same."""
+    model = torch.nn.Linear(256, 256)
+    model.register_buffer("mask", torch.randn(512, 512))   # 1 MiB, like a causal mask
+    with repo.snapshotter(host_memory="16MiB") as snap:
+        for step in range(4):
+            snap.snapshot({"model": model}, step=step)
+            snap.wait_captured()
+            with torch.no_grad():
+                model.weight.add_(1)
+                model.bias.add_(1)   # (an unchanged one would be deduplicated: a second plan, for the rest)
+                model.mask.mul_(2)
+        snap.wait()
+    assert repo.plans.misses == 1
+    assert torch.equal(repo.load("@3")["model"]["mask"], model.mask / 2)
+    # malloc gives big blocks a fixed offset within a page, but not reused heap memory: the copy fixes it
+    from ckptrepo.capture import _page_aligned_copy
+    for shape, dtype in [((512, 512), torch.float32), ((70_001,), torch.bfloat16), ((3, 5000), torch.int64)]:
+        t = torch.randn(shape).to(dtype)
+        c = _page_aligned_copy(t)
+        assert c.data_ptr() % 4096 == 0 and c.dtype == t.dtype and torch.equal(c, t)
+
+
 def test_attached_optimizer_waits_for_capture_before_stepping(repo):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
