@@ -564,11 +564,11 @@ class Snapshotter:
                         info = job.arrays[seg.dtype]
                         cb = info.inner_elems * info.itemsize
                         chunks, live = fill_live(seg, source, buf, cb, job.hashers)
+                        keep = [source(p[0]).untyped_storage() for p in seg.parts]
+                        view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep)
                         with job.lock:
                             job.holds += 1
                             job.handle.stats.copied_bytes += cb * live.count(False)
-                        keep = [source(p[0]).untyped_storage() for p in seg.parts]
-                        view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep)
                         job.live_shards.append(view)
                     elif cuda:
                         with torch.cuda.stream(self._side_stream):

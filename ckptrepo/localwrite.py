@@ -459,8 +459,11 @@ class DirectWriter:
                              self._make_dir, direct_io=direct)
                 return
             except _NoDirectIO:
-                if shard.written:   # not a refusal of the first write: never write a released chunk again
-                    raise OSError(errno.EINVAL, f"O_DIRECT write of {path} failed midway") from None
+                with shard._lock:   # chunks already written from the tensors may have changed since a release
+                    if shard.released:
+                        raise OSError(errno.EINVAL, f"O_DIRECT write of {path} refused after the state was "
+                                                    f"released") from None
+                    shard.written = 0   # the whole object again, from the same (unchanged) memory
                 if block < _ALIGN:
                     self.block = max(self.block, _ALIGN)
                 else:

@@ -353,6 +353,29 @@ def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(tmp_path, 
     assert fsck(ckptrepo.open(root)).ok
 
 
+def test_o_direct_refused_midway_through_a_shard_is_retried_while_the_state_is_unchanged(tmp_path, monkeypatch):
+    """A device whose blocks turn out to be 4 KiB refuses the 512-byte layout; if that happens after some
+    batches of a shard went out (here: at the third write call), the shard is written again with 4 KiB
+    blocks from the same, unchanged memory instead of failing the snapshot."""
+    monkeypatch.setattr(localwrite, "LIVE_BATCH", 2)
+    real, calls = os.pwritev, {"n": 0}
+
+    def pwritev(fd, buffers, offset):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.EINVAL, "injected: Invalid argument")
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(localwrite.os, "pwritev", pwritev)
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    state = {"w": torch.randn(1 << 18)}   # 1 MiB: 16 chunks, 8 batches
+    with repo.snapshotter(host_memory="64MiB") as snap:
+        v = snap.snapshot(state, step=0).result(timeout=60)
+        assert snap._direct.block == 4096 and snap._direct.direct_io
+    assert calls["n"] > 8
+    assert_bit_exact(state, repo.load(v.id))
+    assert fsck(repo).ok
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "complex128", "bool"])
 @pytest.mark.parametrize("chunks", CHUNKS + [40])
 def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tmp_path, monkeypatch, dtype, chunks):
