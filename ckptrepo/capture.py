@@ -396,9 +396,9 @@ class Snapshotter:
         names: dict[str, list[Any]] = {}
         for p in pieces:
             names.setdefault(p.name, [p.name, p.dtype, list(p.gshape)])
-        for rec, name in zip(records, sharded.leaf_names):   # zero-element tensors have no pieces
-            if rec.numel == 0 and "@rank" in name:
-                names.setdefault(name, [name, rec.dtype, list(rec.shape)])
+        for rec, name, gshape in zip(records, sharded.leaf_names, sharded.gshapes):
+            if rec.numel == 0 and gshape is not None:   # no pieces here: listed under its global name and shape
+                names.setdefault(name, [name, rec.dtype, list(gshape)])
         return (gathered[0][0], [TensorRecord(p.name, p.view, p.dtype, p.box[1]) for p in mine],
                 [[list(p.box[0]), list(p.box[1])] for p in mine], sharded.leaf_names, list(names.values()))
 

@@ -51,6 +51,9 @@ class ShardedState:
     pieces: list[Piece] = field(default_factory=list)
     leaf_names: list[str] = field(default_factory=list)
     partial: list[int] = field(default_factory=list)   # records that pieces do not fully cover (padding)
+    # per record, the global shape of the tensor it is stored as (None: a ZeRO flat partition, which holds
+    # pieces of other tensors): how a tensor this rank holds none of, or that has no elements, is still listed
+    gshapes: list[tuple[int, ...] | None] = field(default_factory=list)
 
 
 def rank_name(path: str, rank: int) -> str:
@@ -150,7 +153,7 @@ class Sharder:
         self.gshape_of = gshape_of
 
     def shard(self, records: Sequence[TensorRecord]) -> ShardedState:
-        out = ShardedState(leaf_names=[""] * len(records))
+        out = ShardedState(leaf_names=[""] * len(records), gshapes=[None] * len(records))
         params: list[tuple[str, torch.Tensor, Spec, tuple[int, ...]]] = []
         flat: list[tuple[int, str]] = []
         for i, rec in enumerate(records):
@@ -158,6 +161,7 @@ class Sharder:
             if is_dtensor(t):
                 box, local = dtensor_box(t)
                 out.leaf_names[i] = rec.name
+                out.gshapes[i] = tuple(t.shape)
                 self._check_known(rec.name, tuple(t.shape))
                 if volume(box[1]):
                     out.pieces.append(Piece(rec.name, rec.dtype, tuple(t.shape), box, local, _dtensor_cut_dim(t)))
@@ -168,6 +172,7 @@ class Sharder:
                 gparam, spec, gshape = self._param(section, param, t)
                 name = f"{section}/{gparam}"
                 out.leaf_names[i] = name
+                out.gshapes[i] = tuple(gshape)
                 if section == self.rules.model_section:
                     params.append((gparam, t, spec, gshape))
                 regs = regions(spec, gshape, self.layout.tp, self.coords.tp)
@@ -185,6 +190,7 @@ class Sharder:
             if self.gshape_of is not None and self.gshape_of(name) is None and self.gshape_of(rec.name) is not None:
                 name = rec.name  # a global tensor (saved from DTensors) loaded whole
             out.leaf_names[i] = name
+            out.gshapes[i] = tuple(rec.shape)
             self._check_known(name, rec.shape)
             if rec.numel:
                 out.pieces.append(Piece(name, rec.dtype, rec.shape, ((0,) * len(rec.shape), rec.shape), t))

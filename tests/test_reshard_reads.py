@@ -126,3 +126,14 @@ def test_a_one_process_save_with_a_layout_loads_into_tensor_parallel_ranks_readi
     for rank in range(tp):
         t, stats, read = _load(one_process_repo, "row.weight", tp, rank, full)
         assert read <= 1.1 * stats.needed_bytes + 2 * INNER_BYTES + INDEX_BYTES, (rank, read, stats)
+
+
+def test_a_zero_element_tensor_survives_a_single_process_sharded_snapshot(tmp_path) -> None:
+    """It has no pieces, but it is listed under its global name, so a plain load returns it too."""
+    r = ckptrepo.init(str(tmp_path / "repo"))
+    state = {"model": {"norm.weight": torch.randn(10), "empty": torch.zeros(0, 3)}, "extra": torch.zeros(0)}
+    r.snapshot(state, step=1, parallel_layout=ParallelLayout(rules=RULES))
+    got = r.load("HEAD")
+    assert list(got["model"]) == ["norm.weight", "empty"] and got["model"]["empty"].shape == (0, 3)
+    assert got["extra"].shape == (0,)
+    assert torch.equal(got["model"]["norm.weight"], state["model"]["norm.weight"])
