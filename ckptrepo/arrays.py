@@ -120,6 +120,8 @@ def metadata_matches(info: ArrayInfo, stored: Any) -> bool:
     try:
         got_cfg = dict(stored["codecs"][0]["configuration"])
         got_cfg.setdefault("index_location", "end")
+        if info.itemsize == 1:   # TensorStore leaves out the byte order of one-byte types (int8, bool, ...)
+            got_cfg["codecs"] = [_BYTES_CODEC if c == {"name": "bytes"} else c for c in got_cfg.get("codecs", [])]
         return (stored["shape"] == want["shape"] and stored["data_type"] == want["data_type"]
                 and stored["chunk_grid"] == want["chunk_grid"]
                 and stored["chunk_key_encoding"].get("name") == "default"

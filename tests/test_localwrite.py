@@ -465,3 +465,20 @@ def test_an_undisturbed_snapshot_copies_almost_nothing(tmp_path):
         assert h.captured()
     assert h.stats.copied_bytes <= 4 * 64 << 10   # the edges of each tensor's chunks
     assert_bit_exact(state, repo.load(v.id))
+
+
+def test_one_byte_dtypes_load_through_the_direct_path(tmp_path):
+    """TensorStore writes no byte order for one-byte types; their arrays still match the manifest, so loads
+    read them straight from the files (localread) instead of falling back to TensorStore."""
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    g = torch.Generator().manual_seed(5)
+    state = {"i8": torch.randint(-128, 127, (300_000,), generator=g, dtype=torch.int8),
+             "u8": torch.randint(0, 255, (300_000,), generator=g, dtype=torch.uint8),
+             "b": torch.rand(300_000, generator=g) > 0.5}
+    repo.snapshot(state, step=0)
+    from ckptrepo.reshard import kvstore_bytes_read
+    before, ts_before = localread.bytes_read(), kvstore_bytes_read()
+    assert_bit_exact(state, ckptrepo.open(str(tmp_path / "r")).load("HEAD"))
+    direct = localread.bytes_read() - before
+    assert direct >= 900_000
+    assert kvstore_bytes_read() - ts_before - direct < 100_000   # TensorStore read none of the data again
