@@ -567,7 +567,7 @@ class Snapshotter:
                         keep = [source(p[0]).untyped_storage() for p in seg.parts]
                         view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep)
                         with job.lock:
-                            job.holds += 1
+                            job.holds += 0 if view.released else 1   # a shard of copies only: captured now
                             job.handle.stats.copied_bytes += cb * live.count(False)
                         job.live_shards.append(view)
                     elif cuda:

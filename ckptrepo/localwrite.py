@@ -236,7 +236,8 @@ class LiveShard:
     ``writer.fill_live`` copied the other chunks into) and returns once no
     write reads the tensors any more, at most one batch of ``LIVE_BATCH``
     chunks later. ``on_released`` runs once, after the last chunk was written
-    or after ``release``, whichever comes first.
+    or after ``release``, whichever comes first (never, for a shard with no
+    live chunk: it is released from the start).
     """
 
     def __init__(self, chunks: list[np.ndarray], live: list[bool], shadow: np.ndarray,
@@ -246,7 +247,7 @@ class LiveShard:
         self.shadow = shadow
         self.keep = keep            # the tensors' storages: alive while their memory is written from
         self.written = 0            # chunks [0, written) are durable in the file or being written under the lock
-        self.released = False
+        self.released = not any(live)   # nothing in the tensors' memory: released from the start
         self._on_released = on_released
         self._lock = threading.Lock()
 
@@ -460,7 +461,7 @@ class DirectWriter:
                 return
             except _NoDirectIO:
                 with shard._lock:   # chunks already written from the tensors may have changed since a release
-                    if shard.released:
+                    if shard.released and any(shard.live[:shard.written]):
                         raise OSError(errno.EINVAL, f"O_DIRECT write of {path} refused after the state was "
                                                     f"released") from None
                     shard.written = 0   # the whole object again, from the same (unchanged) memory
