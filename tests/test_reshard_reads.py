@@ -137,3 +137,20 @@ def test_a_zero_element_tensor_survives_a_single_process_sharded_snapshot(tmp_pa
     assert list(got["model"]) == ["norm.weight", "empty"] and got["model"]["empty"].shape == (0, 3)
     assert got["extra"].shape == (0,)
     assert torch.equal(got["model"]["norm.weight"], state["model"]["norm.weight"])
+
+
+def test_a_strided_target_part_split_over_several_spans_is_filled_exactly(tmp_path) -> None:
+    """Saved as column blocks along dim 1, loaded split along dim 2: each block's part of a rank's tensor is a
+    strided view, and its runs in the block are too far apart to be read as one span. Every span then
+    scatters into the same strided part (reshard._scatter, under its lock)."""
+    from ckptrepo.rules import Rules, Split
+    r = ckptrepo.init(str(tmp_path / "repo"))
+    full = torch.randn(2, 8, 40_000, generator=torch.Generator().manual_seed(4))
+    r.snapshot({"model": {"w": full}}, step=1, parallel_layout=ParallelLayout(rules=Rules([("w", Split(1))])))
+    for rank in range(2):
+        into = {"model": {"w": torch.full((2, 8, 20_000), float("nan"))}}
+        stats = ReadStats()
+        r.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=Rules([("w", Split(2))])), rank=rank, into=into,
+               read_stats=stats)
+        assert stats.spans > stats.runs / 2 >= 8, stats   # the parts' runs went out as separate spans
+        assert torch.equal(into["model"]["w"], full[:, :, rank * 20_000:(rank + 1) * 20_000])
