@@ -57,7 +57,8 @@ from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, ne
                        version_from_manifest, version_id_time)
 from .providers import TensorRecord, flatten
 from .sharding import Sharder, column_blocks
-from .writer import LIVE_ALIGN, Segment, StagingPool, WritePlan, fill_live, fill_segment, live_residues
+from .writer import (LIVE_ALIGN, Segment, StagingPool, WritePlan, aligned_empty, fill_live, fill_segment,
+                     live_residues)
 
 log = logging.getLogger("ckptrepo")
 
@@ -281,7 +282,7 @@ class Snapshotter:
         self._direct = DirectWriter.for_store(repo.store)   # local store: shards written without TensorStore
         # page-aligned buffers where the direct writer may write them with O_DIRECT as they are (fill_live)
         self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin,
-                                align=4096 if self._direct is not None and self._direct.direct_io else 0)
+                                align=LIVE_ALIGN if self._direct is not None and self._direct.direct_io else 0)
         # TensorStore may reference a staging buffer instead of copying it; fine where the kvstore copies the
         # bytes out before the write completes, but the memory kvstore would keep the buffer as the stored
         # value, which the pool then reuses for another shard
@@ -601,9 +602,7 @@ class Snapshotter:
                 return
             job, seg, buf, view, event = item
             if job.error is not None or view is None:
-                if isinstance(view, LiveShard):
-                    view.finish()
-                self.pool.give(buf)
+                self._segment_over(view, buf)
                 job.segment_done()
                 continue
             try:
@@ -626,12 +625,17 @@ class Snapshotter:
                     fut = handle[seg.start:seg.stop].write(
                         view, can_reference_source_data_indefinitely=self._store_copies).commit
             except BaseException as err:  # noqa: BLE001
-                if isinstance(view, LiveShard):
-                    view.finish()
-                self.pool.give(buf)
+                self._segment_over(view, buf)
                 job.segment_done(_storage_error(job, seg, err))
                 continue
             fut.add_done_callback(lambda f, job=job, seg=seg, buf=buf, view=view: self._written(job, seg, buf, view, f))
+
+    def _segment_over(self, view: Any, buf: torch.Tensor) -> None:
+        """A segment's write is over (durable, failed or never started): its buffer goes back to the pool, and a
+        live shard lets go of the tensors (nothing reads their memory any more)."""
+        if isinstance(view, LiveShard):
+            view.finish()
+        self.pool.give(buf)
 
     def _written(self, job: _Job, seg: Segment, buf: torch.Tensor, view: Any, fut: Any) -> None:
         err = None
@@ -639,9 +643,7 @@ class Snapshotter:
             fut.result()
         except BaseException as e:  # noqa: BLE001
             err = _storage_error(job, seg, e)
-        if isinstance(view, LiveShard):
-            view.finish()
-        self.pool.give(buf)
+        self._segment_over(view, buf)
         if err is None:
             faults.point("after_shard_write")
         job.segment_done(err)
@@ -924,10 +926,7 @@ def _page_aligned_copy(t: torch.Tensor) -> torch.Tensor:
     offset within a page, so the write plan (``live_residues``) stays the same and is not made again."""
     if t.device.type != "cpu":
         return t.clone()
-    nbytes = t.numel() * t.element_size()
-    raw = torch.empty(nbytes + LIVE_ALIGN, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % LIVE_ALIGN
-    out = raw[skip:skip + nbytes].view(t.dtype).view(t.shape)
+    out = aligned_empty(t.numel() * t.element_size(), LIVE_ALIGN).view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
 

@@ -17,16 +17,14 @@ no version appears, and every rank gets the error.
 """
 from __future__ import annotations
 
-import math
-
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .arrays import ArrayInfo
 from .boxes import Box, intersect, volume
 from .errors import LayoutError, SnapshotFailedError
 from .manifest import seal, unseal
-from .providers import DICT, LIST, NDARRAY, ODICT, SCALAR, STATEFUL, TENSOR, TUPLE, _key_str, unflatten
+from .providers import (DICT, LIST, NDARRAY, ODICT, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, numel,
+                        unflatten)
 from .store import Store
 
 if TYPE_CHECKING:
@@ -174,8 +172,7 @@ def merge_rank_manifests(ranks: list[dict[str, Any]], layout: "ParallelLayout | 
     lay.update({"world_size": world_size, "ranks": [
         {"rank": p["rank"], "coords": p["coords"], "tree": p["tree"], "leaf_names": p["leaf_names"]} for p in ranks]})
     return {"layout": lay, "arrays": arrays, "tensors": tensors,
-            "size": sum(math.prod(p["box"][1]) * ArrayInfo.from_json(p["array"], arrays[p["array"]]).itemsize
-                        for t in tensors for p in t["pieces"]),
+            "size": sum(numel(p["box"][1]) * TORCH_DTYPES[t["dtype"]].itemsize for t in tensors for p in t["pieces"]),
             "tree": full_tree(ranks[0]["tree"], ranks[0]["leaf_names"], tensors, index, sections)}
 
 

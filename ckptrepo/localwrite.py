@@ -67,7 +67,7 @@ except ImportError:   # not POSIX: every shard goes through TensorStore
 import numpy as np
 
 from . import faults
-from .arrays import INNER_BYTES, MISSING_CHUNK, ArrayInfo, ByteCounter
+from .arrays import MISSING_CHUNK, ArrayInfo, ByteCounter
 from .crc import crc32c
 from .store import Store
 from .vectored import transfer_all
@@ -76,7 +76,7 @@ DIRECT_WRITES = True     # False: every shard goes through TensorStore (read whe
 DIRECT_IO = True         # False: write through the page cache (pwritev of views of the staging buffer)
 WRITE_THREADS = 4        # shard writes in flight: one thread's device wait overlaps the others' copies
 BOUNCE_BYTES = 2 << 20   # per writer thread, for O_DIRECT
-_ALIGN = 4096            # O_DIRECT offsets, lengths and addresses (the largest logical block size in use)
+DIRECT_ALIGN = 4096      # O_DIRECT offsets, lengths and addresses (the largest logical block size in use)
 LOCK_SUFFIX = ".__lock"  # TensorStore's file kvstore writes a value to <key>.__lock, then renames it
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
 _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", None)   # Linux: the open-file-description lock TensorStore takes
@@ -170,7 +170,7 @@ class _AlignedStream:
     Each piece is copied into the buffer; the crc32c of chunk data is taken
     there, right after the copy, while it is in cache (from DRAM it costs as
     much as the copy on the reference machine). A full buffer is written at
-    the next aligned offset; the last one is padded to ``_ALIGN`` and the file
+    the next aligned offset; the last one is padded to ``DIRECT_ALIGN`` and the file
     truncated to the exact length by ``finish``.
     """
 
@@ -202,7 +202,7 @@ class _AlignedStream:
 
     def finish(self, total: int) -> None:
         if self.pos:
-            padded = -(-self.pos // _ALIGN) * _ALIGN
+            padded = -(-self.pos // DIRECT_ALIGN) * DIRECT_ALIGN
             self.buf[self.pos:padded] = 0
             self._flush(padded)
         if self.offset != total:
@@ -377,21 +377,21 @@ class DirectWriter:
         """
         if not supports(info, start, start + data.size):
             return None
-        return self._enqueue(info, start, data, None)
+        return self._enqueue(info, start, data)
 
     def submit_live(self, info: ArrayInfo, start: int, shard: "LiveShard") -> "Future[None]":
         """Queue the write of a shard whose inner chunks are ``shard.chunks`` (``writer.fill_live``), some of
         them the tensors' own memory; the future completes once the object is durable."""
-        return self._enqueue(info, start, shard, None)
+        return self._enqueue(info, start, shard)
 
-    def _enqueue(self, info: ArrayInfo, start: int, data: np.ndarray, stop: int | None) -> "Future[None]":
+    def _enqueue(self, info: ArrayInfo, start: int, data: "np.ndarray | LiveShard") -> "Future[None]":
         fut: Future[None] = Future()
         with self._lock:
             if len(self._workers) < self.threads:
                 t = threading.Thread(target=self._work, name=f"ckptrepo-write-{len(self._workers)}", daemon=True)
                 t.start()
                 self._workers.append(t)
-        self._queue.put((fut, info, start, data, stop))
+        self._queue.put((fut, info, start, data))
         return fut
 
     def _work(self) -> None:
@@ -400,7 +400,7 @@ class DirectWriter:
             item = self._queue.get()
             if item is None:
                 return
-            fut, info, start, data, stop = item
+            fut, info, start, data = item
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -465,8 +465,8 @@ class DirectWriter:
                         raise OSError(errno.EINVAL, f"O_DIRECT write of {path} refused after the state was "
                                                     f"released") from None
                     shard.written = 0   # the whole object again, from the same (unchanged) memory
-                if block < _ALIGN:
-                    self.block = max(self.block, _ALIGN)
+                if block < DIRECT_ALIGN:
+                    self.block = max(self.block, DIRECT_ALIGN)
                 else:
                     self.direct_io = False
 

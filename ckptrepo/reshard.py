@@ -20,6 +20,7 @@ TensorStore's kvstore metrics) what storage actually delivered.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -318,18 +319,15 @@ def _scatter(src: torch.Tensor, span_start: int, tp: Piece, sbox: Box, part: Box
     # the part is split over several spans: copy run by run (through a buffer when dest is not contiguous)
     all_starts, _ = runs(sbox, part)
     row_of = {int(s) + offset: k for k, s in enumerate(all_starts)}
-    if dest.is_contiguous():
-        rows = dest.view(len(all_starts), length)
-        for s in starts:
-            rows[row_of[int(s)]].copy_(src[int(s) - span_start:int(s) - span_start + length])
-        return
-    # read, change and write back the whole part: the spans of one part are scattered by whichever reader
+    # a strided part is read, changed and written back whole: its spans are scattered by whichever reader
     # threads finish them, so two of them at once would each write back the other's rows as they were
-    with _SPLIT_PART_LOCK:
-        rows = dest.reshape(len(all_starts), length).clone()
+    contiguous = dest.is_contiguous()
+    with contextlib.nullcontext() if contiguous else _SPLIT_PART_LOCK:
+        rows = dest.view(len(all_starts), length) if contiguous else dest.reshape(len(all_starts), length).clone()
         for s in starts:
             rows[row_of[int(s)]].copy_(src[int(s) - span_start:int(s) - span_start + length])
-        dest.copy_(rows.view(dest.shape))
+        if not contiguous:
+            dest.copy_(rows.view(dest.shape))
 
 
 _SPLIT_PART_LOCK = threading.Lock()   # see _scatter: a strided part split over several spans

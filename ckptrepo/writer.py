@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .arrays import choose_geometry, numpy_dtype
+from .localwrite import DIRECT_ALIGN
 from .providers import TORCH_DTYPES, TensorRecord
 
 
@@ -61,7 +62,7 @@ def plan_signature(records: Sequence[TensorRecord]) -> tuple[tuple[str, tuple[in
     return tuple((r.dtype, r.shape) for r in records)
 
 
-LIVE_ALIGN = 4096   # memory and file alignment of chunks written from where they are (O_DIRECT's largest)
+LIVE_ALIGN = DIRECT_ALIGN   # memory and file alignment of chunks written from where they are (O_DIRECT's)
 
 
 def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None,
@@ -175,9 +176,7 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._allocated += 1
-        buf = torch.empty(self.buffer_bytes + self.align, dtype=torch.uint8, pin_memory=self.pin)
-        skip = (-buf.data_ptr()) % self.align if self.align else 0
-        return buf[skip:skip + self.buffer_bytes]
+        return aligned_empty(self.buffer_bytes, self.align, pin=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._cv:
@@ -187,6 +186,14 @@ class StagingPool:
     @property
     def allocated_bytes(self) -> int:
         return self._allocated * (self.buffer_bytes + self.align)
+
+
+def aligned_empty(nbytes: int, align: int, pin: bool = False) -> torch.Tensor:
+    """``nbytes`` uninitialised bytes starting at a multiple of ``align`` (0: anywhere): ``align`` bytes more
+    are allocated and sliced, which works for pinned memory too."""
+    buf = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    skip = (-buf.data_ptr()) % align if align else 0
+    return buf[skip:skip + nbytes]
 
 
 def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.Tensor,
