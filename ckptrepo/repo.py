@@ -27,6 +27,7 @@ from .providers import TORCH_DTYPES, numel, plain_values, unflatten
 from .reader import TensorEntry, read_tensors
 from .refs import Refs, init_head
 from .gc import PRUNED_PREFIX
+from .gcpause import collection_paused
 from .store import Store
 
 if TYPE_CHECKING:
@@ -201,6 +202,11 @@ class Repository:
         ``into`` may then hold DTensors, whose placements say what to read. A
         version saved by several ranks loads unsharded when no layout is given.
         """
+        with collection_paused():
+            return self._load(rev, into, map_location, device, on_bytes, parallel_layout, rank, read_stats)
+
+    def _load(self, rev: str, into: Any, map_location: Any, device: Any, on_bytes: Callable[[int], None] | None,
+              parallel_layout: "ParallelLayout | None", rank: int | None, read_stats: "ReadStats | None") -> Any:
         vid = self.resolve(rev)
         m = self.manifest(vid)
         if any(t["pieces"] for t in m["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
