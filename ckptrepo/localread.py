@@ -27,7 +27,19 @@ from .crc import crc32c
 from .store import Store
 from .vectored import transfer_all
 
-DIRECT_THREADS = 4             # concurrent preadv tasks
+
+def _usable_cpus() -> int:
+    """Cores this process may run on (its affinity mask, where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# Concurrent preadv tasks. A warm read is CPU work (the kernel's copy out of the page cache, then crc32c), so
+# threads beyond the cores only switch: on 2 cores, 2 threads loaded 243 MiB from the page cache in 0.18-0.22 s
+# against 0.23-0.30 s with 4, and cold loads were no slower (the disk gets 16 MiB requests either way).
+DIRECT_THREADS = max(2, min(4, _usable_cpus()))
 DIRECT_TASK_BYTES = 16 << 20    # a run is split into chunk-aligned tasks of about this size
 
 
