@@ -251,25 +251,29 @@ def fill_live(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.T
     chunks are written or copied away (``localwrite.LiveShard.release``).
     ``hashers`` see each tensor's bytes in order, read where they are.
     """
-    item = torch.empty((), dtype=TORCH_DTYPES[seg.dtype]).element_size()
+    item = np.dtype(numpy_dtype(seg.dtype)).itemsize
     cb = chunk_bytes
     n = -(-(seg.stop - seg.start) * item // cb)
     raw = buf.numpy()
     if n * cb > raw.nbytes or buf.data_ptr() % LIVE_ALIGN or cb % LIVE_ALIGN:
         raise ValueError(f"a {raw.nbytes}-byte buffer cannot stage {n} chunks of {cb} bytes from where they are")
     chunks: list[np.ndarray | None] = [None] * n
+    # each part's bytes where they are (None: strided), taken once: torch calls cost microseconds each,
+    # numpy slices a fraction of one, and this runs per segment of every snapshot
+    views: list[np.ndarray | None] = []
     for idx, src, dst, count in seg.parts:
         tensor = sources(idx)
         if tensor.device.type != "cpu":
             raise ValueError("only CPU tensors are written from where they are")
-        if not tensor.is_contiguous():
+        flat = _flat_bytes(tensor)
+        data = None if flat is None else flat[src * item:(src + count) * item]
+        views.append(data)
+        if data is None:
             continue
         lo, hi = dst * item, (dst + count) * item
-        data = tensor.reshape(-1)[src:src + count].view(torch.uint8).numpy()
         first = -(-lo // cb)
         if (tensor.data_ptr() + src * item + first * cb - lo) % LIVE_ALIGN == 0:
-            for k in range(first, hi // cb):
-                chunks[k] = data[k * cb - lo:(k + 1) * cb - lo]
+            chunks[first:hi // cb] = [data[a:a + cb] for a in range(first * cb - lo, (hi // cb) * cb - lo, cb)]
         if hashers is not None and idx in hashers:
             hashers[idx].update(data)
     live = [c is not None for c in chunks]
@@ -280,13 +284,19 @@ def fill_live(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.T
                 raw[max(a, k * cb):min(b, (k + 1) * cb)] = 0
 
     pos = 0
-    for idx, src, dst, count in seg.parts:
+    for (idx, src, dst, count), data in zip(seg.parts, views):
         lo, hi = dst * item, (dst + count) * item
         if lo > pos:
             zero(pos, lo)
         pos = hi
+        if data is not None:
+            for k in range(lo // cb, -(-hi // cb)):
+                if not live[k]:
+                    a, b = max(lo, k * cb), min(hi, (k + 1) * cb)
+                    np.copyto(raw[a:b], data[a - lo:b - lo])
+            continue
         tensor = sources(idx)
-        hasher = hashers.get(idx) if hashers is not None and not tensor.is_contiguous() else None
+        hasher = hashers.get(idx) if hashers is not None else None
         for k in range(lo // cb, -(-hi // cb)):
             if live[k]:
                 continue
@@ -296,6 +306,14 @@ def fill_live(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.T
                 hasher.update(raw[a:b])
     zero(pos, n * cb)
     return [c if c is not None else raw[k * cb:(k + 1) * cb] for k, c in enumerate(chunks)], live
+
+
+def _flat_bytes(tensor: torch.Tensor) -> np.ndarray | None:
+    """A contiguous CPU tensor's bytes as a 1-D uint8 numpy view; None for a strided one."""
+    if not tensor.is_contiguous():
+        return None
+    flat = tensor if tensor.dim() == 1 else tensor.view(-1)
+    return flat.view(torch.uint8).numpy()
 
 
 def copy_flat_range(staged: np.ndarray, tensor: torch.Tensor, start: int, count: int) -> None:
