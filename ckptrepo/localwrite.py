@@ -290,23 +290,25 @@ def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io
     """
     n, stride, cb = layout.chunks, layout.stride, layout.chunk_bytes
     pad = stride - cb   # the crc32c and zeros up to the next block
-    crcs = _crc_blocks(LIVE_BATCH * pad)
-    crc_words = crcs.view("<u4")
+    words, slots = _crc_blocks(pad)
+    step = pad // 4
+    chunks = shard.chunks
+    iov: list[Any] = [None] * (2 * LIVE_BATCH)   # chunk j, then the block holding its crc32c
+    iov[1::2] = slots
     k = 0
     while k < n:
         k1 = min(n, k + LIVE_BATCH)
+        m = k1 - k
         with shard._lock:
-            iov: list[Any] = []
-            for j in range(k, k1):
-                chunk = shard.chunks[j]
-                crc_words[(j - k) * pad // 4] = crc32c(chunk)
-                iov.append(chunk)
-                iov.append(crcs[(j - k) * pad:(j - k + 1) * pad])
-            _pwritev_all(fd, iov, k * stride)
+            batch = chunks[k:k1]
+            words[:m * step:step] = list(map(crc32c, batch))
+            iov[:2 * m:2] = batch
+            _pwritev_all(fd, iov if m == LIVE_BATCH else iov[:2 * m], k * stride, m * stride)
             shard.written = k1
             if k1 == n:
                 shard._release()
         k = k1
+    iov[::2] = [None] * LIVE_BATCH   # this thread's list must not keep the tensors alive
     tail = np.frombuffer(layout.tail, dtype=np.uint8)
     if direct_io:
         padded = _aligned(-(-tail.nbytes // block) * block)
@@ -320,12 +322,14 @@ def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io
 _per_thread = threading.local()
 
 
-def _crc_blocks(nbytes: int) -> np.ndarray:
-    """This writer thread's page-aligned blocks for the crc32cs of a live batch (zeros after each crc32c)."""
-    buf = getattr(_per_thread, "crc_blocks", None)
-    if buf is None or buf.nbytes != nbytes:
-        buf = _per_thread.crc_blocks = _aligned(nbytes)
-    return buf
+def _crc_blocks(pad: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """This writer thread's page-aligned blocks for the crc32cs of a live batch: ``LIVE_BATCH`` blocks of
+    ``pad`` bytes (a crc32c, then zeros); their words (block ``j``'s crc32c is word ``j * pad // 4``) and views."""
+    blocks = getattr(_per_thread, "crc_blocks", None)
+    if blocks is None or blocks[1][0].nbytes != pad:
+        buf = _aligned(LIVE_BATCH * pad)
+        blocks = _per_thread.crc_blocks = (buf.view("<u4"), [buf[j * pad:(j + 1) * pad] for j in range(LIVE_BATCH)])
+    return blocks
 
 
 def _aligned(nbytes: int) -> np.ndarray:
@@ -558,6 +562,6 @@ def _open_locked(path: str) -> int:
         raise
 
 
-def _pwritev_all(fd: int, iov: list[Any], offset: int) -> None:
-    """Write every buffer of ``iov`` from ``offset`` on."""
-    transfer_all(os.pwritev, fd, iov, offset, _count)
+def _pwritev_all(fd: int, iov: list[Any], offset: int, nbytes: int | None = None) -> None:
+    """Write every buffer of ``iov`` from ``offset`` on (``nbytes``: their total, if the caller knows it)."""
+    transfer_all(os.pwritev, fd, iov, offset, _count, nbytes)

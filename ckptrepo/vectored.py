@@ -18,8 +18,21 @@ class ShortTransfer(OSError):
 
 
 def transfer_all(call: Callable[[int, Sequence[Any], int], int], fd: int, iov: Sequence[Any], offset: int,
-                 on_bytes: Callable[[int], None]) -> None:
-    """Run ``call(fd, buffers, offset)`` (``os.preadv`` or ``os.pwritev``) until all of ``iov`` has moved."""
+                 on_bytes: Callable[[int], None], nbytes: int | None = None) -> None:
+    """Run ``call(fd, buffers, offset)`` (``os.preadv`` or ``os.pwritev``) until all of ``iov`` has moved.
+
+    ``nbytes``: the buffers' total, when the caller knows it; a list the kernel takes in one call then
+    costs one call and no size lookups per buffer when it all moves at once (the usual case).
+    """
+    if nbytes is not None and len(iov) <= IOV_MAX:
+        n = call(fd, iov, offset)
+        if n > 0:
+            on_bytes(n)
+        if n == nbytes:
+            return
+        if n <= 0:
+            raise ShortTransfer(f"{getattr(call, '__name__', 'I/O')} moved nothing at offset {offset}")
+        iov, offset = _skip(iov, n), offset + n
     i = 0
     while i < len(iov):
         group = iov[i:i + IOV_MAX]
