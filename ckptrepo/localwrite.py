@@ -248,7 +248,9 @@ class LiveShard:
         self.keep = keep            # the tensors' storages: alive while their memory is written from
         self.written = 0            # chunks [0, written) are durable in the file or being written under the lock
         self.released = not any(live)   # nothing in the tensors' memory: released from the start
-        self._on_released = on_released
+        # dropped once called (or at once, for a shard released from the start): it is usually a bound method of
+        # the snapshot's job, which lists its shards, and that cycle would leave the job to the cyclic GC
+        self._on_released: Callable[[], None] | None = None if self.released else on_released
         self._lock = threading.Lock()
 
     def release(self) -> int:
@@ -278,7 +280,9 @@ class LiveShard:
         if not self.released:
             self.released = True
             self.keep = None
-            self._on_released()
+            on_released, self._on_released = self._on_released, None
+            if on_released is not None:
+                on_released()
 
 
 def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io: bool) -> None:
