@@ -271,3 +271,31 @@ def test_cuda_capture_is_consistent_and_ordered_by_events(repo):
         snap.wait()
     for step, truth in truths.items():
         assert_bit_exact(truth, repo.load(f"@{step}"))
+
+
+def test_snapshots_leave_no_cyclic_garbage(repo):
+    """A snapshot's records, tensor objects and job are freed by reference counting once it commits, not left
+    to the cyclic collector: with a big model loaded a full collection costs ~0.2 s of the training loop."""
+    import gc
+    from ckptrepo.capture import _Job
+    from ckptrepo.localwrite import LiveShard
+    from ckptrepo.providers import TensorRecord
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        with repo.snapshotter(host_memory="16MiB") as snap:
+            snap.attach(opt)
+            for step in range(3):
+                snap.snapshot({"model": model, "optimizer": opt}, step=step)
+                opt.step()
+            snap.wait()
+        gc.collect()
+        ours = [o for o in gc.garbage if isinstance(o, (TensorRecord, _Job, LiveShard))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert ours == [], f"{len(ours)} snapshot objects were only freed by the cyclic collector"
