@@ -5,8 +5,8 @@ Each few hundred allocations trigger a young-generation collection, and
 the survivors (the plan lives until the load ends) soon trigger a full one,
 which walks every object in the process: with torch imported that is a
 quarter of a million objects, ~75 ms per full collection on the reference
-machine. A 243 MiB resharding load spent a third of its wall time in the
-collector (0.17 s with it paused against 0.23-0.30 s; benchmarks/reshard.py).
+machine. A 243 MiB resharding load, repeated in one process, took 0.16-0.21 s
+with the collector off against 0.23-0.28 s with it on, and outliers to 0.47 s.
 
 Reference counting still frees everything that is not in a cycle, and the
 collector runs again as soon as the outermost pause ends; the pause covers
