@@ -60,6 +60,11 @@ class ArrayInfo:
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 
+    @property
+    def inner_bytes(self) -> int:
+        """Bytes of one inner chunk (the unit every crc32c covers)."""
+        return self.inner_elems * self.itemsize
+
     def shard_key(self, index: int) -> str:
         return f"{self.key}/c/{index}"
 

@@ -562,8 +562,7 @@ class Snapshotter:
                         # written from where it is: only the chunks that are not wholly in one aligned tensor
                         # (edges, small and strided tensors) are copied into the buffer now; the rest stays in
                         # the tensors until the writer has written it or the pre-step hook copies it
-                        info = job.arrays[seg.dtype]
-                        cb = info.inner_elems * info.itemsize
+                        cb = job.arrays[seg.dtype].inner_bytes
                         chunks, live = fill_live(seg, source, buf, cb, job.hashers)
                         keep = [source(p[0]).untyped_storage() for p in seg.parts]
                         view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep)

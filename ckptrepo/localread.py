@@ -38,7 +38,8 @@ def _usable_cpus() -> int:
 
 # Concurrent preadv tasks. A warm read is CPU work (the kernel's copy out of the page cache, then crc32c), so
 # threads beyond the cores only switch: on 2 cores, 2 threads loaded 243 MiB from the page cache in 0.18-0.22 s
-# against 0.23-0.30 s with 4, and cold loads were no slower (the disk gets 16 MiB requests either way).
+# against 0.23-0.30 s with 4. Cold loads barely care (the disk gets 16 MiB requests either way): 1 GB from
+# disk took a median 1.04 s with 2 threads and 1.00 s with 4, within the VM's noise.
 DIRECT_THREADS = max(2, min(4, _usable_cpus()))
 DIRECT_TASK_BYTES = 16 << 20    # a run is split into chunk-aligned tasks of about this size
 

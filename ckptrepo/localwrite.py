@@ -120,7 +120,7 @@ class _Shard:
         """
         self.raw = np.empty(0, np.uint8) if data is None else data.reshape(-1).view(np.uint8)
         self.nbytes = self.raw.nbytes if data is not None else int(nbytes or 0)
-        self.chunk_bytes = info.inner_elems * info.itemsize
+        self.chunk_bytes = info.inner_bytes
         n = info.shard_elems // info.inner_elems
         self.chunks = -(-self.nbytes // self.chunk_bytes)
         if self.chunks > n or self.nbytes % info.itemsize:
@@ -460,7 +460,7 @@ class DirectWriter:
         path = os.path.join(self.root, info.shard_key(start // info.shard_elems))
         while True:
             block, direct = self.block, self.direct_io   # other threads may change them meanwhile
-            layout = _Shard(info, None, nbytes, stride=-(-(info.inner_elems * info.itemsize + 4) // block) * block)
+            layout = _Shard(info, None, nbytes, stride=-(-(info.inner_bytes + 4) // block) * block)
             if layout.chunks != len(shard.chunks):
                 raise ValueError(f"{len(shard.chunks)} chunks given for a shard of {layout.chunks} of {info.key}")
             try:
