@@ -11,9 +11,12 @@ elements are then scattered into the target view with one strided copy. On a
 local ``file`` store, spans are read by :class:`ckptrepo.localread.DirectReader`
 (``preadv``, crc32c checked; spans sharing an inner chunk in one go, so it is
 read once): a span that lands in one contiguous stretch of the target (a
-whole piece, a pipeline stage, a column-parallel slice) straight into it,
-others into a buffer they are scattered from. Anything unexpected falls back
-to TensorStore.
+whole piece, a pipeline stage, a column-parallel slice) straight into it; a
+span that lands in evenly spaced rows of a strided view (a row-parallel
+column block, loaded into wider or narrower rows) through the reader
+thread's cache-sized buffer, copied out a verified megabyte at a time; any
+other into a buffer it is scattered from once read. Anything unexpected falls
+back to TensorStore.
 
 ``ReadStats`` counts what was needed, what was requested, and (through
 TensorStore's kvstore metrics) what storage actually delivered.
@@ -171,11 +174,11 @@ class _DirectRun:
     stop: int
     spans: list[_Span] = field(default_factory=list)
     entries: list[_Entry] = field(default_factory=list)
-    dests: list[torch.Tensor] = field(default_factory=list)
+    dests: list[Any] = field(default_factory=list)     # per span: a contiguous tensor or a _RowTarget
     scratch: list[torch.Tensor | None] = field(default_factory=list)   # per span: a buffer to scatter from
 
     def add(self, sp: _Span, info: ArrayInfo) -> None:
-        dest = _contiguous_destination(sp, info)
+        dest: Any = _direct_destination(sp, info)
         scratch = None
         if dest is None:
             dest = scratch = torch.empty(sp.stop - sp.start, dtype=TORCH_DTYPES[info.dtype])
@@ -188,6 +191,70 @@ class _DirectRun:
     @property
     def members(self) -> range:
         return range(len(self.entries))
+
+
+class _RowTarget:
+    """A span whose target is rows of a strided view (a column block of a wider tensor, or a column slice
+    of a saved block): the reader copies each verified batch of elements straight into those rows.
+
+    Both sides must be a uniform stack of rows of the part's innermost dimension: in the saved piece
+    (row starts an arithmetic sequence) and in the target view (its leading dimensions collapse into one
+    stride). Each reader task copies the rows (and parts of rows at its edges) that its elements hold,
+    from a buffer of its own that is still in cache, so no span-sized scratch is allocated, filled and
+    scattered once every task is done. Tasks write disjoint bytes: no lock.
+    """
+
+    __slots__ = ("target", "first", "step", "n", "length", "item")
+
+    def __init__(self, target: np.ndarray, first: int, step: int, n: int, length: int, item: int) -> None:
+        self.target = target   # the target rows as uint8, [n, length * item]
+        self.first, self.step, self.n, self.length, self.item = first, step, n, length, item   # in elements
+
+    @classmethod
+    def build(cls, sp: _Span, info: ArrayInfo, dest: torch.Tensor) -> "_RowTarget | None":
+        """The row target of a one-job span whose part lands in ``dest`` (a plain CPU view), or None."""
+        _tp, sbox, part, offset, _starts, _length = sp.jobs[0]
+        nd = len(part[1])
+        # the part's rows are evenly spaced in the saved piece when it spans every middle dimension
+        if nd < 2 or dest.stride(-1) != 1 or any(part[1][d] != sbox[1][d] for d in range(1, nd - 1)):
+            return None
+        length, n_all = part[1][-1], volume(part[1][:-1])
+        strides = row_major_strides(sbox[1])
+        step = strides[-2]
+        first = offset + sum((q - o) * st for q, o, st in zip(part[0], sbox[0], strides))
+        r0 = max(0, -((first - sp.start) // step))            # the rows that start inside the span
+        r1 = min(n_all, -((first - sp.stop) // step))
+        if r0 >= r1:
+            return None
+        target = dest.view(torch.uint8).numpy()
+        if nd > 2:
+            flat = target.view()
+            try:
+                flat.shape = (n_all, length * info.itemsize)   # only if the leading dims collapse: no copy
+            except AttributeError:
+                return None
+            target = flat
+        return cls(target[r0:r1], first + r0 * step, step, r1 - r0, length, info.itemsize)
+
+    def scatter(self, src: np.ndarray, a: int, b: int) -> None:
+        """Copy array elements ``[a, b)``, held by ``src`` (uint8, verified), into the target rows they belong to."""
+        target, s0, step, n, length, item = self.target, self.first, self.step, self.n, self.length, self.item
+        r_min = max(0, (a - length - s0) // step + 1)          # the rows that meet [a, b)
+        r_max = min(n, -((s0 - b) // step))
+        if r_min >= r_max:
+            return
+        f_lo = max(r_min, -((s0 - a) // step))                 # the rows wholly inside [a, b)
+        f_hi = min(r_max, (b - length - s0) // step + 1)
+        if f_lo < f_hi:
+            first = (s0 + f_lo * step - a) * item
+            np.copyto(target[f_lo:f_hi],
+                      np.lib.stride_tricks.as_strided(src[first:], (f_hi - f_lo, length * item), (step * item, 1)))
+        for r in {r_min, r_max - 1}:                          # rows that [a, b) cuts: at most these two
+            if f_lo <= r < f_hi:
+                continue
+            s = s0 + r * step
+            lo, hi = max(s, a), min(s + length, b)
+            target[r, (lo - s) * item:(hi - s) * item] = src[(lo - a) * item:(hi - a) * item]
 
 
 def _scatter_span(sp: _Span, src: torch.Tensor) -> None:
@@ -258,18 +325,20 @@ def _direct_run(spans: list[_Span], i: int, arrays: dict[str, ArrayInfo]) -> _Di
     return run
 
 
-def _contiguous_destination(sp: _Span, info: ArrayInfo) -> torch.Tensor | None:
-    """The target memory a span can be read into directly: one run landing in a contiguous CPU view."""
+def _direct_destination(sp: _Span, info: ArrayInfo) -> torch.Tensor | _RowTarget | None:
+    """Where the direct reader can put a span's elements itself: the contiguous stretch of a plain CPU
+    view that its one run lands in, or the rows of a strided one (``_RowTarget``); None: a scratch buffer."""
     if len(sp.jobs) != 1:
         return None
     tp, _sbox, part, _offset, starts, length = sp.jobs[0]
-    if len(starts) != 1 or length != volume(part[1]):
+    view = tp.view
+    if view.device.type != "cpu" or view.dtype != TORCH_DTYPES[info.dtype] or view.requires_grad \
+            or view.is_conj() or view.is_neg():
         return None
-    dest = tp.view[slices([p - t for p, t in zip(part[0], tp.box[0])], part[1])]
-    if dest.device.type != "cpu" or not dest.is_contiguous() or dest.dtype != TORCH_DTYPES[info.dtype] \
-            or dest.requires_grad or dest.is_conj() or dest.is_neg():
-        return None
-    return dest
+    dest = view[slices([p - t for p, t in zip(part[0], tp.box[0])], part[1])]
+    if len(starts) == 1 and length == volume(part[1]) and dest.is_contiguous():
+        return dest
+    return _RowTarget.build(sp, info, dest)
 
 
 def _plan(targets: list[Piece], saved: dict[str, list[tuple[Box, str, int]]], arrays: dict[str, ArrayInfo],
