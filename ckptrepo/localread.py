@@ -172,10 +172,10 @@ class DirectReader:
             self._read_verified(info, c0, c1, pieces)
             return
         inner, item = info.inner_elems, info.itemsize
+        step = max(1, ROW_SCRATCH_BYTES // (inner * item))     # chunks per batch: one, if a chunk is bigger
         scratch = getattr(self._local, "scratch", None)
-        if scratch is None:
-            scratch = self._local.scratch = np.empty(ROW_SCRATCH_BYTES, dtype=np.uint8)
-        step = max(1, ROW_SCRATCH_BYTES // (inner * item))
+        if scratch is None or len(scratch) < step * inner * item:
+            scratch = self._local.scratch = np.empty(step * inner * item, dtype=np.uint8)
         for b0 in range(c0, c1, step):
             b1 = min(c1, b0 + step)
             lo, hi = b0 * inner, b1 * inner
