@@ -117,7 +117,7 @@ class DirectReader:
             return [_failed()]
         pieces = [(entries[i].offset, entries[i].offset + entries[i].numel, _target_buffer(targets[i]))
                   for i in run.members]
-        step = max(1, DIRECT_TASK_BYTES // (inner * info.itemsize))
+        step = max(1, DIRECT_TASK_BYTES // info.inner_bytes)
         per_shard = shard // inner
         futs = []
         c, last = run.start // inner, (run.stop - 1) // inner
@@ -172,10 +172,10 @@ class DirectReader:
             self._read_verified(info, c0, c1, pieces)
             return
         inner, item = info.inner_elems, info.itemsize
-        step = max(1, ROW_SCRATCH_BYTES // (inner * item))     # chunks per batch: one, if a chunk is bigger
+        step = max(1, ROW_SCRATCH_BYTES // info.inner_bytes)   # chunks per batch: one, if a chunk is bigger
         scratch = getattr(self._local, "scratch", None)
-        if scratch is None or len(scratch) < step * inner * item:
-            scratch = self._local.scratch = np.empty(step * inner * item, dtype=np.uint8)
+        if scratch is None or len(scratch) < step * info.inner_bytes:
+            scratch = self._local.scratch = np.empty(step * info.inner_bytes, dtype=np.uint8)
         for b0 in range(c0, c1, step):
             b1 = min(c1, b0 + step)
             lo, hi = b0 * inner, b1 * inner
@@ -183,10 +183,10 @@ class DirectReader:
             for a, b, buf in pieces:
                 if b <= lo or a >= hi:
                     continue
-                a2, b2 = max(a, lo), min(b, hi)
-                if type(buf) is np.ndarray:
-                    batch.append((a2, b2, buf[(a2 - a) * item:(b2 - a) * item]))
+                if type(buf) is np.ndarray:   # _read_verified takes the part of it inside the batch
+                    batch.append((a, b, buf))
                     continue
+                a2, b2 = max(a, lo), min(b, hi)
                 region = scratch[at:at + (b2 - a2) * item]
                 at += len(region)
                 batch.append((a2, b2, region))
@@ -201,7 +201,7 @@ class DirectReader:
         item, inner = info.itemsize, info.inner_elems
         per_shard = info.shard_elems // inner
         s = c0 // per_shard
-        chunk_bytes = inner * item
+        chunk_bytes = info.inner_bytes
         fd, index = self._shard(info, s)
         crcs = np.empty(4 * (c1 - c0), dtype=np.uint8)
         chunks: list[list[np.ndarray]] = []

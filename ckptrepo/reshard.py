@@ -206,9 +206,10 @@ class _RowTarget:
 
     __slots__ = ("target", "first", "step", "n", "length", "item")
 
-    def __init__(self, target: np.ndarray, first: int, step: int, n: int, length: int, item: int) -> None:
+    def __init__(self, target: np.ndarray, first: int, step: int, item: int) -> None:
         self.target = target   # the target rows as uint8, [n, length * item]
-        self.first, self.step, self.n, self.length, self.item = first, step, n, length, item   # in elements
+        self.first, self.step, self.item = first, step, item   # in elements: where row 0 starts, row to row
+        self.n, self.length = target.shape[0], target.shape[1] // item
 
     @classmethod
     def build(cls, sp: _Span, info: ArrayInfo, dest: torch.Tensor) -> "_RowTarget | None":
@@ -234,7 +235,7 @@ class _RowTarget:
             except AttributeError:
                 return None
             target = flat
-        return cls(target[r0:r1], first + r0 * step, step, r1 - r0, length, info.itemsize)
+        return cls(target[r0:r1], first + r0 * step, step, info.itemsize)
 
     def scatter(self, src: np.ndarray, a: int, b: int) -> None:
         """Copy array elements ``[a, b)``, held by ``src`` (uint8, verified), into the target rows they belong to."""
