@@ -50,7 +50,7 @@ from .arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
 from .boxes import volume
 from .distributed import Staging, all_gather, merge_rank_manifests, process_group_rank, assign_writers
 from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, SnapshotFailedError, StorageError
-from .gc import RetentionPolicy
+from .gc import RetentionPolicy, VersionFacts
 from .layout import ParallelLayout
 from .localwrite import DirectWriter, LiveShard
 from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
@@ -253,6 +253,7 @@ class Snapshotter:
         self._commits = 0
         self._retention_idle = threading.Event()   # clear while a background gc pass is pending or running
         self._retention_idle.set()
+        self._gc_facts: dict[str, VersionFacts] = {}   # what retention passes learnt of the manifests
         if parallel_layout is not None and parallel_layout.world_size != self.world_size:
             raise LayoutError(f"the layout ({parallel_layout}) has {parallel_layout.world_size} ranks but "
                               f"torch.distributed has {self.world_size}; initialise the process group first "
@@ -773,7 +774,7 @@ class Snapshotter:
             born = [version_id_time(j.vid) or 0.0 for j in self._inflight]
         since = min(born + [time.time()]) - 1.0
         try:
-            self.retention.apply(self.repo, protect_since=since)
+            self.retention.apply(self.repo, protect_since=since, known=self._gc_facts)
         except Exception as err:  # noqa: BLE001 - never kills the commit thread
             failure = SnapshotFailedError(f"background retention (gc) failed: {_first_line(err)}; "
                                           f"run `ckptrepo gc` by hand")

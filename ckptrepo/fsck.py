@@ -68,7 +68,7 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None) -> Fsc
         if vid not in pruned:  # gc deleted a pruned version's data on purpose
             _check_version_data(repo, vid, m, report, on_bytes)
 
-    reachable = reachable_versions(repo, manifests)
+    reachable = reachable_versions(repo, {vid: m["parents"] for vid, m in manifests.items()})
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from .distributed import STAGING_PREFIX
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX, version_id_time
@@ -58,9 +58,34 @@ class RetentionPolicy:
     grace_period_s: float = DEFAULT_GRACE_S
     every_commits: int = 1
 
-    def apply(self, repo: Any, protect_since: float | None = None) -> GcReport:
+    def apply(self, repo: Any, protect_since: float | None = None,
+              known: dict[str, "VersionFacts"] | None = None) -> GcReport:
         return collect(repo, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
-                       self.grace_period_s, protect_since=protect_since)
+                       self.grace_period_s, protect_since=protect_since, known=known)
+
+
+@dataclass(frozen=True)
+class VersionFacts:
+    """The little of a manifest that gc needs.
+
+    A snapshotter that applies retention after every commit keeps these
+    between passes (``collect(known=...)``), so a pass decodes only the
+    manifests committed since the last one (~1 ms each for a 400-tensor state)
+    and holds a few objects per version instead of the whole manifest.
+    """
+
+    parents: tuple[str, ...]
+    step: int | None
+    time: float | None
+    arrays: tuple[tuple[str, int], ...]   # (key, stored bytes) of every array the manifest lists
+    referenced: tuple[str, ...]           # the arrays its tensors' pieces point into
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any]) -> "VersionFacts":
+        from .arrays import ArrayInfo
+        return cls(tuple(manifest["parents"]), manifest["step"], manifest["time"],
+                   tuple((key, ArrayInfo.from_json(key, info).nbytes) for key, info in manifest["arrays"].items()),
+                   tuple({p["array"] for t in manifest["tensors"] for p in t["pieces"]}))
 
 
 def pruned_ids(repo: Any) -> set[str]:
@@ -68,8 +93,8 @@ def pruned_ids(repo: Any) -> set[str]:
     return {k[len(PRUNED_PREFIX):] for k in repo.store.list(PRUNED_PREFIX)}
 
 
-def reachable_versions(repo: Any, manifests: dict[str, dict[str, Any]]) -> set[str]:
-    """Versions reachable from a branch, a tag or HEAD through parent links (among ``manifests``)."""
+def reachable_versions(repo: Any, parents: Mapping[str, Sequence[str]]) -> set[str]:
+    """Versions reachable from a branch, a tag or HEAD through parent links (``parents``: each known version's)."""
     head = repo.refs.head()
     stack = list(repo.refs.branches().values()) + list(repo.refs.tags().values())
     if head.version:
@@ -77,16 +102,17 @@ def reachable_versions(repo: Any, manifests: dict[str, dict[str, Any]]) -> set[s
     seen: set[str] = set()
     while stack:
         vid = stack.pop()
-        if vid in seen or vid not in manifests:
+        if vid in seen or vid not in parents:
             continue
         seen.add(vid)
-        stack.extend(manifests[vid]["parents"])
+        stack.extend(parents[vid])
     return seen
 
 
 def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
             keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
-            dry_run: bool = False, protect_since: float | None = None) -> GcReport:
+            dry_run: bool = False, protect_since: float | None = None,
+            known: dict[str, VersionFacts] | None = None) -> GcReport:
     """Apply the retention rules and collect garbage; see the module docstring.
 
     Without ``keep_last``/``keep_every`` every version in the history is kept
@@ -95,16 +121,17 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     the versions whose step is a multiple of K. ``protect_since`` (unix
     seconds): nothing created at or after it is collected, whatever the grace
     period (a snapshotter protects the snapshots it has in flight this way).
+    ``known``: facts of earlier passes, brought up to date here (manifests never change).
     """
     now = time.time()
     report = GcReport(dry_run=dry_run)
-    manifests = {vid: repo.manifest(vid) for vid in repo.all_version_ids()}
+    facts = _facts(repo, {} if known is None else known)
     already_pruned = pruned_ids(repo)
     branches = repo.refs.branches()
     tags = repo.refs.tags()
     head = repo.refs.head()
 
-    reachable = reachable_versions(repo, manifests)
+    reachable = reachable_versions(repo, {vid: f.parents for vid, f in facts.items()})
 
     retention = keep_last is not None or keep_every is not None
     keep: set[str] = set()
@@ -119,13 +146,13 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     if keep_last is not None:
         for tip in list(branches.values()) + ([head.version] if head.version else []):
             vid, n = tip, 0
-            while vid in manifests and n < keep_last:
+            while vid in facts and n < keep_last:
                 keep.add(vid)
                 n += 1
-                parents = manifests[vid]["parents"]
+                parents = facts[vid].parents
                 vid = parents[0] if parents else None
     if keep_every:
-        keep.update(v for v in reachable if manifests[v]["step"] is not None and manifests[v]["step"] % keep_every == 0)
+        keep.update(v for v in reachable if facts[v].step is not None and facts[v].step % keep_every == 0)
     keep &= reachable
 
     def young(vid: str, t: float | None) -> bool:
@@ -133,24 +160,24 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
         return t is None or now - t < grace_period_s or \
             (protect_since is not None and (born is None or born >= protect_since))
 
-    live_arrays = {p["array"] for vid in keep for t in manifests[vid]["tensors"] for p in t["pieces"]}
+    live_arrays = {key for vid in keep for key in facts[vid].referenced}
     for vid in sorted(reachable):
         if vid in keep:
             report.kept.append(vid)
         elif vid not in already_pruned:
             report.pruned.append(vid)
-    for vid in sorted(set(manifests) - reachable):
-        if young(vid, manifests[vid]["time"]):
+    for vid in sorted(set(facts) - reachable):
+        if young(vid, facts[vid].time):
             report.too_young.append(vid)
         else:
             report.collected.append(vid)
     data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
-    for vid in sorted(data_ids - set(manifests)):
+    for vid in sorted(data_ids - set(facts)):
         (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
 
-    doomed_arrays = {key: info for vid in report.pruned + report.collected
-                     for key, info in manifests[vid]["arrays"].items() if key not in live_arrays}
-    report.bytes_freed = sum(_array_bytes(info) for info in doomed_arrays.values())
+    doomed_arrays = {key: nbytes for vid in report.pruned + report.collected
+                     for key, nbytes in facts[vid].arrays if key not in live_arrays}
+    report.bytes_freed = sum(doomed_arrays.values())
     if dry_run:
         return report
 
@@ -165,7 +192,7 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
         repo.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
     for key in repo.store.list(FAILURES_PREFIX):
         vid = key[len(FAILURES_PREFIX):]
-        if vid not in manifests and not young(vid, version_id_time(vid)):
+        if vid not in facts and not young(vid, version_id_time(vid)):
             repo.store.delete(key)
     # the commit handshakes of distributed snapshots, once stale
     for vid in sorted({k[len(STAGING_PREFIX):].split("/", 1)[0] for k in repo.store.list(STAGING_PREFIX)}):
@@ -174,6 +201,13 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     return report
 
 
-def _array_bytes(info: dict[str, Any]) -> int:
-    from .arrays import ArrayInfo
-    return ArrayInfo.from_json("", info).nbytes
+def _facts(repo: Any, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]:
+    """Every version's facts, from ``known`` where it has them; ``known`` is brought up to date (new versions
+    added, deleted ones dropped)."""
+    ids = repo.all_version_ids()
+    for vid in set(known) - set(ids):
+        del known[vid]
+    for vid in ids:
+        if vid not in known:
+            known[vid] = VersionFacts.of(repo.manifest(vid))
+    return {vid: known[vid] for vid in ids}

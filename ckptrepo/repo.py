@@ -9,7 +9,6 @@ removes; a lost compare-and-swap is a ConflictError and commits nothing.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -28,6 +27,7 @@ from .reader import TensorEntry, read_tensors
 from .refs import Refs, init_head
 from .gc import PRUNED_PREFIX
 from .gcpause import collection_paused
+from .lru import LruCache
 from .store import Store
 
 if TYPE_CHECKING:
@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 from .writer import PlanCache
 
 DEFAULT_BRANCH = "main"
+# Decoded manifests a handle keeps. Enough for a snapshotter (its parent, the versions in flight) and for
+# `diff`/`load`; a handle that cached every manifest it saw grew by one manifest per snapshot for the
+# whole run (thousands of Python objects each, walked by every full collection of the cyclic GC).
+MANIFEST_CACHE_SIZE = 16
 
 
 def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
@@ -85,8 +89,7 @@ class Repository:
         self.store = store
         self.url = store.url
         self.refs = Refs(store)
-        self._manifests: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()
+        self._manifests: LruCache[str, dict[str, Any]] = LruCache(MANIFEST_CACHE_SIZE)
         self.plans = PlanCache()
         self.host_memory: int | str | None = None  # default staging bound of this handle's snapshots
 
@@ -96,16 +99,14 @@ class Repository:
     # ---- manifests ------------------------------------------------------
     def manifest(self, vid: str) -> dict[str, Any]:
         """The decoded manifest of version ``vid`` (cached: manifests never change)."""
-        with self._lock:
-            m = self._manifests.get(vid)
+        m = self._manifests.get(vid)
         if m is None:
             raw = self.store.get(VERSIONS_PREFIX + vid)
             if raw is None:
                 raise CorruptionError(f"version {vid[:12]} is referenced but its manifest {VERSIONS_PREFIX}{vid} "
                                       f"is missing; run `ckptrepo fsck`")
             m = unseal(raw, f"manifest {VERSIONS_PREFIX}{vid}")
-            with self._lock:
-                self._manifests[vid] = m
+            self._manifests.put(vid, m)
         return m
 
     def version(self, rev: str = "HEAD") -> Version:
@@ -182,8 +183,7 @@ class Repository:
 
     def remember_manifest(self, manifest: dict[str, Any]) -> None:
         """Cache a manifest this process just committed (manifests never change)."""
-        with self._lock:
-            self._manifests[manifest["id"]] = manifest
+        self._manifests.put(manifest["id"], manifest)
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,

@@ -9,7 +9,6 @@ they are cached and reused: a training loop plans once.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -18,6 +17,7 @@ import torch
 
 from .arrays import choose_geometry, numpy_dtype
 from .localwrite import DIRECT_ALIGN
+from .lru import LruCache
 from .providers import TORCH_DTYPES, TensorRecord
 
 
@@ -130,26 +130,19 @@ class PlanCache:
     """
 
     def __init__(self, capacity: int = 8) -> None:
-        self._plans: OrderedDict[tuple, WritePlan] = OrderedDict()
-        self.capacity = capacity
+        self._plans: LruCache[tuple, WritePlan] = LruCache(capacity)  # snapshot() and capture threads share it
         self.misses = 0
-        self._lock = threading.Lock()  # snapshot() threads and capture threads (dedup plans there) share it
 
     def get(self, records: Sequence[TensorRecord], shard_bytes: int | None = None,
             residues: Sequence[int | None] | None = None) -> WritePlan:
         """The plan for these records (``residues``: see ``make_plan``; a training loop's tensors keep their
         addresses, so it still plans once)."""
         key = (plan_signature(records), shard_bytes, None if residues is None else tuple(residues))
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is None:
-                self.misses += 1
-                plan = self._plans[key] = make_plan(records, shard_bytes, residues)
-                while len(self._plans) > self.capacity:
-                    self._plans.popitem(last=False)
-            else:
-                self._plans.move_to_end(key)
-            return plan
+
+        def plan() -> WritePlan:   # runs under the cache's lock: one miss per new structure
+            self.misses += 1
+            return make_plan(records, shard_bytes, residues)
+        return self._plans.get_or_make(key, plan)
 
 
 class StagingPool:

@@ -299,3 +299,23 @@ def test_snapshots_leave_no_cyclic_garbage(repo):
         gc.set_debug(0)
         gc.garbage.clear()
     assert ours == [], f"{len(ours)} snapshot objects were only freed by the cyclic collector"
+
+
+def test_a_snapshotter_does_not_grow_with_the_versions_it_commits(repo):
+    """A training run snapshots thousands of times through one repository handle: the handle keeps a bounded
+    number of manifests, so what Python holds (and every full collection walks) stays flat. It used to keep
+    every committed manifest: thousands of objects per snapshot of a real model."""
+    import gc
+    state = make_state(n=40)
+    counts = []
+    with repo.snapshotter() as snap:
+        for _ in range(3):
+            for _ in range(25):
+                mutate(state)
+                snap.snapshot(state, step=int(state["counter"]))
+            snap.wait()
+            gc.collect()
+            counts.append(len(gc.get_objects()))
+    per_snapshot = (counts[2] - counts[1]) / 25
+    assert per_snapshot < 10, f"the process holds {per_snapshot:.0f} more objects per snapshot taken ({counts})"
+    assert [v.step for v in repo.log()][:2] == [75, 74] and len(repo.log()) == 75

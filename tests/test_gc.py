@@ -119,7 +119,7 @@ def test_a_snapshotter_retention_policy_prunes_in_the_background(repo):
 
 
 def test_a_failing_background_retention_is_raised_at_the_next_call(repo, monkeypatch):
-    def broken(self, _repo, protect_since=None):
+    def broken(self, _repo, protect_since=None, known=None):
         raise ckptrepo.StorageError("disk on fire")
     monkeypatch.setattr(ckptrepo.RetentionPolicy, "apply", broken)
     snap = repo.snapshotter(retention=ckptrepo.RetentionPolicy(keep_last=1))
@@ -128,3 +128,29 @@ def test_a_failing_background_retention_is_raised_at_the_next_call(repo, monkeyp
         snap.wait()
     assert [v.step for v in repo.log()] == [0], "the snapshot itself is committed"
     snap.close()
+
+
+def test_background_retention_reads_each_manifest_once_over_a_long_run(repo, monkeypatch):
+    """Retention after every commit looks at every version each pass; it keeps what it needs of each manifest
+    between passes, so a long run does not re-read (and decode) the whole history after every snapshot."""
+    from ckptrepo.manifest import VERSIONS_PREFIX
+    from ckptrepo.repo import MANIFEST_CACHE_SIZE
+    reads: dict[str, int] = {}
+    get = type(repo.store).get
+
+    def counting_get(store, key, *a, **k):
+        if key.startswith(VERSIONS_PREFIX):
+            reads[key] = reads.get(key, 0) + 1
+        return get(store, key, *a, **k)
+    monkeypatch.setattr(type(repo.store), "get", counting_get)
+    n = 2 * MANIFEST_CACHE_SIZE + 8          # more versions than the handle keeps manifests of
+    policy = ckptrepo.RetentionPolicy(keep_last=3, keep_every=10, grace_period_s=0)
+    with repo.snapshotter(retention=policy) as snap:
+        for s in range(n):
+            snap.snapshot(state_at(s), step=s)
+            snap.wait()
+    assert max(reads.values(), default=0) <= 1, f"manifests read again by later passes: {reads}"
+    log = repo.log()
+    assert {v.step for v in log if not v.pruned} == {n - 1, n - 2, n - 3} | set(range(0, n, 10))
+    assert_bit_exact(state_at(n - 3), repo.load(f"@{n - 3}"))
+    assert repo.fsck().ok
