@@ -42,7 +42,7 @@ def total_bytes(repo: Repository) -> int:
     total = 0
     for vid in repo.all_version_ids():
         try:
-            total += repo.manifest(vid)["size"]
+            total += repo.header(vid)["size"]
         except CkptRepoError:
             pass
     return total

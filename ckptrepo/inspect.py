@@ -323,7 +323,7 @@ def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD",
     chain = []
     vid: str | None = repo.resolve(rev)
     while vid is not None:
-        m = repo.manifest(vid)
+        m = repo.header(vid)
         step = m["step"]
         if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
             chain.append(vid)
@@ -332,7 +332,7 @@ def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD",
     points: list[TrajectoryPoint] = []
     previous: str | None = None
     for vid in chain:
-        m = repo.manifest(vid)
+        m = repo.header(vid)
         if metric == "norm":
             for t in tensor_stats(repo, vid, pattern):
                 points.append(TrajectoryPoint(vid, m["step"], t.name, t.norm))
@@ -349,7 +349,7 @@ def metric_history(repo: Any, rev: str = "HEAD") -> list[dict[str, Any]]:
     rows = []
     vid: str | None = repo.resolve(rev)
     while vid is not None:
-        m = repo.manifest(vid)
+        m = repo.header(vid)
         rows.append({"version": vid, "step": m["step"], **m["metrics"]})
         vid = m["parents"][0] if m["parents"] else None
     return rows[::-1]

@@ -8,6 +8,7 @@ removes; a lost compare-and-swap is a ConflictError and commits nothing.
 """
 from __future__ import annotations
 
+import heapq
 import os
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from .binding import Binder
 from .errors import (CkptRepoError, CorruptionError, NotARepositoryError, RepositoryExistsError, RevisionError,
                      SnapshotFailedError)
 from .manifest import (CONFIG_KEY, VERSIONS_PREFIX, Version, decode_config, encode_config,
-                       unseal, version_from_manifest)
+                       unseal, unseal_header, version_from_manifest)
 from .providers import TORCH_DTYPES, numel, plain_values, unflatten
 from .reader import TensorEntry, read_tensors
 from .refs import Refs, init_head
@@ -42,6 +43,7 @@ DEFAULT_BRANCH = "main"
 # `diff`/`load`; a handle that cached every manifest it saw grew by one manifest per snapshot for the
 # whole run (thousands of Python objects each, walked by every full collection of the cyclic GC).
 MANIFEST_CACHE_SIZE = 16
+HEADER_CACHE_SIZE = 4096
 
 
 def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
@@ -90,6 +92,7 @@ class Repository:
         self.url = store.url
         self.refs = Refs(store)
         self._manifests: LruCache[str, dict[str, Any]] = LruCache(MANIFEST_CACHE_SIZE)
+        self._headers: LruCache[str, dict[str, Any]] = LruCache(HEADER_CACHE_SIZE)   # a few hundred bytes each
         self.plans = PlanCache()
         self.host_memory: int | str | None = None  # default staging bound of this handle's snapshots
 
@@ -101,18 +104,30 @@ class Repository:
         """The decoded manifest of version ``vid`` (cached: manifests never change)."""
         m = self._manifests.get(vid)
         if m is None:
-            raw = self.store.get(VERSIONS_PREFIX + vid)
-            if raw is None:
-                raise CorruptionError(f"version {vid[:12]} is referenced but its manifest {VERSIONS_PREFIX}{vid} "
-                                      f"is missing; run `ckptrepo fsck`")
-            m = unseal(raw, f"manifest {VERSIONS_PREFIX}{vid}")
+            m = unseal(self._sealed_manifest(vid), f"manifest {VERSIONS_PREFIX}{vid}")
             self._manifests.put(vid, m)
         return m
+
+    def header(self, vid: str) -> dict[str, Any]:
+        """The small fields of version ``vid``'s manifest (id, parents, step, time, message, metrics, size,
+        stats): all that history walks need, decoded without the tensor table and tree (~40x faster)."""
+        h = self._manifests.get(vid) or self._headers.get(vid)
+        if h is None:
+            h = unseal_header(self._sealed_manifest(vid), f"manifest {VERSIONS_PREFIX}{vid}")
+            self._headers.put(vid, h)
+        return h
+
+    def _sealed_manifest(self, vid: str) -> bytes:
+        raw = self.store.get(VERSIONS_PREFIX + vid)
+        if raw is None:
+            raise CorruptionError(f"version {vid[:12]} is referenced but its manifest {VERSIONS_PREFIX}{vid} "
+                                  f"is missing; run `ckptrepo fsck`")
+        return raw
 
     def version(self, rev: str = "HEAD") -> Version:
         """The header of the version ``rev`` names."""
         vid = self.resolve(rev)
-        return version_from_manifest(self.manifest(vid), self._ref_names().get(vid, ()))
+        return version_from_manifest(self.header(vid), self._ref_names().get(vid, ()))
 
     # ---- revisions (the RevisionSource protocol) --------------------------
     def resolve(self, rev: str) -> str:
@@ -136,11 +151,11 @@ class Repository:
         return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)]
 
     def first_parent(self, vid: str) -> str | None:
-        parents = self.manifest(vid)["parents"]
+        parents = self.header(vid)["parents"]
         return parents[0] if parents else None
 
     def step_of(self, vid: str) -> int | None:
-        return self.manifest(vid)["step"]
+        return self.header(vid)["step"]
 
     # ---- snapshot -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
@@ -269,26 +284,32 @@ class Repository:
             if rev == "HEAD" and self.head_version() is None:
                 return []
             starts = [self.resolve(rev)]
+        # newest first, as git does: pop the newest version reached so far, then reach its parents; a
+        # version is never newer than its children, so the walk stops once `limit` versions are listed
         seen: set[str] = set()
-        stack = [s for s in starts if s]
+        frontier: list[tuple[float, str, dict[str, Any]]] = []
+
+        def reach(vid: str) -> None:
+            if vid not in seen:
+                seen.add(vid)
+                h = self.header(vid)
+                heapq.heappush(frontier, (-h["time"], vid, h))
+        for vid in starts:
+            if vid:
+                reach(vid)
         found: list[dict[str, Any]] = []
-        while stack:
-            vid = stack.pop()
-            if vid in seen:
-                continue
-            seen.add(vid)
-            m = self.manifest(vid)
-            found.append(m)
-            stack.extend(m["parents"])
-        found.sort(key=lambda m: m["time"], reverse=True)
-        if since is not None or until is not None:
-            found = [m for m in found if m["step"] is not None and (since is None or m["step"] >= since)
-                     and (until is None or m["step"] <= until)]
+        while frontier and (limit is None or len(found) < limit):
+            _, _, h = heapq.heappop(frontier)
+            step = h["step"]
+            if (since is None and until is None) or (step is not None and (since is None or step >= since)
+                                                     and (until is None or step <= until)):
+                found.append(h)
+            for p in h["parents"]:
+                reach(p)
         names = self._ref_names()
         from .gc import pruned_ids
         pruned = pruned_ids(self)
-        out = [version_from_manifest(m, names.get(m["id"], ()), m["id"] in pruned) for m in found]
-        return out[:limit] if limit is not None else out
+        return [version_from_manifest(h, names.get(h["id"], ()), h["id"] in pruned) for h in found]
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
