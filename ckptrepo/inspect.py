@@ -320,26 +320,25 @@ def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD",
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
-    chain = []
+    chain: list[tuple[str, int | None]] = []   # (version, step), newest first until reversed
     vid: str | None = repo.resolve(rev)
     while vid is not None:
         m = repo.header(vid)
         step = m["step"]
         if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
-            chain.append(vid)
+            chain.append((vid, step))
         vid = m["parents"][0] if m["parents"] else None
     chain.reverse()
     points: list[TrajectoryPoint] = []
     previous: str | None = None
-    for vid in chain:
-        m = repo.header(vid)
+    for vid, step in chain:
         if metric == "norm":
             for t in tensor_stats(repo, vid, pattern):
-                points.append(TrajectoryPoint(vid, m["step"], t.name, t.norm))
+                points.append(TrajectoryPoint(vid, step, t.name, t.norm))
         elif previous is not None:
             for t in diff_versions(repo, previous, vid, pattern).tensors:
                 if t.status in ("changed", "unchanged"):
-                    points.append(TrajectoryPoint(vid, m["step"], t.name, t.l2 if metric == "delta" else t.relative))
+                    points.append(TrajectoryPoint(vid, step, t.name, t.l2 if metric == "delta" else t.relative))
         previous = vid
     return points
 

@@ -26,9 +26,6 @@ class LruCache(Generic[K, V]):
         self._entries: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def get(self, key: K) -> V | None:
         with self._lock:
             value = self._entries.get(key)

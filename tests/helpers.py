@@ -1,4 +1,4 @@
-"""Bit-exact comparison of nested states, used by many tests."""
+"""Helpers many tests share: bit-exact comparison of nested states; counting a store's manifest reads."""
 from __future__ import annotations
 
 import collections
@@ -43,3 +43,17 @@ def assert_bit_exact(a: Any, b: Any, path: str = "state") -> None:
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{path}: {a!r} vs {b!r}"
     else:
         assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def count_manifest_reads(monkeypatch: Any, store: Any) -> collections.Counter:
+    """From now on, count the reads of each version manifest (``versions/<id>``) through ``store``'s class."""
+    from ckptrepo.manifest import VERSIONS_PREFIX
+    reads: collections.Counter = collections.Counter()
+    get = type(store).get
+
+    def counting_get(self: Any, key: str) -> Any:
+        if key.startswith(VERSIONS_PREFIX):
+            reads[key] += 1
+        return get(self, key)
+    monkeypatch.setattr(type(store), "get", counting_get)
+    return reads

@@ -7,7 +7,7 @@ import torch
 import ckptrepo
 from ckptrepo import faults
 from ckptrepo.errors import RevisionError
-from helpers import assert_bit_exact
+from helpers import assert_bit_exact, count_manifest_reads
 
 
 @pytest.fixture(autouse=True)
@@ -133,16 +133,8 @@ def test_a_failing_background_retention_is_raised_at_the_next_call(repo, monkeyp
 def test_background_retention_reads_each_manifest_once_over_a_long_run(repo, monkeypatch):
     """Retention after every commit looks at every version each pass; it keeps what it needs of each manifest
     between passes, so a long run does not re-read (and decode) the whole history after every snapshot."""
-    from ckptrepo.manifest import VERSIONS_PREFIX
     from ckptrepo.repo import MANIFEST_CACHE_SIZE
-    reads: dict[str, int] = {}
-    get = type(repo.store).get
-
-    def counting_get(store, key, *a, **k):
-        if key.startswith(VERSIONS_PREFIX):
-            reads[key] = reads.get(key, 0) + 1
-        return get(store, key, *a, **k)
-    monkeypatch.setattr(type(repo.store), "get", counting_get)
+    reads = count_manifest_reads(monkeypatch, repo.store)
     n = 2 * MANIFEST_CACHE_SIZE + 8          # more versions than the handle keeps manifests of
     policy = ckptrepo.RetentionPolicy(keep_last=3, keep_every=10, grace_period_s=0)
     with repo.snapshotter(retention=policy) as snap:
