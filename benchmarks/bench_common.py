@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 from typing import Any, Callable
@@ -30,3 +31,9 @@ def report(summary: dict[str, Any], print_table: Callable[[dict[str, Any]], None
             json.dump(summary, fh, indent=2)
         print(f"figures written to {json_path}")
     return 0
+
+
+def mean(xs: list[float]) -> float | None:
+    """The mean of the figures that are numbers (NaN: not measured), or None if there are none."""
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else None

@@ -45,6 +45,13 @@ CPU other processes and kernel threads (including writeback) used meanwhile.
     python benchmarks/training_overhead.py                              # ~400 MB state, every=10
     python benchmarks/training_overhead.py --every 1 10 --steps 30 --json out.json
     python benchmarks/training_overhead.py --model-mb 2000 --every 10   # ~2 GB of params+moments
+    python benchmarks/training_overhead.py --rounds 12 --every 10 1     # one loop, the modes take turns
+
+With ``--rounds R`` the modes are measured in turns instead (see overhead_turns.py): one training
+loop in which every mode, the baseline included, trains ``--turn-steps`` steps at a time in rotating
+order, R rounds; the overhead per checkpoint is the mean of the paired differences with the
+baseline's turn in the same round, with a 95 % confidence half-width, so drift of the machine's speed
+cancels and what noise remains is shown rather than hidden.
 """
 from __future__ import annotations
 
@@ -68,7 +75,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import fsync_dir  # noqa: E402
+from bench_common import fsync_dir, mean  # noqa: E402
+from overhead_turns import print_turns, run_turns, summarize_turns  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
@@ -155,6 +163,16 @@ class Mode:
         self.blocking.clear()
         self.durable.clear()
         self.extra.clear()
+
+    def prune(self, keep: int) -> None:
+        """Delete all but the newest ``keep`` checkpoints (untimed, between turns: see overhead_turns.py)."""
+        names = sorted(os.listdir(self.root))
+        for name in names[:max(0, len(names) - keep)]:
+            path = os.path.join(self.root, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
 
 
 class TorchSave(Mode):
@@ -269,6 +287,9 @@ class CkptRepo(Mode):
 
     def close(self) -> None:
         self.snap.close()
+
+    def prune(self, keep: int) -> None:
+        self.repo.gc(keep_last=keep)
 
     def reset(self) -> None:
         super().reset()
@@ -446,11 +467,6 @@ def du(path: str) -> int:
     return total
 
 
-def mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else None
-
-
 def summarize(results: list[dict[str, Any]], everys: list[int]) -> dict[str, Any]:
     """Per mode, the fastest of its runs (contention from elsewhere only ever adds time).
 
@@ -592,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed training steps per mode")
     p.add_argument("--every", type=int, nargs="+", default=[10], help="checkpoint every N steps (several values allowed)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each mode")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="measure in turns instead (overhead_turns.py): one loop, the modes take turns, this many rounds")
+    p.add_argument("--turn-steps", type=int, default=10, help="with --rounds: training steps per turn")
     p.add_argument("--no-warmup-checkpoint", dest="warmup_checkpoint", action="store_false",
                    help="do not take (and drain) one untimed checkpoint during warm-up")
     p.add_argument("--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:] + EXPERIMENTS,
@@ -641,9 +660,21 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_start": os.getloadavg()}
     try:
         meta["process_group"] = dcp_setup(args.modes, args.dir, args.process_group)
+        plan = (f"{args.rounds} rounds of {args.turn_steps}-step turns" if args.rounds
+                else f"{args.steps} steps")
         print(f"state {state_b / MB:.0f} MB ({numel / 1e6:.1f} M params, n_layer={args.n_layer}, "
-              f"n_embd={args.n_embd}); {args.steps} steps, every {args.every}, {args.threads} threads; "
+              f"n_embd={args.n_embd}); {plan}, every {args.every}, {args.threads} threads; "
               f"DCP process group: {meta['process_group']}; dir {args.dir}", flush=True)
+        if args.rounds:
+            summaries = []
+            for every in args.every:
+                print(f"every={every}: {args.rounds} rounds of turns", flush=True)
+                summaries.append(summarize_turns(run_turns(args.modes, every, args, Trainer, MODE_CLASSES)))
+            print_turns(summaries, meta)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"meta": meta, "turns": summaries}, f, indent=1)
+            return 0
         results = []
 
         def go(mode: str, every: int) -> None:
