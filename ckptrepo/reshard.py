@@ -106,13 +106,14 @@ def read_pieces(store: Store, manifest: dict[str, Any], targets: list[Piece],
 def _read(store: Store, arrays: dict[str, ArrayInfo], handle: Any, spans: list[_Span]) -> None:
     """Read the spans (directly from local files where possible) and scatter them into their targets."""
     direct = DirectReader.for_store(store) if reader.DIRECT_READS else None
+    byte_views: dict[int, np.ndarray | None] = {}   # per target piece (by id): see _byte_view
     try:
         i = 0
         while i < len(spans):
             batch, group, nbytes = ts.Batch(), [], 0
             while i < len(spans) and (not group or nbytes < INFLIGHT_BYTES):
                 if direct is not None:
-                    run = _direct_run(spans, i, arrays)
+                    run = _direct_run(spans, i, arrays, byte_views)
                     info = arrays[run.array]
                     futs = direct.submit(info, run, run.entries, dict(enumerate(run.dests)))
                     # a strided span is scattered by the reader thread that finishes the last task covering it,
@@ -177,8 +178,8 @@ class _DirectRun:
     dests: list[Any] = field(default_factory=list)     # per span: a contiguous tensor or a _RowTarget
     scratch: list[torch.Tensor | None] = field(default_factory=list)   # per span: a buffer to scatter from
 
-    def add(self, sp: _Span, info: ArrayInfo) -> None:
-        dest: Any = _direct_destination(sp, info)
+    def add(self, sp: _Span, info: ArrayInfo, byte_views: dict[int, np.ndarray | None]) -> None:
+        dest: Any = _direct_destination(sp, info, byte_views)
         scratch = None
         if dest is None:
             dest = scratch = torch.empty(sp.stop - sp.start, dtype=TORCH_DTYPES[info.dtype])
@@ -212,12 +213,13 @@ class _RowTarget:
         self.n, self.length = target.shape[0], target.shape[1] // item
 
     @classmethod
-    def build(cls, sp: _Span, info: ArrayInfo, dest: torch.Tensor) -> "_RowTarget | None":
-        """The row target of a one-job span whose part lands in ``dest`` (a plain CPU view), or None."""
+    def build(cls, sp: _Span, info: ArrayInfo, dest: np.ndarray) -> "_RowTarget | None":
+        """The row target of a one-job span whose part lands in ``dest`` (bytes of a plain CPU view, its last
+        dimension contiguous: see ``_byte_view``), or None."""
         _tp, sbox, part, offset, _starts, _length = sp.jobs[0]
         nd = len(part[1])
         # the part's rows are evenly spaced in the saved piece when it spans every middle dimension
-        if nd < 2 or dest.stride(-1) != 1 or any(part[1][d] != sbox[1][d] for d in range(1, nd - 1)):
+        if nd < 2 or any(part[1][d] != sbox[1][d] for d in range(1, nd - 1)):
             return None
         length, n_all = part[1][-1], volume(part[1][:-1])
         strides = row_major_strides(sbox[1])
@@ -227,7 +229,7 @@ class _RowTarget:
         r1 = min(n_all, -((first - sp.stop) // step))
         if r0 >= r1:
             return None
-        target = dest.view(torch.uint8).numpy()
+        target = dest
         if nd > 2:
             flat = target.view()
             try:
@@ -248,8 +250,10 @@ class _RowTarget:
         f_hi = min(r_max, (b - length - s0) // step + 1)
         if f_lo < f_hi:
             first = (s0 + f_lo * step - a) * item
+            # the rows as a strided view of src: np.ndarray checks the bounds in C, where as_strided runs
+            # a dozen lines of Python under the GIL that the other reader threads are waiting for
             np.copyto(target[f_lo:f_hi],
-                      np.lib.stride_tricks.as_strided(src[first:], (f_hi - f_lo, length * item), (step * item, 1)))
+                      np.ndarray((f_hi - f_lo, length * item), np.uint8, src, first, (step * item, 1)))
         for r in {r_min, r_max - 1}:                          # rows that [a, b) cuts: at most these two
             if f_lo <= r < f_hi:
                 continue
@@ -312,34 +316,56 @@ def _when_all(futs: list[Future], then: Callable[[], None]) -> Future:
     return done
 
 
-def _direct_run(spans: list[_Span], i: int, arrays: dict[str, ArrayInfo]) -> _DirectRun:
+def _direct_run(spans: list[_Span], i: int, arrays: dict[str, ArrayInfo],
+                byte_views: dict[int, np.ndarray | None]) -> _DirectRun:
     """The direct read starting at span ``i``: it and the following spans that share its inner chunks."""
     info = arrays[spans[i].array]
     run = _DirectRun(spans[i].array, spans[i].start, spans[i].stop)
-    run.add(spans[i], info)
+    run.add(spans[i], info, byte_views)
     inner = info.inner_elems
     j = i + 1
     while j < len(spans) and spans[j].array == run.array and spans[j].start >= run.stop \
             and spans[j].start // inner <= (run.stop - 1) // inner:
-        run.add(spans[j], info)
+        run.add(spans[j], info, byte_views)
         j += 1
     return run
 
 
-def _direct_destination(sp: _Span, info: ArrayInfo) -> torch.Tensor | _RowTarget | None:
-    """Where the direct reader can put a span's elements itself: the contiguous stretch of a plain CPU
-    view that its one run lands in, or the rows of a strided one (``_RowTarget``); None: a scratch buffer."""
+def _direct_destination(sp: _Span, info: ArrayInfo,
+                        byte_views: dict[int, np.ndarray | None]) -> np.ndarray | _RowTarget | None:
+    """Where the direct reader can put a span's elements itself: the bytes of the contiguous stretch of a
+    plain CPU view that its one run lands in, or the rows of a strided one (``_RowTarget``); None: a scratch
+    buffer."""
     if len(sp.jobs) != 1:
         return None
     tp, _sbox, part, _offset, starts, length = sp.jobs[0]
-    view = tp.view
-    if view.device.type != "cpu" or view.dtype != TORCH_DTYPES[info.dtype] or view.requires_grad \
-            or view.is_conj() or view.is_neg():
+    view = byte_views.get(id(tp), False)
+    if view is False:
+        view = byte_views[id(tp)] = _byte_view(tp.view, TORCH_DTYPES[info.dtype])
+    if view is None:
         return None
-    dest = view[slices([p - t for p, t in zip(part[0], tp.box[0])], part[1])]
-    if len(starts) == 1 and length == volume(part[1]) and dest.is_contiguous():
-        return dest
+    item = info.itemsize
+    rel = [p - t for p, t in zip(part[0], tp.box[0])]
+    if rel:   # numpy slicing: a few hundred spans per load, where a torch index costs ~10x as much
+        rel[-1] *= item
+    sizes = part[1][:-1] + (part[1][-1] * item,) if part[1] else ()
+    dest = view[slices(rel, sizes)]
+    if len(starts) == 1 and length == volume(part[1]) and dest.flags.c_contiguous:
+        return dest.reshape(-1)
     return _RowTarget.build(sp, info, dest)
+
+
+def _byte_view(view: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
+    """A target view's memory as numpy bytes (the last dimension ``itemsize`` times longer), or None where
+    the direct reader must not write into it: not a plain CPU tensor of the stored dtype, or strided in its
+    last dimension. Made once per target piece, so each span's destination is a numpy slice of it."""
+    if view.device.type != "cpu" or view.dtype != dtype or view.requires_grad or view.is_conj() or view.is_neg():
+        return None
+    if view.dim() == 0:
+        view = view.reshape(1)
+    if view.numel() == 0 or view.stride(-1) != 1:
+        return None
+    return view.view(torch.uint8).numpy()
 
 
 def _plan(targets: list[Piece], saved: dict[str, list[tuple[Box, str, int]]], arrays: dict[str, ArrayInfo],
@@ -361,10 +387,13 @@ def _plan(targets: list[Piece], saved: dict[str, list[tuple[Box, str, int]]], ar
             starts = starts + offset
             stats.runs += len(starts)
             stats.needed_bytes += volume(part[1]) * info.itemsize
-            # split where the gap to the next run exceeds an inner chunk: those bytes are not worth reading
-            gaps = starts[1:] - (starts[:-1] + length)
-            cuts = np.flatnonzero(gaps > info.inner_elems) + 1
-            for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(starts)]))):
+            if len(starts) == 1:   # one run (a whole piece, a slab of rows): one span, no gaps to look for
+                bounds: Any = ((0, 1),)
+            else:   # split where the gap to the next run exceeds an inner chunk: those bytes are not worth reading
+                gaps = starts[1:] - (starts[:-1] + length)
+                cuts = np.flatnonzero(gaps > info.inner_elems) + 1
+                bounds = zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(starts)])))
+            for lo, hi in bounds:
                 sp = _Span(array, int(starts[lo]), int(starts[hi - 1]) + length)
                 sp.jobs.append((tp, sbox, part, offset, starts[lo:hi], length))
                 stats.requested_bytes += (sp.stop - sp.start) * info.itemsize
