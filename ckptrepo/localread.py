@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,31 @@ def bytes_read() -> int:
     return _read.total()
 
 
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_scratch_of_thread = threading.local()   # per reader thread: the buffer row targets are read into
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    """The process's reader threads, started by the first load and kept: a load used to start (and join)
+    its own, ~2 ms per thread on a busy 2-core machine, and each new thread faulted in a new row buffer."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="ckptrepo-read")
+        return _pool
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child has none of its parent's threads: it starts its own pool on its first load."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 class Unexpected(Exception):
     """The direct path met something it does not handle; the run is read through TensorStore instead."""
 
@@ -68,11 +93,11 @@ class DirectReader:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.pool = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="ckptrepo-read")
+        self.pool = _reader_pool()
+        self._tasks: list[Future] = []
         self._shards: dict[str, tuple[int, np.ndarray]] = {}   # shard key -> (open fd, verified index)
         self._metadata: dict[str, bool] = {}                    # array key -> zarr.json matches the manifest
         self._lock = threading.Lock()
-        self._local = threading.local()   # per reader thread: the scratch row targets are read into
 
     @classmethod
     def for_store(cls, store: Store) -> "DirectReader | None":
@@ -80,7 +105,11 @@ class DirectReader:
         return cls(root) if root is not None and hasattr(os, "preadv") else None
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """Drop this reader's queued tasks, wait for its running ones (they use the files), close the files."""
+        for fut in self._tasks:
+            fut.cancel()
+        wait(self._tasks)
+        self._tasks.clear()
         for fd, _ in self._shards.values():
             os.close(fd)
         self._shards.clear()
@@ -128,6 +157,7 @@ class DirectReader:
             fut = self.pool.submit(self._read_chunks, info, c, stop, mine)
             fut.elems = (lo, hi)   # type: ignore[attr-defined]
             futs.append(fut)
+            self._tasks.append(fut)
             c = stop
         return futs
 
@@ -173,9 +203,9 @@ class DirectReader:
             return
         inner, item = info.inner_elems, info.itemsize
         step = max(1, ROW_SCRATCH_BYTES // info.inner_bytes)   # chunks per batch: one, if a chunk is bigger
-        scratch = getattr(self._local, "scratch", None)
+        scratch = getattr(_scratch_of_thread, "buf", None)
         if scratch is None or len(scratch) < step * info.inner_bytes:
-            scratch = self._local.scratch = np.empty(step * info.inner_bytes, dtype=np.uint8)
+            scratch = _scratch_of_thread.buf = np.empty(step * info.inner_bytes, dtype=np.uint8)
         for b0 in range(c0, c1, step):
             b1 = min(c1, b0 + step)
             lo, hi = b0 * inner, b1 * inner

@@ -112,14 +112,24 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def dtensor_box(t: Any) -> tuple[Box, torch.Tensor]:
-    """The global box a DTensor's local shard covers, and the local tensor."""
+def dtensor_box(t: Any, boxes: dict[Any, Any] | None = None) -> tuple[Box, torch.Tensor]:
+    """The global box a DTensor's local shard covers, and the local tensor.
+
+    ``boxes`` remembers the box per (global shape, placements, mesh) within one call over a state: a model's
+    tensors share a few of them (every layer's weight and its two moments), and torch works each out in ~90 us.
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     for p in t.placements:
         if type(p) not in (Shard, Replicate):  # _StridedShard, Partial: not a plain box
             raise LayoutError(f"DTensor placement {p} is not supported; redistribute to Shard/Replicate before saving")
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    key = (tuple(t.shape), tuple(t.placements), id(t.device_mesh))
+    got = boxes.get(key) if boxes is not None else None
+    if got is None:
+        got = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if boxes is not None:
+            boxes[key] = got
+    shape, offset = got
     local = t.to_local()
     if tuple(local.shape) != tuple(shape):
         raise LayoutError(f"DTensor local shard has shape {list(local.shape)} but its placements say {list(shape)}")
@@ -156,10 +166,11 @@ class Sharder:
         out = ShardedState(leaf_names=[""] * len(records), gshapes=[None] * len(records))
         params: list[tuple[str, torch.Tensor, Spec, tuple[int, ...]]] = []
         flat: list[tuple[int, str]] = []
+        boxes: dict[Any, Any] = {}
         for i, rec in enumerate(records):
             t = rec.tensor
             if is_dtensor(t):
-                box, local = dtensor_box(t)
+                box, local = dtensor_box(t, boxes)
                 out.leaf_names[i] = rec.name
                 out.gshapes[i] = tuple(t.shape)
                 self._check_known(rec.name, tuple(t.shape))
