@@ -61,22 +61,15 @@ _scratch_of_thread = threading.local()   # per reader thread: the buffer row tar
 
 def _reader_pool() -> ThreadPoolExecutor:
     """The process's reader threads, started by the first load and kept: a load used to start (and join)
-    its own, ~2 ms per thread on a busy 2-core machine, and each new thread faulted in a new row buffer."""
+    its own, ~2 ms per thread on a busy 2-core machine, and each new thread faulted in a new row buffer.
+
+    No forked child inherits them: TensorStore, which every load uses, aborts a process forked after it ran.
+    """
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="ckptrepo-read")
         return _pool
-
-
-def _forget_pool_in_child() -> None:
-    """A forked child has none of its parent's threads: it starts its own pool on its first load."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 class Unexpected(Exception):
