@@ -91,7 +91,6 @@ def run_turns(modes: list[str], every: int, args: argparse.Namespace,
                 "turn_s": times, "stats": stats}
     finally:
         objs.clear()
-        del trainer
         gc.collect()
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)

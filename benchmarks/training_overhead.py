@@ -59,7 +59,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import resource
 import shutil

@@ -53,8 +53,8 @@ from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError
 from .gc import RetentionPolicy, VersionFacts
 from .layout import ParallelLayout
 from .localwrite import DirectWriter, LiveShard
-from .manifest import (DATA_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id, plain_metrics, seal,
-                       version_from_manifest, version_id_time)
+from .manifest import (DATA_PREFIX, FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id,
+                       plain_metrics, seal, version_from_manifest, version_id_time)
 from .providers import TensorRecord, flatten
 from .sharding import Sharder, column_blocks
 from .writer import (LIVE_ALIGN, Segment, StagingPool, WritePlan, aligned_empty, fill_live, fill_segment,
@@ -62,7 +62,6 @@ from .writer import (LIVE_ALIGN, Segment, StagingPool, WritePlan, aligned_empty,
 
 log = logging.getLogger("ckptrepo")
 
-FAILURES_PREFIX = "failures/"
 
 
 def parse_size(size: int | str | None) -> int | None:

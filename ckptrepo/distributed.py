@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .boxes import Box, intersect, volume
 from .errors import LayoutError, SnapshotFailedError
-from .manifest import seal, unseal
+from .manifest import STAGING_PREFIX, seal, unseal
 from .providers import (DICT, LIST, NDARRAY, ODICT, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, numel,
                         unflatten)
 from .store import Store
@@ -30,7 +30,6 @@ from .store import Store
 if TYPE_CHECKING:
     from .layout import ParallelLayout
 
-STAGING_PREFIX = "staging/"
 POLL_S = 0.05
 
 
@@ -206,5 +205,5 @@ def full_tree(tree: Any, leaf_names: list[str], tensors: list[dict[str, Any]], i
     return walk(tree, "")
 
 
-__all__ = ["STAGING_PREFIX", "Staging", "all_gather", "assign_writers", "check_coverage", "full_tree",
+__all__ = ["Staging", "all_gather", "assign_writers", "check_coverage", "full_tree",
            "merge_rank_manifests", "process_group_rank"]

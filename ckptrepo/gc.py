@@ -19,11 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .distributed import STAGING_PREFIX
-from .manifest import DATA_PREFIX, VERSIONS_PREFIX, version_id_time
+from .manifest import DATA_PREFIX, FAILURES_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, version_id_time
 
 PRUNED_PREFIX = "pruned/"
-FAILURES_PREFIX = "failures/"
 DEFAULT_GRACE_S = 3600.0
 
 

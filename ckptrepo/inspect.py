@@ -19,7 +19,8 @@ import torch
 
 from .arrays import ArrayInfo, open_array
 from .boxes import flat_boxes, volume
-from .providers import TORCH_DTYPES, numel, plain_values
+from .providers import TORCH_DTYPES, numel
+from .skeleton import plain_values
 from .reshard import VersionReader
 from .sharding import Piece
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
-import torch
 
 from .crc import crc32c
 from .errors import CorruptionError, FormatVersionError
@@ -27,6 +27,8 @@ HEADS_PREFIX = "refs/heads/"
 TAGS_PREFIX = "refs/tags/"
 VERSIONS_PREFIX = "versions/"
 DATA_PREFIX = "data/"
+STAGING_PREFIX = "staging/"   # rank manifests of a distributed snapshot until rank 0 commits it
+FAILURES_PREFIX = "failures/"   # a record per background snapshot that failed (log --all, fsck)
 SYMREF_PREFIX = "ref: "
 
 
@@ -152,13 +154,17 @@ def decode_config(blob: bytes, url: str) -> dict[str, Any]:
     return cfg
 
 
+def _is_tensor(v: Any) -> bool:
+    """Whether ``v`` is a torch tensor, without importing torch (history commands never need it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(v, torch.Tensor)
+
+
 def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted)."""
     out = {}
     for k, v in metrics.items():
-        if isinstance(v, torch.Tensor):
-            v = v.item()
-        elif isinstance(v, np.generic):
+        if isinstance(v, np.generic) or _is_tensor(v):
             v = v.item()
         if not isinstance(v, (int, float, str, bool)) and v is not None:
             raise TypeError(f"metric {k!r} must be a number or string, not {type(v).__name__}")

@@ -8,10 +8,12 @@ so nothing depends on a display or on global pyplot state.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import MissingDependencyError
-from .inspect import TrajectoryPoint
+
+if TYPE_CHECKING:   # inspect needs torch; `ckptrepo metrics` does not
+    from .inspect import TrajectoryPoint
 
 Series = dict[str, tuple[list[float], list[float]]]   # label -> (x, y)
 

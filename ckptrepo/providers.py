@@ -11,16 +11,15 @@ from __future__ import annotations
 import collections
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from .errors import UnsupportedValueError
 
-# Skeleton tags (the first element of every node).
-SCALAR, BIGINT, DICT, ODICT, LIST, TUPLE, TENSOR, NDARRAY, STATEFUL, NPGEN, NPSCALAR, DTYPE, SIZE = (
-    "n", "I", "d", "o", "l", "t", "T", "A", "S", "G", "s", "D", "Z")
+from .skeleton import (BIGINT, DICT, DTYPE, LIST, NDARRAY, NPGEN, NPSCALAR, ODICT, SCALAR, SIZE, STATEFUL,  # noqa: F401
+                       TENSOR, TUPLE, numel)
 
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -46,44 +45,6 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         return numel(self.shape)
-
-
-def numel(shape: Sequence[int]) -> int:
-    """Elements of a tensor of ``shape`` (1 for a zero-dim tensor)."""
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) -> Iterator[tuple[str, Any]]:
-    """(path, value) of each plain value in a skeleton, tensors skipped.
-
-    Values are the stored Python values. With
-    ``summarize_after``, a list or tuple of more plain values than that is
-    reported once as e.g. "tuple of 625 values" (``random.getstate()``).
-    """
-    tag = tree[0]
-    here = path or "<root>"
-    if tag in (TENSOR, NDARRAY):
-        return
-    if tag in (SCALAR, BIGINT):
-        yield here, tree[1] if tag == SCALAR else int(tree[1])
-    elif tag == STATEFUL:
-        yield from plain_values(tree[2], path, summarize_after)
-    elif tag in (DICT, ODICT):
-        for k, v in tree[1]:
-            key = unflatten(k, lambda i, n: None)
-            yield from plain_values(v, f"{path}/{key}" if path else str(key), summarize_after)
-    elif tag in (LIST, TUPLE):
-        kids = tree[1]
-        if summarize_after is not None and len(kids) > summarize_after and all(c[0] in (SCALAR, BIGINT) for c in kids):
-            yield here, f"{'list' if tag == LIST else 'tuple'} of {len(kids)} values"
-            return
-        for i, c in enumerate(kids):
-            yield from plain_values(c, f"{path}/{i}" if path else str(i), summarize_after)
-    else:
-        yield here, {NPGEN: "numpy Generator", NPSCALAR: "numpy scalar", DTYPE: "dtype", SIZE: "torch.Size"}.get(tag, tag)
 
 
 def is_stateful(obj: Any) -> bool:

@@ -14,21 +14,19 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+import numpy as np
 
 from . import revisions
-from .arrays import ArrayInfo
-from .binding import Binder
+from .arrays import ArrayInfo, numpy_dtype
 from .errors import (CkptRepoError, CorruptionError, NotARepositoryError, RepositoryExistsError, RevisionError,
                      SnapshotFailedError)
-from .manifest import (CONFIG_KEY, VERSIONS_PREFIX, Version, decode_config, encode_config,
+from .manifest import (CONFIG_KEY, FAILURES_PREFIX, VERSIONS_PREFIX, Version, decode_config, encode_config,
                        unseal, unseal_header, version_from_manifest)
-from .providers import TORCH_DTYPES, numel, plain_values, unflatten
-from .reader import TensorEntry, read_tensors
 from .refs import Refs, init_head
 from .gc import PRUNED_PREFIX
 from .gcpause import collection_paused
 from .lru import LruCache
+from .skeleton import numel, plain_values
 from .store import Store
 
 if TYPE_CHECKING:
@@ -36,7 +34,7 @@ if TYPE_CHECKING:
     from .gc import RetentionPolicy
     from .layout import ParallelLayout
     from .reshard import ReadStats
-from .writer import PlanCache
+    from .writer import PlanCache
 
 DEFAULT_BRANCH = "main"
 # Decoded manifests a handle keeps. Enough for a snapshotter (its parent, the versions in flight) and for
@@ -93,11 +91,23 @@ class Repository:
         self.refs = Refs(store)
         self._manifests: LruCache[str, dict[str, Any]] = LruCache(MANIFEST_CACHE_SIZE)
         self._headers: LruCache[str, dict[str, Any]] = LruCache(HEADER_CACHE_SIZE)   # a few hundred bytes each
-        self.plans = PlanCache()
+        self._plans: Any = None
         self.host_memory: int | str | None = None  # default staging bound of this handle's snapshots
 
     def __repr__(self) -> str:
         return f"Repository({self.url!r})"
+
+    @property
+    def plans(self) -> "PlanCache":
+        """Write plans of this handle's snapshots (made on the first one: the history tools never import torch)."""
+        if self._plans is None:
+            from .writer import PlanCache
+            self._plans = PlanCache()
+        return self._plans
+
+    @plans.setter
+    def plans(self, cache: "PlanCache") -> None:
+        self._plans = cache
 
     # ---- manifests ------------------------------------------------------
     def manifest(self, vid: str) -> dict[str, Any]:
@@ -227,7 +237,12 @@ class Repository:
         if any(t["pieces"] for t in m["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
             raise RevisionError(f"version {vid[:12]} (step {m['step']}) was pruned by gc: its tensor data is deleted; "
                                 f"pick a kept version from `ckptrepo log`")
+        import torch
+
+        from .binding import Binder
         from .layout_load import load_layout, needs_layout_load
+        from .providers import unflatten
+        from .reader import TensorEntry, read_tensors
         if needs_layout_load(m, parallel_layout, into):
             return load_layout(self.store, m, parallel_layout, rank, into,
                                device if device is not None else map_location, read_stats)
@@ -358,7 +373,7 @@ class Repository:
         tensors = []
         for t in m["tensors"]:
             n = numel(t["shape"])
-            item = itemsizes.get(t["dtype"]) or torch.empty((), dtype=TORCH_DTYPES[t["dtype"]]).element_size()
+            item = itemsizes.get(t["dtype"]) or np.dtype(numpy_dtype(t["dtype"])).itemsize
             tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "bytes": n * item})
         layout = {k: v for k, v in m.get("layout", {}).items() if k not in ("ranks", "rules")}  # summary only
         return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), layout,
@@ -409,7 +424,6 @@ class Repository:
 
     def failures(self) -> list[dict[str, Any]]:
         """Records of background snapshots that failed (id, step, time, branch, message, error), newest first."""
-        from .capture import FAILURES_PREFIX
         out = []
         for key in self.store.list(FAILURES_PREFIX):
             raw = self.store.get(key)

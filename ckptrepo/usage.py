@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .arrays import ArrayInfo
+import numpy as np
+
+from .arrays import ArrayInfo, numpy_dtype
 from .errors import CorruptionError
 from .manifest import Version
-from .providers import TORCH_DTYPES, numel
+from .skeleton import numel
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def disk_usage(repo: Any) -> DiskUsage:
         infos.update(m["arrays"])
         mine = pieces.setdefault(v.id, [])
         for t in m["tensors"]:
-            itemsize = TORCH_DTYPES[t["dtype"]].itemsize
+            itemsize = np.dtype(numpy_dtype(t["dtype"])).itemsize
             for p in t["pieces"]:
                 n = numel(p["box"][1])
                 key = p["array"]

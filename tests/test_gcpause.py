@@ -31,17 +31,17 @@ def test_pause_keeps_a_disabled_collector_disabled() -> None:
 
 
 def test_load_pauses_collection_and_restores_it_even_on_error(tmp_path, monkeypatch) -> None:
-    import ckptrepo.repo as repo_mod
+    import ckptrepo.reader as reader_mod   # Repository.load imports read_tensors from here at each call
     repo = ckptrepo.init(str(tmp_path / "r"))
     repo.snapshot({"w": torch.arange(10.0)}, step=1)
     during = []
-    real = repo_mod.read_tensors
+    real = reader_mod.read_tensors
 
     def spy(*a, **k):
         during.append(gc.isenabled())
         return real(*a, **k)
 
-    monkeypatch.setattr(repo_mod, "read_tensors", spy)
+    monkeypatch.setattr(reader_mod, "read_tensors", spy)
     out = repo.load("HEAD")
     assert torch.equal(out["w"], torch.arange(10.0))
     assert during == [False] and gc.isenabled()

@@ -1,0 +1,69 @@
+"""The skeleton format: node tags, and what can be read from a skeleton without torch.
+
+A version's ``tree`` is the state's containers and plain values with tensors
+replaced by indices into the tensor table (``providers`` builds it and turns
+it back into a state). The history tools (``show``, ``log``) read plain
+values from it; they live here so that a ``ckptrepo`` command that only
+reads manifests never imports torch.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+# Skeleton tags (the first element of every node).
+SCALAR, BIGINT, DICT, ODICT, LIST, TUPLE, TENSOR, NDARRAY, STATEFUL, NPGEN, NPSCALAR, DTYPE, SIZE = (
+    "n", "I", "d", "o", "l", "t", "T", "A", "S", "G", "s", "D", "Z")
+
+
+def numel(shape: Sequence[int]) -> int:
+    """Elements of a tensor of ``shape`` (1 for a zero-dim tensor)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def key_value(node: Any) -> Any:
+    """The dict key a key node stands for (keys are plain scalars, big ints or tuples of them)."""
+    tag = node[0]
+    if tag == SCALAR:
+        return node[1]
+    if tag == BIGINT:
+        return int(node[1])
+    if tag == TUPLE:
+        return tuple(key_value(k) for k in node[1])
+    raise ValueError(f"not a dict key node: {tag!r}")
+
+
+def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) -> Iterator[tuple[str, Any]]:
+    """(path, value) of each plain value in a skeleton, tensors skipped.
+
+    Values are the stored Python values. With
+    ``summarize_after``, a list or tuple of more plain values than that is
+    reported once as e.g. "tuple of 625 values" (``random.getstate()``).
+    """
+    tag = tree[0]
+    here = path or "<root>"
+    if tag in (TENSOR, NDARRAY):
+        return
+    if tag in (SCALAR, BIGINT):
+        yield here, tree[1] if tag == SCALAR else int(tree[1])
+    elif tag == STATEFUL:
+        yield from plain_values(tree[2], path, summarize_after)
+    elif tag in (DICT, ODICT):
+        for k, v in tree[1]:
+            key = key_value(k)
+            yield from plain_values(v, f"{path}/{key}" if path else str(key), summarize_after)
+    elif tag in (LIST, TUPLE):
+        kids = tree[1]
+        if summarize_after is not None and len(kids) > summarize_after and all(c[0] in (SCALAR, BIGINT) for c in kids):
+            yield here, f"{'list' if tag == LIST else 'tuple'} of {len(kids)} values"
+            return
+        for i, c in enumerate(kids):
+            yield from plain_values(c, f"{path}/{i}" if path else str(i), summarize_after)
+    else:
+        yield here, {NPGEN: "numpy Generator", NPSCALAR: "numpy scalar", DTYPE: "dtype", SIZE: "torch.Size"}.get(tag, tag)
+
+
+__all__ = ["BIGINT", "DICT", "DTYPE", "LIST", "NDARRAY", "NPGEN", "NPSCALAR", "ODICT", "SCALAR", "SIZE", "STATEFUL",
+           "TENSOR", "TUPLE", "key_value", "numel", "plain_values"]
