@@ -19,7 +19,7 @@ import torch
 from .errors import UnsupportedValueError
 
 from .skeleton import (BIGINT, DICT, DTYPE, LIST, NDARRAY, NPGEN, NPSCALAR, ODICT, SCALAR, SIZE, STATEFUL,  # noqa: F401
-                       TENSOR, TUPLE, numel)
+                       TENSOR, TUPLE, key_value, numel)
 
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -153,7 +153,7 @@ def unflatten(skeleton: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
         if tag == BIGINT:
             return int(node[1])
         if tag in (DICT, ODICT):
-            items = [(build_key(k), build(v)) for k, v in node[1]]
+            items = [(key_value(k), build(v)) for k, v in node[1]]
             return collections.OrderedDict(items) if tag == ODICT else dict(items)
         if tag == LIST:
             return [build(v) for v in node[1]]
@@ -172,9 +172,6 @@ def unflatten(skeleton: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
         if tag == STATEFUL:
             return build(node[2])
         raise UnsupportedValueError(f"unknown skeleton node {tag!r}; the repository was written by a newer ckptrepo")
-
-    def build_key(node: Any) -> Any:
-        return build(node)
 
     return build(skeleton)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
+from .errors import UnsupportedValueError
+
 # Skeleton tags (the first element of every node).
 SCALAR, BIGINT, DICT, ODICT, LIST, TUPLE, TENSOR, NDARRAY, STATEFUL, NPGEN, NPSCALAR, DTYPE, SIZE = (
     "n", "I", "d", "o", "l", "t", "T", "A", "S", "G", "s", "D", "Z")
@@ -32,7 +34,7 @@ def key_value(node: Any) -> Any:
         return int(node[1])
     if tag == TUPLE:
         return tuple(key_value(k) for k in node[1])
-    raise ValueError(f"not a dict key node: {tag!r}")
+    raise UnsupportedValueError(f"unknown dict key node {tag!r}; the repository was written by a newer ckptrepo")
 
 
 def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) -> Iterator[tuple[str, Any]]:
