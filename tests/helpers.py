@@ -55,5 +55,13 @@ def count_manifest_reads(monkeypatch: Any, store: Any) -> collections.Counter:
         if key.startswith(VERSIONS_PREFIX):
             reads[key] += 1
         return get(self, key)
+    get_many = type(store).get_many
+
+    def counting_get_many(self: Any, keys: Any) -> Any:
+        for key in keys:
+            if key.startswith(VERSIONS_PREFIX):
+                reads[key] += 1
+        return get_many(self, keys)
     monkeypatch.setattr(type(store), "get", counting_get)
+    monkeypatch.setattr(type(store), "get_many", counting_get_many)
     return reads

@@ -139,3 +139,32 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     assert [v.id for v in fresh.log(all=True)] == side[::-1] + ids[::-1]
     assert [v.step for v in fresh.log("main", since=5, until=8)] == [8, 7, 6, 5]
     assert fresh.resolve("@3") == ids[3] and fresh.resolve("side~2") == ids[7]
+
+
+def test_log_on_s3_asks_for_headers_in_batches(s3_url, monkeypatch):
+    """On an object store every read is a round trip (~20-50 ms on S3): a long `log` asks for the headers of
+    the versions it is about to walk together, not one request per version, and still lists exactly the history."""
+    import collections
+
+    from ckptrepo.store import Store
+    repo = ckptrepo.init(s3_url)
+    ids = [repo.snapshot({"w": torch.full((4,), float(s))}, step=s).id for s in range(70)]
+    calls: collections.Counter = collections.Counter()
+    real_get, real_get_many = Store.get, Store.get_many
+
+    def get(self, key):
+        calls["get " + key.split("/")[0]] += 1
+        return real_get(self, key)
+
+    def get_many(self, keys):
+        calls["get_many"] += 1
+        calls["keys"] += len(keys)
+        return real_get_many(self, keys)
+    monkeypatch.setattr(Store, "get", get)
+    monkeypatch.setattr(Store, "get_many", get_many)
+    fresh = ckptrepo.open(s3_url)
+    assert [v.id for v in fresh.log()] == ids[::-1]
+    assert calls["get versions"] == 0 and calls["get_many"] == 2 and calls["keys"] == 70, calls
+    calls.clear()
+    assert [v.step for v in ckptrepo.open(s3_url).log(limit=5)] == [69, 68, 67, 66, 65]
+    assert calls["get versions"] == 5 and calls["get_many"] == 0, calls   # short: no listing, the 5 it needs
