@@ -342,14 +342,3 @@ def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD",
                     points.append(TrajectoryPoint(vid, step, t.name, t.l2 if metric == "delta" else t.relative))
         previous = vid
     return points
-
-
-def metric_history(repo: Any, rev: str = "HEAD") -> list[dict[str, Any]]:
-    """The manifest metrics (loss, lr, ...) of every version on the first-parent history of ``rev``, oldest first."""
-    rows = []
-    vid: str | None = repo.resolve(rev)
-    while vid is not None:
-        m = repo.header(vid)
-        rows.append({"version": vid, "step": m["step"], **m["metrics"]})
-        vid = m["parents"][0] if m["parents"] else None
-    return rows[::-1]

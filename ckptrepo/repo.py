@@ -446,8 +446,13 @@ class Repository:
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
-        from .inspect import metric_history
-        return metric_history(self, rev)
+        rows = []
+        vid: str | None = self.resolve(rev)
+        while vid is not None:
+            h = self.header(vid)
+            rows.append({"version": vid, "step": h["step"], **h["metrics"]})
+            vid = h["parents"][0] if h["parents"] else None
+        return rows[::-1]
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
            keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False) -> Any:
