@@ -63,7 +63,6 @@ from .writer import (LIVE_ALIGN, Segment, StagingPool, WritePlan, aligned_empty,
 log = logging.getLogger("ckptrepo")
 
 
-
 def parse_size(size: int | str | None) -> int | None:
     """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes."""
     if size is None or isinstance(size, int):

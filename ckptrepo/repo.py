@@ -8,6 +8,7 @@ removes; a lost compare-and-swap is a ConflictError and commits nothing.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import os
 import time
@@ -337,19 +338,19 @@ class Repository:
         # listing of versions/ gives them all); a short one (`log -n 5`) reads the few it needs one by one,
         # as listing a history of 100k versions takes 100 requests on S3.
         batched = limit is None or limit > HEADER_BATCH
-        order: list[str] = []        # every version id, newest first (an id holds its creation time)
-        where: dict[str, int] = {}
+
+        @functools.cache
+        def newest_first() -> tuple[list[str], dict[str, int]]:   # listed at the first header not cached
+            order = self._versions_newest_first()
+            return order, {v: i for i, v in enumerate(order)}
 
         def reach(vid: str) -> None:
             if vid not in seen:
                 seen.add(vid)
                 if batched and not self._header_cached(vid):
-                    if not where:   # the first header not cached: list the versions, once
-                        order[:] = self._versions_newest_first()
-                        where.update((v, i) for i, v in enumerate(order))
-                        where[""] = -1   # listed, even if nothing was there
-                    i = where.get(vid, -1)
-                    self._prefetch_headers(vid, order[i + 1:i + HEADER_BATCH] if i >= 0 else ())
+                    order, where = newest_first()
+                    i = where.get(vid)
+                    self._prefetch_headers(vid, order[i + 1:i + HEADER_BATCH] if i is not None else ())
                 h = self.header(vid)
                 heapq.heappush(frontier, (-h["time"], vid, h))
         for vid in starts:

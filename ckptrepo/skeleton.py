@@ -8,21 +8,14 @@ reads manifests never imports torch.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
+from .boxes import volume as numel   # elements of a tensor of a given shape (1 for a zero-dim tensor)
 from .errors import UnsupportedValueError
 
 # Skeleton tags (the first element of every node).
 SCALAR, BIGINT, DICT, ODICT, LIST, TUPLE, TENSOR, NDARRAY, STATEFUL, NPGEN, NPSCALAR, DTYPE, SIZE = (
     "n", "I", "d", "o", "l", "t", "T", "A", "S", "G", "s", "D", "Z")
-
-
-def numel(shape: Sequence[int]) -> int:
-    """Elements of a tensor of ``shape`` (1 for a zero-dim tensor)."""
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def key_value(node: Any) -> Any:
