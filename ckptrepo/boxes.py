@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .errors import LayoutError
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -109,4 +111,22 @@ def slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
-__all__ = ["Box", "flat_boxes", "intersect", "row_major_strides", "runs", "slices", "volume"]
+def check_coverage(tensors: dict[str, tuple[Sequence[int], list[Box]]]) -> None:
+    """Every tensor's pieces must cover it exactly once: no overlap, no gap."""
+    for name, (shape, boxes) in tensors.items():
+        total = sum(volume(b[1]) for b in boxes)
+        for i in range(len(boxes)):
+            for j in range(i + 1, len(boxes)):
+                if intersect(boxes[i], boxes[j]) is not None:
+                    raise LayoutError(f"{name}: saved pieces {_fmt(boxes[i])} and {_fmt(boxes[j])} overlap; "
+                                      f"the ranks disagree about the layout")
+        if total != volume(shape):
+            raise LayoutError(f"{name}: the ranks' pieces cover {total} of its {volume(shape)} elements "
+                              f"{list(shape)}; some rank did not save its part (check the rules and the layout)")
+
+
+def _fmt(box: Box) -> str:
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(*box)) + "]"
+
+
+__all__ = ["Box", "check_coverage", "flat_boxes", "intersect", "row_major_strides", "runs", "slices", "volume"]

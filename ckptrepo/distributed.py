@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .boxes import Box, intersect, volume
-from .errors import LayoutError, SnapshotFailedError
+from .boxes import Box, check_coverage
+from .errors import SnapshotFailedError
 from .manifest import STAGING_PREFIX, seal, unseal
 from .providers import (DICT, LIST, NDARRAY, ODICT, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, numel,
                         unflatten)
@@ -70,24 +70,6 @@ def assign_writers(metas: Sequence[Sequence[tuple[str, Box, int]]]) -> list[list
         writes[r][j] = True
         load[r] += sizes[key]
     return writes
-
-
-def check_coverage(tensors: dict[str, tuple[Sequence[int], list[Box]]]) -> None:
-    """Every tensor's pieces must cover it exactly once: no overlap, no gap."""
-    for name, (shape, boxes) in tensors.items():
-        total = sum(volume(b[1]) for b in boxes)
-        for i in range(len(boxes)):
-            for j in range(i + 1, len(boxes)):
-                if intersect(boxes[i], boxes[j]) is not None:
-                    raise LayoutError(f"{name}: saved pieces {_fmt(boxes[i])} and {_fmt(boxes[j])} overlap; "
-                                      f"the ranks disagree about the layout")
-        if total != volume(shape):
-            raise LayoutError(f"{name}: the ranks' pieces cover {total} of its {volume(shape)} elements "
-                              f"{list(shape)}; some rank did not save its part (check the rules and the layout)")
-
-
-def _fmt(box: Box) -> str:
-    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(*box)) + "]"
 
 
 class Staging:
@@ -205,5 +187,5 @@ def full_tree(tree: Any, leaf_names: list[str], tensors: list[dict[str, Any]], i
     return walk(tree, "")
 
 
-__all__ = ["Staging", "all_gather", "assign_writers", "check_coverage", "full_tree",
+__all__ = ["Staging", "all_gather", "assign_writers", "full_tree",
            "merge_rank_manifests", "process_group_rank"]

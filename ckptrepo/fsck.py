@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .arrays import ArrayInfo, open_array
-from .boxes import volume
-from .distributed import check_coverage
+from .boxes import check_coverage, volume
 from .errors import CkptRepoError
 from .gc import pruned_ids, reachable_versions
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX

@@ -173,8 +173,8 @@ def test_png_without_matplotlib_is_one_line(populated, tmp_path, monkeypatch):
 
 
 def test_history_commands_do_not_import_torch(populated):
-    """log, show, tag, branch, checkout, du, gc and metrics read manifests and refs only: a fresh `ckptrepo` process
-    must not pay for importing torch (2-3 s on a small VM, most of the command's time)."""
+    """log, show, tag, branch, checkout, du, gc, metrics and fsck read refs, manifests and raw objects only: a fresh
+    `ckptrepo` process must not pay for importing torch (2-3 s on a small VM, most of a history command's time)."""
     url, _ = populated
     probe = ("import sys, runpy; sys.argv = ['ckptrepo', '--repo', sys.argv[1]] + sys.argv[2:]\n"
              "try:\n    runpy.run_module('ckptrepo_cli.main', run_name='__main__')\n"
@@ -182,7 +182,7 @@ def test_history_commands_do_not_import_torch(populated):
              "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
     for args in (["log"], ["log", "--all", "--graph"], ["log", "--stats"], ["show", "good"], ["tag"], ["branch"],
                  ["log", "--json", "-n", "1"], ["show", "--json", "HEAD"], ["tag", "t1", "@10"], ["branch", "side"],
-                 ["checkout", "side"], ["du"], ["gc", "--dry-run"], ["metrics"]):
+                 ["checkout", "side"], ["du"], ["gc", "--dry-run"], ["metrics"], ["fsck"]):
         p = subprocess.run([sys.executable, "-c", probe, url, *args], capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, (args, p.stderr)
         assert p.stdout.strip().splitlines()[-1] == "NO-TORCH", (args, p.stdout[-300:])
