@@ -51,11 +51,11 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None) -> Fsc
     """Check the whole repository; never raises for damage, reports it instead."""
     report = FsckReport()
     manifests: dict[str, dict[str, Any]] = {}
-    for vid in repo.all_version_ids():
-        try:
-            manifests[vid] = repo.manifest(vid)
-        except CkptRepoError as err:
-            report.errors.append(str(err))
+    for vid, m in repo.iter_manifests(repo.all_version_ids()):
+        if isinstance(m, dict):
+            manifests[vid] = m
+        else:
+            report.errors.append(str(m))
     report.versions = len(manifests)
 
     _check_refs(repo, manifests, report)

@@ -59,18 +59,17 @@ def disk_usage(repo: Any) -> DiskUsage:
     pieces: dict[str, list[tuple[str, int]]] = {}  # version -> (array key, bytes) of each piece
     extent: dict[str, int] = {}                    # array key -> bytes up to the end of its last referenced piece
     infos: dict[str, dict[str, Any]] = {}          # array key -> its manifest entry, where a manifest lists it
-    for v in versions:
-        if v.pruned:
-            continue
-        m = repo.manifest(v.id)
+    for vid, m in repo.iter_manifests([v.id for v in versions if not v.pruned]):
+        if not isinstance(m, dict):
+            raise m
         infos.update(m["arrays"])
-        mine = pieces.setdefault(v.id, [])
+        mine = pieces.setdefault(vid, [])
         for t in m["tensors"]:
             itemsize = np.dtype(numpy_dtype(t["dtype"])).itemsize
             for p in t["pieces"]:
                 n = numel(p["box"][1])
                 key = p["array"]
-                referrers.setdefault(key, set()).add(v.id)
+                referrers.setdefault(key, set()).add(vid)
                 mine.append((key, n * itemsize))
                 extent[key] = max(extent.get(key, 0), (p["offset"] + n) * itemsize)
     rows = []

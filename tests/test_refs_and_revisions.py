@@ -141,9 +141,9 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     assert fresh.resolve("@3") == ids[3] and fresh.resolve("side~2") == ids[7]
 
 
-def test_log_on_s3_asks_for_headers_in_batches(s3_url, monkeypatch):
-    """On an object store every read is a round trip (~20-50 ms on S3): a long `log` asks for the headers of
-    the versions it is about to walk together, not one request per version, and still lists exactly the history."""
+def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatch):
+    """On an object store every read is a round trip (~20-50 ms on S3): a long `log`, gc, fsck and du ask for
+    the manifests they are about to need together, not one request per version, and still get them all right."""
     import collections
 
     from ckptrepo.store import Store
@@ -168,3 +168,8 @@ def test_log_on_s3_asks_for_headers_in_batches(s3_url, monkeypatch):
     calls.clear()
     assert [v.step for v in ckptrepo.open(s3_url).log(limit=5)] == [69, 68, 67, 66, 65]
     assert calls["get versions"] == 5 and calls["get_many"] == 0, calls   # short: no listing, the 5 it needs
+    for run, batches in ((lambda r: r.fsck().ok, 2), (lambda r: r.gc(keep_last=10, dry_run=True).pruned, 2),
+                         (lambda r: r.du().total_bytes, 4)):   # du: its log --all, then the manifests
+        calls.clear()
+        assert run(ckptrepo.open(s3_url))
+        assert calls["get versions"] == 0 and calls["get_many"] == batches and calls["keys"] == 70 * batches // 2, calls
