@@ -321,10 +321,12 @@ def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD",
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
+    from .repo import HeaderWalk
     chain: list[tuple[str, int | None]] = []   # (version, step), newest first until reversed
+    walk = HeaderWalk(repo)
     vid: str | None = repo.resolve(rev)
     while vid is not None:
-        m = repo.header(vid)
+        m = walk(vid)
         step = m["step"]
         if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
             chain.append((vid, step))

@@ -8,7 +8,6 @@ removes; a lost compare-and-swap is a ConflictError and commits nothing.
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import os
 import time
@@ -46,6 +45,7 @@ HEADER_CACHE_SIZE = 4096
 # Headers a long `log` asks storage for at once when it meets one it has not read: that version and the next
 # ones in time order, which a newest-first walk mostly needs next. One round trip instead of 64 on S3/GCS.
 HEADER_BATCH = 64
+WALK_SINGLE_READS = 16   # headers a first-parent walk reads one by one before it reads them in batches
 
 
 def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
@@ -69,6 +69,54 @@ def load(url: str, rev: str = "HEAD", parallel_layout: "ParallelLayout | None" =
          into: Any = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """``open(url).load(rev, ...)``: the rank defaults to this process's torch.distributed rank."""
     return open(url, options).load(rev, into=into, parallel_layout=parallel_layout, rank=rank, **kwargs)
+
+
+class HeaderWalk:
+    """The headers one history walk reads, as ``walk(vid)``: on an object store, in batches once it is long.
+
+    A header not cached is read alone while the walk is short; from the start with ``batch=True``, or after
+    ``WALK_SINGLE_READS`` such reads when ``batch`` is None, it is read with the next versions in creation-time
+    order (``HEADER_BATCH`` per round trip), which a newest-first walk mostly needs next. The order comes from
+    one listing of ``versions/`` (a version id ends with its creation time), which a short walk never pays for:
+    listing 100k versions takes 100 requests on S3. ``batch=False``: always one by one.
+    """
+
+    def __init__(self, repo: "Repository", batch: bool | None = None) -> None:
+        self.repo = repo
+        self.batch = batch
+        self.reads = 0
+        self._order: list[str] | None = None
+        self._where: dict[str, int] = {}
+
+    def __call__(self, vid: str) -> dict[str, Any]:
+        repo = self.repo
+        if self.batch is not False and not repo._header_cached(vid):
+            self.reads += 1
+            if self.batch or self.reads > WALK_SINGLE_READS:
+                if self._order is None:
+                    self._order = repo._versions_newest_first()
+                    self._where = {v: i for i, v in enumerate(self._order)}
+                i = self._where.get(vid)
+                repo._prefetch_headers(vid, self._order[i + 1:i + HEADER_BATCH] if i is not None else ())
+        return repo.header(vid)
+
+
+class _WalkingSource:
+    """The repository as a revision source whose first-parent steps (``HEAD~N``, ``@STEP``) share one HeaderWalk."""
+
+    def __init__(self, repo: "Repository") -> None:
+        self._repo = repo
+        self._walk = HeaderWalk(repo)
+
+    def __getattr__(self, name: str) -> Any:   # refs and ids: the repository's own
+        return getattr(self._repo, name)
+
+    def first_parent(self, vid: str) -> str | None:
+        parents = self._walk(vid)["parents"]
+        return parents[0] if parents else None
+
+    def step_of(self, vid: str) -> int | None:
+        return self._walk(vid)["step"]
 
 
 def _missing_manifest(vid: str) -> CorruptionError:
@@ -210,7 +258,7 @@ class Repository:
     # ---- revisions (the RevisionSource protocol) --------------------------
     def resolve(self, rev: str) -> str:
         """The full id of the version ``rev`` names (see ckptrepo.revisions for the syntax)."""
-        return revisions.resolve(self, rev)
+        return revisions.resolve(_WalkingSource(self), rev)
 
     def head_version(self) -> str | None:
         return self.refs.head().version
@@ -372,24 +420,13 @@ class Repository:
         seen: set[str] = set()
         frontier: list[tuple[float, str, dict[str, Any]]] = []
         found: list[dict[str, Any]] = []
-        # A long walk reads headers HEADER_BATCH at a time, in the order of the versions' creation times (one
-        # listing of versions/ gives them all); a short one (`log -n 5`) reads the few it needs one by one,
-        # as listing a history of 100k versions takes 100 requests on S3.
-        batched = limit is None or limit > HEADER_BATCH
-
-        @functools.cache
-        def newest_first() -> tuple[list[str], dict[str, int]]:   # listed at the first header not cached
-            order = self._versions_newest_first()
-            return order, {v: i for i, v in enumerate(order)}
+        # a long log reads its headers in batches from the start; a short one (`log -n 5`) never lists versions/
+        walk = HeaderWalk(self, batch=limit is None or limit > HEADER_BATCH)
 
         def reach(vid: str) -> None:
             if vid not in seen:
                 seen.add(vid)
-                if batched and not self._header_cached(vid):
-                    order, where = newest_first()
-                    i = where.get(vid)
-                    self._prefetch_headers(vid, order[i + 1:i + HEADER_BATCH] if i is not None else ())
-                h = self.header(vid)
+                h = walk(vid)
                 heapq.heappush(frontier, (-h["time"], vid, h))
         for vid in starts:
             if vid:
@@ -486,9 +523,10 @@ class Repository:
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
         rows = []
+        walk = HeaderWalk(self)
         vid: str | None = self.resolve(rev)
         while vid is not None:
-            h = self.header(vid)
+            h = walk(vid)
             rows.append({"version": vid, "step": h["step"], **h["metrics"]})
             vid = h["parents"][0] if h["parents"] else None
         return rows[::-1]

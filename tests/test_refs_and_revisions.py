@@ -168,6 +168,16 @@ def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatc
     calls.clear()
     assert [v.step for v in ckptrepo.open(s3_url).log(limit=5)] == [69, 68, 67, 66, 65]
     assert calls["get versions"] == 5 and calls["get_many"] == 0, calls   # short: no listing, the 5 it needs
+    # first-parent walks (@STEP, HEAD~N, metrics) read a few headers alone, then in batches once they prove long
+    from ckptrepo.repo import WALK_SINGLE_READS
+    long = (WALK_SINGLE_READS, 1)   # the first headers alone, then the rest in one batch
+    for run, (singles, batches) in ((lambda r: r.resolve("@0") == ids[0], long),
+                                    (lambda r: r.resolve("HEAD~69") == ids[0], long),
+                                    (lambda r: [row["step"] for row in r.metrics()] == list(range(70)), long),
+                                    (lambda r: r.resolve("HEAD~3") == ids[66], (3, 0))):   # short: nothing listed
+        calls.clear()
+        assert run(ckptrepo.open(s3_url))
+        assert (calls["get versions"], calls["get_many"]) == (singles, batches), calls
     for run, batches in ((lambda r: r.fsck().ok, 2), (lambda r: r.gc(keep_last=10, dry_run=True).pruned, 2),
                          (lambda r: r.du().total_bytes, 4)):   # du: its log --all, then the manifests
         calls.clear()
