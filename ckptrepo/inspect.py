@@ -323,14 +323,10 @@ def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD",
         raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
     from .repo import HeaderWalk
     chain: list[tuple[str, int | None]] = []   # (version, step), newest first until reversed
-    walk = HeaderWalk(repo)
-    vid: str | None = repo.resolve(rev)
-    while vid is not None:
-        m = walk(vid)
+    for vid, m in HeaderWalk(repo).chain(repo.resolve(rev)):
         step = m["step"]
         if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
             chain.append((vid, step))
-        vid = m["parents"][0] if m["parents"] else None
     chain.reverse()
     points: list[TrajectoryPoint] = []
     previous: str | None = None

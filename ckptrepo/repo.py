@@ -100,6 +100,13 @@ class HeaderWalk:
                 repo._prefetch_headers(vid, self._order[i + 1:i + HEADER_BATCH] if i is not None else ())
         return repo.header(vid)
 
+    def chain(self, vid: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``vid`` and its first parents, newest first, each with its header."""
+        while vid is not None:
+            h = self(vid)
+            yield vid, h
+            vid = h["parents"][0] if h["parents"] else None
+
 
 class _WalkingSource:
     """The repository as a revision source whose first-parent steps (``HEAD~N``, ``@STEP``) share one HeaderWalk."""
@@ -189,8 +196,7 @@ class Repository:
 
     def _versions_newest_first(self) -> list[str]:
         """Every version id in the store, newest first by the creation time its id holds (one listing)."""
-        ids = (k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX))
-        return sorted(ids, key=lambda v: version_id_time(v) or 0.0, reverse=True)
+        return sorted(self.all_version_ids(), key=lambda v: version_id_time(v) or 0.0, reverse=True)
 
     def _prefetch_headers(self, vid: str, following: Sequence[str]) -> None:
         """Read the headers of ``vid`` and ``following`` that are not cached, concurrently, into the cache.
@@ -522,13 +528,8 @@ class Repository:
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
-        rows = []
-        walk = HeaderWalk(self)
-        vid: str | None = self.resolve(rev)
-        while vid is not None:
-            h = walk(vid)
-            rows.append({"version": vid, "step": h["step"], **h["metrics"]})
-            vid = h["parents"][0] if h["parents"] else None
+        rows = [{"version": vid, "step": h["step"], **h["metrics"]}
+                for vid, h in HeaderWalk(self).chain(self.resolve(rev))]
         return rows[::-1]
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,

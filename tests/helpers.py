@@ -45,22 +45,30 @@ def assert_bit_exact(a: Any, b: Any, path: str = "state") -> None:
         assert a == b, f"{path}: {a!r} vs {b!r}"
 
 
-def count_manifest_reads(monkeypatch: Any, store: Any) -> collections.Counter:
-    """From now on, count the reads of each version manifest (``versions/<id>``) through ``store``'s class."""
+def count_manifest_reads(monkeypatch: Any, store: Any,
+                         requests: collections.Counter | None = None) -> collections.Counter:
+    """From now on, count the reads of each version manifest (``versions/<id>``) through ``store``'s class.
+
+    ``requests``, if given, counts the round trips too: "get" (one manifest), "get_many" (a batch) and
+    "batched" (the manifests read in batches).
+    """
     from ckptrepo.manifest import VERSIONS_PREFIX
     reads: collections.Counter = collections.Counter()
-    get = type(store).get
+    round_trips = requests if requests is not None else collections.Counter()
+    get, get_many = type(store).get, type(store).get_many
 
     def counting_get(self: Any, key: str) -> Any:
         if key.startswith(VERSIONS_PREFIX):
             reads[key] += 1
+            round_trips["get"] += 1
         return get(self, key)
-    get_many = type(store).get_many
 
     def counting_get_many(self: Any, keys: Any) -> Any:
-        for key in keys:
-            if key.startswith(VERSIONS_PREFIX):
-                reads[key] += 1
+        manifests = [key for key in keys if key.startswith(VERSIONS_PREFIX)]
+        reads.update(manifests)
+        if manifests:
+            round_trips["get_many"] += 1
+            round_trips["batched"] += len(manifests)
         return get_many(self, keys)
     monkeypatch.setattr(type(store), "get", counting_get)
     monkeypatch.setattr(type(store), "get_many", counting_get_many)

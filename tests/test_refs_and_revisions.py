@@ -146,28 +146,17 @@ def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatc
     the manifests they are about to need together, not one request per version, and still get them all right."""
     import collections
 
-    from ckptrepo.store import Store
+    from helpers import count_manifest_reads
     repo = ckptrepo.init(s3_url)
     ids = [repo.snapshot({"w": torch.full((4,), float(s))}, step=s).id for s in range(70)]
     calls: collections.Counter = collections.Counter()
-    real_get, real_get_many = Store.get, Store.get_many
-
-    def get(self, key):
-        calls["get " + key.split("/")[0]] += 1
-        return real_get(self, key)
-
-    def get_many(self, keys):
-        calls["get_many"] += 1
-        calls["keys"] += len(keys)
-        return real_get_many(self, keys)
-    monkeypatch.setattr(Store, "get", get)
-    monkeypatch.setattr(Store, "get_many", get_many)
+    count_manifest_reads(monkeypatch, repo.store, calls)
     fresh = ckptrepo.open(s3_url)
     assert [v.id for v in fresh.log()] == ids[::-1]
-    assert calls["get versions"] == 0 and calls["get_many"] == 2 and calls["keys"] == 70, calls
+    assert calls["get"] == 0 and calls["get_many"] == 2 and calls["batched"] == 70, calls
     calls.clear()
     assert [v.step for v in ckptrepo.open(s3_url).log(limit=5)] == [69, 68, 67, 66, 65]
-    assert calls["get versions"] == 5 and calls["get_many"] == 0, calls   # short: no listing, the 5 it needs
+    assert calls["get"] == 5 and calls["get_many"] == 0, calls   # short: no listing, the 5 it needs
     # first-parent walks (@STEP, HEAD~N, metrics) read a few headers alone, then in batches once they prove long
     from ckptrepo.repo import WALK_SINGLE_READS
     long = (WALK_SINGLE_READS, 1)   # the first headers alone, then the rest in one batch
@@ -177,9 +166,9 @@ def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatc
                                     (lambda r: r.resolve("HEAD~3") == ids[66], (3, 0))):   # short: nothing listed
         calls.clear()
         assert run(ckptrepo.open(s3_url))
-        assert (calls["get versions"], calls["get_many"]) == (singles, batches), calls
+        assert (calls["get"], calls["get_many"]) == (singles, batches), calls
     for run, batches in ((lambda r: r.fsck().ok, 2), (lambda r: r.gc(keep_last=10, dry_run=True).pruned, 2),
                          (lambda r: r.du().total_bytes, 4)):   # du: its log --all, then the manifests
         calls.clear()
         assert run(ckptrepo.open(s3_url))
-        assert calls["get versions"] == 0 and calls["get_many"] == batches and calls["keys"] == 70 * batches // 2, calls
+        assert calls["get"] == 0 and calls["get_many"] == batches and calls["batched"] == 70 * batches // 2, calls
