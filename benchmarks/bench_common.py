@@ -37,3 +37,8 @@ def mean(xs: list[float]) -> float | None:
     """The mean of the figures that are numbers (NaN: not measured), or None if there are none."""
     xs = [x for x in xs if not math.isnan(x)]
     return sum(xs) / len(xs) if xs else None
+
+
+def figure(x: float | None, fmt: str = "{:.3f}") -> str:
+    """A table cell: the figure formatted, or "-" where it was not measured."""
+    return "-" if x is None else fmt.format(x)

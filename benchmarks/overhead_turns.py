@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from bench_common import mean
+from bench_common import figure, mean
 
 CONFIDENCE_Z = 1.96
 
@@ -155,13 +155,15 @@ def print_turns(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             ex = r["extra"]
             details = ""
             if r["mode"].startswith("ckptrepo"):
-                details = (f"capture {_f(ex.get('capture_s'))}, flush {_f(ex.get('flush_s'))}, "
-                           f"{_f(ex.get('gbps'), '{:.2f}')} GB/s; copied {_f(ex.get('copied_mb'), '{:.1f}')} MB")
+                details = (f"capture {figure(ex.get('capture_s'))}, flush {figure(ex.get('flush_s'))}, "
+                           f"{figure(ex.get('gbps'), '{:.2f}')} GB/s; "
+                           f"copied {figure(ex.get('copied_mb'), '{:.1f}')} MB")
             elif r["mode"] == "dcp.async_save":
-                details = f"call {_f(ex.get('call_s'))} + wait prev {_f(ex.get('wait_prev_s'))}"
+                details = f"call {figure(ex.get('call_s'))} + wait prev {figure(ex.get('wait_prev_s'))}"
             table.add_row(str(s["every"]), r["mode"], str(s["per_turn"]), str(s["rounds"]),
                           f"{s['baseline_turn_s']:.2f}", f"{r['overhead_per_ckpt_s']:.3f} ±{r['half_width_s']:.3f}",
-                          _f(r["overhead_median_s"]), _f(r["blocking_per_ckpt_s"]), _f(r["durable_per_ckpt_s"]), details)
+                          figure(r["overhead_median_s"]), figure(r["blocking_per_ckpt_s"]),
+                          figure(r["durable_per_ckpt_s"]), details)
     console.print(table)
     for s in summaries:
         ratio = s["ratio"]
@@ -175,7 +177,3 @@ def print_turns(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             parts.append(f"ckptrepo blocking ÷ torch.save blocking = {ratio['blocking_vs_torch_save']:.3f}")
         if parts:
             console.print(f"every={s['every']}: " + "; ".join(parts))
-
-
-def _f(x: float | None, fmt: str = "{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x)

@@ -74,7 +74,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import fsync_dir, mean  # noqa: E402
+from bench_common import figure, fsync_dir, mean  # noqa: E402
 from overhead_turns import print_turns, run_turns, summarize_turns  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -539,9 +539,7 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    def f(x: float | None, fmt: str = "{:.3f}") -> str:
-        return "-" if x is None else fmt.format(x)
-
+    f = figure
     console = Console(width=200)
     table = Table(title=f"Training-loop cost of checkpointing: {meta['state_mb']:.0f} MB state "
                         f"({meta['params_m']:.1f} M params + AdamW moments), {meta['steps']} steps, "
