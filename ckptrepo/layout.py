@@ -37,7 +37,9 @@ class ParallelLayout:
 
     ``zero`` is the ZeRO stage (0: optimizer state replicated over data
     parallel ranks; 1 and 2: every optimizer section is one flat partition per
-    data-parallel rank over the rank's parameters, see :func:`zero_partition`).
+    data-parallel rank over the rank's parameters, see :func:`zero_partition`;
+    3: the model section too, in the order of the rules' ``param_shapes``).
+    Gradients are not training state, so stages 1 and 2 save alike.
     """
 
     tp: int = 1
@@ -51,9 +53,9 @@ class ParallelLayout:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise LayoutError(f"ParallelLayout({name}={v!r}): each degree must be a positive integer")
-        if self.zero not in (0, 1, 2):
-            raise LayoutError(f"ParallelLayout(zero={self.zero!r}): stages 0, 1 and 2 are supported with rules; "
-                              f"for ZeRO-3/FSDP use DTensor state dicts (FSDP2), which need no rules")
+        if self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"ParallelLayout(zero={self.zero!r}): the ZeRO stage is 0, 1, 2 or 3; "
+                              f"for FSDP2 leave it 0 and save DTensor state dicts, which need no rules")
 
     @property
     def world_size(self) -> int:

@@ -17,17 +17,19 @@ An unsharded load (no layout given) takes saved rank 0's, without a warning.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import torch
 
+from .boxes import volume
 from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
 from .providers import DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten, unflatten
 from .reshard import ReadStats, read_pieces
-from .rules import Rules, local_shape
+from .rules import LocalParam, Rules
 from .sharding import Sharder, is_dtensor
 from .store import Store
 
@@ -54,7 +56,24 @@ def full_rules(rules: Rules | None) -> Rules | None:
     if rules is None:
         return None
     return Rules([], rules.sections, rules.optimizer_sections, rules.layer_prefix, rules.num_layers,
-                 rules.stage_sizes, rules.first_stage, rules.last_stage)
+                 rules.stage_sizes, rules.first_stage, rules.last_stage, rules.param_shapes)
+
+
+def with_version_shapes(rules: Rules, manifest: dict[str, Any]) -> Rules:
+    """``rules`` with ``param_shapes`` when they have none: the saved rules', else the version's tensor table's.
+
+    The table lists the model's tensors in rank order, pipeline stages in
+    order and each rank's in its own order: the model order that the flat
+    partitions of a version saved under ZeRO-1 followed.
+    """
+    if rules.param_shapes is not None:
+        return rules
+    saved = saved_rules(manifest)
+    if saved is not None and saved.param_shapes is not None:
+        return rules.with_param_shapes(saved.param_shapes)
+    prefix = rules.model_section + "/"
+    return rules.with_param_shapes([(t["name"][len(prefix):], t["shape"]) for t in manifest["tensors"]
+                                    if t["name"].startswith(prefix)])
 
 
 def needs_layout_load(manifest: dict[str, Any], layout: ParallelLayout | None, into: Any) -> bool:
@@ -102,6 +121,9 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
         target = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, rules)
     else:
         target = layout
+    if target.rules is not None:
+        target = ParallelLayout(target.tp, target.pp, target.dp, target.zero,
+                                with_version_shapes(target.rules, manifest))
     if rank is None:
         rank = process_group_rank()[0] if target.world_size > 1 else 0
     tmpl, changed = template_rank(manifest, target, rank)
@@ -144,29 +166,32 @@ def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: P
     sections = set(rules.all_sections()) if rules is not None else set()
     built: dict[str, Any] = {}
 
+    @functools.cache
+    def local_params() -> list[LocalParam]:
+        """This rank's parameters in model order, which every parameter section holds."""
+        assert rules is not None
+        c = layout.coords(rank)
+        return rules.local_params(layout.tp, c.tp, layout.pp, c.pp)
+
     def section(name: str) -> Any:
         if name in built:
             return built[name]
         assert rules is not None
         c = layout.coords(rank)
-        if layout.zero and name in rules.optimizer_sections:
-            model = section(rules.model_section)
-            total = sum(t.numel() for t in model.values())
+        params = local_params()
+        if (layout.zero == 3 and name == rules.model_section) or (layout.zero and name in rules.optimizer_sections):
+            total = sum(volume(shape) for _, _, shape, _, _ in params)
             dtype = next((shapes[n][1] for n in shapes if n.startswith(name + "/")), "float32")
             value: Any = torch.zeros(zero_partition(total, layout.dp, c.dp)[2], dtype=TORCH_DTYPES[dtype])
         else:
             value = {}
-            for t in manifest["tensors"]:
-                if not t["name"].startswith(name + "/"):
-                    continue
-                gparam = t["name"][len(name) + 1:]
-                local = rules.to_local(gparam, layout.pp, c.pp)
-                if local is not None:
-                    shape = local_shape(rules.spec(gparam), t["shape"], layout.tp, t["name"])
-                    value[local] = torch.zeros(shape, dtype=TORCH_DTYPES[t["dtype"]])
+            for local, gparam, shape, _, _ in params:
+                stored = shapes.get(f"{name}/{gparam}")
+                if stored is not None:
+                    value[local] = torch.zeros(shape, dtype=TORCH_DTYPES[stored[1]])
             if not value and name == rules.model_section:
                 raise LayoutError(f"the version has no tensors under {name}/ for rank {rank} of {layout}; "
-                                  f"check the rules' sections")
+                                  f"check the rules' sections and param_shapes")
         built[name] = value
         return value
 

@@ -16,18 +16,25 @@ parameters keyed by name (the model, and each optimizer state keyed like the
 model), and the pipeline structure: a layer prefix (``layers.<i>.``), the
 number of layers, optional per-stage counts, and which non-layer parameters
 live only on the first or last stage.
+
+For ZeRO-3 the rules also list every parameter's global name and shape in
+model order (``param_shapes``): a rank then holds its parameters as one flat
+partition, and nothing in its state says which parameters that partition
+covers. DeepSpeed stores the same list (``param_shapes``) beside its ZeRO-3
+partitions for the same reason.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .errors import LayoutError
 from .layout import stage_layers
 
 Region = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]   # (local offsets, global offsets, sizes)
+ParamShapes = Union[Mapping[str, Sequence[int]], Iterable[Sequence[Any]]]   # {name: shape} or [(name, shape), ...]
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,8 @@ class Fused:
 
 
 Spec = Union[Replicated, Split, VocabSplit, Fused]
+# (local name, global name, local shape, spec, global shape) of a parameter a rank holds
+LocalParam = tuple[str, str, tuple[int, ...], Spec, tuple[int, ...]]
 
 
 def spec_from_json(d: Sequence[Any]) -> Spec:
@@ -189,7 +198,8 @@ class Rules:
     def __init__(self, params: Sequence[tuple[str, Spec]] = (), sections: Sequence[str] = ("model",),
                  optimizer_sections: Sequence[str] = (), layer_prefix: str = "layers.",
                  num_layers: int | None = None, stage_sizes: Sequence[int] | None = None,
-                 first_stage: Sequence[str] = (), last_stage: Sequence[str] = ()) -> None:
+                 first_stage: Sequence[str] = (), last_stage: Sequence[str] = (),
+                 param_shapes: ParamShapes | None = None) -> None:
         self.params = list(params)
         self.sections = tuple(sections)                    # sections keyed by parameter name
         self.optimizer_sections = tuple(optimizer_sections)  # flat ZeRO partitions when zero >= 1
@@ -199,6 +209,31 @@ class Rules:
         self.first_stage = tuple(first_stage)
         self.last_stage = tuple(last_stage)
         self._layer_re = re.compile(rf"^{re.escape(layer_prefix)}(\d+)(\..*)?$")
+        items = param_shapes.items() if isinstance(param_shapes, Mapping) else param_shapes
+        # global parameter name -> global shape, in model order (the order of a ZeRO-3 flat partition)
+        self.param_shapes: dict[str, tuple[int, ...]] | None = (
+            None if items is None else {str(n): tuple(int(d) for d in shape) for n, shape in items})
+
+    def with_param_shapes(self, param_shapes: ParamShapes) -> "Rules":
+        """The same rules with ``param_shapes`` (a loader fills them in from a version's tensor table)."""
+        return Rules(self.params, self.sections, self.optimizer_sections, self.layer_prefix, self.num_layers,
+                     self.stage_sizes, self.first_stage, self.last_stage, param_shapes)
+
+    def local_params(self, tp: int, tp_rank: int, pp: int, pp_rank: int) -> list[LocalParam]:
+        """The parameters a rank holds, in model order: the layout of its ZeRO flat partitions.
+
+        Needs ``param_shapes``; each entry is ``(local name, global name, local shape, spec, global shape)``.
+        """
+        if self.param_shapes is None:
+            raise LayoutError("ZeRO-3 keeps parameters as flat partitions, so the rules must list every parameter's "
+                              "global shape in model order: pass param_shapes= to Rules (or megatron_gpt)")
+        out = []
+        for gparam, gshape in self.param_shapes.items():
+            local = self.to_local(gparam, pp, pp_rank)
+            if local is not None:
+                spec = self.spec(gparam)
+                out.append((local, gparam, local_shape(spec, gshape, tp, gparam), spec, gshape))
+        return out
 
     @property
     def model_section(self) -> str:
@@ -258,17 +293,21 @@ class Rules:
         return {"params": [[p, s.to_json()] for p, s in self.params], "sections": list(self.sections),
                 "optimizer_sections": list(self.optimizer_sections), "layer_prefix": self.layer_prefix,
                 "num_layers": self.num_layers, "stage_sizes": list(self.stage_sizes) if self.stage_sizes else None,
-                "first_stage": list(self.first_stage), "last_stage": list(self.last_stage)}
+                "first_stage": list(self.first_stage), "last_stage": list(self.last_stage),
+                **({"param_shapes": [[n, list(s)] for n, s in self.param_shapes.items()]}
+                   if self.param_shapes is not None else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Rules":
         return cls([(p, spec_from_json(s)) for p, s in d["params"]], d["sections"], d["optimizer_sections"],
-                   d["layer_prefix"], d["num_layers"], d["stage_sizes"], d["first_stage"], d["last_stage"])
+                   d["layer_prefix"], d["num_layers"], d["stage_sizes"], d["first_stage"], d["last_stage"],
+                   d.get("param_shapes"))
 
 
 def megatron_gpt(num_layers: int, vocab_size: int, make_vocab_size_divisible_by: int = 128,
                  stage_sizes: Sequence[int] | None = None, qkv_parts: Union[int, Sequence[int]] = 3,
-                 optimizer_sections: Sequence[str] = ("optimizer/exp_avg", "optimizer/exp_avg_sq")) -> Rules:
+                 optimizer_sections: Sequence[str] = ("optimizer/exp_avg", "optimizer/exp_avg_sq"),
+                 param_shapes: ParamShapes | None = None) -> Rules:
     """Rules for a Megatron-style GPT (the parameter names of ``tests/megatron_ref.py``).
 
     ``embedding.word_embeddings.weight`` and ``head.weight`` are vocabulary
@@ -277,6 +316,8 @@ def megatron_gpt(num_layers: int, vocab_size: int, make_vocab_size_divisible_by:
     biases, the layer norms and the position embeddings are replicated). The
     embeddings live on the first pipeline stage, the final norm and the head on
     the last. The optimizer's state sections are keyed like the model.
+    ``param_shapes`` (global names and shapes in model order) is needed to save
+    under ZeRO-3 only.
     """
     vocab = VocabSplit(vocab_size, make_vocab_size_divisible_by, 0)
     qkv = Fused(qkv_parts if isinstance(qkv_parts, int) else tuple(qkv_parts), 0)
@@ -287,8 +328,8 @@ def megatron_gpt(num_layers: int, vocab_size: int, make_vocab_size_divisible_by:
                 ("*.mlp.fc2.weight", Split(1))],
         sections=("model",), optimizer_sections=tuple(optimizer_sections), layer_prefix="layers.",
         num_layers=num_layers, stage_sizes=stage_sizes,
-        first_stage=("embedding.*",), last_stage=("final_ln.*", "head.*"))
+        first_stage=("embedding.*",), last_stage=("final_ln.*", "head.*"), param_shapes=param_shapes)
 
 
-__all__ = ["Fused", "Region", "Replicated", "Rules", "Spec", "Split", "VocabSplit", "global_shape", "local_shape",
+__all__ = ["Fused", "LocalParam", "ParamShapes", "Region", "Replicated", "Rules", "Spec", "Split", "VocabSplit", "global_shape", "local_shape",
            "megatron_gpt", "regions"]

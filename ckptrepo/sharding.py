@@ -12,8 +12,10 @@ Where the mapping comes from, per tensor of the state:
   optimizer section keyed like it): the rule for its global parameter name
   (pipeline layer renumbering, tensor-parallel split, vocabulary padding,
   fused sub-parameters);
-* an optimizer section that is one flat 1-D tensor (ZeRO-1/2): the
-  data-parallel partition of the rank's parameters back to back;
+* an optimizer section that is one flat 1-D tensor (ZeRO-1/2/3), or at ZeRO-3
+  the model section itself: the data-parallel partition of the rank's
+  parameters back to back (in the order of its model section, or at ZeRO-3 of
+  the rules' ``param_shapes``);
 * anything else: a per-rank tensor, stored whole under ``<path>@rank<r>`` when
   the state comes from several ranks.
 """
@@ -164,8 +166,9 @@ class Sharder:
 
     def shard(self, records: Sequence[TensorRecord]) -> ShardedState:
         out = ShardedState(leaf_names=[""] * len(records), gshapes=[None] * len(records))
-        params: list[tuple[str, torch.Tensor, Spec, tuple[int, ...]]] = []
+        params: list[tuple[str, tuple[int, ...], Spec, tuple[int, ...]]] = []
         flat: list[tuple[int, str]] = []
+        flat_sections = self._flat_sections()
         boxes: dict[Any, Any] = {}
         for i, rec in enumerate(records):
             t = rec.tensor
@@ -185,14 +188,14 @@ class Sharder:
                 out.leaf_names[i] = name
                 out.gshapes[i] = tuple(gshape)
                 if section == self.rules.model_section:
-                    params.append((gparam, t, spec, gshape))
+                    params.append((gparam, tuple(t.shape), spec, gshape))
                 regs = regions(spec, gshape, self.layout.tp, self.coords.tp)
                 for lo, go, sz in regs:
                     out.pieces.append(Piece(name, rec.dtype, gshape, (go, sz), t[slices(lo, sz)], _spec_cut_dim(spec)))
                 if sum(volume(sz) for _, _, sz in regs) != t.numel():
                     out.partial.append(i)
                 continue
-            if self.rules and rec.name in self.rules.optimizer_sections and self.layout.zero:
+            if rec.name in flat_sections:
                 out.leaf_names[i] = rec.name
                 flat.append((i, rec.name))
                 out.partial.append(i)
@@ -205,8 +208,27 @@ class Sharder:
             self._check_known(name, rec.shape)
             if rec.numel:
                 out.pieces.append(Piece(name, rec.dtype, rec.shape, ((0,) * len(rec.shape), rec.shape), t))
+        if flat and self.layout.zero == 3:
+            params = self._zero3_params()
         for i, section in flat:
             out.pieces.extend(self._flat_pieces(section, records[i].tensor, params))
+        return out
+
+    def _flat_sections(self) -> tuple[str, ...]:
+        """The sections a rank holds as one flat ZeRO partition: optimizer states from stage 1, the model at 3."""
+        if self.rules is None or not self.layout.zero:
+            return ()
+        model = (self.rules.model_section,) if self.layout.zero == 3 else ()
+        return model + self.rules.optimizer_sections
+
+    def _zero3_params(self) -> list[tuple[str, tuple[int, ...], Spec, tuple[int, ...]]]:
+        """The parameters a ZeRO-3 rank's flat partitions cover, from the rules (checked against the version)."""
+        assert self.rules is not None
+        lay, c = self.layout, self.coords
+        out = []
+        for _, gparam, shape, spec, gshape in self.rules.local_params(lay.tp, c.tp, lay.pp, c.pp):
+            self._check_known(f"{self.rules.model_section}/{gparam}", gshape)
+            out.append((gparam, shape, spec, gshape))
         return out
 
     def _check_known(self, name: str, shape: tuple[int, ...]) -> None:
@@ -222,6 +244,9 @@ class Sharder:
     def _param(self, section: str, param: str, t: torch.Tensor) -> tuple[str, Spec, tuple[int, ...]]:
         assert self.rules is not None
         lay, c = self.layout, self.coords
+        if lay.zero == 3 and section == self.rules.model_section:
+            raise LayoutError(f"{section}/{param}: under zero=3 the {section} section must be one flat 1-D tensor "
+                              f"(this rank's ZeRO partition), not a tensor per parameter; or save with zero=1")
         gparam = self.rules.to_global(param, lay.pp, c.pp)
         spec = self.rules.spec(gparam)
         what = f"{section}/{gparam}"
@@ -237,12 +262,12 @@ class Sharder:
         return gparam, spec, tuple(gshape)
 
     def _flat_pieces(self, section: str, flat: torch.Tensor,
-                     params: list[tuple[str, torch.Tensor, Spec, tuple[int, ...]]]) -> list[Piece]:
-        """Pieces of a ZeRO flat partition over the rank's model parameters, in model-section order."""
+                     params: list[tuple[str, tuple[int, ...], Spec, tuple[int, ...]]]) -> list[Piece]:
+        """Pieces of a ZeRO flat partition over the rank's parameters, ``(name, local shape, spec, global shape)``."""
         lay, c = self.layout, self.coords
         if flat.dim() != 1:
-            raise LayoutError(f"{section}: a ZeRO (zero={lay.zero}) optimizer section must be one flat 1-D tensor")
-        total = sum(t.numel() for _, t, _, _ in params)
+            raise LayoutError(f"{section}: a ZeRO (zero={lay.zero}) partition must be one flat 1-D tensor")
+        total = sum(volume(shape) for _, shape, _, _ in params)
         start, stop, size = zero_partition(total, lay.dp, c.dp)
         if flat.numel() != size:
             raise StateMismatchError(f"{section}: {flat.numel()} elements here but the ZeRO partition of dp rank "
@@ -250,12 +275,12 @@ class Sharder:
         dtype = DTYPE_NAMES[flat.dtype]
         out: list[Piece] = []
         base = 0
-        for gparam, t, spec, gshape in params:
-            n = t.numel()
+        for gparam, shape, spec, gshape in params:
+            n = volume(shape)
             lo, hi = max(start, base), min(stop, base + n)
             if lo < hi:
                 regs: list[Region] = regions(spec, gshape, lay.tp, c.tp)
-                for fstart, box in flat_boxes(tuple(t.shape), lo - base, hi - base):
+                for fstart, box in flat_boxes(shape, lo - base, hi - base):
                     at = base + fstart - start
                     boxview = flat[at:at + volume(box[1])].view(box[1])
                     for rlo, rgo, rsz in regs:

@@ -14,12 +14,13 @@ import ckptrepo
 from ckptrepo import faults
 from ckptrepo.layout import ParallelLayout
 from ckptrepo.rules import Replicated, Rules, Split, megatron_gpt
-from megatron_ref import GPTConfig, Trainer, init_full_params, shard_full
+from megatron_ref import GPTConfig, Trainer, global_shapes, init_full_params, shard_full
 
 
 def with_rules(cfg: GPTConfig, layout: ParallelLayout) -> ParallelLayout:
-    """The layout with the reference model's rules."""
-    rules = megatron_gpt(cfg.layers, cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    """The layout with the reference model's rules; under ZeRO-3 they list the parameter shapes, as they must."""
+    rules = megatron_gpt(cfg.layers, cfg.vocab_size, cfg.make_vocab_size_divisible_by,
+                         param_shapes=global_shapes(cfg) if layout.zero == 3 else None)
     return ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, rules)
 
 

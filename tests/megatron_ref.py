@@ -10,14 +10,15 @@ are those :func:`ckptrepo.rules.megatron_gpt` describes.
 
 The model is a tiny pre-LayerNorm GPT in fp32 without dropout, trained with a
 hand-written element-wise Adam, so the per-parameter (ZeRO-0) and flat
-partition (ZeRO-1) optimizers compute the same numbers, and batches derive
+partition (ZeRO-1 and 3) optimizers compute the same numbers, and batches derive
 from the step number alone, so every layout sees the same data. Losses of
 different layouts agree to float tolerance, not bit for bit: the reduction
 order of the collectives differs.
 
 One rank's state, the thing a test snapshots::
 
-    {"model": {local name: tensor},                 # tp/pp-local, vocabulary padded; the live parameters
+    {"model": {local name: tensor} (zero<3)         # tp/pp-local, vocabulary padded; the live parameters
+              or one flat 1-D tensor (zero=3),      # this dp rank's partition of them, gathered at every step
      "optimizer": {"step": int,
                    "exp_avg": {local name: tensor} (zero=0) or one flat 1-D tensor (zero>=1),
                    "exp_avg_sq": same},
@@ -134,6 +135,12 @@ def _shard(cfg: GPTConfig, name: str, full: torch.Tensor, tp: int, k: int) -> to
     return full.clone()
 
 
+def local_shapes(cfg: GPTConfig, layout: ParallelLayout, rank: int) -> dict[str, tuple[int, ...]]:
+    """Local name -> shape of the parameters rank ``rank`` holds, in model order (the order of ZeRO's flat buffers)."""
+    return {local: _local_shape(cfg, name, layout.tp) for local, name in stage_params(cfg, layout.pp,
+                                                                                       layout.coords(rank).pp)}
+
+
 def _local_shape(cfg: GPTConfig, name: str, tp: int) -> tuple[int, ...]:
     """The shape a tensor-parallel rank holds of global parameter ``name``."""
     shape = list(global_shapes(cfg)[name])
@@ -193,26 +200,29 @@ def shard_full(cfg: GPTConfig, layout: ParallelLayout, rank: int, full_model: Te
     for section in ("exp_avg", "exp_avg_sq"):
         local_state = ({local: _shard(cfg, g, full_optim[section][g], layout.tp, c.tp) for local, g in names}
                        if full_optim is not None else {local: torch.zeros_like(t) for local, t in model.items()})
-        if layout.zero:
-            flat = torch.cat([t.reshape(-1) for t in local_state.values()])
-            start, stop, size = zero_partition(flat.numel(), layout.dp, c.dp)
-            part = flat.new_zeros(size)
-            part[:stop - start] = flat[start:stop]
-            sections[section] = part
-        else:
-            sections[section] = local_state
+        sections[section] = _partition(local_state, layout, c.dp) if layout.zero else local_state
     gen = torch.Generator().manual_seed(RNG_SEED + rank)
-    return {"model": model,
+    return {"model": _partition(model, layout, c.dp) if layout.zero == 3 else model,
             "optimizer": {"step": int(full_optim["step"]) if full_optim is not None else 0, **sections},
             "rng": {"seed": RNG_SEED + rank, "torch": gen.get_state()}}
 
 
-def _views(flat: torch.Tensor, like: Tensors) -> Tensors:
-    """``flat`` cut into views shaped like the tensors of ``like``, in order: the layout of a ZeRO flat buffer."""
+def _partition(tensors: Tensors, layout: ParallelLayout, dp_rank: int) -> torch.Tensor:
+    """Data-parallel rank ``dp_rank``'s ZeRO partition of ``tensors`` back to back, its tail padded with zeros."""
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+    start, stop, size = zero_partition(flat.numel(), layout.dp, dp_rank)
+    part = flat.new_zeros(size)
+    part[:stop - start] = flat[start:stop]
+    return part
+
+
+def _views(flat: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> Tensors:
+    """``flat`` cut into views of ``shapes``, in order: the layout of a ZeRO flat buffer."""
     out, offset = {}, 0
-    for name, t in like.items():
-        out[name] = flat[offset:offset + t.numel()].view(t.shape)
-        offset += t.numel()
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        out[name] = flat[offset:offset + n].view(shape)
+        offset += n
     return out
 
 
@@ -224,7 +234,7 @@ def check_local_state(cfg: GPTConfig, layout: ParallelLayout, rank: int, state: 
     state without this check.
     """
     names = stage_params(cfg, layout.pp, layout.coords(rank).pp)
-    sections = [("model", state["model"])]
+    sections = [("model", state["model"])] if layout.zero < 3 else []
     if not layout.zero:
         sections += [(s, state["optimizer"][s]) for s in ("exp_avg", "exp_avg_sq")]
     for section, tensors in sections:
@@ -237,30 +247,34 @@ def check_local_state(cfg: GPTConfig, layout: ParallelLayout, rank: int, state: 
                 raise AssertionError(f"rank {rank}: {section} {local} is {t.dtype}{list(t.shape)}, "
                                      f"expected torch.float32{list(want)}")
     if layout.zero:
-        total = sum(t.numel() for t in state["model"].values())
+        total = sum(math.prod(s) for s in local_shapes(cfg, layout, rank).values())
         size = zero_partition(total, layout.dp, layout.coords(rank).dp)[2]
-        for section in ("exp_avg", "exp_avg_sq"):
-            t = state["optimizer"][section]
-            if tuple(t.shape) != (size,) or t.dtype != torch.float32:
-                raise AssertionError(f"rank {rank}: flat {section} is {t.dtype}{list(t.shape)}, "
-                                     f"expected torch.float32[{size}]")
+        flat = [("optimizer " + s, state["optimizer"][s]) for s in ("exp_avg", "exp_avg_sq")]
+        for section, t in flat + ([("model", state["model"])] if layout.zero == 3 else []):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (size,) or t.dtype != torch.float32:
+                got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise AssertionError(f"rank {rank}: flat {section} is {got}, expected torch.float32[{size}]")
 
 
-def _local_optimizer(layout: ParallelLayout, states: dict[int, State], rank: int, section: str) -> Tensors:
-    """Rank ``rank``'s optimizer ``section`` keyed by local name; a ZeRO flat buffer is rebuilt from its dp group."""
-    own = states[rank]["optimizer"][section]
-    if not layout.zero:
-        return own
-    model = states[rank]["model"]
-    total = sum(t.numel() for t in model.values())
+def _local_section(cfg: GPTConfig, layout: ParallelLayout, states: dict[int, State], rank: int,
+                   section: str) -> Tensors:
+    """Rank ``rank``'s ``section`` ("model", "exp_avg", "exp_avg_sq") keyed by local name.
+
+    A ZeRO flat partition is rebuilt from the partitions of the rank's dp group.
+    """
+    get = (lambda s: s["model"]) if section == "model" else (lambda s: s["optimizer"][section])
+    if not layout.zero or (section == "model" and layout.zero < 3):
+        return get(states[rank])
+    shapes = local_shapes(cfg, layout, rank)
+    total = sum(math.prod(s) for s in shapes.values())
     parts = []
     for d, r in enumerate(layout.group(rank, "dp")):
         start, stop, _ = zero_partition(total, layout.dp, d)
-        part = states[r]["optimizer"][section]
+        part = get(states[r])
         if torch.any(part[stop - start:] != 0):
             raise AssertionError(f"rank {r}: the tail padding of {section} is not zero")
         parts.append(part[:stop - start])
-    return _views(torch.cat(parts), model)
+    return _views(torch.cat(parts), shapes)
 
 
 def assemble(cfg: GPTConfig, layout: ParallelLayout, states: dict[int, State]) -> dict[str, Any]:
@@ -275,9 +289,8 @@ def assemble(cfg: GPTConfig, layout: ParallelLayout, states: dict[int, State]) -
     steps = {r: s["optimizer"]["step"] for r, s in states.items()}
     if len(set(steps.values())) != 1:
         raise AssertionError(f"optimizer steps differ between ranks: {steps}")
-    per_rank: dict[str, dict[int, Tensors]] = {
-        "model": {r: s["model"] for r, s in states.items()},
-        **{sec: {r: _local_optimizer(layout, states, r, sec) for r in states} for sec in ("exp_avg", "exp_avg_sq")}}
+    per_rank: dict[str, dict[int, Tensors]] = {sec: {r: _local_section(cfg, layout, states, r, sec) for r in states}
+                                               for sec in ("model", "exp_avg", "exp_avg_sq")}
     out: dict[str, Tensors] = {}
     for section, tensors in per_rank.items():
         full: Tensors = {}
@@ -423,6 +436,7 @@ class Trainer:
         self.cfg, self.layout, self.state = cfg, layout, state
         self.coords = layout.coords(rank)
         self.groups = make_groups(layout, rank)
+        self.shapes = local_shapes(cfg, layout, rank)
 
     # -- forward pieces --
 
@@ -485,7 +499,7 @@ class Trainer:
     def step(self, step_index: int) -> float:
         """Train on step ``step_index``'s batch; returns the global mean loss (the same on every rank)."""
         lay, c, opt = self.layout, self.coords, self.state["optimizer"]
-        model = self.state["model"]
+        model = self._gather_model() if lay.zero == 3 else self.state["model"]
         params = {n: t.detach().requires_grad_() for n, t in model.items()}
         loss = self._forward_backward(params, step_index)
 
@@ -493,10 +507,15 @@ class Trainer:
         dist.all_reduce(flat_grad, group=self.groups["dp"])
         flat_grad /= lay.dp
         opt["step"] += 1
-        if lay.zero:
+        if lay.zero == 3:   # Adam on this rank's partition of the parameters, which the next step gathers
+            start, stop, _ = zero_partition(flat_grad.numel(), lay.dp, c.dp)
+            k = stop - start
+            adam_(self.state["model"][:k], flat_grad[start:stop], opt["exp_avg"][:k], opt["exp_avg_sq"][:k],
+                  opt["step"])
+        elif lay.zero:
             self._zero_update(flat_grad, opt["step"])
         else:
-            for n, g in _views(flat_grad, model).items():
+            for n, g in _views(flat_grad, _shapes(model)).items():
                 adam_(model[n], g, opt["exp_avg"][n], opt["exp_avg_sq"][n], opt["step"])
 
         rng, gen = self.state["rng"], torch.Generator()
@@ -523,8 +542,19 @@ class Trainer:
         adam_(mine[:n], flat_grad[start:stop], opt["exp_avg"][:n], opt["exp_avg_sq"][:n], step)
         parts = [torch.empty_like(mine) for _ in range(self.layout.dp)]
         dist.all_gather(parts, mine, group=self.groups["dp"])
-        for n, updated in _views(torch.cat(parts), model).items():
+        for n, updated in _views(torch.cat(parts), _shapes(model)).items():
             model[n].copy_(updated)
+
+    def _gather_model(self) -> Tensors:
+        """ZeRO-3: this rank's parameters, all-gathered from the flat partitions of its dp group."""
+        own = self.state["model"]
+        parts = [torch.empty_like(own) for _ in range(self.layout.dp)]
+        dist.all_gather(parts, own, group=self.groups["dp"])
+        return _views(torch.cat(parts), self.shapes)
+
+
+def _shapes(tensors: Tensors) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in tensors.items()}
 
 
 # ---- processes -----------------------------------------------------------------------------------------------

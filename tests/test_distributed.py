@@ -27,7 +27,7 @@ from megatron_ref import GPTConfig, _worker, assemble, launch
 CFG = GPTConfig()
 BEFORE, AFTER = 2, 2
 MATRIX = [ParallelLayout(2, 2, 2), ParallelLayout(1, 1, 4), ParallelLayout(4, 1, 1),
-          ParallelLayout(2, 1, 2, zero=1), ParallelLayout(1, 2, 2)]
+          ParallelLayout(2, 1, 2, zero=1), ParallelLayout(1, 2, 2), ParallelLayout(1, 2, 2, zero=3)]
 
 
 def _id(lay: ParallelLayout) -> str:
@@ -110,7 +110,10 @@ def _tensors(obj: object) -> list[torch.Tensor]:
 @pytest.mark.parametrize("source,target,use_into", [
     (ParallelLayout(2, 1, 2, zero=1), ParallelLayout(1, 2, 2), True),
     (ParallelLayout(2, 2, 2), ParallelLayout(4, 1, 1), False),
-], ids=["zero1-tp2dp2_to_pp2dp2_into", "tp2pp2dp2_to_tp4_built"])
+    (ParallelLayout(2, 1, 2, zero=1), ParallelLayout(2, 1, 2, zero=3), True),
+    (ParallelLayout(1, 2, 2, zero=3), ParallelLayout(2, 2, 1, zero=1), False),
+], ids=["zero1-tp2dp2_to_pp2dp2_into", "tp2pp2dp2_to_tp4_built", "zero1_to_zero3-tp2dp2_into",
+        "zero3-pp2dp2_to_zero1-tp2pp2_built"])
 def test_training_continues_after_a_reshard_like_the_unchanged_layout(saved: dict, source: ParallelLayout,
                                                                       target: ParallelLayout, use_into: bool) -> None:
     v = saved["versions"][_id(source)]

@@ -8,6 +8,7 @@ and (3) train the same model whatever the layout, up to float reduction order.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -17,11 +18,11 @@ from ckptrepo.layout import ParallelLayout, zero_partition
 from ckptrepo.rules import local_shape, megatron_gpt
 
 from helpers import assert_bit_exact
-from megatron_ref import (GPTConfig, assemble, assert_params_close, init_full_params, launch, run_training, shard_full,
-                          stage_params)
+from megatron_ref import (GPTConfig, assemble, assert_params_close, global_shapes, init_full_params, launch,
+                          local_shapes, run_training, shard_full, stage_params)
 
 CFG = GPTConfig()
-LAYOUTS = [(2, 2, 2, 0), (1, 1, 4, 0), (4, 1, 1, 0), (2, 1, 2, 1), (1, 2, 2, 0)]
+LAYOUTS = [(2, 2, 2, 0), (1, 1, 4, 0), (4, 1, 1, 0), (2, 1, 2, 1), (1, 2, 2, 0), (2, 2, 2, 3)]
 STEPS = range(3)
 
 
@@ -39,8 +40,10 @@ def test_shard_then_assemble_is_bit_exact(tp, pp, dp, zero):
     states = {r: shard_full(CFG, layout, r, full, optim) for r in range(layout.world_size)}
     for r, s in states.items():
         if zero:
-            total = sum(t.numel() for t in s["model"].values())
-            assert s["optimizer"]["exp_avg"].shape == (zero_partition(total, dp, layout.coords(r).dp)[2],)
+            total = sum(math.prod(shape) for shape in local_shapes(CFG, layout, r).values())
+            size = zero_partition(total, dp, layout.coords(r).dp)[2]
+            assert s["optimizer"]["exp_avg"].shape == (size,)
+            assert zero < 3 or s["model"].shape == (size,)
         else:
             assert list(s["optimizer"]["exp_avg"]) == list(s["model"])
     out = assemble(CFG, layout, states)
@@ -52,7 +55,7 @@ def test_shard_then_assemble_is_bit_exact(tp, pp, dp, zero):
 def test_names_and_shapes_follow_the_rules(tp, pp, dp, zero):
     rules = megatron_gpt(CFG.layers, CFG.vocab_size, CFG.make_vocab_size_divisible_by)
     full = init_full_params(CFG)
-    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, zero=zero)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)    # the model section per parameter, whatever the ZeRO stage
     for r in range(layout.world_size):
         c = layout.coords(r)
         model = shard_full(CFG, layout, r, full)["model"]
@@ -62,6 +65,18 @@ def test_names_and_shapes_follow_the_rules(tp, pp, dp, zero):
         for n, t in model.items():
             g = rules.to_global(n, pp, c.pp)
             assert tuple(t.shape) == local_shape(rules.spec(g), full[g].shape, tp, g)
+
+
+@pytest.mark.parametrize("tp,pp,dp,zero", LAYOUTS)
+def test_zero_partitions_cover_the_parameters_in_the_order_of_the_rules(tp, pp, dp, zero):
+    """ckptrepo's ZeRO-3 convention (``Rules.local_params``) is the one the reference trains with."""
+    rules = megatron_gpt(CFG.layers, CFG.vocab_size, CFG.make_vocab_size_divisible_by,
+                         param_shapes=global_shapes(CFG))
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, zero=zero)
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        ours = [(local, shape) for local, _, shape, _, _ in rules.local_params(tp, c.tp, pp, c.pp)]
+        assert ours == list(local_shapes(CFG, layout, r).items())
 
 
 def test_assemble_rejects_diverged_replicas_and_dirty_padding():
@@ -92,7 +107,8 @@ def _train(dims: tuple[int, int, int, int], steps: range, init: functools.partia
 
 @pytest.fixture(scope="module")
 def trained() -> dict[str, tuple[list[float], dict]]:
-    """3 steps from the same initial parameters: in one process, under tp, pp, dp and ZeRO-1 at once, and resharded.
+    """3 steps from the same initial parameters: in one process, under tp, pp, dp and ZeRO-1 at once, under ZeRO-3,
+    and resharded.
 
     "resharded" trains step 0 under (tp=1, pp=2, dp=2), reassembles the full
     state and continues with steps 1 and 2 under (tp=2, pp=1, dp=2, ZeRO-1),
@@ -103,7 +119,7 @@ def trained() -> dict[str, tuple[list[float], dict]]:
     rest, final = _train((2, 1, 2, 1), STEPS[1:],
                          functools.partial(shard_full, full_model=mid["model"], full_optim=mid["optimizer"]))
     return {"single": _train((1, 1, 1, 0), STEPS, init), "all axes": _train((2, 2, 2, 1), STEPS, init),
-            "resharded": (first + rest, final)}
+            "zero-3": _train((2, 1, 2, 3), STEPS, init), "resharded": (first + rest, final)}
 
 
 def test_training_reduces_the_loss(trained):
@@ -113,7 +129,7 @@ def test_training_reduces_the_loss(trained):
     assert not torch.equal(final["model"]["head.weight"], init_full_params(CFG)["head.weight"])
 
 
-@pytest.mark.parametrize("run", ["all axes", "resharded"])
+@pytest.mark.parametrize("run", ["all axes", "zero-3", "resharded"])
 def test_layouts_train_alike(trained, run):
     ref_losses, ref = trained["single"]
     losses, final = trained[run]
