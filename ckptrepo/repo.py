@@ -93,12 +93,17 @@ class HeaderWalk:
         if self.batch is not False and not repo._header_cached(vid):
             self.reads += 1
             if self.batch or self.reads > WALK_SINGLE_READS:
-                if self._order is None:
-                    self._order = repo._versions_newest_first()
-                    self._where = {v: i for i, v in enumerate(self._order)}
+                order = self.order()
                 i = self._where.get(vid)
-                repo._prefetch_headers(vid, self._order[i + 1:i + HEADER_BATCH] if i is not None else ())
+                repo._prefetch_headers(vid, order[i + 1:i + HEADER_BATCH] if i is not None else ())
         return repo.header(vid)
+
+    def order(self) -> list[str]:
+        """Every version id, newest first (listed once per walk): the order batches follow."""
+        if self._order is None:
+            self._order = self.repo._versions_newest_first()
+            self._where = {v: i for i, v in enumerate(self._order)}
+        return self._order
 
     def chain(self, vid: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
         """``vid`` and its first parents, newest first, each with its header."""

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable
 
 import click
 from rich.console import Console
@@ -54,12 +54,15 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
-def _progress(total: int) -> Progress | None:
-    """A byte progress bar, only when stderr is a terminal."""
-    if not err.is_terminal or total <= 0:
+def _progress(total: Callable[[], int]) -> tuple[int, Progress] | None:
+    """A byte progress bar and its total, only when stderr is a terminal (the total may cost reads)."""
+    if not err.is_terminal:
         return None
-    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    console=err, transient=True)
+    n = total()
+    if n <= 0:
+        return None
+    return n, Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                       TransferSpeedColumn(), console=err, transient=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -212,10 +215,11 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
     """Read every object and verify every checksum and reference; exit 1 if anything is broken."""
     from ckptrepo.fsck import fsck as run_fsck, total_bytes
     repo = _repo(ctx)
-    progress = _progress(total_bytes(repo))
-    if progress is not None:
+    bar = _progress(lambda: total_bytes(repo))
+    if bar is not None:
+        total, progress = bar
         with progress:
-            task = progress.add_task("fsck", total=total_bytes(repo))
+            task = progress.add_task("fsck", total=total)
             report = run_fsck(repo, on_bytes=lambda n: progress.advance(task, n))
     else:
         report = run_fsck(repo)
