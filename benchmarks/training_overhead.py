@@ -83,7 +83,6 @@ from tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 import ckptrepo  # noqa: E402
 
 MODES = ("none", "torch.save", "dcp.save", "dcp.async_save", "ckptrepo")
-EXPERIMENTS = ("ckptrepo.nice",)  # not run unless named in --modes; never a "peer" in the ratios
 MB = 1e6
 
 
@@ -296,42 +295,8 @@ class CkptRepo(Mode):
         self.call_s.clear()
 
 
-class CkptRepoNice(CkptRepo):
-    """Experiment: ckptrepo with its write path at low CPU priority (benchmark-side, no library change).
-
-    After each ``snapshot()`` call, the flush and commit threads, the direct writer's threads and
-    TensorStore's ``ts_pool_worker`` threads (encode, crc32c, write syscalls) get ``nice 19``, so on a saturated machine the training
-    threads win the CPU and the writes fill the gaps. The capture thread keeps normal priority: the
-    optimizer waits for it.
-    """
-
-    name = "ckptrepo.nice"
-
-    def __init__(self, *a: Any) -> None:
-        super().__init__(*a)
-        self.reniced: set[int] = set()
-
-    def checkpoint(self, i: int, loss: torch.Tensor) -> None:
-        super().checkpoint(i, loss)
-        targets = {t.native_id for t in threading.enumerate()
-                   if t.name in ("ckptrepo-flush", "ckptrepo-commit") or t.name.startswith("ckptrepo-write")}
-        for tid in os.listdir("/proc/self/task"):
-            t = int(tid)
-            if t in self.reniced:
-                continue
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    comm = f.read().strip()
-            except OSError:
-                continue
-            if t in targets or comm.startswith("ts_pool"):
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, t, 19)
-                    self.reniced.add(t)
-
-
 MODE_CLASSES = {"none": Mode, "torch.save": TorchSave, "dcp.save": DcpSave, "dcp.async_save": DcpAsyncSave,
-                "ckptrepo": CkptRepo, "ckptrepo.nice": CkptRepoNice}
+                "ckptrepo": CkptRepo}
 
 
 # ---------------------------------------------------------------- process group for DCP
@@ -480,7 +445,7 @@ def summarize(results: list[dict[str, Any]], everys: list[int]) -> dict[str, Any
     base_spread = max(r["wall_s"] for r in quiet_base) - min(r["wall_s"] for r in quiet_base)
     rows = []
     for every in everys:
-        for name in MODES[1:] + EXPERIMENTS:
+        for name in MODES[1:]:
             runs = [r for r in results if r["mode"] == name and r["every"] == every]
             if not runs:
                 continue
@@ -610,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turn-steps", type=int, default=10, help="with --rounds: training steps per turn")
     p.add_argument("--no-warmup-checkpoint", dest="warmup_checkpoint", action="store_false",
                    help="do not take (and drain) one untimed checkpoint during warm-up")
-    p.add_argument("--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:] + EXPERIMENTS,
-                   help="checkpoint modes to run (ckptrepo.nice: an experiment, ckptrepo's write threads at nice 19)")
+    p.add_argument("--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:],
+                   help="checkpoint modes to run")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every mode this many times (alternating the order); the fastest run of each counts")
     p.add_argument("--model-mb", type=float, default=400.0,
