@@ -94,3 +94,28 @@ def test_param_shapes_that_disagree_with_the_version_name_the_parameter(tmp_path
     wrong = _rules({**SHAPES, "layers.1.w": (8, 4)})
     with pytest.raises(StateMismatchError, match=r"model/layers.1.w: global shape \[8, 4\] here but \[6, 4\]"):
         repo.load("HEAD", parallel_layout=ParallelLayout(zero=3, rules=wrong), into={"model": torch.zeros(99)})
+
+
+def test_each_zero3_partition_reads_only_its_bytes(tmp_path) -> None:
+    """A partition cuts across tensors: per tensor it is one contiguous run, read within the issue's bound
+    (1.1x what the rank receives, plus the chunks at the run's ends and the shard index)."""
+    from ckptrepo.arrays import INNER_BYTES
+    from ckptrepo.reshard import ReadStats, kvstore_bytes_read
+    shapes = {"a": (1024, 1024), "b": (512, 1024), "c": (1000,)}    # 6 MiB of fp32
+    g = torch.Generator().manual_seed(5)
+    model = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    rules = Rules(param_shapes=shapes)
+    repo = ckptrepo.init(str(tmp_path / "repo"))
+    repo.snapshot({"model": _flat(model, 1, 0)}, step=1, parallel_layout=ParallelLayout(zero=3, rules=rules))
+    total = 0
+    for r in range(4):
+        stats = ReadStats()
+        before = kvstore_bytes_read()
+        got = repo.load("HEAD", parallel_layout=ParallelLayout(dp=4, zero=3), rank=r, read_stats=stats)
+        read = kvstore_bytes_read() - before
+        assert torch.equal(got["model"], _flat(model, 4, r))
+        start, stop, _ = zero_partition(sum(t.numel() for t in model.values()), 4, r)
+        assert stats.needed_bytes == (stop - start) * 4
+        assert read <= 1.1 * stats.needed_bytes + stats.runs * 2 * INNER_BYTES + (64 << 10), (r, read, stats)
+        total += stats.needed_bytes
+    assert total == sum(t.numel() for t in model.values()) * 4
