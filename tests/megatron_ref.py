@@ -515,7 +515,7 @@ class Trainer:
         elif lay.zero:
             self._zero_update(flat_grad, opt["step"])
         else:
-            for n, g in _views(flat_grad, _shapes(model)).items():
+            for n, g in _views(flat_grad, self.shapes).items():
                 adam_(model[n], g, opt["exp_avg"][n], opt["exp_avg_sq"][n], opt["step"])
 
         rng, gen = self.state["rng"], torch.Generator()
@@ -542,7 +542,7 @@ class Trainer:
         adam_(mine[:n], flat_grad[start:stop], opt["exp_avg"][:n], opt["exp_avg_sq"][:n], step)
         parts = [torch.empty_like(mine) for _ in range(self.layout.dp)]
         dist.all_gather(parts, mine, group=self.groups["dp"])
-        for n, updated in _views(torch.cat(parts), _shapes(model)).items():
+        for n, updated in _views(torch.cat(parts), self.shapes).items():
             model[n].copy_(updated)
 
     def _gather_model(self) -> Tensors:
@@ -551,10 +551,6 @@ class Trainer:
         parts = [torch.empty_like(own) for _ in range(self.layout.dp)]
         dist.all_gather(parts, own, group=self.groups["dp"])
         return _views(torch.cat(parts), self.shapes)
-
-
-def _shapes(tensors: Tensors) -> dict[str, tuple[int, ...]]:
-    return {n: tuple(t.shape) for n, t in tensors.items()}
 
 
 # ---- processes -----------------------------------------------------------------------------------------------
