@@ -54,7 +54,7 @@ class ArrayInfo:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(numpy_dtype(self.dtype)).itemsize
+        return itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -88,9 +88,14 @@ def numpy_dtype(dtype: str) -> np.dtype:
     return ts.dtype(dtype).numpy_dtype
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a zarr data type."""
+    return numpy_dtype(dtype).itemsize
+
+
 def choose_geometry(dtype: str, numel: int, shard_bytes: int = SHARD_BYTES, inner_bytes: int = INNER_BYTES) -> tuple[int, int]:
     """Shard and inner-chunk sizes in elements; a shard never exceeds what the array needs."""
-    item = np.dtype(numpy_dtype(dtype)).itemsize
+    item = itemsize(dtype)
     inner = max(1, inner_bytes // item)
     shard = max(inner, (shard_bytes // item) // inner * inner)
     needed = max(inner, -(-numel // inner) * inner)

@@ -14,10 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-import numpy as np
-
 from . import revisions
-from .arrays import ArrayInfo, numpy_dtype
+from .arrays import ArrayInfo, itemsize
 from .errors import (CkptRepoError, CorruptionError, NotARepositoryError, RepositoryExistsError, RevisionError,
                      SnapshotFailedError)
 from .manifest import (CONFIG_KEY, FAILURES_PREFIX, VERSIONS_PREFIX, Version, decode_config, encode_config,
@@ -499,13 +497,8 @@ class Repository:
         """The version's header, tensors (name, dtype, shape, bytes) and plain values."""
         vid = self.resolve(rev)
         m = self.manifest(vid)
-        arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
-        itemsizes = {a.dtype: a.itemsize for a in arrays.values()}
-        tensors = []
-        for t in m["tensors"]:
-            n = numel(t["shape"])
-            item = itemsizes.get(t["dtype"]) or np.dtype(numpy_dtype(t["dtype"])).itemsize
-            tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "bytes": n * item})
+        tensors = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
+                    "bytes": numel(t["shape"]) * itemsize(t["dtype"])} for t in m["tensors"]]
         layout = {k: v for k, v in m.get("layout", {}).items() if k not in ("ranks", "rules")}  # summary only
         return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), layout,
                               tensors, [(p, _short(v)) for p, v in plain_values(m["tree"], summarize_after=8)])

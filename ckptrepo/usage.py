@@ -14,9 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from .arrays import ArrayInfo, numpy_dtype
+from .arrays import ArrayInfo, itemsize
 from .errors import CorruptionError
 from .manifest import Version
 from .skeleton import numel
@@ -65,13 +63,13 @@ def disk_usage(repo: Any) -> DiskUsage:
         infos.update(m["arrays"])
         mine = pieces.setdefault(vid, [])
         for t in m["tensors"]:
-            itemsize = np.dtype(numpy_dtype(t["dtype"])).itemsize
+            item = itemsize(t["dtype"])
             for p in t["pieces"]:
                 n = numel(p["box"][1])
                 key = p["array"]
                 referrers.setdefault(key, set()).add(vid)
-                mine.append((key, n * itemsize))
-                extent[key] = max(extent.get(key, 0), (p["offset"] + n) * itemsize)
+                mine.append((key, n * item))
+                extent[key] = max(extent.get(key, 0), (p["offset"] + n) * item)
     rows = []
     for v in versions:
         unique = shared = 0

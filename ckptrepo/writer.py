@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .arrays import choose_geometry, numpy_dtype
+from .arrays import choose_geometry, itemsize, numpy_dtype
 from .localwrite import DIRECT_ALIGN
 from .lru import LruCache
 from .providers import TORCH_DTYPES, TensorRecord
@@ -55,7 +55,7 @@ class WritePlan:
     @property
     def nbytes(self) -> int:
         """The tensors' bytes (not the zeros that align some of them in their stream)."""
-        return sum(p.numel * np.dtype(numpy_dtype(p.dtype)).itemsize for p in self.placements)
+        return sum(p.numel * itemsize(p.dtype) for p in self.placements)
 
 
 def plan_signature(records: Sequence[TensorRecord]) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -82,7 +82,7 @@ def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None,
         off = totals.get(r.dtype, 0)
         residue = residues[i] if residues is not None else None
         if residue is not None:
-            item = np.dtype(numpy_dtype(r.dtype)).itemsize
+            item = itemsize(r.dtype)
             off += (residue // item - off) % (LIVE_ALIGN // item)
         placements.append(Placement(r.dtype, off, r.numel))
         totals[r.dtype] = off + r.numel
@@ -244,7 +244,7 @@ def fill_live(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.T
     chunks are written or copied away (``localwrite.LiveShard.release``).
     ``hashers`` see each tensor's bytes in order, read where they are.
     """
-    item = np.dtype(numpy_dtype(seg.dtype)).itemsize
+    item = itemsize(seg.dtype)
     cb = chunk_bytes
     n = -(-(seg.stop - seg.start) * item // cb)
     raw = buf.numpy()
