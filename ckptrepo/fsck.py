@@ -14,7 +14,7 @@ from .boxes import check_coverage, volume
 from .errors import CkptRepoError
 from .gc import pruned_ids, reachable_versions
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX
-from .repo import HeaderWalk, Repository
+from .repo import Repository
 
 
 @dataclass
@@ -36,20 +36,13 @@ class FsckReport:
                 "objects": self.objects, "bytes": self.bytes}
 
 
-def total_bytes(repo: Repository) -> int:
-    """Bytes fsck will read: for sizing a progress bar (headers read ``HEADER_BATCH`` per round trip)."""
-    total = 0
-    walk = HeaderWalk(repo, batch=True)
-    for vid in walk.order():
-        try:
-            total += walk(vid)["size"]
-        except CkptRepoError:
-            pass
-    return total
+def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
+         on_total: Callable[[int], None] | None = None) -> FsckReport:
+    """Check the whole repository; never raises for damage, reports it instead.
 
-
-def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None) -> FsckReport:
-    """Check the whole repository; never raises for damage, reports it instead."""
+    ``on_total`` is told the bytes of data the check will read, once the manifests are read and before the
+    data is (a progress bar's size); ``on_bytes`` each shard's bytes as it is read.
+    """
     report = FsckReport()
     manifests: dict[str, dict[str, Any]] = {}
     for vid, m in repo.iter_manifests(repo.all_version_ids()):
@@ -61,11 +54,14 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None) -> Fsc
 
     _check_refs(repo, manifests, report)
     pruned = pruned_ids(repo)
+    if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
+        on_total(sum(ArrayInfo.from_json(k, a).nbytes for vid, m in manifests.items() if vid not in pruned
+                     for k, a in m["arrays"].items()))
     for vid, m in manifests.items():
         for p in m["parents"]:
             if p not in manifests:
                 report.errors.append(f"version {vid[:12]}: parent {p[:12]} is missing ({VERSIONS_PREFIX}{p})")
-        if vid not in pruned:  # gc deleted a pruned version's data on purpose
+        if vid not in pruned:
             _check_version_data(repo, vid, m, report, on_bytes)
 
     reachable = reachable_versions(repo, {vid: m["parents"] for vid, m in manifests.items()})

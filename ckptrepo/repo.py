@@ -542,10 +542,11 @@ class Repository:
         return collect(self, keep_last, keep_every, keep_tagged, keep_branch_heads,
                        DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run)
 
-    def fsck(self, on_bytes: Callable[[int], None] | None = None) -> Any:
+    def fsck(self, on_bytes: Callable[[int], None] | None = None,
+             on_total: Callable[[int], None] | None = None) -> Any:
         """Read every object and verify every checksum and reference; returns a ckptrepo.fsck.FsckReport."""
         from .fsck import fsck
-        return fsck(self, on_bytes=on_bytes)
+        return fsck(self, on_bytes=on_bytes, on_total=on_total)
 
     def failures(self) -> list[dict[str, Any]]:
         """Records of background snapshots that failed (id, step, time, branch, message, error), newest first."""

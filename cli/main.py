@@ -5,7 +5,7 @@ import json
 import os
 import sys
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any
 
 import click
 from rich.console import Console
@@ -54,15 +54,12 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
-def _progress(total: Callable[[], int]) -> tuple[int, Progress] | None:
-    """A byte progress bar and its total, only when stderr is a terminal (the total may cost reads)."""
+def _progress() -> Progress | None:
+    """A byte progress bar, only when stderr is a terminal."""
     if not err.is_terminal:
         return None
-    n = total()
-    if n <= 0:
-        return None
-    return n, Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                       TransferSpeedColumn(), console=err, transient=True)
+    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=err, transient=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -213,14 +210,14 @@ tag = _ref_command("tag", "List tags, or create tag NAME at REV (default HEAD); 
 @click.pass_context
 def fsck(ctx: click.Context, as_json: bool) -> None:
     """Read every object and verify every checksum and reference; exit 1 if anything is broken."""
-    from ckptrepo.fsck import fsck as run_fsck, total_bytes
+    from ckptrepo.fsck import fsck as run_fsck
     repo = _repo(ctx)
-    bar = _progress(lambda: total_bytes(repo))
-    if bar is not None:
-        total, progress = bar
+    progress = _progress()
+    if progress is not None:
         with progress:
-            task = progress.add_task("fsck", total=total)
-            report = run_fsck(repo, on_bytes=lambda n: progress.advance(task, n))
+            task = progress.add_task("fsck", total=None)   # sized once fsck has read the manifests
+            report = run_fsck(repo, on_bytes=lambda n: progress.advance(task, n),
+                              on_total=lambda n: progress.update(task, total=n))
     else:
         report = run_fsck(repo)
     if as_json:
