@@ -9,6 +9,7 @@ named below can be rebuilt, so a repository can never make us run its code.
 from __future__ import annotations
 
 import collections
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -110,7 +111,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
                 warnings.simplefilter("ignore")
                 t = torch.from_numpy(np.ascontiguousarray(obj))
             return [NDARRAY, add_tensor(t, path)]
-        if isinstance(obj, np.random.Generator):
+        if _is_numpy_generator(obj):
             bitgen = type(obj.bit_generator).__name__
             return [NPGEN, bitgen, walk(obj.bit_generator.state, path)]
         if isinstance(obj, torch.dtype):
@@ -174,6 +175,18 @@ def unflatten(skeleton: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
         raise UnsupportedValueError(f"unknown skeleton node {tag!r}; the repository was written by a newer ckptrepo")
 
     return build(skeleton)
+
+
+def _is_numpy_generator(obj: Any) -> bool:
+    """Whether ``obj`` is a ``numpy.random.Generator``, without importing ``numpy.random`` to find out.
+
+    ``np.random`` is imported lazily, and importing it costs ~8 ms (it pulls in
+    ``secrets`` and ``hmac``): paid on the first save or load of every process
+    by this one check. No object can be a Generator while nothing has imported
+    the module.
+    """
+    random = sys.modules.get("numpy.random")
+    return random is not None and isinstance(obj, random.Generator)
 
 
 _NUMPY_BITGENS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
