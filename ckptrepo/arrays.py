@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .errors import CorruptionError
+from .errors import CorruptionError, first_line
 from .store import Store
 
 SHARD_BYTES = 64 << 20
@@ -173,6 +173,6 @@ class ArrayHandles:
             try:
                 h = self._handles[key] = open_array(self.store, info)
             except Exception as err:  # noqa: BLE001
-                raise CorruptionError(f"array {key} cannot be opened ({str(err).splitlines()[0]}); "
+                raise CorruptionError(f"array {key} cannot be opened ({first_line(err)}); "
                                       f"run `ckptrepo fsck`") from err
         return h

@@ -15,8 +15,9 @@ pipeline, each stage overlapping the others and the training loop:
 * flush: hands each filled buffer on as one whole shard write (to the direct
   writer's threads for a local store, localwrite.py; to TensorStore
   otherwise); the buffer returns to the pool when the write is durable.
-* commit: in snapshot order, once a version's data is durable, writes its
-  manifest and moves the branch by compare-and-swap.
+* commit: in snapshot order, once a version's data is durable, has it
+  committed (commit.py: the manifest, then the branch moved by
+  compare-and-swap; two phases under torch.distributed).
 
 The training loop waits only for *capture*, and only before it mutates the
 state: ``attach(optimizer)`` installs a pre-step hook that does so, or call
@@ -27,7 +28,8 @@ the error is raised by the next ``snapshot``/``wait``/``wait_captured``/``close`
 
 Dedup: a tensor whose bytes did not change since the last version this
 snapshotter committed is not written again; its piece points at the stored
-bytes (see ``_Stored`` and ``Snapshotter._decide``).
+bytes (dedup.py). What the threads share about one snapshot is its
+``SnapshotJob`` (snapshot_job.py).
 """
 from __future__ import annotations
 
@@ -35,11 +37,9 @@ import atexit
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,17 +48,18 @@ import xxhash
 from . import faults
 from .arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
 from .boxes import volume
-from .distributed import Staging, all_gather, merge_rank_manifests, process_group_rank, assign_writers
-from .errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, SnapshotFailedError, StorageError
+from .commit import Committer
+from .dedup import DedupIndex, dedup_key
+from .distributed import all_gather, process_group_rank, assign_writers
+from .errors import CkptRepoError, LayoutError, SnapshotFailedError, StorageError, first_line
 from .gc import RetentionPolicy, VersionFacts
 from .layout import ParallelLayout
 from .localwrite import DirectWriter, LiveShard
-from .manifest import (DATA_PREFIX, FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, new_version_id,
-                       plain_metrics, seal, version_from_manifest, version_id_time)
+from .manifest import DATA_PREFIX, Version, new_version_id, plain_metrics, version_id_time
 from .providers import TensorRecord, flatten
 from .sharding import Sharder, column_blocks
-from .writer import (LIVE_ALIGN, Segment, StagingPool, WritePlan, aligned_empty, fill_live, fill_segment,
-                     live_residues)
+from .snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
+from .writer import LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, fill_segment, live_residues
 
 log = logging.getLogger("ckptrepo")
 
@@ -84,144 +85,6 @@ def default_host_memory() -> int:
     except (OSError, StopIteration, ValueError):
         avail = 4 << 30
     return max(256 << 20, min(8 << 30, avail // 4))
-
-
-@dataclass
-class SnapshotStats:
-    """Timings of one snapshot, in seconds, and its size."""
-
-    blocking_s: float = 0.0   # the training loop was held: the snapshot() call plus pre-step waits
-    capture_s: float = 0.0    # snapshot() until the state was free to change (copied to staging, or written)
-    flush_s: float = 0.0      # first shard write until the data was durable
-    total_s: float = 0.0      # snapshot() until committed
-    bytes: int = 0
-    copied_bytes: int = 0     # bytes copied out of the state into staging (all of them, unless written in place)
-
-    @property
-    def gbps(self) -> float:
-        """Throughput from snapshot() to commit, in GB/s."""
-        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
-
-    def to_json(self) -> dict[str, float]:
-        return {"blocking_s": self.blocking_s, "capture_s": self.capture_s, "flush_s": self.flush_s,
-                "total_s": self.total_s, "bytes": self.bytes, "copied_bytes": self.copied_bytes, "gbps": self.gbps}
-
-
-class SnapshotHandle:
-    """The future of one asynchronous snapshot."""
-
-    def __init__(self, vid: str, step: int | None) -> None:
-        self.id = vid
-        self.step = step
-        self.stats = SnapshotStats()
-        self._captured = threading.Event()
-        self._done = threading.Event()
-        self._version: Version | None = None
-        self._error: BaseException | None = None
-
-    def captured(self) -> bool:
-        """Whether the state may be mutated again as far as this snapshot is concerned."""
-        return self._captured.is_set()
-
-    def wait_captured(self, timeout: float | None = None) -> bool:
-        return self._captured.wait(timeout)
-
-    def done(self) -> bool:
-        """Whether the snapshot is committed or has failed."""
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> Version:
-        """The committed Version; raises the snapshot's error if it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"snapshot {self.id[:12]} not finished after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._version is not None
-        return self._version
-
-    def __repr__(self) -> str:
-        state = "failed" if self._error else "committed" if self.done() else "captured" if self.captured() else "capturing"
-        return f"SnapshotHandle({self.id[:12]}, step={self.step}, {state})"
-
-
-DedupKey = tuple  # (dtype, shape, stride, data_ptr, autograd version) of a live CPU tensor
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """Dedup: one tensor of the last version this snapshotter committed, and where its bytes are stored.
-
-    ``digest`` is the xxh3-128 of exactly the bytes stored at ``array``/``offset``
-    (None when they were not hashed); ``info`` is the array's ArrayInfo JSON,
-    copied into the manifest of every version that reuses the piece.
-    """
-
-    key: DedupKey
-    digest: int | None
-    array: str
-    offset: int
-    info: dict[str, Any]
-
-
-@dataclass
-class _Job:
-    handle: SnapshotHandle
-    skeleton: Any
-    records: list[TensorRecord]
-    plan: WritePlan | None          # None until the capture thread has decided what to write (dedup)
-    message: str
-    metrics: dict[str, Any]
-    started: float
-    leaf_names: list[str] = field(default_factory=list)     # distributed: the stored name of each state tensor
-    names: list[list[Any]] = field(default_factory=list)    # sharded: [name, dtype, global shape] this rank holds
-    boxes: list[Any] = field(default_factory=list)          # sharded: the global box of each record (piece)
-    ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
-    # dedup (single process, CPU tensors): see Snapshotter._decide
-    keys: list[DedupKey | None] = field(default_factory=list)   # per record; None: never deduped nor hashed
-    match: dict[int, _Stored] = field(default_factory=dict)      # record -> last committed tensor with its key
-    reused: dict[int, _Stored] = field(default_factory=dict)     # record -> stored bytes it points at instead
-    written: list[int] = field(default_factory=list)            # records written, in plan order
-    watch: set[int] = field(default_factory=set)                # records to hash if written (maybe frozen)
-    hashers: dict[int, Any] = field(default_factory=dict)        # plan index -> xxh3-128 of its staged bytes
-    arrays: dict[str, ArrayInfo] = field(default_factory=dict)
-    handles: dict[str, Any] = field(default_factory=dict)
-    remaining: int = 0
-    # written from the tensors' memory (a CPU state, a local store with O_DIRECT): see Snapshotter._capture
-    live: bool = False
-    live_shards: list[LiveShard] = field(default_factory=list)
-    holds: int = 1                  # the capture thread's, plus one per live shard not yet released
-    staged: threading.Event = field(default_factory=threading.Event)   # the capture thread is done with the job
-    error: BaseException | None = None
-    first_write: float = 0.0
-    data_done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def vid(self) -> str:
-        return self.handle.id
-
-    def fail(self, err: BaseException) -> None:
-        with self.lock:
-            if self.error is None:
-                self.error = err
-
-    def drop_hold(self) -> None:
-        """One hold on the state's memory is gone; with the last, the state may be mutated again."""
-        with self.lock:
-            self.holds -= 1
-            last = self.holds == 0
-        if last:
-            self.handle.stats.capture_s = time.perf_counter() - self.started
-            self.handle._captured.set()
-
-    def segment_done(self, err: BaseException | None = None) -> None:
-        if err is not None:
-            self.fail(err)
-        with self.lock:
-            self.remaining -= 1
-            last = self.remaining == 0
-        if last:
-            self.data_done.set()
 
 
 class Snapshotter:
@@ -264,16 +127,11 @@ class Snapshotter:
         self.group = group
         self.commit_timeout_s = commit_timeout_s
         self.dedup = dedup and not self.sharded   # sharded snapshots always write everything
-        self._stored: dict[str, _Stored] = {}         # dedup: the last committed version's tensors, by name
-        head = repo.refs.head()
-        if head.branch is None:
-            raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
-                                    f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
+        self._dedup = DedupIndex() if self.dedup else None
         self.repo = repo
         self.record_failures = record_failures  # False when the caller waits and gets the error itself
-        self.branch = head.branch
-        self._tip, self._generation = repo.refs.branch_tip_with_generation(head.branch)
-        faults.point("after_read_head")
+        # reads HEAD: DetachedHeadError before anything starts
+        self._committer = Committer(repo, parallel_layout, self.rank, self.world_size, self.sharded, commit_timeout_s)
         self.host_memory = parse_size(host_memory) or default_host_memory()
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
@@ -289,7 +147,7 @@ class Snapshotter:
         self._capture_q: queue.Queue = queue.Queue()
         self._flush_q: queue.Queue = queue.Queue()
         self._commit_q: queue.Queue = queue.Queue()
-        self._inflight: list[_Job] = []
+        self._inflight: list[SnapshotJob] = []
         self._errors: list[SnapshotFailedError] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -309,27 +167,18 @@ class Snapshotter:
         if self._closed:
             raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
         skeleton, records = flatten(state)
-        keys = [_dedup_key(r) for r in records] if self.dedup else []   # of the live tensors, before buffer copies
+        keys = [dedup_key(r) for r in records] if self.dedup else []   # of the live tensors, before buffer copies
         _copy_module_buffers(state, records)
         vid, leaf_names, names, boxes = new_version_id(), [], [], []
         if self.sharded:
             vid, records, boxes, leaf_names, names = self._shard(records)
         handle = SnapshotHandle(vid, None if step is None else int(step))
-        job = _Job(handle, skeleton, records, None, message, plain_metrics(metrics or {}), started=t0,
+        job = SnapshotJob(handle, skeleton, records, None, message, plain_metrics(metrics or {}), started=t0,
                    leaf_names=leaf_names, names=names, boxes=boxes, keys=keys)
         # a CPU state to a local store with O_DIRECT is written from where it is (not for CUDA tensors: their
         # bytes must come to the host anyway, and whole-segment DMAs into pinned staging are the cheap way)
         job.live = self._direct is not None and self._direct.direct_io and not any(r.tensor.is_cuda for r in records)
-        stored = self._stored   # replaced (never mutated) by the commit thread
-        for i, key in enumerate(keys):
-            if key is None:
-                continue
-            prev = stored.get(records[i].name)
-            if prev is None or prev.key == key:   # new to this snapshotter, or looks unchanged: worth hashing
-                job.watch.add(i)
-                if prev is not None:
-                    job.match[i] = prev
-        if not any(m.digest is not None for m in job.match.values()):
+        if self._dedup is None or not self._dedup.match(job):
             self._plan(job, list(range(len(records))))   # nothing can be reused: plan here, as without dedup
         devices = {r.tensor.device for r in records if r.tensor.device.type == "cuda"}
         for dev in devices:
@@ -344,7 +193,7 @@ class Snapshotter:
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle
 
-    def _plan(self, job: _Job, written: list[int]) -> None:
+    def _plan(self, job: SnapshotJob, written: list[int]) -> None:
         """Plan the records to write (all but the reused ones) and account for their segments.
 
         Runs in ``snapshot()``, or in the capture thread once dedup has decided;
@@ -362,24 +211,6 @@ class Snapshotter:
         job.plan = plan
         if job.remaining == 0:
             job.data_done.set()
-
-    def _decide(self, job: _Job) -> None:
-        """Capture thread, before planning: which matched tensors reuse their stored bytes.
-
-        The key match in ``snapshot()`` (same name, dtype, shape, stride, storage
-        and autograd version as in the last committed version) only says which
-        tensors are worth hashing: writes through ``.data`` or a numpy view leave
-        the version counter alone. A stored piece is reused only when the
-        xxh3-128 of the current bytes equals the hash of the bytes stored there.
-        """
-        written = []
-        for i, r in enumerate(job.records):
-            prev = job.match.get(i)
-            if prev is not None and prev.digest is not None and _digest(r.tensor) == prev.digest:
-                job.reused[i] = prev
-            else:
-                written.append(i)
-        self._plan(job, written)
 
     def _shard(self, records: list[TensorRecord]) -> tuple[str, list[TensorRecord], list[Any], list[str],
                                                            list[list[Any]]]:
@@ -447,7 +278,7 @@ class Snapshotter:
                 log.error("ckptrepo: %s", err)
 
     # ---- internals ----------------------------------------------------------
-    def _pending_jobs(self) -> list[_Job]:
+    def _pending_jobs(self) -> list[SnapshotJob]:
         with self._lock:
             return list(self._inflight)
 
@@ -522,10 +353,10 @@ class Snapshotter:
                 job.staged.set()
                 job.drop_hold()   # captured now, or once its live shards are written or released
 
-    def _capture(self, job: _Job) -> None:
+    def _capture(self, job: SnapshotJob) -> None:
         if job.plan is None:
             try:
-                self._decide(job)
+                self._plan(job, DedupIndex.decide(job))
             except BaseException:
                 job.data_done.set()   # no segment was queued; the commit thread sees the job's error
                 raise
@@ -635,7 +466,7 @@ class Snapshotter:
             view.finish()
         self.pool.give(buf)
 
-    def _written(self, job: _Job, seg: Segment, buf: torch.Tensor, view: Any, fut: Any) -> None:
+    def _written(self, job: SnapshotJob, seg: Segment, buf: torch.Tensor, view: Any, fut: Any) -> None:
         err = None
         try:
             fut.result()
@@ -665,7 +496,7 @@ class Snapshotter:
                 version = self._commit(job)
             except BaseException as err:  # noqa: BLE001
                 if self.distributed:
-                    self._publish_failure(job, err)
+                    self._committer.publish_failure(job, err)
                 self._record_failure(job, err)
             else:
                 stats.total_s = time.perf_counter() - job.started
@@ -685,86 +516,13 @@ class Snapshotter:
                 finally:
                     self._retention_idle.set()
 
-    def _commit(self, job: _Job) -> Version:
-        if self.sharded:
-            return self._commit_sharded(job)
-        assert job.plan is not None
-        if job.reused:
-            self._check_reused(job)
-        manifest = build_manifest(job.vid, self._tip, job.handle.step, job.message, job.metrics, job.records,
-                                  job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused)
-        version = self._publish(job, manifest)
-        if self.dedup:
-            self._remember(job)
+    def _commit(self, job: SnapshotJob) -> Version:
+        if self._dedup is not None and job.reused:
+            self._dedup.check_reused(self.repo.store, job)
+        version = self._committer.commit(job)
+        if self._dedup is not None:
+            self._dedup.remember(job)
         return version
-
-    def _check_reused(self, job: _Job) -> None:
-        """The arrays a version reuses must still be there (gc deletes an array no kept version refers to)."""
-        for key, info in sorted({s.array: s.info for s in job.reused.values()}.items()):
-            array = ArrayInfo.from_json(key, info)
-            present = set(self.repo.store.list(key + "/"))
-            missing = [k for k in [f"{key}/zarr.json", *(array.shard_key(s) for s in array.shards())]
-                       if k not in present]
-            if missing:
-                self._stored = {}   # write everything again from the next snapshot on
-                raise StorageError(f"{missing[0]} was deleted (gc) while snapshot {job.vid[:12]} was in flight "
-                                   f"and this snapshot reuses its unchanged tensors; take the snapshot again "
-                                   f"(the next one writes every tensor), and run gc between snapshotter.wait() "
-                                   f"and the next snapshot")
-
-    def _remember(self, job: _Job) -> None:
-        """After a commit: this version's tensors become what the next snapshots compare with (dedup)."""
-        assert job.plan is not None
-        placement = {ri: pi for pi, ri in enumerate(job.written)}
-        stored: dict[str, _Stored] = {}
-        for i, (r, key) in enumerate(zip(job.records, job.keys)):
-            if key is None:
-                continue
-            if i in job.reused:
-                stored[r.name] = job.reused[i]
-                continue
-            pi = placement[i]
-            p, h = job.plan.placements[pi], job.hashers.get(pi)
-            info = job.arrays[p.dtype]
-            stored[r.name] = _Stored(key, None if h is None else h.intdigest(), info.key, p.offset, info.to_json())
-        self._stored = stored   # replaced whole: snapshot() reads it without a lock
-
-    def _commit_sharded(self, job: _Job) -> Version:
-        """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see distributed.py).
-
-        A single process (a layout named without torch.distributed) is the only
-        rank: its part is merged and checked the same way, without the handshake
-        objects in the store.
-        """
-        part = {
-            "rank": self.rank, "tree": job.skeleton, "leaf_names": job.leaf_names, "names": job.names,
-            "coords": vars(self.layout.coords(self.rank)) if self.layout is not None else None,
-            "tensors": [{"name": r.name, "pieces": [{"box": box, "array": job.arrays[p.dtype].key, "offset": p.offset}]}
-                        for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel],
-            "arrays": {a.key: a.to_json() for a in job.arrays.values()}}
-        if not self.distributed:
-            return self._publish_merged(job, [part])
-        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
-        staging.publish_rank(self.rank, part)
-        if self.rank != 0:
-            staging.wait_outcome()
-            return version_from_manifest(self.repo.manifest(job.vid), (self.branch,))
-        try:
-            version = self._publish_merged(job, staging.gather_ranks())
-        except BaseException as err:
-            staging.publish_outcome(_first_line(err))
-            raise
-        staging.publish_outcome(None)
-        return version
-
-    def _publish_merged(self, job: _Job, ranks: list[dict[str, Any]]) -> Version:
-        """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
-        manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
-        manifest.update({"format_version": FORMAT_VERSION, "id": job.vid,
-                         "parents": [self._tip] if self._tip else [], "step": job.handle.step,
-                         "time": time.time(), "message": job.message, "metrics": job.metrics,
-                         "host": socket.gethostname()})
-        return self._publish(job, manifest)
 
     def _apply_retention(self) -> None:
         """Background gc after a commit; a failure is logged and raised by the next call, like a failed snapshot."""
@@ -774,45 +532,16 @@ class Snapshotter:
         try:
             self.retention.apply(self.repo, protect_since=since, known=self._gc_facts)
         except Exception as err:  # noqa: BLE001 - never kills the commit thread
-            failure = SnapshotFailedError(f"background retention (gc) failed: {_first_line(err)}; "
+            failure = SnapshotFailedError(f"background retention (gc) failed: {first_line(err)}; "
                                           f"run `ckptrepo gc` by hand")
             failure.__cause__ = err
             log.error("ckptrepo: %s", failure)
             with self._lock:
                 self._errors.append(failure)
 
-    def _publish_failure(self, job: _Job, err: BaseException) -> None:
-        """Let the other ranks know at once (rank 0 aborts the version; the others stop waiting)."""
-        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
-        try:
-            if self.rank == 0:
-                staging.publish_outcome(_first_line(err))
-            else:
-                staging.publish_rank(self.rank, {"rank": self.rank, "error": _first_line(err)})
-        except CkptRepoError as publish_err:
-            log.error("ckptrepo: could not publish the failure of %s: %s", job.vid[:12], publish_err)
-
-    def _publish(self, job: _Job, manifest: dict[str, Any]) -> Version:
-        """Write the manifest, then move the branch: the version exists once the ref moved."""
-        job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
-        manifest["stats"] = job.handle.stats.to_json()
-        self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, seal(manifest))
-        faults.point("after_manifest")
-        gen = self.repo.refs.move_branch(self.branch, job.vid, self._generation)
-        if gen is None:
-            now = self.repo.refs.branch_tip(self.branch)
-            base = f"version {self._tip[:12]}" if self._tip else "an empty branch"
-            raise ConflictError(f"branch {self.branch!r} moved to {str(now)[:12]} while this snapshot was written "
-                                f"on top of {base}; version {job.vid[:12]} was not committed: load the branch tip "
-                                f"and take the snapshot again")
-        self._tip, self._generation = job.vid, gen
-        faults.point("after_ref")
-        self.repo.remember_manifest(manifest)
-        return version_from_manifest(manifest, (self.branch,))
-
-    def _record_failure(self, job: _Job, err: BaseException) -> None:
+    def _record_failure(self, job: SnapshotJob, err: BaseException) -> None:
         step = "" if job.handle.step is None else f" at step {job.handle.step}"
-        cause = _first_line(err)
+        cause = first_line(err)
         failure = SnapshotFailedError(f"snapshot {job.vid[:12]}{step} was not committed: {cause}")
         failure.__cause__ = err
         job.handle._error = failure
@@ -821,83 +550,13 @@ class Snapshotter:
         with self._lock:
             self._errors.append(failure)
         log.error("ckptrepo: %s", failure)
-        if self.rank != 0:  # rank 0 records the failure of a distributed version
-            return
-        try:
-            self.repo.store.put(FAILURES_PREFIX + job.vid, seal({
-                "id": job.vid, "step": job.handle.step, "time": time.time(), "branch": self.branch,
-                "message": job.message, "error": cause}))
-        except CkptRepoError as record_err:  # storage may be what failed; the log line above remains
-            log.error("ckptrepo: could not record the failure of %s: %s", job.vid[:12], record_err)
+        self._committer.record_failure(job, cause)   # rank 0 records the failure of a distributed version
 
 
-def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
-                   records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
-                   skeleton: Any, written: list[int] | None = None,
-                   reused: dict[int, _Stored] | None = None) -> dict[str, Any]:
-    """The version manifest for a single-process snapshot (see docs/format.md).
-
-    ``plan`` covers the ``written`` records (default: all); a ``reused`` record's
-    piece points at bytes an earlier version stored, and that array is listed
-    in ``arrays`` too. ``size`` counts only the bytes this version wrote.
-    """
-    reused = reused or {}
-    placement = dict(zip(range(len(records)) if written is None else written, plan.placements))
-    listed = {a.key: a.to_json() for a in arrays.values()}
-    for s in reused.values():
-        listed.setdefault(s.array, s.info)
-
-    def pieces(i: int, r: TensorRecord) -> list[dict[str, Any]]:
-        box = [[0] * len(r.shape), list(r.shape)]
-        if i in reused:
-            return [{"box": box, "array": reused[i].array, "offset": reused[i].offset}]
-        p = placement[i]
-        return [{"box": box, "array": arrays[p.dtype].key, "offset": p.offset}] if p.numel else []
-
-    return {
-        "format_version": FORMAT_VERSION,
-        "id": vid,
-        "parents": [parent] if parent else [],
-        "step": step,
-        "time": time.time(),
-        "message": message,
-        "metrics": metrics,
-        "host": socket.gethostname(),
-        "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
-        "size": plan.nbytes,
-        "arrays": listed,
-        "tensors": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "pieces": pieces(i, r)}
-                    for i, r in enumerate(records)],
-        "tree": skeleton,
-    }
-
-
-def _dedup_key(r: TensorRecord) -> DedupKey | None:
-    """What must be unchanged for a tensor to be worth hashing; None: never dedup it (CUDA, empty)."""
-    t = r.tensor
-    if t.device.type != "cpu" or not r.numel:
-        return None
-    try:
-        version = t._version
-    except RuntimeError:   # inference tensors have no version counter: the hash alone decides
-        version = -1
-    return (r.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), version)
-
-
-def _digest(t: torch.Tensor) -> int:
-    """xxh3-128 of a CPU tensor's bytes in row-major order (no copy when contiguous)."""
-    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
-    return xxhash.xxh3_128_intdigest(flat.view(torch.uint8).numpy())
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
-
-
-def _storage_error(job: _Job, seg: Segment, err: BaseException) -> BaseException:
+def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException) -> BaseException:
     if isinstance(err, CkptRepoError):
         return err
-    reason = _first_line(err)
+    reason = first_line(err)
     return StorageError(f"writing {job.arrays[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: {reason}")
 
 
@@ -936,7 +595,7 @@ def _stderr_is_terminal() -> bool:
         return False
 
 
-def _wait_with_progress(jobs: list[_Job]) -> None:
+def _wait_with_progress(jobs: list[SnapshotJob]) -> None:
     from rich.progress import BarColumn, Progress, TextColumn
     with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   transient=True) as progress:
@@ -946,4 +605,4 @@ def _wait_with_progress(jobs: list[_Job]) -> None:
             progress.advance(task)
 
 
-__all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats", "build_manifest", "parse_size"]
+__all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats", "parse_size"]   # the handle and stats: re-exported API

@@ -73,3 +73,10 @@ class MissingDependencyError(CkptRepoError):
 
 class LayoutError(CkptRepoError):
     """A parallel layout or sharding rule does not fit the state (wrong degrees, indivisible sizes)."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none: what a one-line error
+    quotes of a cause (a TensorStore or OS error can run over several lines, and some have no message)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

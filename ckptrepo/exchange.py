@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .errors import ExchangeError, TrustRequiredError
+from .errors import ExchangeError, TrustRequiredError, first_line
 from .manifest import Version
 from .providers import flatten, unflatten
 
@@ -115,11 +115,11 @@ def _load_torch(path: Path, trust: bool) -> Any:
                 f"{path} can only be loaded with full pickle (it names {named}), which can run arbitrary code; "
                 f"import it with --trust (trust=True) only if you trust where it came from") from None
         # torch's restricted-unpickler message is a wall of advice about trusting the file; it is not the problem here
-        detail = f": {_first_line(err)}" if trust else ""
+        detail = f": {first_line(err)}" if trust else ""
         raise ExchangeError(f"cannot read {path} as a torch.save file (it is not one, or it is damaged){detail}") \
             from None
     except Exception as err:  # noqa: BLE001 - torch raises many types for a file that is not a checkpoint
-        raise ExchangeError(f"cannot read {path} as a torch.save file: {type(err).__name__}: {_first_line(err)}") \
+        raise ExchangeError(f"cannot read {path} as a torch.save file: {type(err).__name__}: {first_line(err)}") \
             from None
 
 
@@ -130,11 +130,6 @@ def _unsafe_globals(path: Path, err: pickle.UnpicklingError) -> list[str]:
         return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:  # noqa: BLE001 - not a zip-format checkpoint
         return re.findall(r"GLOBAL ([\w.]+)", str(err))
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 # ---- DCP ---------------------------------------------------------------------------------------------------------
@@ -168,7 +163,7 @@ def _load_dcp(path: Path, trust: bool) -> dict[str, Any]:
             _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
                              no_dist=True)
     except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures in its own exception types
-        raise ExchangeError(f"cannot read DCP checkpoint {path}: {type(err).__name__}: {_first_line(err)}") from None
+        raise ExchangeError(f"cannot read DCP checkpoint {path}: {type(err).__name__}: {first_line(err)}") from None
     return state
 
 
@@ -199,7 +194,7 @@ def _load_safetensors(path: Path) -> Any:
     try:
         tensors = load_file(str(path / SAFETENSORS_FILE), device="cpu")
     except (SafetensorError, OSError) as err:
-        raise ExchangeError(f"cannot read {path / SAFETENSORS_FILE}: {_first_line(err)}") from None
+        raise ExchangeError(f"cannot read {path / SAFETENSORS_FILE}: {first_line(err)}") from None
     objects_path = path / OBJECTS_FILE
     if not objects_path.is_file():
         return tensors
@@ -220,7 +215,7 @@ def _load_safetensors(path: Path) -> Any:
 
         return unflatten(_from_json(doc["tree"]), get_tensor)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
-        raise ExchangeError(f"{objects_path} is not a valid ckptrepo objects file: {_first_line(err)}") from None
+        raise ExchangeError(f"{objects_path} is not a valid ckptrepo objects file: {first_line(err)}") from None
 
 
 def _to_json(node: Any) -> Any:

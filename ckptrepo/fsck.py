@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from .arrays import ArrayInfo, open_array
 from .boxes import check_coverage, volume
-from .errors import CkptRepoError
+from .errors import CkptRepoError, first_line
 from .gc import pruned_ids, reachable_versions
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX
 from .repo import Repository
@@ -106,7 +106,7 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
         try:
             arr = open_array(repo.store, info)
         except Exception as err:  # noqa: BLE001
-            report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {str(err).splitlines()[0]}")
+            report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {first_line(err)}")
             continue
         for s in info.shards():
             lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
@@ -117,7 +117,7 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
                          if p["array"] == key and p["offset"] < hi
                          and p["offset"] + volume(p["box"][1]) > lo]
                 report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
-                                     f"({str(err).splitlines()[0]}); tensors: {', '.join(names[:5])}"
+                                     f"({first_line(err)}); tensors: {', '.join(names[:5])}"
                                      + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
             report.objects += 1
             nbytes = (hi - lo) * info.itemsize

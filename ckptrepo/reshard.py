@@ -37,7 +37,7 @@ import torch
 from . import reader
 from .arrays import ArrayHandles, ArrayInfo
 from .boxes import Box, intersect, row_major_strides, runs, slices, volume
-from .errors import CorruptionError, StorageError
+from .errors import CorruptionError, StorageError, first_line
 from . import localread
 from .localread import DirectReader
 from .providers import TORCH_DTYPES
@@ -446,7 +446,7 @@ def _span_error(info: ArrayInfo, sp: _Span, err: Exception) -> Exception:
     names = sorted({job[0].name for job in sp.jobs})
     first, last = sp.start // info.shard_elems, (sp.stop - 1) // info.shard_elems
     objects = ", ".join(info.shard_key(s) for s in range(first, last + 1))
-    reason = str(err).splitlines()[0]
+    reason = first_line(err)
     if "missing" in reason.lower() or "not found" in reason.lower() or "checksum" in reason.lower() \
             or "crc" in reason.lower() or "corrupt" in reason.lower() or "invalid" in reason.lower():
         return CorruptionError(f"object {objects} is damaged ({reason}); affected tensors: {', '.join(names[:5])}; "

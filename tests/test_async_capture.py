@@ -277,7 +277,7 @@ def test_snapshots_leave_no_cyclic_garbage(repo):
     """A snapshot's records, tensor objects and job are freed by reference counting once it commits, not left
     to the cyclic collector: with a big model loaded a full collection costs ~0.2 s of the training loop."""
     import gc
-    from ckptrepo.capture import _Job
+    from ckptrepo.snapshot_job import SnapshotJob
     from ckptrepo.localwrite import LiveShard
     from ckptrepo.providers import TensorRecord
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
@@ -294,7 +294,7 @@ def test_snapshots_leave_no_cyclic_garbage(repo):
                 opt.step()
             snap.wait()
         gc.collect()
-        ours = [o for o in gc.garbage if isinstance(o, (TensorRecord, _Job, LiveShard))]
+        ours = [o for o in gc.garbage if isinstance(o, (TensorRecord, SnapshotJob, LiveShard))]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
