@@ -220,6 +220,23 @@ def test_a_failing_capture_fails_only_its_snapshot(repo):
     assert_bit_exact(state, repo.load("@2"))
 
 
+def test_a_failure_without_a_message_is_named_by_its_type(repo):
+    """The one-line error quotes the first line of the cause, or its type when the cause has no message."""
+    def fail(_):
+        raise MemoryError()
+
+    repo.snapshot({"t": torch.ones(4)}, step=0)
+    faults.set_hook("before_shard_write", fail)
+    with repo.snapshotter(dedup=False) as snap:
+        h = snap.snapshot({"t": torch.ones(4)}, step=1)
+        with pytest.raises(SnapshotFailedError, match=r"step 1 was not committed: .*MemoryError$"):
+            h.result(timeout=60)
+        faults.set_hook("before_shard_write", None)
+        with pytest.raises(SnapshotFailedError, match="MemoryError"):
+            snap.wait()
+    assert "MemoryError" in repo.failures()[0]["error"]
+
+
 def test_exit_with_snapshots_in_flight_finishes_them(tmp_path):
     url = str(tmp_path / "r")
     code = textwrap.dedent(f"""

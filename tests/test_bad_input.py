@@ -66,3 +66,12 @@ def test_loading_never_unpickles(repo, tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "loads", lambda *a, **k: (_ for _ in ()).throw(AssertionError("pickle used")))
     monkeypatch.setattr(pickle, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("pickle used")))
     assert repo.load("HEAD") == {"blob": payload}
+
+
+def test_a_cause_is_quoted_by_its_first_line_or_its_type():
+    """Errors that quote a cause (a TensorStore or OS error) stay one line, and a cause without a message
+    (which ``str(err).splitlines()[0]`` turned into an IndexError) is named by its type."""
+    from ckptrepo.errors import first_line
+    assert first_line(ValueError("bad chunk\n  at offset 4096")) == "bad chunk"
+    assert first_line(OSError()) == "OSError"
+    assert first_line(RuntimeError("  \n")) == "RuntimeError"
