@@ -5,7 +5,7 @@ import json
 import os
 import sys
 from datetime import datetime
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import click
 from rich.console import Console
@@ -19,6 +19,38 @@ from ckptrepo.graph import GraphRow, graph as graph_rows
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+NAME_WIDTH = 40   # a folded name column keeps at least this many characters per line
+
+
+def _print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str]], fold: int = 1) -> None:
+    """Print a table without cutting any cell short, which rich does by default ("model/…", "0.03…").
+
+    The first ``fold`` columns (names, values) fold onto more lines in a narrow terminal, keeping at least
+    ``NAME_WIDTH`` characters; the other columns (numbers, sizes) never wrap. Output that is not a terminal
+    (a pipe, a file) is as wide as its content instead of rich's 80 characters.
+    """
+    rows = [list(r) for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    table = Table(title=title, title_justify="left")
+    for i, h in enumerate(headers):
+        if i < fold:
+            widths[i] = min(NAME_WIDTH, widths[i])
+            table.add_column(h, overflow="fold", min_width=widths[i])
+        else:
+            table.add_column(h, no_wrap=True)
+    for r in rows:
+        table.add_row(*r)
+    # rich lays a table out within the console's width, crushing columns to fit: give it the room it needs
+    # (wider than a narrow terminal, whose lines then wrap, rather than cells cut short)
+    need = sum(widths) + 3 * len(widths) + 1   # each cell padded by a space on both sides, plus the borders
+    width = out.width
+    out.width = max(width, need) if out.is_terminal else 1 << 16
+    try:
+        out.print(table)
+    finally:
+        out.width = width
 
 
 def _repo(ctx: click.Context) -> ckptrepo.Repository:
@@ -148,15 +180,10 @@ def show(ctx: click.Context, rev: str, as_json: bool) -> None:
         click.echo(f"metrics {_metrics(v.metrics)}")
     if v.message:
         click.echo(f"\n    {v.message}\n")
-    table = Table("tensor", "dtype", "shape", "bytes", title=f"{len(d.tensors)} tensors", title_justify="left")
-    for t in d.tensors:
-        table.add_row(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", _size(t["bytes"]))
-    out.print(table)
+    _print_table(f"{len(d.tensors)} tensors", ("tensor", "dtype", "shape", "bytes"),
+                 ((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", _size(t["bytes"])) for t in d.tensors))
     if d.objects:
-        objs = Table("object", "value", title=f"{len(d.objects)} objects", title_justify="left")
-        for p, val in d.objects:
-            objs.add_row(p, val)
-        out.print(objs)
+        _print_table(f"{len(d.objects)} objects", ("object", "value"), d.objects, fold=2)
 
 
 @cli.command()
@@ -298,17 +325,14 @@ def diff(ctx: click.Context, a: str, b: str, summary: bool, depth: int, sort_by:
            "relative": lambda r: -(r["relative"] if r["relative"] == r["relative"] else -1),
            "l2": lambda r: -(r["l2"] if r["l2"] == r["l2"] else -1)}[sort_by]
     if summary:
-        table = Table("prefix", "tensors", "changed", "||B-A||", "rel. change", title=f"{a} -> {b}", title_justify="left")
-        for g in sorted(d.by_prefix(depth), key=key):
-            table.add_row(g["prefix"], str(g["tensors"]), str(g["changed"]), _num(g["l2"]), _num(g["relative"]))
+        _print_table(f"{a} -> {b}", ("prefix", "tensors", "changed", "||B-A||", "rel. change"),
+                     ((g["prefix"], str(g["tensors"]), str(g["changed"]), _num(g["l2"]), _num(g["relative"]))
+                      for g in sorted(d.by_prefix(depth), key=key)))
     else:
-        table = Table("tensor", "status", "||B-A||", "rel. change", "max |B-A|", "cosine", title=f"{a} -> {b}",
-                      title_justify="left")
         rows = [t.to_json() for t in d.tensors if not (only_changed and t.status == "unchanged")]
-        for t in sorted(rows, key=key):
-            table.add_row(t["name"], t["status"], _num(t["l2"]), _num(t["relative"]), _num(t["max_abs"]),
-                          _num(t["cosine"]))
-    out.print(table)
+        _print_table(f"{a} -> {b}", ("tensor", "status", "||B-A||", "rel. change", "max |B-A|", "cosine"),
+                     ((t["name"], t["status"], _num(t["l2"]), _num(t["relative"]), _num(t["max_abs"]),
+                       _num(t["cosine"])) for t in sorted(rows, key=key)))
     for o in d.objects:
         click.echo(f"object {o.path}: {o.status} {o.a or ''} -> {o.b or ''}".rstrip())
 
@@ -324,11 +348,9 @@ def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> N
     if as_json:
         _emit_json([r.to_json() for r in rows])
         return
-    table = Table("tensor", "dtype", "norm", "mean", "std", "min", "max", "NaN", "Inf", title=rev, title_justify="left")
-    for r in rows:
-        table.add_row(r.name, r.dtype, _num(r.norm), _num(r.mean), _num(r.std), _num(r.min), _num(r.max),
-                      str(r.nan), str(r.inf))
-    out.print(table)
+    _print_table(rev, ("tensor", "dtype", "norm", "mean", "std", "min", "max", "NaN", "Inf"),
+                 ((r.name, r.dtype, _num(r.norm), _num(r.mean), _num(r.std), _num(r.min), _num(r.max), str(r.nan),
+                   str(r.inf)) for r in rows))
 
 
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -375,11 +397,9 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
     by_name: dict[str, list] = {}
     for p in points:
         by_name.setdefault(p.name, []).append(p)
-    table = Table("tensor", "first", "last", "min", "max", "trend", title=f"{metric} of {pattern}", title_justify="left")
-    for name, ps in by_name.items():
-        vals = [p.value for p in ps]
-        table.add_row(name, _num(vals[0]), _num(vals[-1]), _num(min(vals)), _num(max(vals)), _sparkline(vals))
-    out.print(table)
+    series = {name: [p.value for p in ps] for name, ps in by_name.items()}
+    _print_table(f"{metric} of {pattern}", ("tensor", "first", "last", "min", "max", "trend"),
+                 ((name, _num(v[0]), _num(v[-1]), _num(min(v)), _num(max(v)), _sparkline(v)) for name, v in series.items()))
 
 
 @cli.command()
@@ -398,10 +418,9 @@ def metrics(ctx: click.Context, rev: str, png_path: str | None, as_json: bool) -
     if as_json:
         _emit_json(rows)
         return
-    table = Table("metric", "first", "last", "min", "max", "trend", title=f"metrics of {rev}", title_justify="left")
-    for name, (_, vals) in plot.metric_series(rows).items():
-        table.add_row(name, _num(vals[0]), _num(vals[-1]), _num(min(vals)), _num(max(vals)), _sparkline(vals))
-    out.print(table)
+    _print_table(f"metrics of {rev}", ("metric", "first", "last", "min", "max", "trend"),
+                 ((name, _num(v[0]), _num(v[-1]), _num(min(v)), _num(max(v)), _sparkline(v))
+                  for name, (_, v) in plot.metric_series(rows).items()))
 
 
 @cli.command()

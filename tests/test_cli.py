@@ -149,6 +149,24 @@ def test_diff_stats_trajectory_commands(populated, tmp_path):
     assert csv_path.read_text().splitlines()[0] == "version,step,name,delta" and len(csv_path.read_text().splitlines()) == 5
 
 
+def test_tables_never_cut_cells_short(tmp_path):
+    """Piped output (not a terminal) holds every tensor name and number whole: rich cut them to fit 80 columns
+    ("optimizer/…", "-0.00050…"), which made `ckptrepo stats > file` useless."""
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    names = [f"optimizer/state/decoder.layers.{i}.self_attention.linear_qkv.weight/exp_avg_sq" for i in range(3)]
+    g = torch.Generator().manual_seed(0)
+    repo.snapshot({"optimizer": {"state": {n.split("/")[2]: {"exp_avg_sq": torch.randn(8, generator=g) * 1e-5}
+                                            for n in names}}}, step=0)
+    repo.snapshot({"optimizer": {"state": {n.split("/")[2]: {"exp_avg_sq": torch.randn(8, generator=g) * 1e-5}
+                                            for n in names}}}, step=1)
+    for args in (["stats"], ["show"], ["diff", "@0", "@1"]):
+        p = run(*args, repo=url)
+        assert p.returncode == 0, p.stderr
+        assert all(n in p.stdout for n in names), (args, p.stdout)
+        assert "…" not in p.stdout, (args, p.stdout)
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
