@@ -1,0 +1,99 @@
+"""Worker bodies for tests/test_fsdp2.py: an MLP sharded with FSDP2 (``fully_shard``) on a CPU mesh (gloo).
+
+Each Linear and the root are wrapped with ``fully_shard``: every parameter and
+Adam moment is a DTensor with ``Shard(0)`` placements over the mesh, split
+unevenly where the rows do not divide (33 rows: 17+16 over 2 ranks, 11+11+11
+over 3; 5 rows: 3+2, 2+2+1). The state is ``get_state_dict(model, opt)``, as
+in DCP's FSDP2 examples. Results go to files in ``out_dir``: ``full-<tag>.pt``
+(rank 0: full tensors gathered with ``full_tensor()``), ``loss-<tag>.json``
+(the losses of the steps trained after the save or the load).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from _dtensor_workers import _guarded, _init, full
+
+D_IN, D_HID, D_OUT = 16, 33, 5
+CONTINUE_STEPS = 3
+
+
+def build(mesh: Any, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The FSDP2-sharded model and its Adam optimizer after one step on the seed's data."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(seed)   # every rank builds the same global values
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_OUT))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _step(model, opt, torch.randn(8, D_IN))
+    return model, opt
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def train_on(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+    """The losses of CONTINUE_STEPS steps on fixed data (the same on every rank and in every run)."""
+    g = torch.Generator().manual_seed(123)
+    return [_step(model, opt, torch.randn(8, D_IN, generator=g)) for _ in range(CONTINUE_STEPS)]
+
+
+def _write(out_dir: str, name: str, obj: Any) -> None:
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(obj, f)
+
+
+def save_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> None:
+    """Snapshot the FSDP2 state on ``world`` ranks, then keep training: the losses a resumed run must follow."""
+    def body() -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        import ckptrepo
+        mesh = _init(rank, world, port)
+        model, opt = build(mesh, seed=0)
+        msd, osd = get_state_dict(model, opt)
+        ckptrepo.open(url).snapshot({"model": msd, "optim": osd}, step=1)
+        ref = full({"model": msd, "optim": osd})
+        losses = train_on(model, opt)
+        if rank == 0:
+            torch.save(ref, os.path.join(out_dir, "full-save.pt"))
+            _write(out_dir, "loss-save.json", losses)
+    _guarded("save", rank, out_dir, body)
+
+
+def load_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> None:
+    """Load HEAD into another FSDP2 model's state on ``world`` ranks (built from another seed), hand it to the
+    model and optimizer with ``set_state_dict``, then train the same steps."""
+    def body() -> None:
+        import warnings
+
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        import ckptrepo
+        mesh = _init(rank, world, port)
+        model, opt = build(mesh, seed=1)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # Adam's per-rank `step` comes from another saved rank: expected
+            ckptrepo.open(url).load("HEAD", into=state)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        msd, osd = get_state_dict(model, opt)
+        loaded = full({"model": msd, "optim": osd})
+        losses = train_on(model, opt)
+        if rank == 0:
+            torch.save(loaded, os.path.join(out_dir, "full-load.pt"))
+            _write(out_dir, "loss-load.json", losses)
+    _guarded("load", rank, out_dir, body)
