@@ -339,6 +339,9 @@ class Snapshotter:
             log.error("ckptrepo: %s", err)
 
     # capture thread
+    # Each loop lets go of its last item before it waits for the next (``del``): a job kept by a waiting thread
+    # lived on until the next snapshot, long enough for the cyclic GC to promote its thousands of objects
+    # (records, skeleton lists, tensor objects) to its oldest generation, which brings on full collections.
     def _capture_loop(self) -> None:
         while True:
             job = self._capture_q.get()
@@ -352,6 +355,7 @@ class Snapshotter:
             finally:
                 job.staged.set()
                 job.drop_hold()   # captured now, or once its live shards are written or released
+            del job
 
     def _capture(self, job: SnapshotJob) -> None:
         if job.plan is None:
@@ -429,35 +433,39 @@ class Snapshotter:
             item = self._flush_q.get()
             if item is None:
                 return
-            job, seg, buf, view, event = item
-            if job.error is not None or view is None:
-                self._segment_over(view, buf)
-                job.segment_done()
-                continue
-            try:
-                if event is not None:
-                    event.synchronize()
-                handle = job.handles.get(seg.dtype)
-                if handle is None:
-                    handle = job.handles[seg.dtype] = create_array(self.repo.store, job.arrays[seg.dtype])
-                faults.point("before_shard_write")
-                if not job.first_write:
-                    job.first_write = time.perf_counter()
-                # a local store: one whole shard object written directly (localwrite.py), durable once the future
-                # completes, like TensorStore's commit future; otherwise (or for an odd segment) through TensorStore
-                info = job.arrays[seg.dtype]
-                if isinstance(view, LiveShard):
-                    fut = self._direct.submit_live(info, seg.start, view)
-                else:
-                    fut = None if self._direct is None else self._direct.submit(info, seg.start, view)
-                if fut is None:
-                    fut = handle[seg.start:seg.stop].write(
-                        view, can_reference_source_data_indefinitely=self._store_copies).commit
-            except BaseException as err:  # noqa: BLE001
-                self._segment_over(view, buf)
-                job.segment_done(_storage_error(job, seg, err))
-                continue
-            fut.add_done_callback(lambda f, job=job, seg=seg, buf=buf, view=view: self._written(job, seg, buf, view, f))
+            self._flush(*item)
+            del item
+
+    def _flush(self, job: SnapshotJob, seg: Segment, buf: torch.Tensor, view: Any, event: Any) -> None:
+        """Start one segment's write; its buffer goes back to the pool once the write is over."""
+        if job.error is not None or view is None:
+            self._segment_over(view, buf)
+            job.segment_done()
+            return
+        try:
+            if event is not None:
+                event.synchronize()
+            handle = job.handles.get(seg.dtype)
+            if handle is None:
+                handle = job.handles[seg.dtype] = create_array(self.repo.store, job.arrays[seg.dtype])
+            faults.point("before_shard_write")
+            if not job.first_write:
+                job.first_write = time.perf_counter()
+            # a local store: one whole shard object written directly (localwrite.py), durable once the future
+            # completes, like TensorStore's commit future; otherwise (or for an odd segment) through TensorStore
+            info = job.arrays[seg.dtype]
+            if isinstance(view, LiveShard):
+                fut = self._direct.submit_live(info, seg.start, view)
+            else:
+                fut = None if self._direct is None else self._direct.submit(info, seg.start, view)
+            if fut is None:
+                fut = handle[seg.start:seg.stop].write(
+                    view, can_reference_source_data_indefinitely=self._store_copies).commit
+        except BaseException as err:  # noqa: BLE001
+            self._segment_over(view, buf)
+            job.segment_done(_storage_error(job, seg, err))
+            return
+        fut.add_done_callback(lambda f, job=job, seg=seg, buf=buf, view=view: self._written(job, seg, buf, view, f))
 
     def _segment_over(self, view: Any, buf: torch.Tensor) -> None:
         """A segment's write is over (durable, failed or never started): its buffer goes back to the pool, and a
@@ -483,38 +491,44 @@ class Snapshotter:
             job = self._commit_q.get()
             if job is None:
                 return
-            job.data_done.wait()
-            job.handle._captured.wait()
-            stats = job.handle.stats
-            retain = False
-            if job.first_write:
-                stats.flush_s = time.perf_counter() - job.first_write
-            try:
-                if job.error is not None:
-                    raise job.error
-                faults.point("after_data")
-                version = self._commit(job)
-            except BaseException as err:  # noqa: BLE001
-                if self.distributed:
-                    self._committer.publish_failure(job, err)
-                self._record_failure(job, err)
-            else:
-                stats.total_s = time.perf_counter() - job.started
-                job.handle._version = version
-                self._commits += 1
-                if self.retention is not None and self.rank == 0 \
-                        and self._commits % max(1, self.retention.every_commits) == 0:
-                    retain = True
-                    self._retention_idle.clear()   # before the job is done, so wait() also waits for this gc
-            finally:
-                with self._lock:
-                    self._inflight.remove(job)
-                job.handle._done.set()
+            retain = self._commit_in_turn(job)
+            del job
             if retain:
                 try:
                     self._apply_retention()
                 finally:
                     self._retention_idle.set()
+
+    def _commit_in_turn(self, job: SnapshotJob) -> bool:
+        """Commit the job once its data is durable (or record its failure); returns whether a retention pass is due."""
+        job.data_done.wait()
+        job.handle._captured.wait()
+        stats = job.handle.stats
+        retain = False
+        if job.first_write:
+            stats.flush_s = time.perf_counter() - job.first_write
+        try:
+            if job.error is not None:
+                raise job.error
+            faults.point("after_data")
+            version = self._commit(job)
+        except BaseException as err:  # noqa: BLE001
+            if self.distributed:
+                self._committer.publish_failure(job, err)
+            self._record_failure(job, err)
+        else:
+            stats.total_s = time.perf_counter() - job.started
+            job.handle._version = version
+            self._commits += 1
+            if self.retention is not None and self.rank == 0 \
+                    and self._commits % max(1, self.retention.every_commits) == 0:
+                retain = True
+                self._retention_idle.clear()   # before the job is done, so wait() also waits for this gc
+        finally:
+            with self._lock:
+                self._inflight.remove(job)
+            job.handle._done.set()
+        return retain
 
     def _commit(self, job: SnapshotJob) -> Version:
         if self._dedup is not None and job.reused:

@@ -115,7 +115,7 @@ class Committer:
                                 f"and take the snapshot again")
         self.tip, self.generation = job.vid, gen
         faults.point("after_ref")
-        self.repo.remember_manifest(manifest)
+        self.repo.remember_header(manifest)
         return version_from_manifest(manifest, (self.branch,))
 
     def publish_failure(self, job: SnapshotJob, err: BaseException) -> None:

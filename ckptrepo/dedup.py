@@ -12,8 +12,7 @@ Single process only: a sharded snapshot always writes everything.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import xxhash
@@ -29,13 +28,16 @@ if TYPE_CHECKING:
 DedupKey = tuple  # (dtype, shape, stride, data_ptr, autograd version) of a live CPU tensor
 
 
-@dataclass(frozen=True)
-class StoredTensor:
+class StoredTensor(NamedTuple):
     """One tensor of the last version a snapshotter committed, and where its bytes are stored.
 
     ``digest`` is the xxh3-128 of exactly the bytes stored at ``array``/``offset``
     (None when they were not hashed); ``info`` is the array's ArrayInfo JSON,
     copied into the manifest of every version that reuses the piece.
+
+    A tuple of plain values (the JSON shared by the array's tensors): the cyclic GC stops tracking such
+    tuples at its first look, so the index a snapshotter keeps from one commit to the next does not age
+    into the GC's oldest generation and bring on full collections of the training process.
     """
 
     key: DedupKey
@@ -118,6 +120,7 @@ class DedupIndex:
         """Commit thread, after a commit: this version's tensors become what the next snapshots compare with."""
         assert job.plan is not None
         placement = {ri: pi for pi, ri in enumerate(job.written)}
+        infos = {dtype: info.to_json() for dtype, info in job.arrays.items()}
         stored: dict[str, StoredTensor] = {}
         for i, (r, key) in enumerate(zip(job.records, job.keys)):
             if key is None:
@@ -127,7 +130,6 @@ class DedupIndex:
                 continue
             pi = placement[i]
             p, h = job.plan.placements[pi], job.hashers.get(pi)
-            info = job.arrays[p.dtype]
-            stored[r.name] = StoredTensor(key, None if h is None else h.intdigest(), info.key, p.offset,
-                                          info.to_json())
+            stored[r.name] = StoredTensor(key, None if h is None else h.intdigest(), job.arrays[p.dtype].key,
+                                          p.offset, infos[p.dtype])
         self.stored = stored
