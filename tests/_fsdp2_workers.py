@@ -10,14 +10,13 @@ in DCP's FSDP2 examples. Results go to files in ``out_dir``: ``full-<tag>.pt``
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from _dtensor_workers import _guarded, _init, full
+from _dtensor_workers import _guarded, _init, _write_json, full
 
 D_IN, D_HID, D_OUT = 16, 33, 5
 CONTINUE_STEPS = 3
@@ -50,9 +49,13 @@ def train_on(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
     return [_step(model, opt, torch.randn(8, D_IN, generator=g)) for _ in range(CONTINUE_STEPS)]
 
 
-def _write(out_dir: str, name: str, obj: Any) -> None:
-    with open(os.path.join(out_dir, name), "w") as f:
-        json.dump(obj, f)
+def _train_and_report(rank: int, tag: str, model: nn.Module, opt: torch.optim.Optimizer, ref: dict[str, torch.Tensor],
+                      out_dir: str) -> None:
+    """Train the fixed steps; rank 0 writes the full tensors taken before (``ref``) and the losses."""
+    losses = train_on(model, opt)
+    if rank == 0:
+        torch.save(ref, os.path.join(out_dir, f"full-{tag}.pt"))
+        _write_json(out_dir, f"loss-{tag}.json", losses)
 
 
 def save_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> None:
@@ -65,11 +68,7 @@ def save_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> Non
         model, opt = build(mesh, seed=0)
         msd, osd = get_state_dict(model, opt)
         ckptrepo.open(url).snapshot({"model": msd, "optim": osd}, step=1)
-        ref = full({"model": msd, "optim": osd})
-        losses = train_on(model, opt)
-        if rank == 0:
-            torch.save(ref, os.path.join(out_dir, "full-save.pt"))
-            _write(out_dir, "loss-save.json", losses)
+        _train_and_report(rank, "save", model, opt, full({"model": msd, "optim": osd}), out_dir)
     _guarded("save", rank, out_dir, body)
 
 
@@ -91,9 +90,5 @@ def load_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> Non
             ckptrepo.open(url).load("HEAD", into=state)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         msd, osd = get_state_dict(model, opt)
-        loaded = full({"model": msd, "optim": osd})
-        losses = train_on(model, opt)
-        if rank == 0:
-            torch.save(loaded, os.path.join(out_dir, "full-load.pt"))
-            _write(out_dir, "loss-load.json", losses)
+        _train_and_report(rank, "load", model, opt, full({"model": msd, "optim": osd}), out_dir)
     _guarded("load", rank, out_dir, body)
