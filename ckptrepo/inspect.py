@@ -321,9 +321,9 @@ def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD",
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
-    from .repo import HeaderWalk
+    from .manifest_reads import HeaderWalk
     chain: list[tuple[str, int | None]] = []   # (version, step), newest first until reversed
-    for vid, m in HeaderWalk(repo).chain(repo.resolve(rev)):
+    for vid, m in HeaderWalk(repo.reads).chain(repo.resolve(rev)):
         step = m["step"]
         if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
             chain.append((vid, step))

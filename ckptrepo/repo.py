@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from . import revisions
 from .arrays import ArrayInfo, itemsize
-from .errors import (CkptRepoError, CorruptionError, NotARepositoryError, RepositoryExistsError, RevisionError,
-                     SnapshotFailedError)
-from .manifest import (BULKY_FIELDS, CONFIG_KEY, FAILURES_PREFIX, VERSIONS_PREFIX, Version, decode_config, encode_config,
-                       unseal, unseal_header, version_from_manifest, version_id_time)
+from .errors import CkptRepoError, NotARepositoryError, RepositoryExistsError, RevisionError, SnapshotFailedError
+from .manifest import (CONFIG_KEY, FAILURES_PREFIX, VERSIONS_PREFIX, Version, decode_config, encode_config, unseal,
+                       version_from_manifest)
+from .manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
 from .refs import Refs, init_head
 from .gc import PRUNED_PREFIX
 from .gcpause import collection_paused
-from .lru import LruCache
 from .skeleton import numel, plain_values
 from .store import Store
 
@@ -35,15 +34,6 @@ if TYPE_CHECKING:
     from .writer import PlanCache
 
 DEFAULT_BRANCH = "main"
-# Decoded manifests a handle keeps. Enough for a snapshotter (its parent, the versions in flight) and for
-# `diff`/`load`; a handle that cached every manifest it saw grew by one manifest per snapshot for the
-# whole run (thousands of Python objects each, walked by every full collection of the cyclic GC).
-MANIFEST_CACHE_SIZE = 16
-HEADER_CACHE_SIZE = 4096
-# Headers a long `log` asks storage for at once when it meets one it has not read: that version and the next
-# ones in time order, which a newest-first walk mostly needs next. One round trip instead of 64 on S3/GCS.
-HEADER_BATCH = 64
-WALK_SINGLE_READS = 16   # headers a first-parent walk reads one by one before it reads them in batches
 
 
 def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
@@ -69,54 +59,12 @@ def load(url: str, rev: str = "HEAD", parallel_layout: "ParallelLayout | None" =
     return open(url, options).load(rev, into=into, parallel_layout=parallel_layout, rank=rank, **kwargs)
 
 
-class HeaderWalk:
-    """The headers one history walk reads, as ``walk(vid)``: on an object store, in batches once it is long.
-
-    A header not cached is read alone while the walk is short; from the start with ``batch=True``, or after
-    ``WALK_SINGLE_READS`` such reads when ``batch`` is None, it is read with the next versions in creation-time
-    order (``HEADER_BATCH`` per round trip), which a newest-first walk mostly needs next. The order comes from
-    one listing of ``versions/`` (a version id ends with its creation time), which a short walk never pays for:
-    listing 100k versions takes 100 requests on S3. ``batch=False``: always one by one.
-    """
-
-    def __init__(self, repo: "Repository", batch: bool | None = None) -> None:
-        self.repo = repo
-        self.batch = batch
-        self.reads = 0
-        self._order: list[str] | None = None
-        self._where: dict[str, int] = {}
-
-    def __call__(self, vid: str) -> dict[str, Any]:
-        repo = self.repo
-        if self.batch is not False and not repo._header_cached(vid):
-            self.reads += 1
-            if self.batch or self.reads > WALK_SINGLE_READS:
-                order = self.order()
-                i = self._where.get(vid)
-                repo._prefetch_headers(vid, order[i + 1:i + HEADER_BATCH] if i is not None else ())
-        return repo.header(vid)
-
-    def order(self) -> list[str]:
-        """Every version id, newest first (listed once per walk): the order batches follow."""
-        if self._order is None:
-            self._order = self.repo._versions_newest_first()
-            self._where = {v: i for i, v in enumerate(self._order)}
-        return self._order
-
-    def chain(self, vid: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
-        """``vid`` and its first parents, newest first, each with its header."""
-        while vid is not None:
-            h = self(vid)
-            yield vid, h
-            vid = h["parents"][0] if h["parents"] else None
-
-
 class _WalkingSource:
     """The repository as a revision source whose first-parent steps (``HEAD~N``, ``@STEP``) share one HeaderWalk."""
 
     def __init__(self, repo: "Repository") -> None:
         self._repo = repo
-        self._walk = HeaderWalk(repo)
+        self._walk = HeaderWalk(repo.reads)
 
     def __getattr__(self, name: str) -> Any:   # refs and ids: the repository's own
         return getattr(self._repo, name)
@@ -127,11 +75,6 @@ class _WalkingSource:
 
     def step_of(self, vid: str) -> int | None:
         return self._walk(vid)["step"]
-
-
-def _missing_manifest(vid: str) -> CorruptionError:
-    return CorruptionError(f"version {vid[:12]} is referenced but its manifest {VERSIONS_PREFIX}{vid} "
-                           f"is missing; run `ckptrepo fsck`")
 
 
 @dataclass
@@ -156,8 +99,7 @@ class Repository:
         self.store = store
         self.url = store.url
         self.refs = Refs(store)
-        self._manifests: LruCache[str, dict[str, Any]] = LruCache(MANIFEST_CACHE_SIZE)
-        self._headers: LruCache[str, dict[str, Any]] = LruCache(HEADER_CACHE_SIZE)   # a few hundred bytes each
+        self.reads = ManifestReads(store)
         self._plans: Any = None
         self.host_memory: int | str | None = None  # default staging bound of this handle's snapshots
 
@@ -176,88 +118,22 @@ class Repository:
     def plans(self, cache: "PlanCache") -> None:
         self._plans = cache
 
-    # ---- manifests ------------------------------------------------------
+    # ---- manifests (manifest_reads.py) ------------------------------------------
     def manifest(self, vid: str) -> dict[str, Any]:
         """The decoded manifest of version ``vid`` (cached: manifests never change)."""
-        m = self._manifests.get(vid)
-        if m is None:
-            m = unseal(self._sealed_manifest(vid), f"manifest {VERSIONS_PREFIX}{vid}")
-            self._manifests.put(vid, m)
-        return m
+        return self.reads.manifest(vid)
 
     def header(self, vid: str) -> dict[str, Any]:
-        """The small fields of version ``vid``'s manifest (id, parents, step, time, message, metrics, size,
-        stats): all that history walks need, decoded without the tensor table and tree (~40x faster)."""
-        h = self._manifests.get(vid) or self._headers.get(vid)
-        if h is None:
-            h = unseal_header(self._sealed_manifest(vid), f"manifest {VERSIONS_PREFIX}{vid}")
-            self._headers.put(vid, h)
-        return h
-
-    def _header_cached(self, vid: str) -> bool:
-        return self._manifests.get(vid) is not None or self._headers.get(vid) is not None
-
-    def _versions_newest_first(self) -> list[str]:
-        """Every version id in the store, newest first by the creation time its id holds (one listing)."""
-        return sorted(self.all_version_ids(), key=lambda v: version_id_time(v) or 0.0, reverse=True)
-
-    def _prefetch_headers(self, vid: str, following: Sequence[str]) -> None:
-        """Read the headers of ``vid`` and ``following`` that are not cached, concurrently, into the cache.
-
-        Only ``vid`` must be good: a missing or damaged manifest among the others is skipped here and
-        reported by ``header`` if a walk ever needs it.
-        """
-        wanted = [v for v in dict.fromkeys([vid, *following]) if not self._header_cached(v)]
-        if not wanted:
-            return
-        for v, raw in zip(wanted, self.store.get_many([VERSIONS_PREFIX + v for v in wanted])):
-            if raw is None:
-                continue
-            try:
-                self._headers.put(v, unseal_header(raw, f"manifest {VERSIONS_PREFIX}{v}"))
-            except CkptRepoError:
-                if v == vid:
-                    raise
-
-    def _sealed_manifest(self, vid: str) -> bytes:
-        raw = self.store.get(VERSIONS_PREFIX + vid)
-        if raw is None:
-            raise _missing_manifest(vid)
-        return raw
+        """The small fields of version ``vid``'s manifest: all that history walks need (cached)."""
+        return self.reads.header(vid)
 
     def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | CkptRepoError]]:
-        """Each version's decoded manifest, or the error reading it gave, in order; read ``HEADER_BATCH`` at a
-        time with concurrent requests, so a pass over the whole repository (gc, fsck, du) on S3 or GCS waits
-        for a round trip per batch, not per version. Manifests this handle has cached are not read again;
-        those read here are not cached (such a pass reads each once)."""
-        vids = list(vids)
-        for at in range(0, len(vids), HEADER_BATCH):
-            batch = [v for v in vids[at:at + HEADER_BATCH] if self._manifests.get(v) is None]
-            try:
-                raws: list[Any] = self.store.get_many([VERSIONS_PREFIX + v for v in batch])
-            except CkptRepoError:   # a storage error: read one by one, so it is told against its own version
-                raws = [None] * len(batch)
-                for k, v in enumerate(batch):
-                    try:
-                        raws[k] = self.store.get(VERSIONS_PREFIX + v)
-                    except CkptRepoError as err:
-                        raws[k] = err
-            fetched = dict(zip(batch, raws))
-            for v in vids[at:at + HEADER_BATCH]:
-                raw = fetched.get(v)
-                try:
-                    if v not in fetched:   # cached when the batch was made (read again if evicted since)
-                        m = self.manifest(v)
-                    elif isinstance(raw, CkptRepoError):
-                        raise raw
-                    elif raw is None:
-                        raise _missing_manifest(v)
-                    else:
-                        m = unseal(raw, f"manifest {VERSIONS_PREFIX}{v}")
-                except CkptRepoError as err:
-                    yield v, err
-                    continue
-                yield v, m
+        """Each version's decoded manifest, or the error reading it gave, in order (batched on object stores)."""
+        return self.reads.iter_manifests(vids)
+
+    def remember_header(self, manifest: dict[str, Any]) -> None:
+        """Cache the header of a manifest this process just committed (see ManifestReads.remember_header)."""
+        self.reads.remember_header(manifest)
 
     def version(self, rev: str = "HEAD") -> Version:
         """The header of the version ``rev`` names."""
@@ -330,18 +206,6 @@ class Repository:
         return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
                            parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
                            dedup=dedup, retention=retention)
-
-    def remember_header(self, manifest: dict[str, Any]) -> None:
-        """Cache the header of a manifest this process just committed (manifests never change), which `log`,
-        revisions and the next snapshot's parent walk use.
-
-        Not the whole manifest: a snapshotter committing every step would keep its last
-        ``MANIFEST_CACHE_SIZE`` manifests (thousands of dicts and lists each) alive long enough for the
-        cyclic GC to promote them to its oldest generation, where they count towards the next full
-        collection of the whole process (~0.2 s of the training loop with a model loaded, every ~20
-        snapshots). A header is a handful of objects; a load reads the manifest when it needs it.
-        """
-        self._headers.put(manifest["id"], {k: v for k, v in manifest.items() if k not in BULKY_FIELDS})
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,
@@ -438,7 +302,7 @@ class Repository:
         frontier: list[tuple[float, str, dict[str, Any]]] = []
         found: list[dict[str, Any]] = []
         # a long log reads its headers in batches from the start; a short one (`log -n 5`) never lists versions/
-        walk = HeaderWalk(self, batch=limit is None or limit > HEADER_BATCH)
+        walk = HeaderWalk(self.reads, batch=limit is None or limit > HEADER_BATCH)
 
         def reach(vid: str) -> None:
             if vid not in seen:
@@ -535,7 +399,7 @@ class Repository:
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
         rows = [{"version": vid, "step": h["step"], **h["metrics"]}
-                for vid, h in HeaderWalk(self).chain(self.resolve(rev))]
+                for vid, h in HeaderWalk(self.reads).chain(self.resolve(rev))]
         return rows[::-1]
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
@@ -574,7 +438,7 @@ class Repository:
 
     def all_version_ids(self) -> list[str]:
         """Every version manifest in storage, reachable or not."""
-        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX)]
+        return self.reads.all_version_ids()
 
     def du(self) -> Any:
         """Per reachable version (newest first) the bytes only it references and those it shares, and the total

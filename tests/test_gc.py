@@ -133,7 +133,7 @@ def test_a_failing_background_retention_is_raised_at_the_next_call(repo, monkeyp
 def test_background_retention_reads_each_manifest_once_over_a_long_run(repo, monkeypatch):
     """Retention after every commit looks at every version each pass; it keeps what it needs of each manifest
     between passes, so a long run does not re-read (and decode) the whole history after every snapshot."""
-    from ckptrepo.repo import MANIFEST_CACHE_SIZE
+    from ckptrepo.manifest_reads import MANIFEST_CACHE_SIZE
     reads = count_manifest_reads(monkeypatch, repo.store)
     n = 2 * MANIFEST_CACHE_SIZE + 8          # more versions than the handle keeps manifests of
     policy = ckptrepo.RetentionPolicy(keep_last=3, keep_every=10, grace_period_s=0)

@@ -120,7 +120,7 @@ def test_unknown_format_version_is_refused(tmp_path):
 def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch):
     """`log -n N` stops after N versions, as `git log -n` does, and history walks never build a manifest's
     tensor table or tree: a run that snapshots every step has thousands of versions with big manifests."""
-    import ckptrepo.repo
+    import ckptrepo.manifest_reads
     from helpers import count_manifest_reads
     state = {f"layer{i}": torch.zeros(3) for i in range(50)}
     ids = []
@@ -131,7 +131,7 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     side = [repo.snapshot(state, step=s).id for s in (8, 9)]
 
     reads = count_manifest_reads(monkeypatch, repo.store)
-    monkeypatch.setattr(ckptrepo.repo, "unseal", lambda *a: pytest.fail("a history walk decoded a whole manifest"))
+    monkeypatch.setattr(ckptrepo.manifest_reads, "unseal", lambda *a: pytest.fail("a history walk decoded a whole manifest"))
     fresh = ckptrepo.open(repo.url)
     assert [v.id for v in fresh.log(limit=3)] == side[::-1] + [ids[7]]
     assert sum(reads.values()) <= 4, reads
@@ -158,7 +158,7 @@ def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatc
     assert [v.step for v in ckptrepo.open(s3_url).log(limit=5)] == [69, 68, 67, 66, 65]
     assert calls["get"] == 5 and calls["get_many"] == 0, calls   # short: no listing, the 5 it needs
     # first-parent walks (@STEP, HEAD~N, metrics) read a few headers alone, then in batches once they prove long
-    from ckptrepo.repo import WALK_SINGLE_READS
+    from ckptrepo.manifest_reads import WALK_SINGLE_READS
     long = (WALK_SINGLE_READS, 1)   # the first headers alone, then the rest in one batch
     for run, (singles, batches) in ((lambda r: r.resolve("@0") == ids[0], long),
                                     (lambda r: r.resolve("HEAD~69") == ids[0], long),
