@@ -6,7 +6,7 @@ store (local directory, memory, S3, GCS).
 """
 from . import rules
 from .errors import (CkptRepoError, ConflictError, CorruptionError, DetachedHeadError, FormatVersionError,
-                     LayoutError, NotARepositoryError, RefError, RepositoryExistsError, RevisionError,
+                     LayoutError, NotARepositoryError, RefError, RepositoryExistsError, RetentionError, RevisionError,
                      StateMismatchError, StorageError, UnsupportedValueError)
 from .gc import RetentionPolicy
 from .layout import ParallelLayout
@@ -18,6 +18,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadError", "FormatVersionError", "LayoutError",
     "ParallelLayout", "RetentionPolicy", "load", "rules",
-    "NotARepositoryError", "RefError", "RepositoryExistsError", "RevisionError", "StateMismatchError",
+    "NotARepositoryError", "RefError", "RepositoryExistsError", "RetentionError", "RevisionError", "StateMismatchError",
     "StorageError", "UnsupportedValueError", "Repository", "Version", "VersionDetails", "init", "open",
 ]

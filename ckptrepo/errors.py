@@ -71,6 +71,10 @@ class MissingDependencyError(CkptRepoError):
     """An optional feature needs a package that is not installed; the message names the extra to install."""
 
 
+class RetentionError(CkptRepoError):
+    """A retention rule cannot be applied as given (a best-N rule without a metric, or one no version records)."""
+
+
 class LayoutError(CkptRepoError):
     """A parallel layout or sharding rule does not fit the state (wrong degrees, indivisible sizes)."""
 

@@ -2,7 +2,9 @@
 
 Two kinds of deletion:
 
-* **Prune** a version that is still in the history but no retention rule keeps:
+* **Prune** a version that is still in the history but no retention rule keeps
+  (the newest N per branch, every K-th step, the best N by a metric, tags and
+  branch heads):
   its tensor data is deleted, its small manifest stays (so ``log``, metrics and
   parent links survive) and a ``pruned/<id>`` marker says the data is gone.
 * **Collect** what no ref reaches: manifests and data of abandoned or
@@ -15,10 +17,12 @@ kept version is never deleted.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from .errors import RetentionError
 from .manifest import DATA_PREFIX, FAILURES_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, version_id_time
 
 PRUNED_PREFIX = "pruned/"
@@ -55,11 +59,15 @@ class RetentionPolicy:
     keep_branch_heads: bool = True
     grace_period_s: float = DEFAULT_GRACE_S
     every_commits: int = 1
+    keep_best: int | None = None      # the N versions with the best value of best_metric (Orbax's best_fn)
+    best_metric: str | None = None
+    best_mode: str = "min"            # "min" (a loss) or "max" (an accuracy)
 
     def apply(self, repo: Any, protect_since: float | None = None,
               known: dict[str, "VersionFacts"] | None = None) -> GcReport:
         return collect(repo, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
-                       self.grace_period_s, protect_since=protect_since, known=known)
+                       self.grace_period_s, protect_since=protect_since, known=known, keep_best=self.keep_best,
+                       best_metric=self.best_metric, best_mode=self.best_mode)
 
 
 @dataclass(frozen=True)
@@ -77,13 +85,16 @@ class VersionFacts:
     time: float | None
     arrays: tuple[tuple[str, int], ...]   # (key, stored bytes) of every array the manifest lists
     referenced: tuple[str, ...]           # the arrays its tensors' pieces point into
+    metrics: tuple[tuple[str, float], ...] = ()   # its numeric metrics (keep_best ranks by them)
 
     @classmethod
     def of(cls, manifest: dict[str, Any]) -> "VersionFacts":
         from .arrays import ArrayInfo
         return cls(tuple(manifest["parents"]), manifest["step"], manifest["time"],
                    tuple((key, ArrayInfo.from_json(key, info).nbytes) for key, info in manifest["arrays"].items()),
-                   tuple({p["array"] for t in manifest["tensors"] for p in t["pieces"]}))
+                   tuple({p["array"] for t in manifest["tensors"] for p in t["pieces"]}),
+                   tuple((k, float(v)) for k, v in (manifest.get("metrics") or {}).items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)))
 
 
 def pruned_ids(repo: Any) -> set[str]:
@@ -110,17 +121,25 @@ def reachable_versions(repo: Any, parents: Mapping[str, Sequence[str]]) -> set[s
 def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
             keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
             dry_run: bool = False, protect_since: float | None = None,
-            known: dict[str, VersionFacts] | None = None) -> GcReport:
+            known: dict[str, VersionFacts] | None = None, keep_best: int | None = None,
+            best_metric: str | None = None, best_mode: str = "min") -> GcReport:
     """Apply the retention rules and collect garbage; see the module docstring.
 
     Without ``keep_last``/``keep_every`` every version in the history is kept
     and only unreachable objects are collected. ``keep_last N`` keeps the N
     newest versions of each branch's first-parent history, ``keep_every K``
-    the versions whose step is a multiple of K. ``protect_since`` (unix
+    the versions whose step is a multiple of K, ``keep_best B`` (with
+    ``best_metric`` and ``best_mode`` "min" or "max") the B versions of the
+    history whose metric is best among those that still have their data
+    (versions without it are not ranked). ``protect_since`` (unix
     seconds): nothing created at or after it is collected, whatever the grace
     period (a snapshotter protects the snapshots it has in flight this way).
     ``known``: facts of earlier passes, brought up to date here (manifests never change).
     """
+    if keep_best is not None and (best_metric is None or best_mode not in ("min", "max")):
+        raise RetentionError(f"keeping the best {keep_best} versions needs a metric and a mode of min or max "
+                             f"(got {best_metric!r}, {best_mode!r}); e.g. `ckptrepo gc --keep-best {keep_best} "
+                             f"--metric loss --mode min`")
     now = time.time()
     report = GcReport(dry_run=dry_run)
     facts = _facts(repo, {} if known is None else known)
@@ -131,7 +150,7 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
 
     reachable = reachable_versions(repo, {vid: f.parents for vid, f in facts.items()})
 
-    retention = keep_last is not None or keep_every is not None
+    retention = keep_last is not None or keep_every is not None or keep_best is not None
     keep: set[str] = set()
     if not retention:
         keep = set(reachable)
@@ -151,6 +170,8 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
                 vid = parents[0] if parents else None
     if keep_every:
         keep.update(v for v in reachable if facts[v].step is not None and facts[v].step % keep_every == 0)
+    if keep_best is not None:
+        keep.update(_best(facts, reachable - already_pruned, keep_best, str(best_metric), best_mode))
     keep &= reachable
 
     def young(vid: str, t: float | None) -> bool:
@@ -197,6 +218,24 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
         if not young(vid, version_id_time(vid)):
             repo.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
     return report
+
+
+def _best(facts: dict[str, VersionFacts], candidates: set[str], n: int, metric: str, mode: str) -> list[str]:
+    """The ``n`` candidates with the lowest (``mode`` "min") or highest value of ``metric``; ties go to the newer.
+
+    A metric that no candidate records is an error rather than an empty rule: a misspelt name would
+    otherwise prune every version the other rules do not keep.
+    """
+    ranked = []
+    for vid in candidates:
+        value = dict(facts[vid].metrics).get(metric)
+        if value is not None:
+            ranked.append((value if mode == "min" else -value, -(version_id_time(vid) or 0.0), vid))
+    if not ranked:
+        recorded = sorted({k for vid in candidates for k, _ in facts[vid].metrics})
+        raise RetentionError(f"no version with data records metric {metric!r}; recorded: "
+                             f"{', '.join(recorded) or 'none'}; pick one of those")
+    return [vid for _, _, vid in sorted(ranked)[:n]]
 
 
 def _facts(repo: Any, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]:

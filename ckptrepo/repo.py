@@ -403,16 +403,20 @@ class Repository:
         return rows[::-1]
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
-           keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False) -> Any:
+           keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,
+           keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min") -> Any:
         """Apply retention rules and collect unreachable objects; returns a ckptrepo.gc.GcReport.
 
         Versions no rule keeps are pruned (data deleted, manifest and history
         kept); objects no ref reaches are deleted once older than the grace
         period (default one hour), so a concurrent writer is never harmed.
+        ``keep_best=N, best_metric="loss", best_mode="min"`` also keeps the N
+        versions with the lowest loss (the metrics given to ``snapshot``).
         """
         from .gc import DEFAULT_GRACE_S, collect
         return collect(self, keep_last, keep_every, keep_tagged, keep_branch_heads,
-                       DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run)
+                       DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run,
+                       keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
 
     def fsck(self, on_bytes: Callable[[int], None] | None = None,
              on_total: Callable[[int], None] | None = None) -> Any:

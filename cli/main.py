@@ -263,6 +263,10 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
 @cli.command()
 @click.option("--keep-last", type=int, default=None, help="Keep the N newest versions of each branch.")
 @click.option("--keep-every", type=int, default=None, help="Keep versions whose step is a multiple of K.")
+@click.option("--keep-best", type=int, default=None, help="Keep the N versions with the best --metric.")
+@click.option("--metric", "best_metric", default=None, help="The metric --keep-best ranks by (e.g. loss).")
+@click.option("--mode", "best_mode", type=click.Choice(["min", "max"]), default="min", show_default=True,
+              help="Whether the best --metric is the lowest or the highest.")
 @click.option("--keep-tagged/--no-keep-tagged", default=True, show_default=True, help="Never prune tagged versions.")
 @click.option("--keep-branch-heads/--no-keep-branch-heads", default=True, show_default=True,
               help="Never prune branch tips and HEAD.")
@@ -271,11 +275,13 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_tagged: bool, keep_branch_heads: bool,
-       grace_s: float, dry_run: bool, as_json: bool) -> None:
+def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_best: int | None,
+       best_metric: str | None, best_mode: str, keep_tagged: bool, keep_branch_heads: bool, grace_s: float,
+       dry_run: bool, as_json: bool) -> None:
     """Prune versions no retention rule keeps (history stays) and delete what no ref reaches."""
     r = _repo(ctx).gc(keep_last=keep_last, keep_every=keep_every, keep_tagged=keep_tagged,
-                      keep_branch_heads=keep_branch_heads, grace_period_s=grace_s, dry_run=dry_run)
+                      keep_branch_heads=keep_branch_heads, grace_period_s=grace_s, dry_run=dry_run,
+                      keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
     if as_json:
         _emit_json(r.to_json())
         return

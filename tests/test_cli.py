@@ -121,11 +121,22 @@ def test_checkout_branch_tag_du_fsck(populated):
     assert p.returncode == 0 and "ok" in p.stdout
 
 
+def test_gc_keeps_the_best_versions_by_a_metric(populated):
+    url, _ = populated   # losses 3, 2, 1 at steps 0, 10, 20; step 10 tagged
+    p = run("gc", "--keep-best", "1", "--metric", "loss", "--mode", "max", "--grace", "0", "--json", repo=url)
+    assert p.returncode == 0, p.stderr
+    assert {ckptrepo.open(url).version(v).step for v in json.loads(p.stdout)["kept"]} == {0, 10, 20}
+    assert [v.pruned for v in ckptrepo.open(url).log()] == [False, False, False]
+    p = run("gc", "--keep-best", "1", "--metric", "loss", "--no-keep-tagged", "--grace", "0", repo=url)
+    assert p.returncode == 0 and "pruned 2" in p.stdout, p.stdout   # the lowest loss is the head's: 0 and 10 go
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["log"], "is not a ckptrepo repository"),
     (["show", "nope"], "unknown revision 'nope'"),
     (["checkout", "@99"], "no version with step 99"),
     (["tag", "bad name"], "invalid tag name"),
+    (["gc", "--keep-best", "1", "--metric", "accuracy"], "no version with data records metric 'accuracy'; recorded: loss"),
 ])
 def test_errors_are_one_line(tmp_path, populated, args, fragment):
     url, _ = populated

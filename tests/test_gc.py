@@ -104,6 +104,53 @@ def test_cli_gc(repo):
     assert [v.pruned for v in ckptrepo.open(repo.url).log()] == [False, False, True, True]
 
 
+LOSSES = [5.0, 3.0, 4.0, 1.0, 2.0, 6.0, 1.0, 8.0]   # step 3 and step 6 tie for the best
+
+
+def test_keep_best_keeps_the_best_versions_by_a_metric(repo):
+    """Orbax's best_fn: the N versions with the lowest loss (or highest accuracy) stay loadable; ties go to the
+    newer version; the branch head is kept as always."""
+    for s, loss in enumerate(LOSSES):
+        repo.snapshot(state_at(s), step=s, metrics={"loss": loss, "acc": -loss, "note": "text"})
+    r = repo.gc(keep_best=2, best_metric="loss", grace_period_s=0, dry_run=True)
+    assert {repo.version(v).step for v in r.kept} == {6, 3, 7}
+    r = repo.gc(keep_best=1, best_metric="acc", best_mode="max", grace_period_s=0)
+    assert {repo.version(v).step for v in r.kept} == {6, 7}, "the newer of the tied best, and the head"
+    for s in (6, 7):
+        assert_bit_exact(state_at(s), repo.load(f"@{s}"))
+    assert {v.step for v in repo.log() if v.pruned} == {0, 1, 2, 3, 4, 5}
+    # ranked among the versions that still have data: the next best now is step 4 (loss 2)
+    r = repo.gc(keep_best=2, best_metric="loss", grace_period_s=0)
+    assert {repo.version(v).step for v in r.kept} == {6, 7} and r.pruned == []
+    assert repo.fsck().ok
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"keep_best": 2, "best_metric": "los"}, "no version with data records metric 'los'; recorded: acc, loss"),
+    ({"keep_best": 2}, "needs a metric"),
+    ({"keep_best": 2, "best_metric": "loss", "best_mode": "lowest"}, "a mode of min or max"),
+])
+def test_keep_best_refuses_what_it_cannot_rank_and_deletes_nothing(repo, kwargs, fragment):
+    for s, loss in enumerate(LOSSES[:3]):
+        repo.snapshot(state_at(s), step=s, metrics={"loss": loss, "acc": -loss})
+    before = sorted(repo.store.list(""))
+    with pytest.raises(ckptrepo.RetentionError) as info:
+        repo.gc(grace_period_s=0, **kwargs)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert sorted(repo.store.list("")) == before
+
+
+def test_a_snapshotter_keeps_the_best_versions_in_the_background(repo):
+    policy = ckptrepo.RetentionPolicy(keep_best=2, best_metric="loss", grace_period_s=0)
+    with repo.snapshotter(retention=policy) as snap:
+        for s, loss in enumerate(LOSSES):
+            snap.snapshot(state_at(s), step=s, metrics={"loss": loss})
+            snap.wait()
+    # each pass ranks the versions that still have data, so the best ones so far survive every pass
+    assert {v.step for v in repo.log() if not v.pruned} == {3, 6, 7}
+    assert_bit_exact(state_at(3), repo.load("@3"))
+
+
 def test_a_snapshotter_retention_policy_prunes_in_the_background(repo):
     policy = ckptrepo.RetentionPolicy(keep_last=2, keep_every=5, grace_period_s=0)
     with repo.snapshotter(retention=policy) as snap:
