@@ -359,6 +359,14 @@ def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> N
                    str(r.inf)) for r in rows))
 
 
+SERIES_COLUMNS = ("first", "last", "min", "max", "trend")
+
+
+def _series_row(name: str, values: list[float]) -> tuple[str, ...]:
+    """A trajectory's or a metric's row: its name, then SERIES_COLUMNS."""
+    return (name, _num(values[0]), _num(values[-1]), _num(min(values)), _num(max(values)), _sparkline(values))
+
+
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -404,8 +412,8 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
     for p in points:
         by_name.setdefault(p.name, []).append(p)
     series = {name: [p.value for p in ps] for name, ps in by_name.items()}
-    _print_table(f"{metric} of {pattern}", ("tensor", "first", "last", "min", "max", "trend"),
-                 ((name, _num(v[0]), _num(v[-1]), _num(min(v)), _num(max(v)), _sparkline(v)) for name, v in series.items()))
+    _print_table(f"{metric} of {pattern}", ("tensor",) + SERIES_COLUMNS,
+                 (_series_row(name, v) for name, v in series.items()))
 
 
 @cli.command()
@@ -424,9 +432,8 @@ def metrics(ctx: click.Context, rev: str, png_path: str | None, as_json: bool) -
     if as_json:
         _emit_json(rows)
         return
-    _print_table(f"metrics of {rev}", ("metric", "first", "last", "min", "max", "trend"),
-                 ((name, _num(v[0]), _num(v[-1]), _num(min(v)), _num(max(v)), _sparkline(v))
-                  for name, (_, v) in plot.metric_series(rows).items()))
+    _print_table(f"metrics of {rev}", ("metric",) + SERIES_COLUMNS,
+                 (_series_row(name, v) for name, (_, v) in plot.metric_series(rows).items()))
 
 
 @cli.command()
