@@ -403,31 +403,33 @@ class DirectWriter:
         return fut
 
     def _work(self) -> None:
-        bounce: list[np.ndarray] = []   # one per thread, allocated at the first O_DIRECT write through it
+        bounce: np.ndarray | None = None   # one per thread, allocated at the first O_DIRECT write through it
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            self._write(*item, bounce)
+            bounce = self._write(*item, bounce)
             # not kept while waiting for the next: the future's callbacks hold the snapshot's job, which would
             # otherwise live on until this thread's next write and age into the cyclic GC's oldest generation
             del item
 
     def _write(self, fut: "Future[None]", info: ArrayInfo, start: int, data: "np.ndarray | LiveShard",
-               bounce: list[np.ndarray]) -> None:
+               bounce: np.ndarray | None) -> np.ndarray | None:
+        """Write one queued shard and complete its future; returns the thread's bounce buffer (made here if needed)."""
         if not fut.set_running_or_notify_cancel():
-            return
+            return bounce
         try:
             if isinstance(data, LiveShard):
                 self.write_live(info, start, data)
             else:
-                if not bounce and self.direct_io:
-                    bounce.append(_bounce_buffer())
-                self.write_shard(info, start, data, bounce[0] if bounce else None)
+                if bounce is None and self.direct_io:
+                    bounce = _bounce_buffer()
+                self.write_shard(info, start, data, bounce)
         except BaseException as err:  # noqa: BLE001 - delivered through the future
             fut.set_exception(err)
         else:
             fut.set_result(None)
+        return bounce
 
     def write_shard(self, info: ArrayInfo, start: int, data: np.ndarray, bounce: np.ndarray | None = None) -> None:
         """Encode and write one shard object durably (synchronous); raises OSError or ValueError.
