@@ -125,9 +125,7 @@ class Snapshotter:
         # single process that names a layout (so a later tensor-parallel load reads whole column blocks)
         self.sharded = self.distributed or parallel_layout is not None
         self.group = group
-        self.commit_timeout_s = commit_timeout_s
-        self.dedup = dedup and not self.sharded   # sharded snapshots always write everything
-        self._dedup = DedupIndex() if self.dedup else None
+        self._dedup = DedupIndex() if dedup and not self.sharded else None   # sharded snapshots write everything
         self.repo = repo
         self.record_failures = record_failures  # False when the caller waits and gets the error itself
         # reads HEAD: DetachedHeadError before anything starts
@@ -167,7 +165,8 @@ class Snapshotter:
         if self._closed:
             raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
         skeleton, records = flatten(state)
-        keys = [dedup_key(r) for r in records] if self.dedup else []   # of the live tensors, before buffer copies
+        # of the live tensors, before buffer copies
+        keys = [dedup_key(r) for r in records] if self._dedup is not None else []
         _copy_module_buffers(state, records)
         vid, leaf_names, names, boxes = new_version_id(), [], [], []
         if self.sharded:
