@@ -244,8 +244,6 @@ def _facts(repo: Any, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]
     ids = repo.all_version_ids()
     for vid in set(known) - set(ids):
         del known[vid]
-    for vid, m in repo.iter_manifests([vid for vid in ids if vid not in known]):
-        if not isinstance(m, dict):
-            raise m
+    for vid, m in repo.each_manifest([vid for vid in ids if vid not in known]):
         known[vid] = VersionFacts.of(m)
     return {vid: known[vid] for vid in ids}

@@ -90,6 +90,14 @@ class ManifestReads:
             raise missing_manifest(vid)
         return raw
 
+    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``iter_manifests`` for passes that cannot go on without every manifest (gc, du): the first error
+        is raised instead of yielded. fsck, which reports every damaged version, uses ``iter_manifests``."""
+        for vid, m in self.iter_manifests(vids):
+            if not isinstance(m, dict):
+                raise m
+            yield vid, m
+
     def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | CkptRepoError]]:
         """Each version's decoded manifest, or the error reading it gave, in order; read ``HEADER_BATCH`` at a
         time with concurrent requests, so a pass over the whole repository (gc, fsck, du) on S3 or GCS waits

@@ -131,6 +131,10 @@ class Repository:
         """Each version's decoded manifest, or the error reading it gave, in order (batched on object stores)."""
         return self.reads.iter_manifests(vids)
 
+    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Each version's decoded manifest in order; the first version that cannot be read raises."""
+        return self.reads.each_manifest(vids)
+
     def remember_header(self, manifest: dict[str, Any]) -> None:
         """Cache the header of a manifest this process just committed (see ManifestReads.remember_header)."""
         self.reads.remember_header(manifest)

@@ -57,9 +57,7 @@ def disk_usage(repo: Any) -> DiskUsage:
     pieces: dict[str, list[tuple[str, int]]] = {}  # version -> (array key, bytes) of each piece
     extent: dict[str, int] = {}                    # array key -> bytes up to the end of its last referenced piece
     infos: dict[str, dict[str, Any]] = {}          # array key -> its manifest entry, where a manifest lists it
-    for vid, m in repo.iter_manifests([v.id for v in versions if not v.pruned]):
-        if not isinstance(m, dict):
-            raise m
+    for vid, m in repo.each_manifest([v.id for v in versions if not v.pruned]):
         infos.update(m["arrays"])
         mine = pieces.setdefault(vid, [])
         for t in m["tensors"]:
