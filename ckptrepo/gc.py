@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .errors import RetentionError
+from .errors import CorruptionError, RetentionError, first_line
 from .manifest import DATA_PREFIX, FAILURES_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, version_id_time
+from .manifest_reads import missing_manifest
 
 PRUNED_PREFIX = "pruned/"
 DEFAULT_GRACE_S = 3600.0
@@ -104,18 +105,41 @@ def pruned_ids(repo: Any) -> set[str]:
 
 def reachable_versions(repo: Any, parents: Mapping[str, Sequence[str]]) -> set[str]:
     """Versions reachable from a branch, a tag or HEAD through parent links (``parents``: each known version's)."""
+    return _walk(repo, parents)[0]
+
+
+def _walk(repo: Any, parents: Mapping[str, Sequence[str]]) -> tuple[set[str], list[str]]:
+    """The versions reachable from the refs, and the ids a ref or a parent link names that ``parents`` lacks."""
     head = repo.refs.head()
     stack = list(repo.refs.branches().values()) + list(repo.refs.tags().values())
     if head.version:
         stack.append(head.version)
     seen: set[str] = set()
+    unknown: list[str] = []
     while stack:
         vid = stack.pop()
-        if vid in seen or vid not in parents:
+        if vid in seen:
+            continue
+        if vid not in parents:
+            unknown.append(vid)
             continue
         seen.add(vid)
         stack.extend(parents[vid])
-    return seen
+    return seen, unknown
+
+
+def _refuse_dangling(repo: Any, unknown: list[str]) -> None:
+    """Stop gc before it deletes anything when a ref or a parent link names a version whose manifest is gone.
+
+    Without the manifest that version's data would look like an interrupted
+    snapshot's and be collected: a repository that is already damaged would
+    lose the bytes a restored manifest could still use. An id missing only
+    from gc's listing (a concurrent writer committed it since) is read again
+    to tell the two apart.
+    """
+    for vid in dict.fromkeys(unknown):
+        if repo.store.get(VERSIONS_PREFIX + vid) is None:
+            raise CorruptionError(f"gc stopped before deleting anything: {first_line(missing_manifest(vid))}")
 
 
 def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
@@ -148,7 +172,8 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     tags = repo.refs.tags()
     head = repo.refs.head()
 
-    reachable = reachable_versions(repo, {vid: f.parents for vid, f in facts.items()})
+    reachable, unknown = _walk(repo, {vid: f.parents for vid, f in facts.items()})
+    _refuse_dangling(repo, unknown)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None
     keep: set[str] = set()

@@ -153,6 +153,13 @@ def test_damaged_manifest(repo_dir, damage):
     # The log of the newer version walks through the damaged parent: a clear error, too.
     with pytest.raises(CorruptionError, match=key):
         ckptrepo.open(str(path)).log(other)
+    # gc and du cannot go on without every manifest: the same error, and gc deletes nothing
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    with pytest.raises(CorruptionError, match=key):
+        ckptrepo.open(str(path)).gc(keep_last=1, grace_period_s=0)
+    with pytest.raises(CorruptionError, match=key):
+        ckptrepo.open(str(path)).du()
+    assert sorted(p for p in path.rglob("*") if p.is_file()) == files
     _assert_fsck_names(path, key)
 
 
