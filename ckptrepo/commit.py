@@ -94,10 +94,7 @@ class Committer:
     def _publish_merged(self, job: SnapshotJob, ranks: list[dict[str, Any]]) -> Version:
         """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
         manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
-        manifest.update({"format_version": FORMAT_VERSION, "id": job.vid,
-                         "parents": [self.tip] if self.tip else [], "step": job.handle.step,
-                         "time": time.time(), "message": job.message, "metrics": job.metrics,
-                         "host": socket.gethostname()})
+        manifest.update(version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics))
         return self._publish(job, manifest)
 
     def _publish(self, job: SnapshotJob, manifest: dict[str, Any]) -> Version:
@@ -141,6 +138,13 @@ class Committer:
             log.error("ckptrepo: could not record the failure of %s: %s", job.vid[:12], record_err)
 
 
+def version_header(vid: str, parent: str | None, step: int | None, message: str,
+                   metrics: dict[str, Any]) -> dict[str, Any]:
+    """The fields every version manifest starts with, single-process or merged from ranks (docs/format.md)."""
+    return {"format_version": FORMAT_VERSION, "id": vid, "parents": [parent] if parent else [], "step": step,
+            "time": time.time(), "message": message, "metrics": metrics, "host": socket.gethostname()}
+
+
 def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
                    records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
                    skeleton: Any, written: list[int] | None = None,
@@ -165,14 +169,7 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
         return [{"box": box, "array": arrays[p.dtype].key, "offset": p.offset}] if p.numel else []
 
     return {
-        "format_version": FORMAT_VERSION,
-        "id": vid,
-        "parents": [parent] if parent else [],
-        "step": step,
-        "time": time.time(),
-        "message": message,
-        "metrics": metrics,
-        "host": socket.gethostname(),
+        **version_header(vid, parent, step, message, metrics),
         "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
         "size": plan.nbytes,
         "arrays": listed,
