@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .errors import CorruptionError, RetentionError, first_line
+from .errors import CorruptionError, RetentionError
 from .manifest import DATA_PREFIX, FAILURES_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, version_id_time
 from .manifest_reads import missing_manifest
 
@@ -139,7 +139,7 @@ def _refuse_dangling(repo: Any, unknown: list[str]) -> None:
     """
     for vid in dict.fromkeys(unknown):
         if repo.store.get(VERSIONS_PREFIX + vid) is None:
-            raise CorruptionError(f"gc stopped before deleting anything: {first_line(missing_manifest(vid))}")
+            raise CorruptionError(f"gc stopped before deleting anything: {missing_manifest(vid)}")
 
 
 def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
