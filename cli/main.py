@@ -408,10 +408,9 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
     if as_json:
         _emit_json([p.to_json() for p in points])
         return
-    by_name: dict[str, list] = {}
+    series: dict[str, list[float]] = {}
     for p in points:
-        by_name.setdefault(p.name, []).append(p)
-    series = {name: [p.value for p in ps] for name, ps in by_name.items()}
+        series.setdefault(p.name, []).append(p.value)
     _print_table(f"{metric} of {pattern}", ("tensor",) + SERIES_COLUMNS,
                  (_series_row(name, v) for name, v in series.items()))
 

@@ -167,10 +167,9 @@ def test_tables_never_cut_cells_short(tmp_path):
     repo = ckptrepo.init(url)
     names = [f"optimizer/state/decoder.layers.{i}.self_attention.linear_qkv.weight/exp_avg_sq" for i in range(3)]
     g = torch.Generator().manual_seed(0)
-    repo.snapshot({"optimizer": {"state": {n.split("/")[2]: {"exp_avg_sq": torch.randn(8, generator=g) * 1e-5}
-                                            for n in names}}}, step=0)
-    repo.snapshot({"optimizer": {"state": {n.split("/")[2]: {"exp_avg_sq": torch.randn(8, generator=g) * 1e-5}
-                                            for n in names}}}, step=1)
+    for step in range(2):
+        repo.snapshot({"optimizer": {"state": {n.split("/")[2]: {"exp_avg_sq": torch.randn(8, generator=g) * 1e-5}
+                                                for n in names}}}, step=step)
     for args in (["stats"], ["show"], ["diff", "@0", "@1"]):
         p = run(*args, repo=url)
         assert p.returncode == 0, p.stderr
