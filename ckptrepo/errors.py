@@ -84,3 +84,12 @@ def first_line(err: BaseException) -> str:
     quotes of a cause (a TensorStore or OS error can run over several lines, and some have no message)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def damaged_object_error(objects: str, reason: str, tensors: list[str]) -> CorruptionError:
+    """The one-line error of a load that met a missing or corrupt stored object: which objects, why, the
+    first tensors stored in them, and what to run. Both read paths (whole tensors, resharding pieces) raise it."""
+    kind = "missing" if "missing" in reason.lower() or "not found" in reason.lower() else "corrupt"
+    more = f" and {len(tensors) - 5} more" if len(tensors) > 5 else ""
+    return CorruptionError(f"object {objects} is {kind} ({reason}); affected tensors: {', '.join(tensors[:5])}{more}; "
+                           f"run `ckptrepo fsck`")

@@ -26,7 +26,7 @@ import tensorstore as ts
 import torch
 
 from .arrays import ArrayHandles, ArrayInfo, open_array
-from .errors import CorruptionError, StorageError, first_line
+from .errors import StorageError, damaged_object_error, first_line
 from .providers import TORCH_DTYPES, numel
 from .localread import DirectReader
 from .store import Store
@@ -205,8 +205,4 @@ def _read_error(store: Store, info: ArrayInfo, run: _Run, entries: list[TensorEn
         return StorageError(f"reading {info.key} failed: {first_line(err)}")
     names = [entries[i].name for i in run.members
              if any(entries[i].offset < hi and entries[i].offset + entries[i].numel > lo for _, lo, hi in bad)]
-    objects = ", ".join(info.shard_key(s) for s, _, _ in bad)
-    reason = first_line(err)
-    kind = "missing" if "missing" in reason.lower() or "not found" in reason.lower() else "corrupt"
-    return CorruptionError(f"object {objects} is {kind} ({reason}); affected tensors: {', '.join(names[:5])}"
-                           + (f" and {len(names) - 5} more" if len(names) > 5 else "") + "; run `ckptrepo fsck`")
+    return damaged_object_error(", ".join(info.shard_key(s) for s, _, _ in bad), first_line(err), names)

@@ -37,7 +37,7 @@ import torch
 from . import reader
 from .arrays import ArrayHandles, ArrayInfo
 from .boxes import Box, intersect, row_major_strides, runs, slices, volume
-from .errors import CorruptionError, StorageError, first_line
+from .errors import CorruptionError, StorageError, damaged_object_error, first_line
 from . import localread
 from .localread import DirectReader
 from .providers import TORCH_DTYPES
@@ -455,8 +455,7 @@ def _span_error(info: ArrayInfo, sp: _Span, err: Exception) -> Exception:
     reason = first_line(err)
     if "missing" in reason.lower() or "not found" in reason.lower() or "checksum" in reason.lower() \
             or "crc" in reason.lower() or "corrupt" in reason.lower() or "invalid" in reason.lower():
-        return CorruptionError(f"object {objects} is damaged ({reason}); affected tensors: {', '.join(names[:5])}; "
-                               f"run `ckptrepo fsck`")
+        return damaged_object_error(objects, reason, names)
     return StorageError(f"reading {objects} failed: {reason}")
 
 
