@@ -86,6 +86,17 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+# words of a read error's first line that mean the object is damaged or gone rather than unreachable
+# (TensorStore reports a bad crc32c as "DATA_LOSS: ... Digest mismatch")
+_DAMAGE_WORDS = ("missing", "not found", "data_loss", "digest", "checksum", "crc", "corrupt", "invalid")
+
+
+def looks_damaged(reason: str) -> bool:
+    """Whether a read error's first line says the object is missing or corrupt (else: a storage failure)."""
+    low = reason.lower()
+    return any(w in low for w in _DAMAGE_WORDS)
+
+
 def damaged_object_error(objects: str, reason: str, tensors: list[str]) -> CorruptionError:
     """The one-line error of a load that met a missing or corrupt stored object: which objects, why, the
     first tensors stored in them, and what to run. Both read paths (whole tensors, resharding pieces) raise it."""

@@ -37,7 +37,7 @@ import torch
 from . import reader
 from .arrays import ArrayHandles, ArrayInfo
 from .boxes import Box, intersect, row_major_strides, runs, slices, volume
-from .errors import CorruptionError, StorageError, damaged_object_error, first_line
+from .errors import CorruptionError, StorageError, damaged_object_error, first_line, looks_damaged
 from . import localread
 from .localread import DirectReader
 from .providers import TORCH_DTYPES
@@ -453,8 +453,7 @@ def _span_error(info: ArrayInfo, sp: _Span, err: Exception) -> Exception:
     first, last = sp.start // info.shard_elems, (sp.stop - 1) // info.shard_elems
     objects = ", ".join(info.shard_key(s) for s in range(first, last + 1))
     reason = first_line(err)
-    if "missing" in reason.lower() or "not found" in reason.lower() or "checksum" in reason.lower() \
-            or "crc" in reason.lower() or "corrupt" in reason.lower() or "invalid" in reason.lower():
+    if looks_damaged(reason):
         return damaged_object_error(objects, reason, names)
     return StorageError(f"reading {objects} failed: {reason}")
 
