@@ -133,7 +133,7 @@ def test_deleted_middle_shard_of_multi_shard_array(tmp_path):
     assert len(errors) == 1 and f"data/{vid}/0/float32/c/0 " not in errors[0], errors
 
 
-@pytest.mark.parametrize("damage", ["flip", "delete"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_a_resharding_load_names_the_damaged_object_and_its_tensors(tmp_path, damage):
     """The piece-wise path (a version saved with a layout, loaded into a tensor-parallel rank) reports damage
     with the same one-line error as whole-tensor loads, whether its direct reader or TensorStore meets it."""
@@ -146,13 +146,15 @@ def test_a_resharding_load_names_the_damaged_object_and_its_tensors(tmp_path, da
     file, key = _shard_file(path, vid)
     if damage == "flip":
         _flip(file, 1000)   # inside the first inner chunk: col.weight's first rows
+    elif damage == "truncate":
+        file.write_bytes(file.read_bytes()[:1 << 20])
     else:
         file.unlink()
     into = {"model": {"col.weight": torch.empty(4096, 256)}}
     with pytest.raises(CorruptionError) as info:
         ckptrepo.open(str(path)).load(vid, parallel_layout=ParallelLayout(tp=2, rules=SPLIT_RULES), rank=0, into=into)
     msg = str(info.value)
-    kind = "corrupt" if damage == "flip" else "missing"
+    kind = "missing" if damage == "delete" else "corrupt"
     assert key in msg and "col.weight" in msg and f"is {kind}" in msg and "ckptrepo fsck" in msg, msg
     assert "\n" not in msg
 
