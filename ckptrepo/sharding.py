@@ -64,7 +64,8 @@ def rank_name(path: str, rank: int) -> str:
 
 
 BLOCKS_PER_PIECE = 8            # a saved piece is cut into this many column blocks at most...
-MIN_BLOCK_BYTES = 64 << 10      # ...each at least this big
+MIN_BLOCK_BYTES = 64 << 10      # ...each at least this big...
+MIN_BLOCK_ROW_BYTES = 1 << 10   # ...with rows at least this long (see column_blocks)
 _POWERS_OF_TWO = [1 << i for i in range(BLOCKS_PER_PIECE.bit_length() - 1, 0, -1)]   # 8, 4, 2
 
 
@@ -79,8 +80,14 @@ def column_blocks(pieces: Sequence[Piece]) -> list[Piece]:
     it needs (tp growth up to 8x when the sizes divide evenly: the block count
     is the largest power of two up to 8 that divides the size). Loads that
     want whole rows read every block whole and scatter it, at the cost of one
-    strided copy. Only the save path cuts; the load path reads whatever pieces
-    a version has.
+    strided copy. That copy is why a block's rows are at least
+    ``MIN_BLOCK_ROW_BYTES`` long: numpy copies 64 MiB of 288-byte rows into
+    wider ones in 27 ms on the reference machine, of 1 KiB rows in 15 and of
+    whole rows in 13, and a load into fewer tensor-parallel ranks copies every
+    row of every block that way (tp 4->2 of the resharding benchmark, whose
+    blocks had 288-byte rows). Pieces with rows under 8 KiB get fewer blocks,
+    so tp growth reads exactly up to fewer times. Only the save path cuts; the
+    load path reads whatever pieces a version has.
     """
     out: list[Piece] = []
     for p in pieces:
@@ -89,7 +96,9 @@ def column_blocks(pieces: Sequence[Piece]) -> list[Piece]:
         if d is None or d >= len(sizes) or volume(sizes[:d]) <= 1:
             out.append(p)
             continue
-        limit = min(BLOCKS_PER_PIECE, sizes[d], volume(sizes) * p.view.element_size() // MIN_BLOCK_BYTES)
+        item = p.view.element_size()
+        limit = min(BLOCKS_PER_PIECE, sizes[d], volume(sizes) * item // MIN_BLOCK_BYTES,
+                    volume(sizes[d:]) * item // MIN_BLOCK_ROW_BYTES)
         # a power of two that divides the size evenly keeps block edges on the edges of other tp splits
         k = next((n for n in _POWERS_OF_TWO if n <= limit and sizes[d] % n == 0), limit)
         if k < 2:

@@ -90,6 +90,23 @@ def test_a_distributed_save_stores_row_parallel_pieces_as_column_blocks(tp2_repo
     assert len(tensors["model/norm.weight"]["pieces"]) == 1
 
 
+@pytest.mark.parametrize("shape, dtype, widths", [
+    ((256, 4096), torch.float32, [512] * 8),        # 16 KiB rows: the most blocks, 2 KiB rows each
+    ((576, 576), torch.float32, [288] * 2),         # 2304-byte rows: two blocks of 1152-byte rows, not 8 of 288
+    ((512, 256), torch.bfloat16, [256]),            # 512-byte rows: one block, the piece as it is
+    ((16, 4096), torch.float32, [1024] * 4),        # 256 KiB: each block at least 64 KiB
+])
+def test_column_blocks_keep_rows_of_a_kilobyte_and_blocks_of_64_kib(shape, dtype, widths) -> None:
+    """Loads into fewer tensor-parallel ranks copy every block row into wider rows: short rows make that copy
+    per-row overhead (288-byte rows took twice as long as 1 KiB ones), so blocks trade tp growth for row length."""
+    from ckptrepo.sharding import Piece, column_blocks
+    view = torch.zeros(shape, dtype=dtype)
+    blocks = column_blocks([Piece("w", "x", shape, ((0, 0), shape), view, cut_dim=1)])
+    assert [b.box[1][1] for b in blocks] == widths
+    assert [b.box[0][1] for b in blocks] == [sum(widths[:i]) for i in range(len(widths))]
+    assert all(b.view.data_ptr() == view[:, b.box[0][1]:].data_ptr() for b in blocks)
+
+
 @pytest.mark.parametrize("tp", [1, 4, 8])
 def test_more_tensor_parallel_ranks_read_only_the_column_blocks_they_need(tp2_repo, tp: int) -> None:
     """Before column blocks, each of these loads read a whole saved piece (4 MiB): 2x to 4x what it needed."""
