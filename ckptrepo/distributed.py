@@ -184,7 +184,10 @@ def full_tree(tree: Any, leaf_names: list[str], tensors: list[dict[str, Any]], i
             return [tag, index[name]] if name in index else [SCALAR, None]
         return node
 
-    return walk(tree, "")
+    try:
+        return walk(tree, "")
+    finally:
+        walk = None  # type: ignore[assignment]  # noqa: F841 - it calls itself through its closure cell: a cycle
 
 
 __all__ = ["Staging", "all_gather", "assign_writers", "full_tree",

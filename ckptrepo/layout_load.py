@@ -225,7 +225,10 @@ def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: P
             return t.numpy() if tag == NDARRAY else t
         return unflatten(node, lambda i, n: None)
 
-    return build(tree, "")
+    try:
+        return build(tree, "")
+    finally:
+        build = None  # type: ignore[assignment]  # noqa: F841 - it calls itself through its closure cell: a cycle
 
 
 def _merge_plain(node: Any, target: Any) -> None:

@@ -147,34 +147,37 @@ def unflatten(skeleton: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
     Stateful objects come back as their state dicts (we never construct user
     classes); numpy Generators are rebuilt only for numpy's own bit generators.
     """
-    def build(node: Any) -> Any:
-        tag = node[0]
-        if tag == SCALAR:
-            return node[1]
-        if tag == BIGINT:
-            return int(node[1])
-        if tag in (DICT, ODICT):
-            items = [(key_value(k), build(v)) for k, v in node[1]]
-            return collections.OrderedDict(items) if tag == ODICT else dict(items)
-        if tag == LIST:
-            return [build(v) for v in node[1]]
-        if tag == TUPLE:
-            return tuple(build(v) for v in node[1])
-        if tag in (TENSOR, NDARRAY):
-            return get_tensor(node[1], tag == NDARRAY)
-        if tag == NPSCALAR:
-            return np.frombuffer(node[2], dtype=np.dtype(node[1]))[0]
-        if tag == NPGEN:
-            return make_numpy_generator(node[1], build(node[2]))
-        if tag == DTYPE:
-            return TORCH_DTYPES[node[1]]
-        if tag == SIZE:
-            return torch.Size(node[1])
-        if tag == STATEFUL:
-            return build(node[2])
-        raise UnsupportedValueError(f"unknown skeleton node {tag!r}; the repository was written by a newer ckptrepo")
+    return _build(skeleton, get_tensor)
 
-    return build(skeleton)
+
+def _build(node: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
+    """unflatten's recursion, at module level: a nested function that calls itself is a reference cycle
+    (function -> closure cell -> function), which left ~1000 objects per load for the cyclic collector."""
+    tag = node[0]
+    if tag == SCALAR:
+        return node[1]
+    if tag == BIGINT:
+        return int(node[1])
+    if tag in (DICT, ODICT):
+        items = [(key_value(k), _build(v, get_tensor)) for k, v in node[1]]
+        return collections.OrderedDict(items) if tag == ODICT else dict(items)
+    if tag == LIST:
+        return [_build(v, get_tensor) for v in node[1]]
+    if tag == TUPLE:
+        return tuple(_build(v, get_tensor) for v in node[1])
+    if tag in (TENSOR, NDARRAY):
+        return get_tensor(node[1], tag == NDARRAY)
+    if tag == NPSCALAR:
+        return np.frombuffer(node[2], dtype=np.dtype(node[1]))[0]
+    if tag == NPGEN:
+        return make_numpy_generator(node[1], _build(node[2], get_tensor))
+    if tag == DTYPE:
+        return TORCH_DTYPES[node[1]]
+    if tag == SIZE:
+        return torch.Size(node[1])
+    if tag == STATEFUL:
+        return _build(node[2], get_tensor)
+    raise UnsupportedValueError(f"unknown skeleton node {tag!r}; the repository was written by a newer ckptrepo")
 
 
 def _is_numpy_generator(obj: Any) -> bool:
