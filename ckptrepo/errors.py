@@ -101,6 +101,12 @@ def damaged_object_error(objects: str, reason: str, tensors: list[str]) -> Corru
     """The one-line error of a load that met a missing or corrupt stored object: which objects, why, the
     first tensors stored in them, and what to run. Both read paths (whole tensors, resharding pieces) raise it."""
     kind = "missing" if "missing" in reason.lower() or "not found" in reason.lower() else "corrupt"
-    more = f" and {len(tensors) - 5} more" if len(tensors) > 5 else ""
-    return CorruptionError(f"object {objects} is {kind} ({reason}); affected tensors: {', '.join(tensors[:5])}{more}; "
+    return CorruptionError(f"object {objects} is {kind} ({reason}); affected tensors: {some_names(tensors)}; "
                            f"run `ckptrepo fsck`")
+
+
+def some_names(names: list[str], shown: int = 5) -> str:
+    """The first ``shown`` names, then how many more: what a one-line error or fsck line lists of a damaged
+    object's tensors (an object can hold hundreds)."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from .arrays import ArrayInfo, open_array
 from .boxes import check_coverage, volume
-from .errors import CkptRepoError, first_line
+from .errors import CkptRepoError, first_line, some_names
 from .gc import pruned_ids, reachable_versions
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX
 from .repo import Repository
@@ -117,8 +117,7 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
                          if p["array"] == key and p["offset"] < hi
                          and p["offset"] + volume(p["box"][1]) > lo]
                 report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
-                                     f"({first_line(err)}); tensors: {', '.join(names[:5])}"
-                                     + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+                                     f"({first_line(err)}); tensors: {some_names(names)}")
             report.objects += 1
             nbytes = (hi - lo) * info.itemsize
             report.bytes += nbytes
