@@ -345,9 +345,7 @@ def _direct_destination(sp: _Span, info: ArrayInfo,
     if len(sp.jobs) != 1:
         return None
     tp, _sbox, part, _offset, starts, length = sp.jobs[0]
-    view = byte_views.get(id(tp), False)
-    if view is False:
-        view = byte_views[id(tp)] = _byte_view(tp.view, TORCH_DTYPES[info.dtype])
+    view = byte_views[id(tp)]   # made for every one-job span before the reads start (_read)
     if view is None:
         return None
     item = info.itemsize
