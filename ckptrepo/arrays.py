@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .errors import CorruptionError, first_line
+from .errors import CorruptionError, StorageError, first_line, is_storage_failure, storage_failure_hint
 from .store import Store
 
 SHARD_BYTES = 64 << 20
@@ -173,6 +173,9 @@ class ArrayHandles:
             try:
                 h = self._handles[key] = open_array(self.store, info)
             except Exception as err:  # noqa: BLE001
+                reason = first_line(err)
+                if is_storage_failure(reason):
+                    raise StorageError(f"opening array {key} failed: {reason}{storage_failure_hint(reason)}") from err
                 raise CorruptionError(f"array {key} cannot be opened ({first_line(err)}); "
                                       f"run `ckptrepo fsck`") from err
         return h

@@ -83,7 +83,14 @@ def first_line(err: BaseException) -> str:
     """The first line of an exception's message, or its type's name when it has none: what a one-line error
     quotes of a cause (a TensorStore or OS error can run over several lines, and some have no message)."""
     text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[0]
+    # TensorStore appends the whole spec of the array or store it was opening: a kilobyte of JSON that says
+    # nothing the rest of the line does not
+    start = line.find(" [tensorstore_spec='")
+    end = line.rfind("']")
+    return line[:start] + line[end + 2:] if 0 <= start < end else line
 
 
 # words of a read error's first line that mean the object is damaged or gone rather than unreachable
@@ -91,10 +98,31 @@ def first_line(err: BaseException) -> str:
 _DAMAGE_WORDS = ("missing", "not found", "data_loss", "digest", "checksum", "crc", "corrupt", "invalid")
 
 
+# TensorStore's status codes (the first word of its messages) for a store that could not be reached or
+# would not serve us: nothing is known about the object then, so it must not be reported as damaged
+_UNREACHABLE_CODES = frozenset(("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                                "RESOURCE_EXHAUSTED", "CANCELLED"))
+
+
+def is_storage_failure(reason: str) -> bool:
+    """Whether a read error's first line says the store failed us (unreachable, refusing, every retry of a
+    request spent) rather than anything about what it holds: a stopped S3 endpoint must read as
+    a StorageError, not as corrupt objects and a call to run fsck."""
+    return reason.split(":", 1)[0].strip() in _UNREACHABLE_CODES or "retry attempts failed" in reason
+
+
+def storage_failure_hint(reason: str) -> str:
+    """What to do, appended to a storage error whose request was tried until its retries ran out."""
+    if "retry attempts failed" not in reason:
+        return ""
+    return ("; check the URL, the endpoint (AWS_ENDPOINT_URL) and the credentials, or set CKPTREPO_STORE_RETRIES "
+            "to try longer")
+
+
 def looks_damaged(reason: str) -> bool:
     """Whether a read error's first line says the object is missing or corrupt (else: a storage failure)."""
     low = reason.lower()
-    return any(w in low for w in _DAMAGE_WORDS)
+    return not is_storage_failure(reason) and any(w in low for w in _DAMAGE_WORDS)
 
 
 def damaged_object_error(objects: str, reason: str, tensors: list[str]) -> CorruptionError:

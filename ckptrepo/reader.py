@@ -26,7 +26,7 @@ import tensorstore as ts
 import torch
 
 from .arrays import ArrayHandles, ArrayInfo, open_array
-from .errors import StorageError, damaged_object_error, first_line
+from .errors import StorageError, damaged_object_error, first_line, is_storage_failure, storage_failure_hint
 from .providers import TORCH_DTYPES, numel
 from .localread import DirectReader
 from .store import Store
@@ -192,14 +192,21 @@ def read_tensors(store: Store, arrays: dict[str, ArrayInfo], entries: list[Tenso
 
 
 def _read_error(store: Store, info: ArrayInfo, run: _Run, entries: list[TensorEntry], err: Exception) -> Exception:
-    """Name the shard object(s) that fail and the tensors that live in them."""
+    """Name the shard object(s) that fail and the tensors that live in them; a store that failed us is a
+    StorageError (no shard is read again: each read would spend its retries too)."""
+    reason = first_line(err)
+    if is_storage_failure(reason):
+        return StorageError(f"reading {info.key} failed: {reason}{storage_failure_hint(reason)}")
     bad = []
     first, last = run.start // info.shard_elems, (run.stop - 1) // info.shard_elems
     for s in range(first, last + 1):
         lo, hi = max(run.start, s * info.shard_elems), min(run.stop, (s + 1) * info.shard_elems)
         try:
             open_array(store, info)[lo:hi].read().result()
-        except Exception:  # noqa: BLE001
+        except Exception as again:  # noqa: BLE001
+            if is_storage_failure(first_line(again)):
+                return StorageError(f"reading {info.key} failed: {first_line(again)}"
+                                    f"{storage_failure_hint(first_line(again))}")
             bad.append((s, lo, hi))
     if not bad:
         return StorageError(f"reading {info.key} failed: {first_line(err)}")

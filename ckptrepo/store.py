@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import tensorstore as ts
 
-from .errors import StorageError
+from .errors import StorageError, first_line, storage_failure_hint
 
 NO_VALUE = b"\x02"  # TensorStore's StorageGeneration::NoValue(): "key is absent"
 
@@ -30,6 +30,28 @@ def _shared_memory_context() -> ts.Context:
         if _memory_context is None:
             _memory_context = ts.Context()
         return _memory_context
+
+
+# How often one S3 or GCS request is tried, with exponential backoff from 0.5 s up to 8 s between tries.
+# TensorStore's own default (32 tries, up to 32 s apart) kept a request to an unreachable endpoint (a
+# misspelt AWS_ENDPOINT_URL, a stopped server) going for about 15 minutes, so `ckptrepo log` or a load
+# seemed to hang; 8 tries give up after ~40 s with the cause, while riding out a short outage or a burst
+# of throttling. CKPTREPO_STORE_RETRIES sets the count; a URL's ``options`` can carry a whole
+# ``s3_request_retries``/``gcs_request_retries`` object instead (it overrides this one).
+DEFAULT_STORE_RETRIES = 8
+
+
+def request_retries() -> dict[str, Any]:
+    """The retry policy of every S3 and GCS request this process makes (see DEFAULT_STORE_RETRIES)."""
+    raw = os.environ.get("CKPTREPO_STORE_RETRIES", "")
+    try:
+        tries = int(raw) if raw else DEFAULT_STORE_RETRIES
+    except ValueError:
+        raise StorageError(f"CKPTREPO_STORE_RETRIES={raw!r} is not a whole number; set a count such as "
+                           f"{DEFAULT_STORE_RETRIES}, or unset it") from None
+    if tries < 1:
+        raise StorageError(f"CKPTREPO_STORE_RETRIES={raw!r} must be at least 1")
+    return {"max_retries": tries, "initial_delay": "0.5s", "max_delay": "8s"}
 
 
 def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -74,7 +96,8 @@ def _dir(path: str) -> str:
 
 
 def _wrap(err: Exception, what: str) -> StorageError:
-    return StorageError(f"storage error while {what}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    cause = first_line(err)
+    return StorageError(f"storage error while {what}: {cause}{storage_failure_hint(cause)}")
 
 
 @dataclass
@@ -93,11 +116,14 @@ class Store:
         if spec["driver"] == "memory":
             context = _shared_memory_context()
         else:
-            context = ts.Context({
+            resources: dict[str, Any] = {
                 "cache_pool": {"total_bytes_limit": 0},
                 "file_io_concurrency": {"limit": 32},
                 "s3_request_concurrency": {"limit": 32},
-            })
+            }
+            if spec["driver"] in ("s3", "gcs"):
+                resources[f"{spec['driver']}_request_retries"] = request_retries()
+            context = ts.Context(resources)
         try:
             kv = ts.KvStore.open(spec, context=context).result()
         except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends

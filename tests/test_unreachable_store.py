@@ -1,0 +1,120 @@
+"""A store that cannot be reached gives a prompt one-line StorageError, never a hang and never a false report
+of corruption: TensorStore's own retry policy kept a request to a dead S3 endpoint going for ~15 minutes,
+and a load whose endpoint went away used to call its objects corrupt and send the user to fsck."""
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import pytest
+import torch
+
+import ckptrepo
+import ckptrepo.arrays
+from ckptrepo.errors import CorruptionError, StorageError
+from ckptrepo.store import DEFAULT_STORE_RETRIES, Store
+
+from test_cli import run
+
+
+def _closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def dead_endpoint(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("CKPTREPO_STORE_RETRIES", "2")
+
+
+def test_the_cli_on_an_unreachable_endpoint_fails_within_seconds_saying_what_to_check(dead_endpoint):
+    t0 = time.monotonic()
+    r = run("log", repo="s3://no-such-bucket/repo")
+    took = time.monotonic() - t0
+    assert r.returncode == 2 and r.stdout == ""
+    line = r.stderr.strip()
+    assert "\n" not in line and "retry attempts failed" in line and "AWS_ENDPOINT_URL" in line, line
+    assert "CKPTREPO_STORE_RETRIES" in line and "tensorstore_spec" not in line, line
+    assert took < 30, f"{took:.1f}s: the retries were not bounded"
+
+
+def test_every_s3_and_gcs_request_gets_a_bounded_retry_policy(monkeypatch):
+    """The default (no environment variable) and the override, as bound into the store's context."""
+    monkeypatch.delenv("CKPTREPO_STORE_RETRIES", raising=False)
+    for url, resource in (("s3://bucket-a/repo", "s3_request_retries"), ("gs://bucket-a/repo", "gcs_request_retries")):
+        bound = Store.open(url).context.spec.to_json()[resource]
+        assert bound == {"max_retries": DEFAULT_STORE_RETRIES, "initial_delay": "500ms", "max_delay": "8s"}, bound
+    assert DEFAULT_STORE_RETRIES <= 10   # at most 0.5+1+2+4+8*6 s of backoff before a dead endpoint is reported
+    monkeypatch.setenv("CKPTREPO_STORE_RETRIES", "3")
+    assert Store.open("s3://bucket-a/repo").context.spec.to_json()["s3_request_retries"]["max_retries"] == 3
+    monkeypatch.setenv("CKPTREPO_STORE_RETRIES", "soon")
+    with pytest.raises(StorageError, match="CKPTREPO_STORE_RETRIES='soon' is not a whole number"):
+        Store.open("s3://bucket-a/repo")
+
+
+@pytest.mark.parametrize("path", ["whole", "resharding"])
+@pytest.mark.parametrize("stop_before", ["open", "read"])
+def test_a_load_whose_endpoint_goes_away_is_a_storage_error_not_corruption(monkeypatch, path, stop_before):
+    """The S3 server stops just before the load opens the version's array, or just after (before its
+    bytes are read): both read paths must say the store failed, naming nothing as damaged."""
+    pytest.importorskip("moto")
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from _dist_workers import SPLIT_RULES, split_state
+    from ckptrepo.layout import ParallelLayout
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    stopped = []
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                     ("AWS_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", endpoint), ("CKPTREPO_STORE_RETRIES", "2")):
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        bucket = f"going-away-{uuid.uuid4().hex[:12]}"   # moto's buckets live in this process, across servers
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        repo = ckptrepo.init(f"s3://{bucket}/repo")
+        if path == "whole":
+            vid = repo.snapshot({"w": torch.randn(300, 100)}, step=1).id
+            load = lambda: repo.load(vid)  # noqa: E731
+        else:
+            layout = ParallelLayout(rules=SPLIT_RULES)
+            vid = repo.snapshot({"model": split_state(5)}, step=1, parallel_layout=layout).id
+            into = {"model": {"col.weight": torch.empty(4096, 256)}}
+            load = lambda: repo.load(vid, parallel_layout=ParallelLayout(tp=2, rules=SPLIT_RULES),  # noqa: E731
+                                     rank=0, into=into)
+        repo.manifest(vid)   # resolved while the server is up: what fails is the data
+
+        original = ckptrepo.arrays.open_array
+
+        def open_then_stop(store, info):
+            if stop_before == "open" and not stopped:
+                server.stop()
+                stopped.append(True)
+            handle = original(store, info)
+            if not stopped:
+                server.stop()
+                stopped.append(True)
+            return handle
+
+        monkeypatch.setattr(ckptrepo.arrays, "open_array", open_then_stop)
+        with pytest.raises(StorageError) as info:
+            load()
+        assert not isinstance(info.value, CorruptionError)
+        msg = str(info.value)
+        assert stopped and "\n" not in msg and "fsck" not in msg and "corrupt" not in msg, msg
+        assert "retry attempts failed" in msg and "CKPTREPO_STORE_RETRIES" in msg, msg
+    finally:
+        if not stopped:
+            server.stop()
