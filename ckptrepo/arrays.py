@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .errors import CorruptionError, StorageError, first_line, is_storage_failure, storage_failure_hint
+from .errors import CorruptionError, first_line, is_storage_failure, storage_failure
 from .store import Store
 
 SHARD_BYTES = 64 << 20
@@ -175,7 +175,7 @@ class ArrayHandles:
             except Exception as err:  # noqa: BLE001
                 reason = first_line(err)
                 if is_storage_failure(reason):
-                    raise StorageError(f"opening array {key} failed: {reason}{storage_failure_hint(reason)}") from err
+                    raise storage_failure(f"opening array {key}", reason) from err
                 raise CorruptionError(f"array {key} cannot be opened ({first_line(err)}); "
                                       f"run `ckptrepo fsck`") from err
         return h

@@ -119,6 +119,11 @@ def storage_failure_hint(reason: str) -> str:
             "to try longer")
 
 
+def storage_failure(what: str, reason: str) -> StorageError:
+    """The one-line error of an operation the store failed (``reason``: the cause's first line)."""
+    return StorageError(f"{what} failed: {reason}{storage_failure_hint(reason)}")
+
+
 def looks_damaged(reason: str) -> bool:
     """Whether a read error's first line says the object is missing or corrupt (else: a storage failure)."""
     low = reason.lower()

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from .arrays import ArrayInfo, open_array
 from .boxes import check_coverage, volume
-from .errors import CkptRepoError, first_line, some_names
+from .errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
 from .gc import pruned_ids, reachable_versions
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX
 from .repo import Repository
@@ -106,6 +106,7 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
         try:
             arr = open_array(repo.store, info)
         except Exception as err:  # noqa: BLE001
+            _raise_if_unreachable(err, f"opening array {key}")
             report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {first_line(err)}")
             continue
         for s in info.shards():
@@ -113,6 +114,7 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
             try:
                 arr[lo:hi].read().result()
             except Exception as err:  # noqa: BLE001
+                _raise_if_unreachable(err, f"reading {info.shard_key(s)}")
                 names = [t["name"] for t in m["tensors"] for p in t["pieces"]
                          if p["array"] == key and p["offset"] < hi
                          and p["offset"] + volume(p["box"][1]) > lo]
@@ -123,3 +125,10 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
             report.bytes += nbytes
             if on_bytes is not None:
                 on_bytes(nbytes)
+
+
+def _raise_if_unreachable(err: Exception, what: str) -> None:
+    """A store that stopped answering ends the check with a StorageError: reporting every object it could not
+    read as damaged would be false."""
+    if is_storage_failure(first_line(err)):
+        raise storage_failure(what, first_line(err)) from err

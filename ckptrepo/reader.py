@@ -26,7 +26,7 @@ import tensorstore as ts
 import torch
 
 from .arrays import ArrayHandles, ArrayInfo, open_array
-from .errors import StorageError, damaged_object_error, first_line, is_storage_failure, storage_failure_hint
+from .errors import damaged_object_error, first_line, is_storage_failure, storage_failure
 from .providers import TORCH_DTYPES, numel
 from .localread import DirectReader
 from .store import Store
@@ -196,7 +196,7 @@ def _read_error(store: Store, info: ArrayInfo, run: _Run, entries: list[TensorEn
     StorageError (no shard is read again: each read would spend its retries too)."""
     reason = first_line(err)
     if is_storage_failure(reason):
-        return StorageError(f"reading {info.key} failed: {reason}{storage_failure_hint(reason)}")
+        return storage_failure(f"reading {info.key}", reason)
     bad = []
     first, last = run.start // info.shard_elems, (run.stop - 1) // info.shard_elems
     for s in range(first, last + 1):
@@ -205,11 +205,10 @@ def _read_error(store: Store, info: ArrayInfo, run: _Run, entries: list[TensorEn
             open_array(store, info)[lo:hi].read().result()
         except Exception as again:  # noqa: BLE001
             if is_storage_failure(first_line(again)):
-                return StorageError(f"reading {info.key} failed: {first_line(again)}"
-                                    f"{storage_failure_hint(first_line(again))}")
+                return storage_failure(f"reading {info.key}", first_line(again))
             bad.append((s, lo, hi))
     if not bad:
-        return StorageError(f"reading {info.key} failed: {first_line(err)}")
+        return storage_failure(f"reading {info.key}", reason)
     names = [entries[i].name for i in run.members
              if any(entries[i].offset < hi and entries[i].offset + entries[i].numel > lo for _, lo, hi in bad)]
     return damaged_object_error(", ".join(info.shard_key(s) for s, _, _ in bad), first_line(err), names)

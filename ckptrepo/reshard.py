@@ -37,8 +37,7 @@ import torch
 from . import reader
 from .arrays import ArrayHandles, ArrayInfo
 from .boxes import Box, intersect, row_major_strides, runs, slices, volume
-from .errors import (CorruptionError, StorageError, damaged_object_error, first_line, looks_damaged,
-                     storage_failure_hint)
+from .errors import CorruptionError, damaged_object_error, first_line, looks_damaged, storage_failure
 from . import localread
 from .localread import DirectReader
 from .providers import TORCH_DTYPES
@@ -454,7 +453,7 @@ def _span_error(info: ArrayInfo, sp: _Span, err: Exception) -> Exception:
     reason = first_line(err)
     if looks_damaged(reason):
         return damaged_object_error(objects, reason, names)
-    return StorageError(f"reading {objects} failed: {reason}{storage_failure_hint(reason)}")
+    return storage_failure(f"reading {objects}", reason)
 
 
 __all__ = ["ReadStats", "VersionReader", "kvstore_bytes_read", "read_pieces"]

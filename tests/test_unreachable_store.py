@@ -12,6 +12,7 @@ import torch
 
 import ckptrepo
 import ckptrepo.arrays
+import ckptrepo.fsck
 from ckptrepo.errors import CorruptionError, StorageError
 from ckptrepo.store import DEFAULT_STORE_RETRIES, Store
 
@@ -60,23 +61,18 @@ def test_every_s3_and_gcs_request_gets_a_bounded_retry_policy(monkeypatch):
         Store.open("s3://bucket-a/repo")
 
 
-@pytest.mark.parametrize("path", ["whole", "resharding"])
-@pytest.mark.parametrize("stop_before", ["open", "read"])
-def test_a_load_whose_endpoint_goes_away_is_a_storage_error_not_corruption(monkeypatch, path, stop_before):
-    """The S3 server stops just before the load opens the version's array, or just after (before its
-    bytes are read): both read paths must say the store failed, naming nothing as damaged."""
-    pytest.importorskip("moto")
-    import boto3
-    from moto.server import ThreadedMotoServer
+class VanishingS3:
+    """A moto server of the test's own on 127.0.0.1, and a way to stop it at the first array a read opens:
+    just before that open, or just after it (before the bytes are read)."""
 
-    from _dist_workers import SPLIT_RULES, split_state
-    from ckptrepo.layout import ParallelLayout
+    def __init__(self, monkeypatch) -> None:
+        import boto3
+        from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    stopped = []
-    try:
-        host, port = server.get_host_and_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        self.stopped = False
+        host, port = self.server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
         for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                      ("AWS_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", endpoint), ("CKPTREPO_STORE_RETRIES", "2")):
@@ -84,37 +80,79 @@ def test_a_load_whose_endpoint_goes_away_is_a_storage_error_not_corruption(monke
         monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
         bucket = f"going-away-{uuid.uuid4().hex[:12]}"   # moto's buckets live in this process, across servers
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-        repo = ckptrepo.init(f"s3://{bucket}/repo")
-        if path == "whole":
-            vid = repo.snapshot({"w": torch.randn(300, 100)}, step=1).id
-            load = lambda: repo.load(vid)  # noqa: E731
-        else:
-            layout = ParallelLayout(rules=SPLIT_RULES)
-            vid = repo.snapshot({"model": split_state(5)}, step=1, parallel_layout=layout).id
-            into = {"model": {"col.weight": torch.empty(4096, 256)}}
-            load = lambda: repo.load(vid, parallel_layout=ParallelLayout(tp=2, rules=SPLIT_RULES),  # noqa: E731
-                                     rank=0, into=into)
-        repo.manifest(vid)   # resolved while the server is up: what fails is the data
+        self.url = f"s3://{bucket}/repo"
+        self.monkeypatch = monkeypatch
 
+    def stop(self) -> None:
+        if not self.stopped:
+            self.server.stop()
+            self.stopped = True
+
+    def stop_at_first_open(self, before: bool) -> None:
         original = ckptrepo.arrays.open_array
 
         def open_then_stop(store, info):
-            if stop_before == "open" and not stopped:
-                server.stop()
-                stopped.append(True)
+            if before:
+                self.stop()
             handle = original(store, info)
-            if not stopped:
-                server.stop()
-                stopped.append(True)
+            self.stop()
             return handle
 
-        monkeypatch.setattr(ckptrepo.arrays, "open_array", open_then_stop)
-        with pytest.raises(StorageError) as info:
-            load()
-        assert not isinstance(info.value, CorruptionError)
-        msg = str(info.value)
-        assert stopped and "\n" not in msg and "fsck" not in msg and "corrupt" not in msg, msg
-        assert "retry attempts failed" in msg and "CKPTREPO_STORE_RETRIES" in msg, msg
+        self.monkeypatch.setattr(ckptrepo.arrays, "open_array", open_then_stop)
+        self.monkeypatch.setattr(ckptrepo.fsck, "open_array", open_then_stop)
+
+
+@pytest.fixture
+def vanishing_s3(monkeypatch):
+    pytest.importorskip("moto")
+    s3 = VanishingS3(monkeypatch)
+    try:
+        yield s3
     finally:
-        if not stopped:
-            server.stop()
+        s3.stop()
+
+
+def _assert_a_storage_failure(err: BaseException) -> None:
+    msg = str(err)
+    assert isinstance(err, StorageError) and not isinstance(err, CorruptionError), repr(err)
+    assert "\n" not in msg and "fsck" not in msg and "corrupt" not in msg, msg
+    assert "retry attempts failed" in msg and "CKPTREPO_STORE_RETRIES" in msg, msg
+
+
+@pytest.mark.parametrize("path", ["whole", "resharding"])
+@pytest.mark.parametrize("stop_before", ["open", "read"])
+def test_a_load_whose_endpoint_goes_away_is_a_storage_error_not_corruption(vanishing_s3, path, stop_before):
+    """Both read paths must say the store failed, naming nothing as damaged."""
+    from _dist_workers import SPLIT_RULES, split_state
+    from ckptrepo.layout import ParallelLayout
+
+    repo = ckptrepo.init(vanishing_s3.url)
+    if path == "whole":
+        vid = repo.snapshot({"w": torch.randn(300, 100)}, step=1).id
+        load = lambda: repo.load(vid)  # noqa: E731
+    else:
+        layout = ParallelLayout(rules=SPLIT_RULES)
+        vid = repo.snapshot({"model": split_state(5)}, step=1, parallel_layout=layout).id
+        into = {"model": {"col.weight": torch.empty(4096, 256)}}
+        load = lambda: repo.load(vid, parallel_layout=ParallelLayout(tp=2, rules=SPLIT_RULES),  # noqa: E731
+                                 rank=0, into=into)
+    repo.manifest(vid)   # resolved while the server is up: what fails is the data
+    vanishing_s3.stop_at_first_open(before=stop_before == "open")
+    with pytest.raises(StorageError) as info:
+        load()
+    assert vanishing_s3.stopped
+    _assert_a_storage_failure(info.value)
+
+
+@pytest.mark.parametrize("stop_before", ["open", "read"])
+def test_fsck_stops_with_a_storage_error_when_the_endpoint_goes_away(vanishing_s3, stop_before):
+    """fsck reports damage and never raises for it; a store that stops answering is not damage."""
+    repo = ckptrepo.init(vanishing_s3.url)
+    repo.snapshot({"w": torch.randn(300, 100)}, step=1)
+    vanishing_s3.stop_at_first_open(before=stop_before == "open")
+    with pytest.raises(StorageError) as info:
+        repo.fsck()
+    assert vanishing_s3.stopped
+    _assert_a_storage_failure(info.value)
+    what = "opening array data/" if stop_before == "open" else "reading data/"
+    assert str(info.value).startswith(what), str(info.value)   # where it stopped, not a later request
