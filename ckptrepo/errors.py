@@ -86,11 +86,14 @@ def first_line(err: BaseException) -> str:
     if not text:
         return type(err).__name__
     line = text.splitlines()[0]
-    # TensorStore appends the whole spec of the array or store it was opening: a kilobyte of JSON that says
-    # nothing the rest of the line does not
-    start = line.find(" [tensorstore_spec='")
+    # TensorStore appends the whole spec of the array or store it was opening (a kilobyte of JSON) and an
+    # HTTP error's XML body: neither says anything the rest of the line does not
+    cut = min((i for i in (line.find(m) for m in _BULKY_PAYLOADS) if i >= 0), default=-1)
     end = line.rfind("']")
-    return line[:start] + line[end + 2:] if 0 <= start < end else line
+    return line[:cut] + line[end + 2:] if 0 <= cut < end else line
+
+
+_BULKY_PAYLOADS = (" [tensorstore_spec='", " [http_response_body='")
 
 
 # words of a read error's first line that mean the object is damaged or gone rather than unreachable

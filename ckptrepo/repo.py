@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from . import revisions
 from .arrays import ArrayInfo, itemsize
-from .errors import CkptRepoError, NotARepositoryError, RepositoryExistsError, RevisionError, SnapshotFailedError
+from .errors import (CkptRepoError, NotARepositoryError, RepositoryExistsError, RevisionError, SnapshotFailedError,
+                     StorageError)
 from .manifest import (CONFIG_KEY, FAILURES_PREFIX, VERSIONS_PREFIX, Version, decode_config, encode_config, unseal,
                        version_from_manifest)
 from .manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
@@ -40,6 +41,16 @@ def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None
     """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
     store = Store.open(url, options)
     if not store.put_if_absent(CONFIG_KEY, encode_config({"created": time.time(), "default_branch": DEFAULT_BRANCH})):
+        if store.get(CONFIG_KEY) is None:
+            # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
+            # bucket that does not exist as a failed condition; listing says why (NoSuchBucket, ...)
+            try:
+                store.list()
+                reason = "the store did not take the write"
+            except StorageError as err:
+                reason = str(err)
+            raise StorageError(f"could not create a repository at {url} ({reason}); check that the bucket exists "
+                               f"and is writable")
         if not exist_ok:
             raise RepositoryExistsError(f"a repository already exists at {url}; open it with ckptrepo.open, "
                                         f"or pass exist_ok=True")

@@ -1,6 +1,7 @@
-"""A store that cannot be reached gives a prompt one-line StorageError, never a hang and never a false report
-of corruption: TensorStore's own retry policy kept a request to a dead S3 endpoint going for ~15 minutes,
-and a load whose endpoint went away used to call its objects corrupt and send the user to fsck."""
+"""A store that cannot be reached, or a bucket that does not exist, gives a prompt one-line StorageError: never
+a hang, never a false report of corruption. TensorStore's own retry policy kept a request to a dead S3 endpoint
+going for ~15 minutes, and a load whose endpoint went away used to call its objects corrupt and send the user to
+fsck."""
 from __future__ import annotations
 
 import socket
@@ -156,3 +157,16 @@ def test_fsck_stops_with_a_storage_error_when_the_endpoint_goes_away(vanishing_s
     _assert_a_storage_failure(info.value)
     what = "opening array data/" if stop_before == "open" else "reading data/"
     assert str(info.value).startswith(what), str(info.value)   # where it stopped, not a later request
+
+
+def test_init_in_a_bucket_that_does_not_exist_says_so(s3_endpoint):
+    """TensorStore answers a conditional write into a missing bucket as a failed condition, which init took
+    for an existing repository ("a repository already exists ... open it")."""
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/repo"
+    with pytest.raises(StorageError) as info:
+        ckptrepo.init(url)
+    msg = str(info.value)
+    assert "NoSuchBucket" in msg and "check that the bucket exists" in msg, msg
+    assert "already exists" not in msg and "http_response_body" not in msg and "\n" not in msg, msg
+    r = run("init", url)
+    assert r.returncode == 2 and "NoSuchBucket" in r.stderr and r.stderr.count("\n") == 1, r.stderr
