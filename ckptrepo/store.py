@@ -12,6 +12,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+from urllib.parse import unquote
 
 import tensorstore as ts
 
@@ -68,8 +69,8 @@ def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> di
         spec: dict[str, Any] = {"driver": "file", "path": _dir(os.path.abspath(url))}
     else:
         scheme, rest = url.split("://", 1)
-        if scheme == "file":
-            spec = {"driver": "file", "path": _dir(os.path.abspath(rest))}
+        if scheme == "file":   # a URL: percent-encoded (file:///data/my%20runs is /data/my runs)
+            spec = {"driver": "file", "path": _dir(os.path.abspath(unquote(rest)))}
         elif scheme == "memory":
             spec = {"driver": "memory", "path": _dir(rest) if rest else ""}
         elif scheme in ("s3", "gs"):

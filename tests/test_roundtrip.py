@@ -188,3 +188,13 @@ def test_plan_is_reused_for_the_same_structure(repo):
         repo.snapshot(state, step=step)
     assert repo.plans.misses == 1
     assert_bit_exact(state, repo.load("HEAD"))
+
+
+def test_a_file_url_is_percent_decoded_and_names_the_same_repository_as_the_path(tmp_path):
+    """``file:///runs/my%20run`` is the directory ``/runs/my run`` (RFC 8089), as a plain path would name it."""
+    path = tmp_path / "my run" / "repo"
+    url = "file://" + str(path).replace(" ", "%20")
+    v = ckptrepo.init(url).snapshot({"x": torch.arange(6.0)}, step=3)
+    assert (tmp_path / "my run" / "repo").is_dir() and not (tmp_path / "my%20run").exists()
+    assert ckptrepo.open(str(path)).log()[0].id == v.id
+    assert torch.equal(ckptrepo.open(url).load("HEAD")["x"], torch.arange(6.0))
