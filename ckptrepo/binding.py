@@ -39,13 +39,12 @@ class Binder:
             return self._bind_tensor(node, target, path)
         if tag == STATEFUL:
             if is_stateful(target):
-                inner = self.bind(node[2], target.state_dict(), path)
-
-                def load_stateful() -> Any:
-                    target.load_state_dict(inner())
-                    return target
-                return load_stateful
+                return self._bind_stateful(node[2], target, path)
             return self.bind(node[2], target, path)
+        if tag in (DICT, ODICT) and is_stateful(target):
+            # saved as `model.state_dict()`, loaded into the model itself (what DCP users write): filled as if the
+            # module had been saved, where replacing it with the dict would leave the caller's module untouched
+            return self._bind_stateful(node, target, path)
         if tag == NPGEN and isinstance(target, np.random.Generator):
             def set_state() -> Any:
                 target.bit_generator.state = self.build(node).bit_generator.state
@@ -60,6 +59,15 @@ class Binder:
                                      f"saved a {_kind(tag)} there; load without into= to see what was saved")
         return lambda: self.build(node)
 
+    def _bind_stateful(self, node: Any, target: Any, path: tuple[Any, ...]) -> Finalizer:
+        """Fill ``target.state_dict()`` from the saved dict ``node``, then hand it to ``target.load_state_dict``."""
+        inner = self.bind(node, target.state_dict(), path)
+
+        def load_stateful() -> Any:
+            target.load_state_dict(inner())
+            return target
+        return load_stateful
+
     def _bind_tensor(self, node: Any, target: Any, path: tuple[Any, ...]) -> Finalizer:
         e = self.entries[node[1]]
         dest = target
@@ -72,6 +80,8 @@ class Binder:
                 return lambda: self.build(node)
             raise StateMismatchError(f"{_p(path)}: version {self.version[:12]} saved a tensor there but `into` "
                                      f"holds {type(target).__name__}; pass a tensor of shape {list(e.shape)}")
+        if dest.is_meta:
+            raise meta_target_error(_p(path))
         if tuple(dest.shape) != e.shape:
             raise StateMismatchError(f"{_p(path)}: shape {list(dest.shape)} in `into` but {list(e.shape)} in version "
                                      f"{self.version[:12]}; build the state with the saved configuration")
@@ -115,6 +125,14 @@ class Binder:
                 return target
             return assign
         return lambda: (list if node[0] == LIST else tuple)(fin() for fin in finals)
+
+
+def meta_target_error(where: str) -> StateMismatchError:
+    """A tensor of ``into`` on the meta device: copying into it does nothing and raises nothing, so a load
+    would return the state untouched, as if restored."""
+    return StateMismatchError(f"{where}: the tensor in `into` is on the meta device, with no memory to load into; "
+                              f"materialise the model first (module.to_empty(device=...)), or load without into= "
+                              f"and call load_state_dict(..., assign=True)")
 
 
 def _kind(tag: str) -> str:

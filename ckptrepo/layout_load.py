@@ -27,7 +27,8 @@ from .boxes import volume
 from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
-from .providers import DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten, unflatten
+from .providers import (DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten,
+                        is_stateful, unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import LocalParam, Rules
 from .sharding import Sharder, is_dtensor
@@ -133,7 +134,9 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     if fresh:
         into = _build(manifest, tree, leaf_names, target, rank, shapes)
     _, records = flatten(into)
-    per_rank = tmpl if world > 1 else None
+    # a save with a layout (its degrees recorded) stores per-rank tensors as <path>@rank<r>, a single process's
+    # too; a plain version stores them under their path
+    per_rank = tmpl if world > 1 or "tp" in manifest.get("layout", {}) else None
     sharder = Sharder(target, rank, per_rank, gshape_of=lambda n: shapes[n][0] if n in shapes else None)
     sharded = sharder.shard(records)
     # an unsharded load (no layout) takes saved rank 0's, as documented; DTensors under a process group do not
@@ -231,31 +234,39 @@ def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: P
         build = None  # type: ignore[assignment]  # noqa: F841 - it calls itself through its closure cell: a cycle
 
 
-def _merge_plain(node: Any, target: Any) -> None:
-    """Set the template's plain values (step counters, seeds) into ``target``'s matching dicts and lists."""
+def _merge_plain(node: Any, target: Any) -> bool:
+    """Set the template's plain values (step counters, seeds, learning rates) into ``target``'s matching dicts
+    and lists; returns whether it set any. Tensors were filled in place already.
+
+    A stateful object (module, optimizer) stays where it is: its ``state_dict()`` takes the plain values and
+    goes back through ``load_state_dict``, as a load without a layout does (an optimizer's learning rate
+    lives only there). A module whose state holds nothing plain is not reloaded: its tensors are its own.
+    """
     tag = node[0]
+    if is_stateful(target) and tag in (STATEFUL, DICT, ODICT):
+        state = target.state_dict()
+        if _merge_plain(node[2] if tag == STATEFUL else node, state) or not isinstance(target, torch.nn.Module):
+            target.load_state_dict(state)
+        return False
     if tag == STATEFUL:
-        _merge_plain(node[2], target)
-        return
+        return _merge_plain(node[2], target)
+    changed = False
     if tag in (DICT, ODICT) and isinstance(target, dict):
-        for k, v in node[1]:
-            key = unflatten(k, lambda i, n: None)
-            if key not in target:
-                continue
-            if v[0] in (TENSOR, NDARRAY):
-                continue
-            if isinstance(target[key], (dict, list)) and v[0] in (DICT, ODICT, LIST, STATEFUL):
-                _merge_plain(v, target[key])
-            elif not isinstance(target[key], (torch.Tensor, tuple)):
-                target[key] = unflatten(v, lambda i, n: None)
+        items = ((unflatten(k, lambda i, n: None), v) for k, v in node[1])
     elif tag == LIST and isinstance(target, list) and len(target) == len(node[1]):
-        for i, v in enumerate(node[1]):
-            if v[0] in (TENSOR, NDARRAY):
-                continue
-            if isinstance(target[i], (dict, list)):
-                _merge_plain(v, target[i])
-            elif not isinstance(target[i], torch.Tensor):
-                target[i] = unflatten(v, lambda i, n: None)
+        items = enumerate(node[1])
+    else:
+        return False
+    for key, v in items:
+        if (isinstance(target, dict) and key not in target) or v[0] in (TENSOR, NDARRAY):
+            continue
+        value = target[key]
+        if is_stateful(value) or (isinstance(value, (dict, list)) and v[0] in (DICT, ODICT, LIST, STATEFUL)):
+            changed |= _merge_plain(v, value)
+        elif not isinstance(value, (torch.Tensor, tuple)):
+            target[key] = unflatten(v, lambda i, n: None)
+            changed = True
+    return changed
 
 
 def _to_device(obj: Any, device: Any) -> Any:

@@ -70,8 +70,11 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
     def add_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> int:
         if t.layout != torch.strided:
             raise UnsupportedValueError(f"{_path_str(path)}: {t.layout} tensors are not supported; convert with .to_dense()")
-        if t.is_quantized or t.device.type == "meta":
-            raise UnsupportedValueError(f"{_path_str(path)}: {'quantized' if t.is_quantized else 'meta'} tensors cannot be saved")
+        if t.is_quantized:
+            raise UnsupportedValueError(f"{_path_str(path)}: quantized tensors cannot be saved")
+        if t.device.type == "meta":   # flattened to save, and to load into (a layout load's `into`)
+            raise UnsupportedValueError(f"{_path_str(path)}: a meta tensor holds no data, to save or to load into; "
+                                        f"materialise the model first (module.to_empty(device=...))")
         if t.dtype not in DTYPE_NAMES:
             raise UnsupportedValueError(f"{_path_str(path)}: dtype {t.dtype} is not supported")
         name = "/".join(_key_str(k) for k in path) or "<root>"

@@ -75,3 +75,20 @@ def test_a_cause_is_quoted_by_its_first_line_or_its_type():
     assert first_line(ValueError("bad chunk\n  at offset 4096")) == "bad chunk"
     assert first_line(OSError()) == "OSError"
     assert first_line(RuntimeError("  \n")) == "RuntimeError"
+
+
+@pytest.mark.parametrize("path", ["plain", "layout"])
+def test_loading_into_meta_tensors_is_refused_not_silently_skipped(repo, path):
+    """Copying into a meta tensor does nothing and raises nothing: a load into a model built on the meta device
+    returned it untouched, as if restored."""
+    from ckptrepo.errors import CkptRepoError
+    from ckptrepo.layout import ParallelLayout
+
+    layout = ParallelLayout() if path == "layout" else None
+    repo.snapshot({"model": torch.nn.Linear(4, 3).state_dict()}, step=1, parallel_layout=layout)
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    with pytest.raises(CkptRepoError) as info:
+        repo.load("HEAD", into={"model": model}, parallel_layout=layout)
+    msg = str(info.value)
+    assert "['model']['weight']" in msg and "meta" in msg and "to_empty" in msg and "\n" not in msg, msg

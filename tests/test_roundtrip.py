@@ -5,6 +5,7 @@ import collections
 import random
 
 import numpy as np
+import pytest
 import torch
 
 import ckptrepo
@@ -198,3 +199,38 @@ def test_a_file_url_is_percent_decoded_and_names_the_same_repository_as_the_path
     assert (tmp_path / "my run" / "repo").is_dir() and not (tmp_path / "my%20run").exists()
     assert ckptrepo.open(str(path)).log()[0].id == v.id
     assert torch.equal(ckptrepo.open(url).load("HEAD")["x"], torch.arange(6.0))
+
+
+def _trained_pair(lr: float):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["lr"] = lr
+    return model, opt
+
+
+@pytest.mark.parametrize("saved_as", ["objects", "state_dicts"])
+@pytest.mark.parametrize("path", ["plain", "layout"])
+def test_into_modules_and_optimizers_fills_them_in_place_however_they_were_saved(repo, saved_as, path):
+    """`into={"model": model, "optim": opt}` fills that module and optimizer (weights, moments, learning rate,
+    buffers) and leaves them in the returned dict, whether the version holds the objects or their
+    `state_dict()`s (DCP's habit), with or without a parallel layout. The layout path used to lose the learning
+    rate and put a dict of Nones in the module's place; the plain path replaced a module with the saved dict."""
+    from ckptrepo.layout import ParallelLayout
+
+    model, opt = _trained_pair(lr=0.123)
+    saved = {"model": model, "optim": opt} if saved_as == "objects" else \
+        {"model": model.state_dict(), "optim": opt.state_dict()}
+    layout = ParallelLayout() if path == "layout" else None
+    repo.snapshot({**saved, "step": 7}, step=7, parallel_layout=layout)
+    model2, opt2 = _trained_pair(lr=0.5)
+    into = {"model": model2, "optim": opt2, "step": 0}
+    out = repo.load("HEAD", into=into, parallel_layout=layout)
+    assert out["model"] is model2 and out["optim"] is opt2 and out["step"] == 7
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v), k
+    assert opt2.param_groups[0]["lr"] == 0.123
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt2.state[p2][k], opt.state[p][k]), k
