@@ -31,6 +31,10 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.complex64: "complex64", torch.complex128: "complex128",
     torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
 }
+# the other float8 formats torch and TensorStore (zarr v3 through ml_dtypes) share: the AMD "fnuz" pair and the
+# power-of-two scale type of MX formats; looked up by name, as older torch builds lack some of them
+DTYPE_NAMES.update({getattr(torch, name): name for name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+                    if hasattr(torch, name)})
 TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 
 

@@ -13,7 +13,8 @@ from helpers import assert_bit_exact
 
 ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
               torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
-              torch.complex128, torch.uint16, torch.uint32, torch.uint64]
+              torch.complex128, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+              torch.float8_e8m0fnu]
 
 
 def training_objects(seed: int = 0):
