@@ -128,6 +128,22 @@ def _walk(repo: Any, parents: Mapping[str, Sequence[str]]) -> tuple[set[str], li
     return seen, unknown
 
 
+def reaches(repo: Any, starts: Sequence[str], target: str) -> bool:
+    """Whether ``target`` is one of ``starts`` or an ancestor of one (manifest headers, read as the walk needs
+    them, and only until it is found)."""
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack:
+        vid = stack.pop()
+        if vid == target:
+            return True
+        if vid in seen:
+            continue
+        seen.add(vid)
+        stack.extend(repo.header(vid).get("parents", []))
+    return False
+
+
 def _refuse_dangling(repo: Any, unknown: list[str]) -> None:
     """Stop gc before it deletes anything when a ref or a parent link names a version whose manifest is gone.
 

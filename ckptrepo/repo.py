@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from . import revisions
 from .arrays import ArrayInfo, itemsize
-from .errors import (CkptRepoError, NotARepositoryError, RepositoryExistsError, RevisionError, SnapshotFailedError,
-                     StorageError)
+from .errors import (CkptRepoError, NotARepositoryError, RefError, RepositoryExistsError, RevisionError,
+                     SnapshotFailedError, StorageError)
 from .manifest import (CONFIG_KEY, FAILURES_PREFIX, VERSIONS_PREFIX, Version, decode_config, encode_config, unseal,
                        version_from_manifest)
 from .manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
@@ -366,6 +366,31 @@ class Repository:
         vid = self.resolve(rev)
         self.refs.create_tag(name, vid)
         return self.version(vid)
+
+    def delete_branch(self, name: str, force: bool = False) -> str:
+        """Delete branch ``name`` (``git branch -d``); returns the version it pointed at.
+
+        Refused for the branch HEAD is on, and, unless ``force``, when its tip is reachable from no other
+        branch, tag or a detached HEAD: its versions would then be left to gc. The versions themselves stay
+        until gc finds them unreferenced (and older than its grace period).
+        """
+        from .gc import reaches
+        head = self.refs.head()
+        if head.branch == name:
+            raise RefError(f"branch {name!r} is checked out; check out another branch or version first")
+        tip = self.refs.branch_tip(name)
+        if tip is not None and not force:
+            others = [v for b, v in self.refs.branches().items() if b != name] + list(self.refs.tags().values())
+            if head.version:
+                others.append(head.version)
+            if not reaches(self, others, tip):
+                raise RefError(f"no other branch, tag or HEAD reaches {name!r}'s tip {tip[:12]}, so gc would delete "
+                               f"the versions only it holds; tag it to keep them, or delete anyway (`branch -D`)")
+        return self.refs.delete("branch", name)
+
+    def delete_tag(self, name: str) -> str:
+        """Delete tag ``name`` (``git tag -d``); returns the version it pointed at, which gc may then collect."""
+        return self.refs.delete("tag", name)
 
     def branches(self) -> dict[str, str]:
         """Branch name -> version id."""

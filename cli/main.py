@@ -211,25 +211,38 @@ def _list_refs(refs: dict[str, str], current: str | None, as_json: bool) -> None
 
 
 def _ref_command(kind: str, doc: str):
-    """``branch`` and ``tag``: list with no NAME, else create NAME at REV."""
+    """``branch`` and ``tag``: list with no NAME, create NAME at REV, or delete NAME with -d."""
     @cli.command(name=kind, help=doc)
     @click.argument("name", required=False)
     @click.argument("rev", required=False, default="HEAD")
+    @click.option("-d", "--delete", "delete", is_flag=True, help=f"Delete {kind} NAME.")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
     @click.pass_context
-    def command(ctx: click.Context, name: str | None, rev: str, as_json: bool) -> None:
+    def command(ctx: click.Context, name: str | None, rev: str, delete: bool, as_json: bool, force: bool = False) -> None:
         repo = _repo(ctx)
         if name is None:
+            if delete or force:
+                raise click.UsageError(f"name the {kind} to delete")
             refs = repo.branches() if kind == "branch" else repo.tags()
             _list_refs(refs, repo.current_branch() if kind == "branch" else None, as_json)
             return
+        if delete or force:
+            if rev != "HEAD":
+                raise click.UsageError(f"-d takes one {kind} name, not a revision")
+            was = repo.delete_branch(name, force=force) if kind == "branch" else repo.delete_tag(name)
+            click.echo(f"deleted {kind} {name!r} (was {was[:12]})")
+            return
         v = (repo.branch if kind == "branch" else repo.tag)(name, rev)
         click.echo(f"created {kind} {name!r} at {v.short_id}")
+    if kind == "branch":
+        command = click.option("-D", "force", is_flag=True,
+                               help="Delete branch NAME even if no other ref reaches its versions (gc may then "
+                                    "collect them).")(command)
     return command
 
 
-branch = _ref_command("branch", "List branches, or create branch NAME at REV (default HEAD).")
-tag = _ref_command("tag", "List tags, or create tag NAME at REV (default HEAD); tags never move.")
+branch = _ref_command("branch", "List branches, create branch NAME at REV (default HEAD), or delete one (-d, -D).")
+tag = _ref_command("tag", "List tags, create tag NAME at REV (default HEAD; tags never move), or delete one (-d).")
 
 
 @cli.command()

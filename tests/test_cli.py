@@ -131,6 +131,23 @@ def test_gc_keeps_the_best_versions_by_a_metric(populated):
     assert p.returncode == 0 and "pruned 2" in p.stdout, p.stdout   # the lowest loss is the head's: 0 and 10 go
 
 
+def test_branch_and_tag_deletion(populated):
+    url, repo = populated
+    assert run("branch", "retry", "@0", repo=url).returncode == 0     # a tip main's history reaches
+    p = run("branch", "-d", "retry", repo=url)
+    assert p.returncode == 0 and p.stdout.strip() == f"deleted branch 'retry' (was {repo.resolve('@0')[:12]})"
+    repo.checkout("@0", branch="exp")
+    repo.snapshot({"w": torch.ones(2)}, step=5)
+    repo.checkout("main")
+    p = run("branch", "-d", "exp", repo=url)
+    assert p.returncode == 2 and "`branch -D`" in p.stderr and p.stderr.count("\n") == 1
+    assert run("branch", "-D", "exp", repo=url).returncode == 0 and set(repo.branches()) == {"main"}
+    p = run("branch", "-d", "main", repo=url)
+    assert p.returncode == 2 and "is checked out" in p.stderr
+    assert run("tag", "-d", "good", repo=url).returncode == 0 and repo.tags() == {}
+    assert run("branch", "-d", repo=url).returncode == 2 and run("branch", "-d", "x", "@0", repo=url).returncode == 2
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["log"], "is not a ckptrepo repository"),
     (["show", "nope"], "unknown revision 'nope'"),

@@ -179,3 +179,53 @@ def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatc
         calls.clear()
         assert run(ckptrepo.open(s3_url))
         assert calls["get"] == 0 and calls["get_many"] == batches and calls["batched"] == 70 * batches // 2, calls
+
+
+def test_deleting_a_branch_guards_its_versions_and_gc_then_collects_them(repo):
+    """`branch -d` (git's): never the checked-out branch; a branch whose tip no other ref reaches only with
+    force; once it is gone, gc deletes the versions only it held and nothing else."""
+    base, main_tip = commit_steps(repo, [1, 2])
+    repo.checkout(base, branch="exp")
+    exp_tip = repo.snapshot({"w": torch.full((2,), 5.0)}, step=3).id
+    with pytest.raises(RefError, match="'exp' is checked out"):
+        repo.delete_branch("exp")
+    repo.checkout("main")
+    with pytest.raises(RefError, match="gc would delete the versions only it holds"):
+        repo.delete_branch("exp")
+    repo.branch("side", "exp")                       # another ref reaches the tip: plain -d is allowed
+    assert repo.delete_branch("exp") == exp_tip
+    with pytest.raises(RefError, match="no branch named 'exp'"):
+        repo.delete_branch("exp")
+    assert repo.delete_branch("side", force=True) == exp_tip
+    assert set(repo.branches()) == {"main"}
+    report = repo.gc(grace_period_s=0)
+    assert report.collected == [exp_tip] and report.bytes_freed > 0, report
+    assert {v.id for v in repo.log(all=True)} == {base, main_tip}
+    assert torch.equal(repo.load("main")["w"], torch.full((2,), 2.0)) and torch.equal(repo.load(base)["w"], torch.ones(2))
+
+
+def test_deleting_a_tag_and_a_branch_that_moved_meanwhile(repo, monkeypatch):
+    from ckptrepo.errors import ConflictError
+    from ckptrepo.manifest import HEADS_PREFIX
+
+    first, second = commit_steps(repo, [1, 2])
+    repo.tag("best", first)
+    assert repo.delete_tag("best") == first and repo.tags() == {}
+    with pytest.raises(RefError, match="no tag named 'best'"):
+        repo.delete_tag("best")
+    # a snapshot lands on the branch between the read of its tip and the delete: the delete must not win
+    repo.branch("exp", first)
+    store = repo.store
+    read = store.get_with_generation
+
+    def read_then_move(key):
+        got = read(key)
+        if key == HEADS_PREFIX + "exp":
+            store.put(key, second.encode())
+        return got
+
+    monkeypatch.setattr(store, "get_with_generation", read_then_move)
+    with pytest.raises(ConflictError, match="moved while it was being deleted"):
+        repo.delete_branch("exp")
+    monkeypatch.undo()
+    assert repo.branches()["exp"] == second
