@@ -176,6 +176,6 @@ class ArrayHandles:
                 reason = first_line(err)
                 if is_storage_failure(reason):
                     raise storage_failure(f"opening array {key}", reason) from err
-                raise CorruptionError(f"array {key} cannot be opened ({first_line(err)}); "
+                raise CorruptionError(f"array {key} cannot be opened ({reason}); "
                                       f"run `ckptrepo fsck`") from err
         return h

@@ -73,16 +73,22 @@ class Refs:
         if not self.store.put_if_absent(TAGS_PREFIX + name, version.encode()):
             raise RefError(f"tag {name!r} already exists; tags never move, so pick another name")
 
-    def delete(self, kind: str, name: str) -> str:
-        """Delete branch or tag ``name`` (``kind``), unless it moves meanwhile; returns what it pointed at."""
+    def delete(self, kind: str, name: str, seen: tuple[str | None, bytes] | None = None) -> str:
+        """Delete branch or tag ``name`` (``kind``) unless it moved meanwhile; returns what it pointed at.
+
+        ``seen``: the value and generation the caller read (and judged safe to delete); default: read here.
+        """
         key = (HEADS_PREFIX if kind == "branch" else TAGS_PREFIX) + name
-        raw, gen = self.store.get_with_generation(key)
-        if raw is None:
+        if seen is None:
+            raw, gen = self.store.get_with_generation(key)
+            seen = (raw.decode().strip() if raw else None), gen
+        value, gen = seen
+        if value is None:
             raise RefError(f"no {kind} named {name!r}; list them with `ckptrepo {kind}`")
         if self.store.compare_and_swap(key, None, gen) is None:
             raise ConflictError(f"{kind} {name!r} moved while it was being deleted (a snapshot landed on it); "
                                 f"run the command again")
-        return raw.decode().strip()
+        return value
 
     def tag_target(self, name: str) -> str | None:
         raw = self.store.get(TAGS_PREFIX + name)

@@ -378,7 +378,7 @@ class Repository:
         head = self.refs.head()
         if head.branch == name:
             raise RefError(f"branch {name!r} is checked out; check out another branch or version first")
-        tip = self.refs.branch_tip(name)
+        tip, gen = self.refs.branch_tip_with_generation(name)   # deleted only if still there after the check
         if tip is not None and not force:
             others = [v for b, v in self.refs.branches().items() if b != name] + list(self.refs.tags().values())
             if head.version:
@@ -386,7 +386,7 @@ class Repository:
             if not reaches(self, others, tip):
                 raise RefError(f"no other branch, tag or HEAD reaches {name!r}'s tip {tip[:12]}, so gc would delete "
                                f"the versions only it holds; tag it to keep them, or delete anyway (`branch -D`)")
-        return self.refs.delete("branch", name)
+        return self.refs.delete("branch", name, seen=(tip, gen))
 
     def delete_tag(self, name: str) -> str:
         """Delete tag ``name`` (``git tag -d``); returns the version it pointed at, which gc may then collect."""
