@@ -169,6 +169,8 @@ def diff_versions(repo: Any, a: str, b: str, pattern: str | None = None,
     """Compare versions ``a`` and ``b`` tensor by tensor (streamed) and object by object."""
     va, vb = repo.resolve(a), repo.resolve(b)
     ma, mb = repo.manifest(va), repo.manifest(vb)
+    repo.require_data(va, ma)
+    repo.require_data(vb, mb)
     ta = {t["name"]: t for t in ma["tensors"]}
     tb = {t["name"]: t for t in mb["tensors"]}
     ca, cb = _Chunks(repo, ma), _Chunks(repo, mb)
@@ -252,6 +254,7 @@ def tensor_stats(repo: Any, rev: str, pattern: str | None = None,
     """Norm, mean, std, min/max and NaN/Inf counts of every tensor of ``rev`` (streamed)."""
     vid = repo.resolve(rev)
     m = repo.manifest(vid)
+    repo.require_data(vid, m)
     chunks = _Chunks(repo, m)
     out = []
     for entry in m["tensors"]:
@@ -316,15 +319,20 @@ def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD",
 
     ``norm`` is ||v_i||; ``delta`` is ||v_i - v_{i-1}|| and ``relative-change``
     ||v_i - v_{i-1}|| / ||v_{i-1}|| against the previous version in the range
-    (absent for the first one). Steps outside [since, until] are skipped.
+    (absent for the first one). Steps outside [since, until] are skipped, and so are versions gc pruned
+    (a delta then spans the gap, from the previous kept version).
     Streamed like ``diff``: memory stays bounded.
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
     from .manifest_reads import HeaderWalk
+    from .gc import pruned_ids
+    pruned = pruned_ids(repo)   # their data is gone: skipped, and a delta spans the gap to the previous kept one
     chain: list[tuple[str, int | None]] = []   # (version, step), newest first until reversed
     for vid, m in HeaderWalk(repo.reads).chain(repo.resolve(rev)):
         step = m["step"]
+        if vid in pruned:
+            continue
         if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
             chain.append((vid, step))
     chain.reverse()

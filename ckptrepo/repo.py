@@ -242,13 +242,18 @@ class Repository:
         with collection_paused():
             return self._load(rev, into, map_location, device, on_bytes, parallel_layout, rank, read_stats)
 
+    def require_data(self, vid: str, manifest: dict[str, Any]) -> None:
+        """Refuse, in one line, to read the tensors of a version gc pruned (its history stays, its data is gone):
+        every reader (load, diff, stats) says so instead of failing on the first missing object."""
+        if any(t["pieces"] for t in manifest["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
+            raise RevisionError(f"version {vid[:12]} (step {manifest['step']}) was pruned by gc: its tensor data is "
+                                f"deleted; pick a kept version from `ckptrepo log`")
+
     def _load(self, rev: str, into: Any, map_location: Any, device: Any, on_bytes: Callable[[int], None] | None,
               parallel_layout: "ParallelLayout | None", rank: int | None, read_stats: "ReadStats | None") -> Any:
         vid = self.resolve(rev)
         m = self.manifest(vid)
-        if any(t["pieces"] for t in m["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
-            raise RevisionError(f"version {vid[:12]} (step {m['step']}) was pruned by gc: its tensor data is deleted; "
-                                f"pick a kept version from `ckptrepo log`")
+        self.require_data(vid, m)
         import torch
 
         from .binding import Binder

@@ -193,3 +193,19 @@ def test_background_retention_reads_each_manifest_once_over_a_long_run(repo, mon
     assert {v.step for v in log if not v.pruned} == {n - 1, n - 2, n - 3} | set(range(0, n, 10))
     assert_bit_exact(state_at(n - 3), repo.load(f"@{n - 3}"))
     assert repo.fsck().ok
+
+
+def test_diff_stats_and_trajectory_know_what_gc_pruned(repo):
+    """`diff` and `stats` of a pruned version say so in one line, as `load` does (they failed on TensorStore's
+    missing zarr.json); `trajectory` walks past pruned versions, a delta spanning the gap."""
+    for step in range(4):
+        repo.snapshot({"x": torch.full((3,), float(step))}, step=step)
+    repo.gc(keep_every=2, keep_tagged=False, grace_period_s=0)    # steps 1 and 3 pruned, except the head (3)
+    kept = {v.step for v in repo.log() if not v.pruned}
+    assert kept == {0, 2, 3}
+    for call in (lambda: repo.stats("@1"), lambda: repo.diff("@0", "@1")):
+        with pytest.raises(RevisionError, match=r"\(step 1\) was pruned by gc"):
+            call()
+    assert [(p.step, p.value) for p in repo.trajectory("x")] == [(0, 0.0), (2, 2 * 3 ** 0.5), (3, 3 * 3 ** 0.5)]
+    deltas = [(p.step, round(p.value, 6)) for p in repo.trajectory("x", metric="delta")]
+    assert deltas == [(2, round(2 * 3 ** 0.5, 6)), (3, round(3 ** 0.5, 6))]
