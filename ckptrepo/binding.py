@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from .errors import StateMismatchError
-from .providers import DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, STATEFUL, TENSOR, TUPLE, is_stateful
+from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, STATEFUL, TENSOR, TUPLE, is_stateful,
+                        own_containers)
 from .reader import TensorEntry
 
 Finalizer = Callable[[], Any]
@@ -61,7 +62,7 @@ class Binder:
 
     def _bind_stateful(self, node: Any, target: Any, path: tuple[Any, ...]) -> Finalizer:
         """Fill ``target.state_dict()`` from the saved dict ``node``, then hand it to ``target.load_state_dict``."""
-        inner = self.bind(node, target.state_dict(), path)
+        inner = self.bind(node, own_containers(target.state_dict()), path)
 
         def load_stateful() -> Any:
             target.load_state_dict(inner())
@@ -88,7 +89,9 @@ class Binder:
         if DTYPE_NAMES.get(dest.dtype) != e.dtype:
             raise StateMismatchError(f"{_p(path)}: dtype {dest.dtype} in `into` but {e.dtype} in version "
                                      f"{self.version[:12]}; cast after loading, or load without into=")
-        self.destinations[node[1]] = dest
+        # a parameter (requires_grad) is filled through a detached view of its storage: an in-place copy into the
+        # leaf itself is refused by autograd, in the reader threads too (grad mode is per thread)
+        self.destinations[node[1]] = dest.detach() if dest.requires_grad else dest
         return lambda: target
 
     def _bind_dict(self, node: Any, target: dict, path: tuple[Any, ...]) -> Finalizer:

@@ -64,6 +64,10 @@ class RetentionPolicy:
     best_metric: str | None = None
     best_mode: str = "min"            # "min" (a loss) or "max" (an accuracy)
 
+    def __post_init__(self) -> None:   # refused when the snapshotter is made, not in a background pass
+        check_rule_counts(self.keep_last, self.keep_every, self.keep_best, self.grace_period_s)
+        check_rule_counts(every_commits=self.every_commits)
+
     def apply(self, repo: Any, protect_since: float | None = None,
               known: dict[str, "VersionFacts"] | None = None) -> GcReport:
         return collect(repo, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
@@ -158,6 +162,19 @@ def _refuse_dangling(repo: Any, unknown: list[str]) -> None:
             raise CorruptionError(f"gc stopped before deleting anything: {missing_manifest(vid)}")
 
 
+def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: Any = None,
+                      grace_period_s: Any = 0.0, every_commits: Any = None) -> None:
+    """Refuse a count that is not a whole number of at least 1: ``keep_last=-1`` or ``keep_every=0`` used to
+    switch retention on and prune all but the branch heads."""
+    for name, value in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best),
+                        ("every_commits", every_commits)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RetentionError(f"{name} must be a whole number of at least 1, not {value!r}; leave it out to not "
+                                 f"use that rule")
+    if not isinstance(grace_period_s, (int, float)) or grace_period_s < 0:
+        raise RetentionError(f"the grace period must be a number of seconds of at least 0, not {grace_period_s!r}")
+
+
 def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
             keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
             dry_run: bool = False, protect_since: float | None = None,
@@ -176,6 +193,7 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     period (a snapshotter protects the snapshots it has in flight this way).
     ``known``: facts of earlier passes, brought up to date here (manifests never change).
     """
+    check_rule_counts(keep_last, keep_every, keep_best, grace_period_s)
     if keep_best is not None and (best_metric is None or best_mode not in ("min", "max")):
         raise RetentionError(f"keeping the best {keep_best} versions needs a metric and a mode of min or max "
                              f"(got {best_metric!r}, {best_mode!r}); e.g. `ckptrepo gc --keep-best {keep_best} "

@@ -28,7 +28,7 @@ from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
 from .providers import (DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten,
-                        is_stateful, unflatten)
+                        is_stateful, own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import LocalParam, Rules
 from .sharding import Sharder, is_dtensor
@@ -134,6 +134,9 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     if fresh:
         into = _build(manifest, tree, leaf_names, target, rank, shapes)
     _, records = flatten(into)
+    for rec in records:   # parameters are filled through detached views of their storage (see Binder)
+        if rec.tensor.requires_grad:
+            rec.tensor = rec.tensor.detach()
     # a save with a layout (its degrees recorded) stores per-rank tensors as <path>@rank<r>, a single process's
     # too; a plain version stores them under their path
     per_rank = tmpl if world > 1 or "tp" in manifest.get("layout", {}) else None
@@ -244,7 +247,7 @@ def _merge_plain(node: Any, target: Any) -> bool:
     """
     tag = node[0]
     if is_stateful(target) and tag in (STATEFUL, DICT, ODICT):
-        state = target.state_dict()
+        state = own_containers(target.state_dict())
         if _merge_plain(node[2] if tag == STATEFUL else node, state) or not isinstance(target, torch.nn.Module):
             target.load_state_dict(state)
         return False

@@ -58,6 +58,20 @@ def is_stateful(obj: Any) -> bool:
             and callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))
 
 
+def own_containers(obj: Any) -> Any:
+    """``obj`` with every dict, list and tuple copied (tensors and other leaves shared): what a load fills from
+    ``target.state_dict()``. Schedulers hand back their live lists there (SequentialLR's ``_last_lr`` is also
+    its first scheduler's), so writing into those would change the object before ``load_state_dict`` runs."""
+    if isinstance(obj, dict):
+        items = [(k, own_containers(v)) for k, v in obj.items()]
+        return collections.OrderedDict(items) if isinstance(obj, collections.OrderedDict) else dict(items)
+    if isinstance(obj, list):
+        return [own_containers(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(own_containers(v) for v in obj)
+    return obj
+
+
 def _key_str(key: Any) -> str:
     return key if isinstance(key, str) else repr(key)
 
@@ -95,8 +109,8 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
     def key_node(key: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(key, tuple):
             return [TUPLE, [key_node(k, path) for k in key]]
-        if key is None or isinstance(key, (str, bool, int, float, bytes)):
-            return walk(key, path)
+        if key is None or (isinstance(key, (str, bool, int, float, bytes)) and not isinstance(key, np.generic)):
+            return walk(key, path)   # (np.float64 subclasses float, but a numpy scalar key is refused like np.int64)
         raise UnsupportedValueError(f"{_path_str(path)}: dict key {key!r} of type {type(key).__name__} is not supported")
 
     def walk(obj: Any, path: tuple[Any, ...]) -> Any:
@@ -114,9 +128,14 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in "biufc":
                 raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported")
+            if not obj.dtype.isnative:   # big-endian data: its values, in this machine's byte order
+                obj = obj.astype(obj.dtype.newbyteorder("="))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                t = torch.from_numpy(np.ascontiguousarray(obj))
+                try:   # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d)
+                    t = torch.from_numpy(np.require(obj, requirements="C"))
+                except TypeError:   # float128 and other types torch has no dtype for
+                    raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported") from None
             return [NDARRAY, add_tensor(t, path)]
         if _is_numpy_generator(obj):
             bitgen = type(obj.bit_generator).__name__

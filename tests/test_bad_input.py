@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,3 +93,30 @@ def test_loading_into_meta_tensors_is_refused_not_silently_skipped(repo, path):
         repo.load("HEAD", into={"model": model}, parallel_layout=layout)
     msg = str(info.value)
     assert "['model']['weight']" in msg and "meta" in msg and "to_empty" in msg and "\n" not in msg, msg
+
+
+def test_retention_counts_must_be_whole_numbers_of_at_least_one(repo):
+    """`keep_last=-1` or `keep_every=0` switched retention on and pruned all but the branch heads."""
+    from ckptrepo.errors import RetentionError
+    from ckptrepo.gc import RetentionPolicy
+
+    for step in range(3):
+        repo.snapshot({"x": torch.full((2,), float(step))}, step=step)
+    for rule in ({"keep_last": -1}, {"keep_every": 0}, {"keep_last": 2.5}, {"keep_last": True},
+                 {"keep_last": 1, "grace_period_s": -1}):
+        with pytest.raises(RetentionError) as info:
+            repo.gc(**rule)
+        assert "\n" not in str(info.value)
+    with pytest.raises(RetentionError, match="every_commits must be a whole number"):
+        RetentionPolicy(keep_last=2, every_commits=0)
+    assert not any(v.pruned for v in repo.log())
+
+
+@pytest.mark.parametrize("value, what", [
+    ({np.float64(0.5): 1}, "dict key np.float64(0.5)"),                 # was saved, then unreadable
+    ({"m": {"ld": np.ones(2, dtype=np.longdouble)}}, "state['m']['ld']: numpy dtype float128"),
+])
+def test_numpy_values_torch_cannot_hold_are_refused_at_snapshot(repo, value, what):
+    with pytest.raises(UnsupportedValueError) as info:
+        repo.snapshot(value, step=1)
+    assert what in str(info.value) and repo.log() == []

@@ -98,7 +98,7 @@ def expected_plain(state):
     out["scheduler"] = state["scheduler"].state_dict()
     shapes = dict(state["shapes"])
     out["shapes"] = {k: v.resolve_conj().contiguous() for k, v in shapes.items()}
-    out["numpy"] = {k: np.ascontiguousarray(v) for k, v in state["numpy"].items()}
+    out["numpy"] = {k: np.require(v, requirements="C") for k, v in state["numpy"].items()}
     return out
 
 
@@ -235,3 +235,45 @@ def test_into_modules_and_optimizers_fills_them_in_place_however_they_were_saved
     for p, p2 in zip(model.parameters(), model2.parameters()):
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt2.state[p2][k], opt.state[p][k]), k
+
+
+def test_numpy_zero_dim_and_big_endian_arrays_round_trip(repo):
+    state = {"scalar": np.array(2.5), "be": np.arange(4, dtype=">i4"), "strided": np.arange(12.0).reshape(3, 4)[:, ::2]}
+    repo.snapshot(state, step=1)
+    out = repo.load("HEAD")
+    assert out["scalar"].shape == () and out["scalar"] == 2.5        # was (1,), and unloadable into itself
+    assert out["be"].tolist() == [0, 1, 2, 3] and out["be"].dtype == np.dtype("int32")
+    assert np.array_equal(out["strided"], state["strided"])
+    into = {"scalar": np.array(0.0), "be": np.zeros(4, dtype=np.int32), "strided": np.zeros((3, 2))}
+    repo.load("HEAD", into=into)
+    assert into["scalar"] == 2.5 and into["be"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("path", ["plain", "layout"])
+def test_into_parameters_and_schedulers(repo, path):
+    """Parameters (requires_grad) are filled in place, where autograd refused the copy halfway through a load;
+    a scheduler's live lists are not written before its load_state_dict (SequentialLR's _last_lr is shared
+    with its first scheduler, and came back wrong)."""
+    from torch.optim.lr_scheduler import ExponentialLR, LinearLR, SequentialLR
+
+    from ckptrepo.layout import ParallelLayout
+
+    def pair():
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, SequentialLR(opt, [LinearLR(opt, 0.1, total_iters=2), ExponentialLR(opt, 0.9)],
+                                        milestones=[2])
+
+    model, opt, sched = pair()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    layout = ParallelLayout() if path == "layout" else None
+    repo.snapshot({"params": dict(model.named_parameters()), "sched": sched, "opt": opt}, step=3,
+                  parallel_layout=layout)
+    model2, opt2, sched2 = pair()
+    params = dict(model2.named_parameters())
+    out = repo.load("HEAD", into={"params": params, "sched": sched2, "opt": opt2}, parallel_layout=layout)
+    assert out["params"]["weight"] is model2.weight and model2.weight.requires_grad
+    assert torch.equal(model2.weight, model.weight) and torch.equal(model2.bias, model.bias)
+    assert sched2.get_last_lr() == sched.get_last_lr() and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
