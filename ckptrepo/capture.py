@@ -96,7 +96,12 @@ class Snapshotter:
     Reading them (forward, backward) is fine, and so is writing gradients.
     Plain Python values and the structure are recorded during ``snapshot``
     itself. Buffers of ``nn.Module``s in the state (BatchNorm running
-    statistics change in forward) are copied during ``snapshot``.
+    statistics change in forward) are copied during ``snapshot``, and so is
+    every tensor of at most ``EAGER_COPY_BYTES`` (64 KiB): that covers the
+    buffers of a ``model.state_dict()`` (DCP's way), whose module the snapshot
+    never sees. A larger tensor that forward changes in place must come with
+    its module, or be copied by the caller: if it changes while its bytes are
+    being written, the version fails its checksum at load and in ``fsck``.
 
     With ``dedup`` (the default; single process only), a CPU tensor whose
     bytes equal those of the same tensor in the last version this snapshotter
@@ -167,7 +172,7 @@ class Snapshotter:
         skeleton, records = flatten(state)
         # of the live tensors, before buffer copies
         keys = [dedup_key(r) for r in records] if self._dedup is not None else []
-        _copy_module_buffers(state, records)
+        _copy_what_forward_may_change(state, records)
         vid, leaf_names, names, boxes = new_version_id(), [], [], []
         if self.sharded:
             vid, records, boxes, leaf_names, names = self._shard(records)
@@ -573,8 +578,13 @@ def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException) -> BaseEx
     return StorageError(f"writing {job.arrays[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: {reason}")
 
 
-def _copy_module_buffers(state: Any, records: list[TensorRecord]) -> None:
-    """Copy now the buffers of modules in ``state``: forward may change them (BatchNorm statistics)."""
+EAGER_COPY_BYTES = 64 << 10   # tensors this small are copied at snapshot(): see the Snapshotter contract
+
+
+def _copy_what_forward_may_change(state: Any, records: list[TensorRecord]) -> None:
+    """Copy now the buffers of modules in ``state`` (forward changes BatchNorm statistics in place) and every
+    tensor of at most EAGER_COPY_BYTES: a ``model.state_dict()`` hands over the same buffers as bare tensors.
+    Parameters and optimizer state, which only the optimizer step changes, are mostly bigger and stay live."""
     ptrs: set[int] = set()
     stack = [state]
     while stack:
@@ -585,10 +595,11 @@ def _copy_module_buffers(state: Any, records: list[TensorRecord]) -> None:
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
-    if ptrs:
-        for r in records:
-            if r.tensor.data_ptr() in ptrs and r.numel:
-                r.tensor = _page_aligned_copy(r.tensor)
+    for r in records:
+        t = r.tensor
+        if r.numel and type(t) is torch.Tensor and (   # not a DTensor: its local shard is what a rank writes
+                t.numel() * t.element_size() <= EAGER_COPY_BYTES or (ptrs and t.data_ptr() in ptrs)):
+            r.tensor = _page_aligned_copy(t)
 
 
 def _page_aligned_copy(t: torch.Tensor) -> torch.Tensor:

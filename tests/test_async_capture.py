@@ -354,3 +354,26 @@ def test_a_snapshotter_does_not_grow_with_the_versions_it_commits(repo):
     per_snapshot = (counts[2] - counts[1]) / 25
     assert per_snapshot < 10, f"the process holds {per_snapshot:.0f} more objects per snapshot taken ({counts})"
     assert [v.step for v in repo.log()][:2] == [75, 74] and len(repo.log()) == 75
+
+
+def test_buffers_of_a_state_dict_that_forward_changes_are_captured_at_snapshot(repo):
+    """DCP's idiom, `{"model": model.state_dict()}`: the snapshot never sees the module, and the next forward
+    changes BatchNorm's running statistics in place while the version is written (every version came back
+    with later statistics). Tensors of up to 64 KiB are copied at snapshot()."""
+    bn = torch.nn.BatchNorm1d(4096)
+    opt = torch.optim.SGD(bn.parameters(), lr=0.1)
+    expected = []
+    with repo.snapshotter(host_memory="2MiB") as snap:
+        snap.attach(opt)
+        for step in range(4):
+            bn(torch.randn(2, 4096)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            expected.append({k: v.clone() for k, v in bn.state_dict().items()})
+            snap.snapshot({"model": bn.state_dict()}, step=step)
+            with torch.no_grad():
+                bn(torch.randn(2, 4096))     # forward of the next step, before the snapshot is written
+    for step in range(4):
+        got = repo.load(f"@{step}")["model"]
+        for k, v in expected[step].items():
+            assert torch.equal(got[k], v), (step, k)
