@@ -47,6 +47,11 @@ class Binder:
             # module had been saved, where replacing it with the dict would leave the caller's module untouched
             return self._bind_stateful(node, target, path)
         if tag == NPGEN and isinstance(target, np.random.Generator):
+            if type(target.bit_generator).__name__ != node[1]:   # before anything is filled: set_state would refuse
+                raise StateMismatchError(f"{_p(path)}: a numpy Generator over {type(target.bit_generator).__name__} "
+                                         f"in `into` but over {node[1]} in version {self.version[:12]}; make it "
+                                         f"with np.random.Generator(np.random.{node[1]}()) or load without into=")
+
             def set_state() -> Any:
                 target.bit_generator.state = self.build(node).bit_generator.state
                 return target
@@ -62,7 +67,17 @@ class Binder:
 
     def _bind_stateful(self, node: Any, target: Any, path: tuple[Any, ...]) -> Finalizer:
         """Fill ``target.state_dict()`` from the saved dict ``node``, then hand it to ``target.load_state_dict``."""
-        inner = self.bind(node, own_containers(target.state_dict()), path)
+        state = own_containers(target.state_dict())
+        if isinstance(target, torch.nn.Module) and node[0] in (DICT, ODICT):
+            # a module takes exactly its own keys: a saved one it lacks would fail load_state_dict after the
+            # other tensors were filled (an optimizer's empty state, by contrast, is filled from the saved one)
+            unknown = [k for k in (self.build(knode) for knode, _ in node[1]) if k not in state]
+            if unknown:
+                raise StateMismatchError(f"{_p(path + (unknown[0],))}: saved in version {self.version[:12]} but not "
+                                         f"in the {type(target).__name__} in `into`"
+                                         f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; build "
+                                         f"the model with the saved configuration, or load without into=")
+        inner = self.bind(node, state, path)
 
         def load_stateful() -> Any:
             target.load_state_dict(inner())

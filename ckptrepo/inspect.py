@@ -208,7 +208,7 @@ def _diff_tensor(name: str, ea: dict, eb: dict, ca: _Chunks, cb: _Chunks,
         if on_bytes is not None:
             on_bytes(2 * (e - s) * torch.empty((), dtype=TORCH_DTYPES[ea["dtype"]]).element_size())
         d = y - x
-        differs = differs or not torch.equal(x, y)
+        differs = differs or not torch.equal(_bits(x), _bits(y))   # by bits: NaN == NaN where the bytes are equal
         sq_d += float(d.abs().pow(2).sum())
         sq_a += float(x.abs().pow(2).sum())
         sq_b += float(y.abs().pow(2).sum())
@@ -220,6 +220,11 @@ def _diff_tensor(name: str, ea: dict, eb: dict, ca: _Chunks, cb: _Chunks,
     cos = dot / (na * nb) if na and nb else (1.0 if na == nb else 0.0)
     return TensorDiff(name, "changed" if differs else "unchanged", ea["dtype"], ea["shape"], l2, rel, max_abs, cos,
                       na, nb)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float64/complex128 chunk as the integers of its bits: equal exactly where the stored bytes are."""
+    return (torch.view_as_real(t) if t.is_complex() else t).view(torch.int64)
 
 
 def _norm_only(entry: dict, chunks: _Chunks, n: int, on_bytes: Callable[[int], None] | None) -> float:

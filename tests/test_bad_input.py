@@ -120,3 +120,22 @@ def test_numpy_values_torch_cannot_hold_are_refused_at_snapshot(repo, value, wha
     with pytest.raises(UnsupportedValueError) as info:
         repo.snapshot(value, step=1)
     assert what in str(info.value) and repo.log() == []
+
+
+def test_mismatches_found_only_by_load_state_dict_or_set_state_are_refused_before_anything_is_filled(repo):
+    """A module lacking saved keys (torch's multi-line error, after the other tensors were filled) and a numpy
+    Generator over another bit generator (a ValueError, likewise late) are one-line StateMismatchErrors,
+    raised while `into` is still untouched."""
+    repo.snapshot({"model": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), "x": torch.ones(2),
+                   "g": np.random.Generator(np.random.PCG64DXSM(1))}, step=1)
+    small = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    del small[1]
+    before = small[0].weight.clone()
+    x = torch.zeros(2)
+    with pytest.raises(StateMismatchError, match=r"\['model'\]\['1.weight'\]: saved in version .* \(and 1 more\)"):
+        repo.load("HEAD", into={"model": small, "x": x, "g": np.random.Generator(np.random.PCG64DXSM(2))})
+    assert torch.equal(x, torch.zeros(2)) and torch.equal(small[0].weight, before)
+    with pytest.raises(StateMismatchError, match=r"\['g'\]: a numpy Generator over PCG64 in `into` but over PCG64DXSM"):
+        repo.load("HEAD", into={"model": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), "x": x,
+                                "g": np.random.default_rng(2)})
+    assert torch.equal(x, torch.zeros(2))

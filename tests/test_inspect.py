@@ -121,3 +121,14 @@ def test_trajectory_and_metric_history(repo, tmp_path):
     assert all(p.value == pytest.approx(0.5, rel=1e-6) for p in rel if p.name == "enc.w")
     assert all(p.value == 0.0 for p in rel if p.name == "dec.w")
     assert [r["loss"] for r in repo.metrics()] == [4.0, 3.0, 2.0, 1.0]
+
+
+def test_diff_compares_bits_so_nan_is_unchanged_where_the_bytes_are(repo):
+    """A tensor holding NaN saved twice with the same bytes is unchanged (it was "changed": NaN != NaN);
+    0.0 against -0.0 is a change of bytes."""
+    nan = torch.tensor([float("nan"), 1.0])
+    cnan = torch.tensor([complex(float("nan"), 1.0)])
+    repo.snapshot({"w": nan, "c": cnan, "z": torch.tensor([0.0])}, step=1)
+    repo.snapshot({"w": nan.clone(), "c": cnan.clone(), "z": torch.tensor([-0.0])}, step=2)
+    assert {d.name: d.status for d in repo.diff("@1", "@2").tensors} == {"w": "unchanged", "c": "unchanged",
+                                                                          "z": "changed"}
