@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import os
 import pickle
@@ -140,7 +141,22 @@ def _save_dcp(state: Any, path: Path) -> None:
                             f"export with --format torch or safetensors")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+        try:
+            dcp.save(state, checkpoint_id=str(path), no_dist=True)
+        except BaseException as err:   # DCP's CheckpointException derives from BaseException, over many lines
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ExchangeError(f"DCP could not save the state to {path}: {_dcp_cause(err)}") from None
+
+
+def _dcp_cause(err: BaseException) -> str:
+    """The first rank's own error inside DCP's CheckpointException (whose message is only "ranks:[0]")."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))
+        if isinstance(err, tuple):   # some versions keep (exception, traceback) per rank
+            err = err[0]
+    return f"{type(err).__name__}: {first_line(err)}"
 
 
 def _load_dcp(path: Path, trust: bool) -> dict[str, Any]:
@@ -157,14 +173,31 @@ def _load_dcp(path: Path, trust: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     state: dict[str, Any] = {}
+    # DCP's loader logs each failed metadata read with its whole traceback, on the root logger; the cause is
+    # raised below in one line, so while it runs those records are dropped (only records from DCP's own files)
+    quiet = _DropRecordsFrom("torch/distributed/checkpoint/")
+    logging.getLogger().addFilter(quiet)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
             _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
                              no_dist=True)
-    except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures in its own exception types
-        raise ExchangeError(f"cannot read DCP checkpoint {path}: {type(err).__name__}: {first_line(err)}") from None
+    except BaseException as err:   # DCP wraps per-rank failures in CheckpointException, a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ExchangeError(f"cannot read DCP checkpoint {path}: {_dcp_cause(err)}") from None
+    finally:
+        logging.getLogger().removeFilter(quiet)
     return state
+
+
+class _DropRecordsFrom(logging.Filter):
+    def __init__(self, path_part: str) -> None:
+        super().__init__()
+        self.path_part = path_part
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.path_part not in record.pathname.replace(os.sep, "/")
 
 
 # ---- safetensors export ------------------------------------------------------------------------------------------

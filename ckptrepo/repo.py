@@ -354,6 +354,8 @@ class Repository:
         if branch is not None:
             self.refs.create_branch(branch, vid)
             self.refs.set_head(branch, None, head.generation)
+        elif rev == "HEAD" and head.branch is not None:
+            pass   # already there, on its branch: git's `checkout HEAD` is a no-op, not a detach
         elif self.refs.branch_tip(rev) is not None:
             self.refs.set_head(rev, None, head.generation)
         else:
@@ -417,7 +419,9 @@ class Repository:
         tensors = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
                     "bytes": numel(t["shape"]) * itemsize(t["dtype"])} for t in m["tensors"]]
         layout = {k: v for k, v in m.get("layout", {}).items() if k not in ("ranks", "rules")}  # summary only
-        return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ())), layout,
+        from .gc import pruned_ids
+        pruned = vid in pruned_ids(self)   # as log says: its data is gone (the table lists what was saved)
+        return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ()), pruned), layout,
                               tensors, [(p, _short(v)) for p, v in plain_values(m["tree"], summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,

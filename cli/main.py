@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from datetime import datetime
@@ -9,6 +10,9 @@ from typing import Any, Iterable, Sequence
 
 import click
 from rich.console import Console
+from rich.control import strip_control_codes
+from rich.markup import escape
+from rich.text import Text
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
@@ -33,7 +37,9 @@ def _print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str
     """
     rows = [list(r) for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    table = Table(title=title, title_justify="left")
+    # cells are Text, not markup: a name like "experts[0]" or a message "[wip]" is shown as it is (as markup it was
+    # cut, and "[/]" stopped the command with a MarkupError)
+    table = Table(title=Text(title), title_justify="left")
     for i, h in enumerate(headers):
         if i < fold:
             widths[i] = min(NAME_WIDTH, widths[i])
@@ -41,7 +47,7 @@ def _print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str
         else:
             table.add_column(h, no_wrap=True)
     for r in rows:
-        table.add_row(*r)
+        table.add_row(*(Text(strip_control_codes(c)) for c in r))
     # rich lays a table out within the console's width, crushing columns to fit: give it the room it needs
     # (wider than a narrow terminal, whose lines then wrap, rather than cells cut short)
     need = sum(widths) + 3 * len(widths) + 1   # each cell padded by a space on both sides, plus the borders
@@ -74,16 +80,47 @@ def _metrics(m: dict[str, Any]) -> str:
 
 
 def _log_line(v: ckptrepo.Version) -> str:
-    """One version as ``log`` prints it (rich markup)."""
+    """One version as ``log`` prints it (rich markup; what comes from the user is escaped, and of the message
+    only its first line is shown, as ``git log --oneline`` does)."""
     refs = f" ({', '.join(v.refs)})" if v.refs else ""
-    step = f"step {v.step}" if v.step is not None else "step -"
+    step = _step(v)
     size = "pruned" if v.pruned else _size(v.size)
-    return (f"[yellow]{v.short_id}[/]{refs}  {step}  {_when(v.time)}  {size}  {_metrics(v.metrics)}  "
-            f"{v.message}").rstrip()
+    return (f"[yellow]{v.short_id}[/]{_literal(refs)}  {step}  {_when(v.time)}  {size}  {_literal(_metrics(v.metrics))}  "
+            f"{_literal(_first_line(v.message))}").rstrip()
+
+
+def _step(v: ckptrepo.Version) -> str:
+    return f"step {v.step}" if v.step is not None else "step -"
+
+
+def _literal(text: str) -> str:
+    """``text`` as rich markup that prints it as it is, without terminal control codes."""
+    return escape(strip_control_codes(text))
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""
+
+
+def _sortable(value: Any) -> float:
+    """A number to sort by: no value (an added or reshaped tensor) and NaN sort below every number."""
+    return value if isinstance(value, (int, float)) and value == value else -1.0
 
 
 def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    """Strict JSON: NaN and infinities (a diverged loss, a relative change from zero) are null, as ``jq`` and
+    other parsers reject Python's NaN and Infinity."""
+    click.echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _progress() -> Progress | None:
@@ -110,14 +147,19 @@ def cli(ctx: click.Context, url: str) -> None:
 @click.pass_context
 def init(ctx: click.Context, url: str | None, exist_ok: bool) -> None:
     """Create a repository at URL (default: --repo)."""
-    repo = ckptrepo.init(url or ctx.obj["url"], exist_ok=exist_ok)
-    click.echo(f"initialised empty ckptrepo repository at {repo.url}")
+    try:
+        repo = ckptrepo.init(url or ctx.obj["url"], exist_ok=exist_ok)
+    except ckptrepo.RepositoryExistsError:
+        raise ckptrepo.RepositoryExistsError(f"a repository already exists at {url or ctx.obj['url']}; use it with "
+                                             f"--repo, or pass --exist-ok") from None
+    existing = repo.log(all=True, limit=1) if exist_ok else []
+    click.echo(f"{'reinitialised existing' if existing else 'initialised empty'} ckptrepo repository at {repo.url}")
 
 
 @cli.command()
 @click.argument("rev", required=False, default="HEAD")
 @click.option("--all", "all_", is_flag=True, help="Versions reachable from any branch or tag.")
-@click.option("-n", "--max-count", type=int, default=None, help="Show at most N versions.")
+@click.option("-n", "--max-count", type=click.IntRange(min=1), default=None, help="Show at most N versions.")
 @click.option("--since", type=int, default=None, help="Only versions with step >= SINCE.")
 @click.option("--until", type=int, default=None, help="Only versions with step <= UNTIL.")
 @click.option("--stats", "with_stats", is_flag=True, help="Capture statistics of each version.")
@@ -138,12 +180,12 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
         _emit_json(rows + [dict(f, failed=True) for f in failures] if all_ else rows)
         return
     if not versions and not failures:
-        click.echo("no versions yet")
+        click.echo("no versions match --since/--until" if since is not None or until is not None else "no versions yet")
     for row in graph_rows(versions) if graph else [GraphRow("", v) for v in versions]:
         if row.version is None:   # a line that only connects columns
             click.echo(row.prefix)
             continue
-        out.print(row.prefix + _log_line(row.version), markup=True)
+        out.print(_literal(row.prefix) + _log_line(row.version), markup=True)
         if with_stats:
             s = stats[row.version.id]
             click.echo("    " + (f"blocking {s['blocking_s'] * 1e3:.1f} ms  capture {s['capture_s'] * 1e3:.1f} ms  "
@@ -152,7 +194,8 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
                                  + (f"  copied {s['copied_bytes'] / 1e6:.1f} MB" if "copied_bytes" in s else "")
                                  if s else "no statistics recorded"))
     for f in failures:
-        out.print(f"[red]FAILED[/] {f['id'][:12]}  step {f.get('step')}  {_when(f.get('time', 0))}  {f.get('error')}",
+        out.print(f"[red]FAILED[/] {f['id'][:12]}  step {f.get('step')}  {_when(f.get('time', 0))}  "
+                  f"{_literal(str(f.get('error')))}",
                   markup=True)
 
 
@@ -172,7 +215,8 @@ def show(ctx: click.Context, rev: str, as_json: bool) -> None:
     if v.refs:
         click.echo(f"refs    {', '.join(v.refs)}")
     click.echo(f"parents {' '.join(v.parents) or '-'}")
-    click.echo(f"step    {v.step}\ntime    {_when(v.time)}\nsize    {_size(v.size)}")
+    size = "pruned: gc deleted its data (the tensors below are what was saved)" if v.pruned else _size(v.size)
+    click.echo(f"step    {v.step if v.step is not None else '-'}\ntime    {_when(v.time)}\nsize    {size}")
     if d.layout.get("world_size", 1) > 1:
         degrees = " ".join(f"{k}={d.layout[k]}" for k in ("tp", "pp", "dp", "zero") if k in d.layout)
         click.echo(f"layout  {degrees + ', ' if degrees else ''}{d.layout['world_size']} ranks")
@@ -196,9 +240,9 @@ def checkout(ctx: click.Context, rev: str, branch: str | None) -> None:
     v = repo.checkout(rev, branch=branch)
     where = repo.current_branch()
     if where:
-        click.echo(f"HEAD is now on branch {where!r} at {v.short_id} (step {v.step})")
+        click.echo(f"HEAD is now on branch {where!r} at {v.short_id} ({_step(v)})")
     else:
-        click.echo(f"HEAD is now detached at {v.short_id} (step {v.step}); "
+        click.echo(f"HEAD is now detached at {v.short_id} ({_step(v)}); "
                    f"to take snapshots from here: ckptrepo checkout {v.short_id} -b NAME")
 
 
@@ -337,12 +381,15 @@ def diff(ctx: click.Context, a: str, b: str, summary: bool, depth: int, sort_by:
          as_json: bool) -> None:
     """Compare two versions tensor by tensor (streamed: memory stays bounded) and object by object."""
     d = _repo(ctx).diff(a, b)
-    if as_json:
-        _emit_json(dict(d.to_json(), prefixes=d.by_prefix(depth)) if summary else d.to_json())
-        return
     key = {"name": lambda r: r["name"] if "name" in r else r["prefix"],
-           "relative": lambda r: -(r["relative"] if r["relative"] == r["relative"] else -1),
-           "l2": lambda r: -(r["l2"] if r["l2"] == r["l2"] else -1)}[sort_by]
+           "relative": lambda r: -_sortable(r["relative"]),
+           "l2": lambda r: -_sortable(r["l2"])}[sort_by]
+    if as_json:   # the same rows as the table: --only-changed and --sort apply
+        out_json = d.to_json()
+        out_json["tensors"] = sorted((t for t in out_json["tensors"] if not (only_changed and t["status"] == "unchanged")),
+                                     key=key)
+        _emit_json(dict(out_json, prefixes=sorted(d.by_prefix(depth), key=key)) if summary else out_json)
+        return
     if summary:
         _print_table(f"{a} -> {b}", ("prefix", "tensors", "changed", "||B-A||", "rel. change"),
                      ((g["prefix"], str(g["tensors"]), str(g["changed"]), _num(g["l2"]), _num(g["relative"]))
@@ -458,7 +505,7 @@ def metrics(ctx: click.Context, rev: str, png_path: str | None, as_json: bool) -
 def export(ctx: click.Context, rev: str, out_path: str, fmt: str) -> None:
     """Write the full, unsharded state of REV to OUT in a plain checkpoint format."""
     v = _repo(ctx).export(rev, out_path, format=fmt)
-    click.echo(f"exported {v.short_id} (step {v.step}) to {out_path} as {fmt}")
+    click.echo(f"exported {v.short_id} ({_step(v)}) to {out_path} as {fmt}")
 
 
 @cli.command(name="import")
@@ -472,7 +519,7 @@ def import_(ctx: click.Context, path: str, trust: bool, step: int | None, messag
     """Commit a torch.save file, a DCP checkpoint or a safetensors export as a new version on the current branch."""
     repo = _repo(ctx)
     v = repo.import_state(path, trust=trust, step=step, message=message)
-    click.echo(f"imported {path} as {v.short_id} (step {v.step}) on branch {repo.current_branch()!r}")
+    click.echo(f"imported {path} as {v.short_id} ({_step(v)}) on branch {repo.current_branch()!r}")
 
 
 def main() -> None:

@@ -231,3 +231,47 @@ def test_history_commands_do_not_import_torch(populated):
         p = subprocess.run([sys.executable, "-c", probe, url, *args], capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, (args, p.stderr)
         assert p.stdout.strip().splitlines()[-1] == "NO-TORCH", (args, p.stdout[-300:])
+
+
+def test_user_text_is_printed_as_it_is_and_json_is_strict(tmp_path):
+    """Found by a CLI probe: brackets in names, messages and metrics were read as rich markup (cut, or a
+    MarkupError for "[/]"); a NaN loss or an infinite relative change made --json output that jq rejects;
+    `diff --sort relative` crashed on an added tensor; a pruned version showed its old size."""
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    repo.snapshot({"m": {"experts[0].w": torch.zeros(2), "x[/]": torch.ones(2)}, "cfg": "see [docs/x]"}, step=1,
+                  message="[wip] lr 3e-4\nsecond line", metrics={"loss[train]": float("nan")})
+    repo.snapshot({"m": {"experts[0].w": torch.ones(2), "x[/]": torch.ones(2), "new": torch.ones(3)},
+                   "cfg": "see [docs/x]"}, step=2, message="[/] done", metrics={"loss[train]": 1.0})
+    log = run("log", repo=url)
+    assert log.returncode == 0 and "[wip] lr 3e-4" in log.stdout and "[/] done" in log.stdout, log.stdout
+    assert "loss[train]=nan" in log.stdout and "second line" not in log.stdout
+    show = run("show", "@1", repo=url)
+    assert show.returncode == 0 and "experts[0].w" in show.stdout and "x[/]" in show.stdout, show.stderr
+    for args in (["log", "--json"], ["metrics", "--json"], ["diff", "@1", "@2", "--json"],
+                 ["trajectory", "m/*", "--metric", "relative-change", "--json"]):
+        p = run(*args, repo=url)
+        assert p.returncode == 0, (args, p.stderr)
+        json.loads(p.stdout, parse_constant=lambda c: pytest.fail(f"{args}: {c} is not JSON"))
+    for order in ("relative", "l2"):
+        p = run("diff", "@1", "@2", "--sort", order, repo=url)
+        assert p.returncode == 0 and "new" in p.stdout, p.stderr
+    changed = json.loads(run("diff", "@1", "@2", "--only-changed", "--json", repo=url).stdout)["tensors"]
+    assert sorted(t["name"] for t in changed) == ["m/experts[0].w", "m/new"]
+    assert run("checkout", "HEAD", repo=url).stdout.startswith("HEAD is now on branch 'main'")
+    repo.snapshot({"m": {"experts[0].w": torch.ones(2)}}, step=3)
+    repo.gc(keep_last=1, grace_period_s=0)
+    assert "size    pruned" in run("show", "@1", repo=url).stdout
+    assert json.loads(run("show", "@1", "--json", repo=url).stdout)["version"]["pruned"] is True
+
+
+def test_dcp_exchange_failures_are_one_line(populated, tmp_path):
+    url, _ = populated
+    (tmp_path / "afile").write_text("x")
+    p = run("export", "HEAD", str(tmp_path / "afile" / "x"), "--format", "dcp", repo=url)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Not a directory" in p.stderr, p.stderr
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / ".metadata").write_text("garbage")
+    p = run("import", str(bad), "--trust", repo=url)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "cannot read DCP checkpoint" in p.stderr, p.stderr
