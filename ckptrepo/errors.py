@@ -136,7 +136,8 @@ def looks_damaged(reason: str) -> bool:
 def damaged_object_error(objects: str, reason: str, tensors: list[str]) -> CorruptionError:
     """The one-line error of a load that met a missing or corrupt stored object: which objects, why, the
     first tensors stored in them, and what to run. Both read paths (whole tensors, resharding pieces) raise it."""
-    kind = "missing" if "missing" in reason.lower() or "not found" in reason.lower() else "corrupt"
+    low = reason.lower()
+    kind = "missing" if any(w in low for w in ("missing", "not found", "not_found", "does not exist")) else "corrupt"
     return CorruptionError(f"object {objects} is {kind} ({reason}); affected tensors: {some_names(tensors)}; "
                            f"run `ckptrepo fsck`")
 

@@ -19,6 +19,7 @@ import torch
 
 from .arrays import ArrayInfo, open_array
 from .boxes import flat_boxes, volume
+from .errors import damaged_object_error, first_line, is_storage_failure, storage_failure
 from .providers import TORCH_DTYPES, numel
 from .skeleton import plain_values
 from .reshard import VersionReader
@@ -140,11 +141,14 @@ class _Chunks:
         pieces = entry["pieces"]
         if len(pieces) == 1 and list(pieces[0]["box"][1]) == list(entry["shape"]):
             key = pieces[0]["array"]
-            h = self.handles.get(key)
-            if h is None:
-                h = self.handles[key] = open_array(self.repo.store, self.array_info(key))
             off = pieces[0]["offset"]
-            data = h[off + start: off + stop].read().result()
+            try:
+                h = self.handles.get(key)
+                if h is None:
+                    h = self.handles[key] = open_array(self.repo.store, self.array_info(key))
+                data = h[off + start: off + stop].read().result()
+            except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
+                raise _read_failure(entry["name"], key, err) from err
             t = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[entry["dtype"]])
         else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
             shape = tuple(entry["shape"])
@@ -153,6 +157,14 @@ class _Chunks:
                        for f, box in flat_boxes(shape, start, stop)]
             self.pieces.read(targets)
         return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
+
+
+def _read_failure(name: str, key: str, err: Exception) -> Exception:
+    """What a load says of the same failure: the store failed us, or the object is missing or corrupt."""
+    reason = first_line(err)
+    if is_storage_failure(reason):
+        return storage_failure(f"reading {key}", reason)
+    return damaged_object_error(key, reason, [name])
 
 
 def _chunk_elems(dtype: str) -> int:

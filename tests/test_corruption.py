@@ -213,3 +213,17 @@ def test_deleted_array_metadata(repo_dir):
         repo.load(vid)
     _assert_fsck_names(path, f"data/{vid}/0/int64")
     assert_same(ckptrepo.open(str(path)).load(other), _state(2))
+
+
+def test_stats_diff_and_trajectory_name_a_missing_object_like_load(repo_dir):
+    """They read through their own chunked path and quoted TensorStore's raw error (with a kilobyte of spec)."""
+    import shutil
+
+    path, vid, other = repo_dir
+    shutil.rmtree(path / "data" / vid)
+    repo = ckptrepo.open(str(path))
+    for call in (lambda: repo.stats(vid), lambda: repo.diff(vid, other), lambda: repo.trajectory("*")):
+        with pytest.raises(CorruptionError) as info:
+            call()
+        msg = str(info.value)
+        assert f"data/{vid}/" in msg and "is missing" in msg and "ckptrepo fsck" in msg and "tensorstore_spec" not in msg
