@@ -6,6 +6,7 @@ generation; tag refs are written once, if absent. No locks, no renames.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -63,13 +64,26 @@ class Refs:
         """Point branch ``name`` at ``version`` if it is still at ``expected``; the new generation, or None."""
         return self.store.compare_and_swap(HEADS_PREFIX + name, version.encode(), expected)
 
+    def _check_no_clash(self, kind: str, name: str) -> None:
+        """git's rule: ``a`` and ``a/b`` cannot both exist (on a local store one would be a file, the other a
+        folder of the same name, and the write failed with a raw storage error)."""
+        names = self.branches() if kind == "branch" else self.tags()
+        parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
+        clash = next((n for n in names if n.startswith(name + "/")), None) or next((p for p in parents if p in names), None)
+        if clash is not None:
+            plural = "branches" if kind == "branch" else "tags"
+            raise RefError(f"cannot create {kind} {name!r}: {kind} {clash!r} exists, and one name cannot be both a "
+                           f"{kind} and a folder of {plural}; pick another name")
+
     def create_branch(self, name: str, version: str) -> None:
         check_ref_name(name, "branch")
+        self._check_no_clash("branch", name)
         if not self.store.put_if_absent(HEADS_PREFIX + name, version.encode()):
             raise RefError(f"branch {name!r} already exists; pick another name or check it out")
 
     def create_tag(self, name: str, version: str) -> None:
         check_ref_name(name, "tag")
+        self._check_no_clash("tag", name)
         if not self.store.put_if_absent(TAGS_PREFIX + name, version.encode()):
             raise RefError(f"tag {name!r} already exists; tags never move, so pick another name")
 
@@ -88,7 +102,22 @@ class Refs:
         if self.store.compare_and_swap(key, None, gen) is None:
             raise ConflictError(f"{kind} {name!r} moved while it was being deleted (a snapshot landed on it); "
                                 f"run the command again")
+        self._remove_empty_folders(key)
         return value
+
+    def _remove_empty_folders(self, key: str) -> None:
+        """On a local store, the folders a deleted ``a/b`` leaves behind, which would make ``a`` unwritable."""
+        root = self.store.local_root()
+        if root is None:
+            return
+        top = os.path.join(root, (HEADS_PREFIX if key.startswith(HEADS_PREFIX) else TAGS_PREFIX).rstrip("/"))
+        folder = os.path.dirname(os.path.join(root, key))
+        while folder != top and folder.startswith(top + os.sep):
+            try:
+                os.rmdir(folder)   # only when empty
+            except OSError:
+                return
+            folder = os.path.dirname(folder)
 
     def tag_target(self, name: str) -> str | None:
         raw = self.store.get(TAGS_PREFIX + name)

@@ -229,3 +229,19 @@ def test_deleting_a_tag_and_a_branch_that_moved_meanwhile(repo, monkeypatch):
         repo.delete_branch("exp")
     monkeypatch.undo()
     assert repo.branches()["exp"] == second
+
+
+def test_a_ref_name_cannot_also_be_a_folder_of_refs(repo):
+    """git's rule; a local store made `a` beside `a/b` a raw storage error, and kept `a/` after `a/b` was deleted."""
+    commit_steps(repo, [1])
+    repo.branch("a/b")
+    with pytest.raises(RefError, match="cannot create branch 'a': branch 'a/b' exists"):
+        repo.branch("a")
+    with pytest.raises(RefError, match="cannot create branch 'a/b/c': branch 'a/b' exists"):
+        repo.checkout("HEAD", branch="a/b/c")
+    repo.delete_branch("a/b", force=True)
+    repo.branch("a")                      # the folder a/b left behind is gone with it
+    repo.tag("x/y")
+    with pytest.raises(RefError, match="a tag and a folder of tags"):
+        repo.tag("x")
+    assert set(repo.branches()) == {"main", "a"} and set(repo.tags()) == {"x/y"}
