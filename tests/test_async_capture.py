@@ -274,7 +274,7 @@ def test_exit_with_snapshots_in_flight_finishes_them(tmp_path):
 
 def test_snapshotter_refuses_a_detached_head(repo):
     repo.snapshot({"w": torch.zeros(1)}, step=0)
-    repo.checkout("HEAD")
+    repo.checkout(repo.resolve("HEAD"))   # a version id detaches (checkout HEAD on a branch stays on it)
     with pytest.raises(ckptrepo.DetachedHeadError):
         repo.snapshotter()
 
