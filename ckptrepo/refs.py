@@ -11,9 +11,10 @@ import re
 from dataclasses import dataclass
 
 from .errors import ConflictError, RefError
-from .manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX
+from .manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX
 from .store import NO_VALUE, Store
 
+_HEX_RE = re.compile(r"[0-9a-f]{4,32}")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
 
 
@@ -70,6 +71,13 @@ class Refs:
         names = self.branches() if kind == "branch" else self.tags()
         parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
         clash = next((n for n in names if n.startswith(name + "/")), None) or next((p for p in parents if p in names), None)
+        other, other_names = ("tag", self.tags()) if kind == "branch" else ("branch", self.branches())
+        if name in other_names:   # git warns "refname is ambiguous"; here the revision would name the branch only
+            raise RefError(f"cannot create {kind} {name!r}: a {other} of that name exists, and {name!r} as a revision "
+                           f"would name only the branch; pick another name")
+        if _HEX_RE.fullmatch(name) and self.store.list(VERSIONS_PREFIX + name):
+            raise RefError(f"cannot create {kind} {name!r}: it is the start of a version id, which it would hide "
+                           f"from revisions; pick another name")
         if clash is not None:
             plural = "branches" if kind == "branch" else "tags"
             raise RefError(f"cannot create {kind} {name!r}: {kind} {clash!r} exists, and one name cannot be both a "

@@ -107,6 +107,8 @@ def test_retention_counts_must_be_whole_numbers_of_at_least_one(repo):
         with pytest.raises(RetentionError) as info:
             repo.gc(**rule)
         assert "\n" not in str(info.value)
+    with pytest.raises(RetentionError, match="ranks versions only for keep_best"):
+        repo.gc(keep_last=1, best_metric="loss")          # was silently ignored
     with pytest.raises(RetentionError, match="every_commits must be a whole number"):
         RetentionPolicy(keep_last=2, every_commits=0)
     assert not any(v.pruned for v in repo.log())

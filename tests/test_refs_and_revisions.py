@@ -245,3 +245,17 @@ def test_a_ref_name_cannot_also_be_a_folder_of_refs(repo):
     with pytest.raises(RefError, match="a tag and a folder of tags"):
         repo.tag("x")
     assert set(repo.branches()) == {"main", "a"} and set(repo.tags()) == {"x/y"}
+
+
+def test_a_ref_cannot_shadow_another_ref_or_a_version_id(repo):
+    """A tag named like a branch could never be named (revisions resolve branches first), and a branch named
+    like the start of a version id hid that version from revisions; git only warns, we refuse."""
+    vid = commit_steps(repo, [1])[0]
+    repo.tag("v1")
+    with pytest.raises(RefError, match="a branch of that name exists"):
+        repo.tag("main")
+    with pytest.raises(RefError, match="a tag of that name exists"):
+        repo.branch("v1")
+    with pytest.raises(RefError, match="the start of a version id"):
+        repo.branch(vid[:6])
+    assert repo.resolve(vid[:6]) == vid and set(repo.branches()) == {"main"} and set(repo.tags()) == {"v1"}
