@@ -65,13 +65,19 @@ class Refs:
         """Point branch ``name`` at ``version`` if it is still at ``expected``; the new generation, or None."""
         return self.store.compare_and_swap(HEADS_PREFIX + name, version.encode(), expected)
 
+    def _names(self, kind: str) -> set[str]:
+        """The names of every branch or tag (one listing; their targets are not read)."""
+        prefix = HEADS_PREFIX if kind == "branch" else TAGS_PREFIX
+        return {k[len(prefix):] for k in self.store.list(prefix)}
+
     def _check_no_clash(self, kind: str, name: str) -> None:
         """git's rule: ``a`` and ``a/b`` cannot both exist (on a local store one would be a file, the other a
         folder of the same name, and the write failed with a raw storage error)."""
-        names = self.branches() if kind == "branch" else self.tags()
+        names = self._names(kind)
         parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
         clash = next((n for n in names if n.startswith(name + "/")), None) or next((p for p in parents if p in names), None)
-        other, other_names = ("tag", self.tags()) if kind == "branch" else ("branch", self.branches())
+        other = "tag" if kind == "branch" else "branch"
+        other_names = self._names(other)
         if name in other_names:   # git warns "refname is ambiguous"; here the revision would name the branch only
             raise RefError(f"cannot create {kind} {name!r}: a {other} of that name exists, and {name!r} as a revision "
                            f"would name only the branch; pick another name")
