@@ -99,9 +99,10 @@ class Snapshotter:
     statistics change in forward) are copied during ``snapshot``, and so is
     every tensor of at most ``EAGER_COPY_BYTES`` (64 KiB) that is not a
     parameter or state of an attached optimizer: that covers the buffers of a
-    ``model.state_dict()`` (DCP's way), whose module the snapshot never sees. A larger tensor that forward changes in place must come with
-    its module, or be copied by the caller: if it changes while its bytes are
-    being written, the version fails its checksum at load and in ``fsck``.
+    ``model.state_dict()`` (DCP's way), whose module the snapshot never sees.
+    A larger tensor that forward changes in place must come with its module,
+    or be copied by the caller: if it changes while its bytes are being
+    written, the version fails its checksum at load and in ``fsck``.
 
     With ``dedup`` (the default; single process only), a CPU tensor whose
     bytes equal those of the same tensor in the last version this snapshotter

@@ -135,7 +135,8 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
                 try:   # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d)
                     t = torch.from_numpy(np.require(obj, requirements="C"))
                 except TypeError:   # float128 and other types torch has no dtype for
-                    raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported") from None
+                    raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported") \
+                        from None
             return [NDARRAY, add_tensor(t, path)]
         if _is_numpy_generator(obj):
             bitgen = type(obj.bit_generator).__name__

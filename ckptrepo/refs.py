@@ -75,7 +75,8 @@ class Refs:
         folder of the same name, and the write failed with a raw storage error)."""
         names = self._names(kind)
         parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
-        clash = next((n for n in names if n.startswith(name + "/")), None) or next((p for p in parents if p in names), None)
+        clash = next((n for n in names if n.startswith(name + "/")), None) \
+            or next((p for p in parents if p in names), None)
         other = "tag" if kind == "branch" else "branch"
         other_names = self._names(other)
         if name in other_names:   # git warns "refname is ambiguous"; here the revision would name the branch only

@@ -85,7 +85,8 @@ def _log_line(v: ckptrepo.Version) -> str:
     refs = f" ({', '.join(v.refs)})" if v.refs else ""
     step = _step(v)
     size = "pruned" if v.pruned else _size(v.size)
-    return (f"[yellow]{v.short_id}[/]{_literal(refs)}  {step}  {_when(v.time)}  {size}  {_literal(_metrics(v.metrics))}  "
+    return (f"[yellow]{v.short_id}[/]{_literal(refs)}  {step}  {_when(v.time)}  {size}  "
+            f"{_literal(_metrics(v.metrics))}  "
             f"{_literal(_first_line(v.message))}").rstrip()
 
 
@@ -262,7 +263,8 @@ def _ref_command(kind: str, doc: str):
     @click.option("-d", "--delete", "delete", is_flag=True, help=f"Delete {kind} NAME.")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
     @click.pass_context
-    def command(ctx: click.Context, name: str | None, rev: str, delete: bool, as_json: bool, force: bool = False) -> None:
+    def command(ctx: click.Context, name: str | None, rev: str, delete: bool, as_json: bool,
+                force: bool = False) -> None:
         repo = _repo(ctx)
         if name is None:
             if delete or force:
@@ -386,8 +388,8 @@ def diff(ctx: click.Context, a: str, b: str, summary: bool, depth: int, sort_by:
            "l2": lambda r: -_sortable(r["l2"])}[sort_by]
     if as_json:   # the same rows as the table: --only-changed and --sort apply
         out_json = d.to_json()
-        out_json["tensors"] = sorted((t for t in out_json["tensors"] if not (only_changed and t["status"] == "unchanged")),
-                                     key=key)
+        kept = (t for t in out_json["tensors"] if not (only_changed and t["status"] == "unchanged"))
+        out_json["tensors"] = sorted(kept, key=key)
         _emit_json(dict(out_json, prefixes=sorted(d.by_prefix(depth), key=key)) if summary else out_json)
         return
     if summary:
