@@ -130,5 +130,5 @@ def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: F
 def _raise_if_unreachable(err: Exception, what: str) -> None:
     """A store that stopped answering ends the check with a StorageError: reporting every object it could not
     read as damaged would be false."""
-    if is_storage_failure(first_line(err)):
-        raise storage_failure(what, first_line(err)) from err
+    if is_storage_failure(reason := first_line(err)):
+        raise storage_failure(what, reason) from err

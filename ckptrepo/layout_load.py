@@ -134,9 +134,6 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     if fresh:
         into = _build(manifest, tree, leaf_names, target, rank, shapes)
     _, records = flatten(into)
-    for rec in records:   # parameters are filled through detached views of their storage (see Binder)
-        if rec.tensor.requires_grad:
-            rec.tensor = rec.tensor.detach()
     # a save with a layout (its degrees recorded) stores per-rank tensors as <path>@rank<r>, a single process's
     # too; a plain version stores them under their path
     per_rank = tmpl if world > 1 or "tp" in manifest.get("layout", {}) else None

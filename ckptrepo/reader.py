@@ -204,11 +204,11 @@ def _read_error(store: Store, info: ArrayInfo, run: _Run, entries: list[TensorEn
         try:
             open_array(store, info)[lo:hi].read().result()
         except Exception as again:  # noqa: BLE001
-            if is_storage_failure(first_line(again)):
-                return storage_failure(f"reading {info.key}", first_line(again))
+            if is_storage_failure(why := first_line(again)):
+                return storage_failure(f"reading {info.key}", why)
             bad.append((s, lo, hi))
     if not bad:
         return storage_failure(f"reading {info.key}", reason)
     names = [entries[i].name for i in run.members
              if any(entries[i].offset < hi and entries[i].offset + entries[i].numel > lo for _, lo, hi in bad)]
-    return damaged_object_error(", ".join(info.shard_key(s) for s, _, _ in bad), first_line(err), names)
+    return damaged_object_error(", ".join(info.shard_key(s) for s, _, _ in bad), reason, names)
