@@ -75,16 +75,15 @@ class VersionDiff:
         for t in self.tensors:
             parts = t.name.replace("/", ".").split(".")
             key = ".".join(parts[:depth])
-            g = groups.setdefault(key, {"prefix": key, "tensors": 0, "changed": 0, "sq_delta": 0.0, "sq_a": 0.0})
+            g = groups.setdefault(key, {"prefix": key, "tensors": 0, "changed": 0, "l2": 0.0, "norm_a": 0.0})
             g["tensors"] += 1
             g["changed"] += t.status != "unchanged"
-            g["sq_delta"] += t.l2 ** 2
-            g["sq_a"] += t.norm_a ** 2
+            g["l2"] = math.hypot(g["l2"], t.l2)     # hypot: the norm of norms, without squaring into overflow
+            g["norm_a"] = math.hypot(g["norm_a"], t.norm_a)
         out = []
         for g in groups.values():
-            l2 = math.sqrt(g.pop("sq_delta"))
-            na = math.sqrt(g.pop("sq_a"))
-            out.append(dict(g, l2=l2, relative=l2 / na if na else (0.0 if l2 == 0 else math.inf)))
+            l2, na = g["l2"], g.pop("norm_a")
+            out.append(dict(g, relative=l2 / na if na else (0.0 if l2 == 0 else math.inf)))
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -212,24 +211,29 @@ def _diff_tensor(name: str, ea: dict, eb: dict, ca: _Chunks, cb: _Chunks,
     if not ea["pieces"] or ea["pieces"] == eb["pieces"]:  # empty, or the very same stored bytes
         norm = _norm_only(ea, ca, n, on_bytes) if ea["pieces"] else 0.0
         return TensorDiff(name, "unchanged", ea["dtype"], ea["shape"], 0.0, 0.0, 0.0, 1.0, norm, norm)
-    sq_d = sq_a = sq_b = dot = 0.0
+    l2 = na = nb = 0.0
     max_abs = 0.0
     differs = False
+    cos_terms: list[tuple[float, float, float]] = []  # per chunk: ||x||, ||y||, cosine; weighted at the end
     for s, e in _spans(n, _chunk_elems(ea["dtype"])):
         x, y = ca.read(ea, s, e), cb.read(eb, s, e)
         if on_bytes is not None:
             on_bytes(2 * (e - s) * torch.empty((), dtype=TORCH_DTYPES[ea["dtype"]]).element_size())
         d = y - x
         differs = differs or not torch.equal(_bits(x), _bits(y))   # by bits: NaN == NaN where the bytes are equal
-        sq_d += float(d.abs().pow(2).sum())
-        sq_a += float(x.abs().pow(2).sum())
-        sq_b += float(y.abs().pow(2).sum())
-        dot += float((x.conj() * y).real.sum()) if x.is_complex() else float((x * y).sum())
+        cx, cy = _norm(x), _norm(y)
+        l2, na, nb = math.hypot(l2, _norm(d)), math.hypot(na, cx), math.hypot(nb, cy)
+        if cx and cy and math.isfinite(cx) and math.isfinite(cy):
+            u, v = x / cx, y / cy
+            cos_terms.append((cx, cy, float((u.conj() * v).real.sum()) if u.is_complex() else float((u * v).sum())))
         if d.numel():
             max_abs = max(max_abs, float(d.abs().max()))
-    l2, na, nb = math.sqrt(sq_d), math.sqrt(sq_a), math.sqrt(sq_b)
     rel = l2 / na if na else (0.0 if l2 == 0 else math.inf)
-    cos = dot / (na * nb) if na and nb else (1.0 if na == nb else 0.0)
+    if na and nb and math.isfinite(na) and math.isfinite(nb):
+        # the dot product as a sum of unit-norm chunk products: neither x.y nor na * nb can overflow or underflow
+        cos = sum((cx / na) * (cy / nb) * c for cx, cy, c in cos_terms)
+    else:
+        cos = (1.0 if na == nb else 0.0) if not (na and nb) else math.nan
     return TensorDiff(name, "changed" if differs else "unchanged", ea["dtype"], ea["shape"], l2, rel, max_abs, cos,
                       na, nb)
 
@@ -240,12 +244,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_only(entry: dict, chunks: _Chunks, n: int, on_bytes: Callable[[int], None] | None) -> float:
-    sq = 0.0
+    norm = 0.0
     for s, e in _spans(n, _chunk_elems(entry["dtype"])):
-        sq += float(chunks.read(entry, s, e).abs().pow(2).sum())
+        norm = math.hypot(norm, _norm(chunks.read(entry, s, e)))
         if on_bytes is not None:
             on_bytes((e - s) * torch.empty((), dtype=TORCH_DTYPES[entry["dtype"]]).element_size())
-    return math.sqrt(sq)
+    return norm
+
+
+def _norm(x: torch.Tensor) -> float:
+    """||x|| of a float64/complex128 chunk, scaled by its largest magnitude first.
+
+    Why: squaring overflows float64 from 1.3e154 up (a tensor of 1e200s had norm inf) and underflows
+    below 1e-154; scaled, only the true norm's own range limits it. Chunks combine with ``math.hypot``.
+    """
+    if not x.numel():
+        return 0.0
+    a = x.abs()
+    top = float(a.max())
+    if top == 0.0 or not math.isfinite(top):
+        return top      # 0, inf, or nan: what the norm is then
+    return top * float(torch.linalg.vector_norm(a / top))
 
 
 def _short(v: Any) -> str:
@@ -284,7 +303,7 @@ def tensor_stats(repo: Any, rev: str, pattern: str | None = None,
 def _stats_of(entry: dict, chunks: _Chunks, on_bytes: Callable[[int], None] | None) -> TensorStats:
     n = numel(entry["shape"]) if entry["pieces"] else 0
     count = 0
-    mean = m2 = sq = 0.0  # running mean and sum of squared deviations (Chan et al.), exact across chunks
+    mean = dev = norm = 0.0  # running mean and sqrt of the summed squared deviations (Chan et al.), across chunks
     lo, hi = math.inf, -math.inf
     nan = inf = 0
     for s, e in _spans(n, _chunk_elems(entry["dtype"])):
@@ -300,17 +319,19 @@ def _stats_of(entry: dict, chunks: _Chunks, on_bytes: Callable[[int], None] | No
         k = finite.numel()
         if k:
             cmean = float(finite.mean())
-            cm2 = float((finite - cmean).pow(2).sum())
             delta, total = cmean - mean, count + k
             mean += delta * k / total
-            m2 += cm2 + delta * delta * count * k / total
+            # m2 += cm2 + delta^2 * count * k / total, kept as its square root: no overflow past 1e154
+            dev = math.hypot(dev, _norm(finite - cmean), abs(delta) * math.sqrt(count * k / total) if count else 0.0)
             count = total
-            sq += float(finite.pow(2).sum())
+            norm = math.hypot(norm, _norm(finite))
             lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
     if not count:
         mean = lo = hi = math.nan
-    std = math.sqrt(m2 / count) if count else math.nan
-    return TensorStats(entry["name"], entry["dtype"], entry["shape"], numel(entry["shape"]), math.sqrt(sq),
+        if n:
+            norm = math.nan     # like mean, min and max: over the finite values, and there are none
+    std = dev / math.sqrt(count) if count else math.nan
+    return TensorStats(entry["name"], entry["dtype"], entry["shape"], numel(entry["shape"]), norm,
                        mean, std, lo, hi, nan, inf)
 
 

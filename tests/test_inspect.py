@@ -67,6 +67,26 @@ def test_stats_match_direct_computation(repo, monkeypatch):
     assert s["i"].mean == 4.5 and s["i"].min == 0 and s["i"].max == 9 and not math.isnan(s["i"].std)
 
 
+def test_norms_of_extreme_values_neither_overflow_nor_pretend(repo, monkeypatch):
+    """float64 values past 1e154 overflow when squared; a tensor with no finite value has no norm, not 0."""
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", 1024)     # several chunks: the combining step too
+    big = torch.full((400,), 1e200, dtype=torch.float64)
+    tiny = torch.full((400,), 1e-200, dtype=torch.float64)
+    repo.snapshot({"big": big, "tiny": tiny, "inf": torch.full((4,), float("inf"))}, step=1)
+    repo.snapshot({"big": big * 2, "tiny": tiny, "inf": torch.full((4,), float("inf"))}, step=2)
+    s = {t.name: t for t in repo.stats("@1")}
+    assert s["big"].norm == pytest.approx(20 * 1e200, rel=1e-12)
+    assert s["tiny"].norm == pytest.approx(20 * 1e-200, rel=1e-12)
+    assert s["big"].std < 1e186 and s["big"].mean == pytest.approx(1e200, rel=1e-12)
+    assert math.isnan(s["inf"].norm) and s["inf"].inf == 4
+    d = {t.name: t for t in repo.diff("@1", "@2").tensors}
+    assert d["big"].l2 == pytest.approx(20 * 1e200, rel=1e-12) and d["big"].relative == pytest.approx(1.0)
+    assert d["big"].cosine == pytest.approx(1.0, rel=1e-12)
+    assert d["tiny"].status == "unchanged" and d["tiny"].norm_a == pytest.approx(20 * 1e-200, rel=1e-12)
+    groups = {g["prefix"]: g for g in repo.diff("@1", "@2").by_prefix()}
+    assert groups["big"]["relative"] == pytest.approx(1.0)
+
+
 def test_diff_streams_in_bounded_memory(tmp_path):
     """A ~400 MB version pair is diffed with a small, fixed peak of extra memory (measured in a fresh process)."""
     import json
