@@ -28,6 +28,8 @@ from .skeleton import numel, plain_values
 from .store import Store
 
 if TYPE_CHECKING:
+    import torch
+
     from .capture import Snapshotter
     from .gc import RetentionPolicy
     from .layout import ParallelLayout
@@ -62,6 +64,29 @@ def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None
 def open(url: str, options: dict[str, Any] | None = None) -> "Repository":  # noqa: A001 - mirrors the public API
     """Open the repository at ``url``; NotARepositoryError when there is none."""
     return Repository(Store.open(url, options))
+
+
+def load_device(spec: Any) -> "torch.device | None":
+    """The device a load puts fresh tensors on (``None``: where they are read, the CPU), checked before any read.
+
+    Why here: torch only complains at the first ``.to()``, after the reads, and on a CPU-only build
+    with an ``AssertionError`` ("Torch not compiled with CUDA enabled").
+    """
+    if spec is None:
+        return None
+    import torch
+    try:
+        dev = torch.device(spec)
+    except (TypeError, RuntimeError, ValueError):
+        raise ValueError(f"device {spec!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a torch.device "
+                         f"(a map_location dict or function is not supported)") from None
+    try:
+        torch.empty(0, device=dev)
+    except (AssertionError, RuntimeError) as e:
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load onto device {str(dev)!r} in this process ({cause}); "
+                         f"load with device='cpu' or pick an available device") from None
+    return dev
 
 
 def load(url: str, rev: str = "HEAD", parallel_layout: "ParallelLayout | None" = None, rank: int | None = None,
@@ -239,8 +264,9 @@ class Repository:
         ``into`` may then hold DTensors, whose placements say what to read. A
         version saved by several ranks loads unsharded when no layout is given.
         """
+        target = load_device(device if device is not None else map_location)
         with collection_paused():
-            return self._load(rev, into, map_location, device, on_bytes, parallel_layout, rank, read_stats)
+            return self._load(rev, into, target, on_bytes, parallel_layout, rank, read_stats)
 
     def require_data(self, vid: str, manifest: dict[str, Any]) -> None:
         """Refuse, in one line, to read the tensors of a version gc pruned (its history stays, its data is gone):
@@ -249,24 +275,19 @@ class Repository:
             raise RevisionError(f"version {vid[:12]} (step {manifest['step']}) was pruned by gc: its tensor data is "
                                 f"deleted; pick a kept version from `ckptrepo log`")
 
-    def _load(self, rev: str, into: Any, map_location: Any, device: Any, on_bytes: Callable[[int], None] | None,
+    def _load(self, rev: str, into: Any, target_device: "torch.device | None", on_bytes: Callable[[int], None] | None,
               parallel_layout: "ParallelLayout | None", rank: int | None, read_stats: "ReadStats | None") -> Any:
         vid = self.resolve(rev)
         m = self.manifest(vid)
         self.require_data(vid, m)
-        import torch
-
         from .binding import Binder
         from .layout_load import load_layout, needs_layout_load
         from .providers import unflatten
         from .reader import TensorEntry, read_tensors
         if needs_layout_load(m, parallel_layout, into):
-            return load_layout(self.store, m, parallel_layout, rank, into,
-                               device if device is not None else map_location, read_stats)
+            return load_layout(self.store, m, parallel_layout, rank, into, target_device, read_stats)
         entries = [TensorEntry.from_json(t) for t in m["tensors"]]
         arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
-        target_device = torch.device(device if device is not None else map_location) \
-            if (device is not None or map_location is not None) else None
         fresh: dict[int, torch.Tensor] = {}
 
         def get_tensor(i: int, as_numpy: bool) -> Any:

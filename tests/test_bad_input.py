@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import ckptrepo
 from ckptrepo.errors import StateMismatchError, UnsupportedValueError
 
 
@@ -141,3 +142,22 @@ def test_mismatches_found_only_by_load_state_dict_or_set_state_are_refused_befor
         repo.load("HEAD", into={"model": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), "x": x,
                                 "g": np.random.default_rng(2)})
     assert torch.equal(x, torch.zeros(2))
+
+
+@pytest.mark.parametrize("path", ["plain", "layout"])
+def test_an_unavailable_or_bogus_device_is_refused_before_any_read(repo, path, monkeypatch):
+    """torch would fail only at the first .to(), after the reads, with an AssertionError on a CPU-only build."""
+    from ckptrepo import layout_load, reader
+    layout = ckptrepo.ParallelLayout() if path == "layout" else None
+    repo.snapshot({"w": torch.ones(3)}, step=1)
+    reads = []
+    monkeypatch.setattr(reader, "read_tensors", lambda *a, **k: reads.append(1))
+    monkeypatch.setattr(layout_load, "read_pieces", lambda *a, **k: reads.append(1))
+    bad = "cuda:99" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(ValueError, match=r"cannot load onto device 'cuda(:99)?'.*load with device='cpu'"):
+        repo.load("HEAD", device=bad, parallel_layout=layout)
+    with pytest.raises(ValueError, match=r"is not a device; pass 'cpu'"):
+        repo.load("HEAD", map_location={"cuda:0": "cpu"}, parallel_layout=layout)
+    assert not reads
+    monkeypatch.undo()
+    assert torch.equal(repo.load("HEAD", device="cpu", parallel_layout=layout)["w"], torch.ones(3))
