@@ -80,5 +80,7 @@ def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
         if len(matches) > 1:
             raise RevisionError(f"revision {base!r} is ambiguous: {len(matches)} versions start with it "
                                 f"({', '.join(m[:12] for m in matches[:3])}…); type more digits")
+    if src.head_version() is None and src.head_description() == f"branch {base!r}":
+        raise RevisionError(f"branch {base!r} has no versions yet; take a snapshot first")
     raise RevisionError(f"unknown revision {rev!r}: not a branch, tag, version id or @STEP; see `ckptrepo log`")
 

@@ -57,6 +57,10 @@ def test_empty_repository(repo):
     assert repo.log() == []
     with pytest.raises(RevisionError, match="no versions yet"):
         repo.load("HEAD")
+    with pytest.raises(RevisionError, match="branch 'main' has no versions yet; take a snapshot first"):
+        repo.checkout("main")       # the branch HEAD is on, before its first version: not "unknown revision"
+    with pytest.raises(RevisionError, match="unknown revision 'other'"):
+        repo.checkout("other")
 
 
 def test_rollback_branches_and_keeps_history(repo):
