@@ -72,8 +72,14 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
     data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
+    referenced = {p for m in manifests.values() for p in m["parents"]} | set(repo.refs.branches().values()) \
+        | set(repo.refs.tags().values()) | {repo.refs.head().version}
     for vid in sorted(data_ids - set(manifests)):
-        report.warnings.append(f"{DATA_PREFIX}{vid}/ has no manifest (an interrupted snapshot); gc will remove it")
+        if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover
+            report.warnings.append(f"{DATA_PREFIX}{vid}/ is the data of version {vid[:12]}, whose manifest is "
+                                   f"missing: it cannot be loaded without it (gc refuses to run until that is resolved)")
+        else:
+            report.warnings.append(f"{DATA_PREFIX}{vid}/ has no manifest (an interrupted snapshot); gc will remove it")
     return report
 
 

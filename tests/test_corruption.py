@@ -187,6 +187,10 @@ def test_damaged_manifest(repo_dir, damage):
         ckptrepo.open(str(path)).du()
     assert sorted(p for p in path.rglob("*") if p.is_file()) == files
     _assert_fsck_names(path, key)
+    if damage == "delete":   # its data is not an interrupted snapshot's leftover that gc would remove
+        notes = " ".join(fsck(ckptrepo.open(str(path))).warnings)
+        assert f"data/{vid}/ is the data of version {vid[:12]}, whose manifest is missing" in notes, notes
+        assert "interrupted snapshot" not in notes and "gc will remove" not in notes, notes
 
 
 def test_cli_fsck_reports_corruption(repo_dir):
