@@ -114,6 +114,10 @@ def slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
 def check_coverage(tensors: dict[str, tuple[Sequence[int], list[Box]]]) -> None:
     """Every tensor's pieces must cover it exactly once: no overlap, no gap."""
     for name, (shape, boxes) in tensors.items():
+        for offs, sizes in boxes:   # inside the tensor: a stray piece cannot make up for a missing one
+            if len(offs) != len(shape) or any(o < 0 or z < 0 or o + z > d for o, z, d in zip(offs, sizes, shape)):
+                raise LayoutError(f"{name}: a saved piece {_fmt((offs, sizes))} lies outside the tensor's shape "
+                                  f"{list(shape)}; the ranks disagree about the layout (check the rules)")
         total = sum(volume(b[1]) for b in boxes)
         for i in range(len(boxes)):
             for j in range(i + 1, len(boxes)):

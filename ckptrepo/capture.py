@@ -57,7 +57,7 @@ from .layout import ParallelLayout
 from .localwrite import DirectWriter, LiveShard
 from .manifest import DATA_PREFIX, Version, new_version_id, plain_metrics, version_id_time
 from .providers import TensorRecord, flatten
-from .sharding import Sharder, column_blocks
+from .sharding import Piece, Sharder, ShardedState, column_blocks
 from .snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from .writer import LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, fill_segment, live_residues
 
@@ -168,16 +168,22 @@ class Snapshotter:
                  metrics: dict[str, Any] | None = None) -> SnapshotHandle:
         """Start a snapshot of ``state`` and return its handle at once (see the class contract)."""
         t0 = time.perf_counter()
-        self._raise_pending()
-        if self._closed:
-            raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
-        skeleton, records = flatten(state)
-        # of the live tensors, before buffer copies
-        keys = [dedup_key(r) for r in records] if self._dedup is not None else []
-        _copy_what_forward_may_change(state, records, self._step_owned())
+        try:
+            self._raise_pending()
+            if self._closed:
+                raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
+            skeleton, records = flatten(state)
+            # of the live tensors, before buffer copies
+            keys = [dedup_key(r) for r in records] if self._dedup is not None else []
+            _copy_what_forward_may_change(state, records, self._step_owned())
+            local = self._local_pieces(records) if self.sharded else None
+        except Exception as err:
+            if self.distributed:   # the other ranks are entering the collective: tell them, or they wait forever
+                self._exchange_pieces(None, err)
+            raise
         vid, leaf_names, names, boxes = new_version_id(), [], [], []
-        if self.sharded:
-            vid, records, boxes, leaf_names, names = self._shard(records)
+        if local is not None:
+            vid, records, boxes, leaf_names, names = self._shard(records, local)
         handle = SnapshotHandle(vid, None if step is None else int(step))
         job = SnapshotJob(handle, skeleton, records, None, message, plain_metrics(metrics or {}), started=t0,
                    leaf_names=leaf_names, names=names, boxes=boxes, keys=keys)
@@ -218,16 +224,35 @@ class Snapshotter:
         if job.remaining == 0:
             job.data_done.set()
 
-    def _shard(self, records: list[TensorRecord]) -> tuple[str, list[TensorRecord], list[Any], list[str],
-                                                           list[list[Any]]]:
-        """Sharded: this rank's pieces, the agreed version id, and which pieces this rank writes."""
+    def _local_pieces(self, records: list[TensorRecord]) -> tuple[ShardedState, list[Piece]]:
+        """This rank's pieces of the global tensors (raises here, before the collective, for a state that does
+        not fit the layout)."""
         # without a layout (DTensor placements say what each rank holds) every rank is its own data-parallel slot
         layout = self.layout or ParallelLayout(dp=self.world_size)
         sharded = Sharder(layout, self.rank, self.rank).shard(records)
-        pieces = column_blocks(sharded.pieces)
+        return sharded, column_blocks(sharded.pieces)
+
+    def _exchange_pieces(self, meta: list[tuple[str, Any, int]] | None, failure: Exception | None = None) -> list[Any]:
+        """The one collective of a distributed snapshot: every rank's (proposed version id, piece metadata).
+
+        A rank whose own checks failed (``failure``) still joins it, with its error in place of the metadata,
+        so that every rank raises at the same call instead of waiting in the collective until its timeout.
+        """
+        mine = (new_version_id(), meta) if failure is None else (None, f"{type(failure).__name__}: {first_line(failure)}")
+        gathered = all_gather(mine, self.group) if self.distributed else [mine]
+        refused = [(r, g[1]) for r, g in enumerate(gathered) if g[0] is None]
+        if refused and failure is None:
+            r, why = refused[0]
+            raise SnapshotFailedError(f"rank {r} refused this snapshot ({why}); no version was written, "
+                                      f"fix the state on that rank")
+        return gathered
+
+    def _shard(self, records: list[TensorRecord], local: tuple[ShardedState, list[Piece]]) -> \
+            tuple[str, list[TensorRecord], list[Any], list[str], list[list[Any]]]:
+        """Sharded: this rank's pieces, the agreed version id, and which pieces this rank writes."""
+        sharded, pieces = local
         meta = [(p.name, p.box, volume(p.box[1]) * p.view.element_size()) for p in pieces]
-        mine_meta = (new_version_id(), meta)
-        gathered = all_gather(mine_meta, self.group) if self.distributed else [mine_meta]
+        gathered = self._exchange_pieces(meta)
         writes = assign_writers([g[1] for g in gathered])[self.rank]
         mine = [p for p, w in zip(pieces, writes) if w]
         names: dict[str, list[Any]] = {}

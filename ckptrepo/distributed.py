@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .boxes import Box, check_coverage
-from .errors import SnapshotFailedError
+from .errors import LayoutError, SnapshotFailedError
 from .manifest import STAGING_PREFIX, seal, unseal
 from .providers import (DICT, LIST, NDARRAY, ODICT, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, numel,
                         unflatten)
@@ -136,9 +136,15 @@ def merge_rank_manifests(ranks: list[dict[str, Any]], layout: "ParallelLayout | 
     inspection tools read; every rank's own tree is kept under ``layout.ranks``.
     """
     entries: dict[str, dict[str, Any]] = {}
+    declared: dict[str, int] = {}   # name -> the first rank that listed it
     for part in ranks:
         for name, dtype, shape in part["names"]:
-            entries.setdefault(name, {"name": name, "dtype": dtype, "shape": list(shape), "pieces": []})
+            e = entries.setdefault(name, {"name": name, "dtype": dtype, "shape": list(shape), "pieces": []})
+            first = declared.setdefault(name, part["rank"])
+            if (e["dtype"], e["shape"]) != (dtype, list(shape)):   # bytes of one dtype would load as another's
+                raise LayoutError(f"{name}: the ranks disagree about this tensor: rank {first} holds it as "
+                                  f"{e['dtype']} {e['shape']}, rank {part['rank']} as {dtype} {list(shape)}; "
+                                  f"give every rank the same dtype and rules")
     arrays: dict[str, Any] = {}
     for part in ranks:
         arrays.update(part["arrays"])

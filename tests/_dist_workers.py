@@ -111,3 +111,32 @@ def snapshot_split_state(rank: int, layout: ParallelLayout, url: str, seed: int)
     local = {n: t.chunk(layout.tp, dim=dims[n])[rank].clone() if n in dims else t for n, t in full.items()}
     lay = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, SPLIT_RULES)
     return ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay).id
+
+
+def snapshot_disagreeing(rank: int, layout: ParallelLayout, url: str) -> dict[str, str]:
+    """Snapshots the ranks must all refuse, each followed by a collective of the training loop; the outcomes."""
+    import torch.distributed as dist
+    rules = Rules([("w", Split(0))])
+    lay = ParallelLayout(tp=layout.world_size, rules=rules)
+    repo = ckptrepo.open(url)
+    cases = {
+        # one rank's state fails the checks before the metadata collective: a set cannot be saved
+        "one rank refuses": lambda: {"model": {"w": torch.ones(4, 4)}, **({"extra": {1, 2}} if rank == 1 else {})},
+        # the same tensor in two dtypes: bfloat16 bytes would load as float32
+        "dtypes differ": lambda: {"model": {"w": torch.ones(4, 4, dtype=torch.bfloat16 if rank else torch.float32)}},
+        # the same tensor with two global shapes
+        "shapes differ": lambda: {"model": {"w": torch.ones(4, 4) if rank == 0 else torch.ones(8, 2)}},
+    }
+    out = {}
+    for case, make in cases.items():
+        try:
+            with repo.snapshotter(parallel_layout=lay) as snap:
+                snap.snapshot(make(), step=1)
+                snap.wait()
+            out[case] = "committed"
+        except ckptrepo.errors.CkptRepoError as err:
+            out[case] = f"{type(err).__name__}: {err}"
+        t = torch.ones(1)
+        dist.all_reduce(t)      # training goes on: the process group is not left inside a collective
+        out[case + " then all_reduce"] = str(int(t.item()))
+    return out

@@ -20,7 +20,7 @@ import ckptrepo
 from ckptrepo.layout import ParallelLayout
 from ckptrepo.reshard import ReadStats, kvstore_bytes_read
 from _ckpt_workers import mp_context
-from _dist_workers import resume, snapshot_and_die, train_and_snapshot, with_rules
+from _dist_workers import resume, snapshot_and_die, snapshot_disagreeing, train_and_snapshot, with_rules
 from helpers import assert_bit_exact
 from megatron_ref import GPTConfig, _worker, assemble, launch
 
@@ -158,3 +158,31 @@ def test_a_rank_killed_during_a_distributed_snapshot_leaves_no_version(tmp_path)
     state = repo.load(first)
     assert state["optimizer"]["step"] == 0
     assert repo.fsck().ok
+
+
+def test_snapshots_the_ranks_disagree_about_fail_on_every_rank_and_leave_no_version(tmp_path) -> None:
+    """A rank whose own checks fail still joins the metadata collective (the others waited there until the
+    process group's timeout); ranks holding one tensor in different dtypes or shapes commit nothing (the
+    version used to commit, pass fsck and load other bytes as its dtype)."""
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    results = launch(ParallelLayout(dp=2), snapshot_disagreeing, url, timeout=60)
+    for rank, out in enumerate(results):
+        assert out["one rank refuses"].startswith("UnsupportedValueError" if rank == 1 else
+                                                  "SnapshotFailedError: rank 1 refused this snapshot"), out
+        assert "builtins.set" in out["one rank refuses"]
+        assert "w: the ranks disagree about this tensor: rank 0 holds it as float32 [8, 4], rank 1 as " \
+               "bfloat16 [8, 4]" in out["dtypes differ"], out
+        assert "rank 0 holds it as float32 [8, 4], rank 1 as float32 [16, 2]" in out["shapes differ"], out
+        assert all(out[c] == "2" for c in out if c.endswith("all_reduce")), out
+    repo = ckptrepo.open(url)
+    assert repo.log() == [] and repo.fsck().ok
+
+
+def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
+    """Equal total volume is not coverage: a stray piece must not make up for a missing one."""
+    from ckptrepo.boxes import check_coverage
+    from ckptrepo.errors import LayoutError
+    check_coverage({"w": ((8, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4))])})
+    with pytest.raises(LayoutError, match=r"w: a saved piece \[8:16, 0:2\] lies outside the tensor's shape \[8, 4\]"):
+        check_coverage({"w": ((8, 4), [((0, 0), (4, 4)), ((8, 0), (8, 2))])})
