@@ -77,6 +77,20 @@ def with_version_shapes(rules: Rules, manifest: dict[str, Any]) -> Rules:
                                     if t["name"].startswith(prefix)])
 
 
+def check_layer_count(rules: Rules, manifest: dict[str, Any]) -> None:
+    """Refuse rules whose ``num_layers`` is not the version's: the load would silently drop the layers past it,
+    or place layers on the wrong pipeline stages."""
+    if rules.num_layers is None:
+        return
+    prefix = rules.model_section + "/"
+    found = {i for t in manifest["tensors"] if t["name"].startswith(prefix)
+             for i in [rules.layer_index(t["name"][len(prefix):])] if i is not None}
+    if found and max(found) + 1 != rules.num_layers:
+        raise LayoutError(f"the rules say num_layers={rules.num_layers} but this version's model has "
+                          f"{max(found) + 1} layers ({rules.layer_prefix}0 to {rules.layer_prefix}{max(found)}); "
+                          f"load with rules for the saved model")
+
+
 def needs_layout_load(manifest: dict[str, Any], layout: ParallelLayout | None, into: Any) -> bool:
     """Whether a load must go through pieces: a sharded version, a target layout, or DTensors to fill.
 
@@ -123,6 +137,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     else:
         target = layout
     if target.rules is not None:
+        check_layer_count(target.rules, manifest)
         target = ParallelLayout(target.tp, target.pp, target.dp, target.zero,
                                 with_version_shapes(target.rules, manifest))
     if rank is None:

@@ -256,9 +256,17 @@ class Rules:
             return range(0, 1 << 62)
         return stage_layers(self.num_layers, pp, pp_rank, self.stage_sizes)
 
+    def layer_index(self, param: str) -> int | None:
+        """The layer number in ``param`` (``layers.<i>.…``), or None outside the layers."""
+        m = self._layer_re.match(param)
+        return int(m.group(1)) if m is not None else None
+
     def to_global(self, param: str, pp: int, pp_rank: int) -> str:
         """Global name of a stage-local parameter name (local layer i -> first layer of the stage + i)."""
         m = self._layer_re.match(param)
+        if m is not None and pp == 1 and self.num_layers is not None and int(m.group(1)) >= self.num_layers:
+            raise LayoutError(f"{param}: the rules say num_layers={self.num_layers}; give the rules the model's "
+                              f"layer count")
         if m is None or pp == 1:
             return param
         layers = self._layers(pp, pp_rank)

@@ -161,3 +161,26 @@ def test_an_unavailable_or_bogus_device_is_refused_before_any_read(repo, path, m
     assert not reads
     monkeypatch.undo()
     assert torch.equal(repo.load("HEAD", device="cpu", parallel_layout=layout)["w"], torch.ones(3))
+
+
+def test_rules_with_another_layer_count_than_the_model_are_refused(repo):
+    """Loading with num_layers below the saved model's dropped its last layers without a word; above it, layers
+    went to the wrong pipeline stages. Saving with too few layers in the rules is refused too."""
+    from ckptrepo.errors import LayoutError
+    from ckptrepo.rules import megatron_gpt
+    from megatron_ref import GPTConfig, init_full_params, shard_full
+    cfg = GPTConfig()
+    state = shard_full(cfg, ckptrepo.ParallelLayout(), 0, init_full_params(cfg))
+
+    def rules(n):
+        return megatron_gpt(n, cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    with pytest.raises(LayoutError, match=rf"layers.{cfg.layers - 1}.*the rules say num_layers={cfg.layers - 1}"):
+        repo.snapshot(state, step=1, parallel_layout=ckptrepo.ParallelLayout(rules=rules(cfg.layers - 1)))
+    repo.snapshot(state, step=1, parallel_layout=ckptrepo.ParallelLayout(rules=rules(cfg.layers)))
+    for n, pp in ((cfg.layers - 1, 1), (cfg.layers + 2, 2)):
+        with pytest.raises(LayoutError, match=rf"the rules say num_layers={n} but this version's model has "
+                                              rf"{cfg.layers} layers \(layers.0 to layers.{cfg.layers - 1}\)"):
+            repo.load("HEAD", parallel_layout=ckptrepo.ParallelLayout(pp=pp, rules=rules(n)), rank=0)
+    out = repo.load("HEAD", parallel_layout=ckptrepo.ParallelLayout(pp=2, rules=rules(cfg.layers)), rank=1)
+    assert torch.equal(out["model"]["layers.0.mlp.fc1.weight"],
+                       state["model"][f"layers.{cfg.layers // 2}.mlp.fc1.weight"])
