@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -32,6 +32,7 @@ from .providers import (DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYP
 from .reshard import ReadStats, read_pieces
 from .rules import LocalParam, Rules
 from .sharding import Sharder, is_dtensor
+from .skeleton import key_value
 from .store import Store
 
 
@@ -75,6 +76,38 @@ def with_version_shapes(rules: Rules, manifest: dict[str, Any]) -> Rules:
     prefix = rules.model_section + "/"
     return rules.with_param_shapes([(t["name"][len(prefix):], t["shape"]) for t in manifest["tensors"]
                                     if t["name"].startswith(prefix)])
+
+
+def per_rank_values(manifest: dict[str, Any]) -> list[str]:
+    """Paths of the plain values (not tensors) that differ between the saved ranks: seeds, a numpy Generator's
+    or ``random.getstate()``'s state. A load whose layout changed gives them to a rank from another saved rank's
+    tree, just like per-rank tensors, so they are named in the same warning."""
+    ranks = manifest.get("layout", {}).get("ranks", [])
+    trees = [dict(_values(r["tree"], "")) for r in ranks]
+    if len(trees) < 2:
+        return []
+    paths = set().union(*trees)
+    return sorted(p for p in paths if len({t.get(p) for t in trees}) > 1)
+
+
+def _values(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(path, text) of each value under the dicts of a skeleton, tensors left out: a list, tuple or numpy
+    Generator is one value (``random.getstate()`` is named once, not 625 times); the text compares (NaN too)."""
+    tag = node[0]
+    if tag in (DICT, ODICT):
+        for k, v in node[1]:
+            key = str(key_value(k))
+            yield from _values(v, f"{path}/{key}" if path else key)
+    elif tag == STATEFUL:
+        yield from _values(node[2], path)
+    elif tag not in (TENSOR, NDARRAY):
+        yield path or "<root>", repr(_without_tensors(node))
+
+
+def _without_tensors(node: Any) -> Any:
+    if isinstance(node, list) and node and node[0] in (TENSOR, NDARRAY):
+        return node[0]
+    return [_without_tensors(c) for c in node] if isinstance(node, list) else node
 
 
 def check_layer_count(rules: Rules, manifest: dict[str, Any]) -> None:
@@ -156,7 +189,8 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     sharded = sharder.shard(records)
     # an unsharded load (no layout) takes saved rank 0's, as documented; DTensors under a process group do not
     if changed and (layout is not None or target.world_size > 1):
-        moved = sorted({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n})
+        moved = sorted({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n}
+                       | set(per_rank_values(manifest)))
         if moved:
             warnings.warn(f"layout changed ({_layout_str(manifest)} -> {target}): per-rank state "
                           f"{', '.join(moved[:4])}{' ...' if len(moved) > 4 else ''} of rank {rank} comes from saved "

@@ -43,7 +43,7 @@ def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) 
         return
     if tag in (SCALAR, BIGINT):
         yield here, tree[1] if tag == SCALAR else int(tree[1])
-    elif tag == STATEFUL:
+    elif tag in (STATEFUL, NPGEN):     # a numpy Generator: its bit generator's state, which differs per seed
         yield from plain_values(tree[2], path, summarize_after)
     elif tag in (DICT, ODICT):
         for k, v in tree[1]:
@@ -56,9 +56,24 @@ def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) 
             return
         for i, c in enumerate(kids):
             yield from plain_values(c, f"{path}/{i}" if path else str(i), summarize_after)
+    elif tag == NPSCALAR:
+        import numpy as np
+        yield here, np.frombuffer(tree[2], dtype=np.dtype(tree[1]))[0]
+    elif tag == DTYPE:
+        yield here, Shown(f"torch.{tree[1]}")
+    elif tag == SIZE:
+        yield here, Shown(f"torch.Size({list(tree[1])})")
     else:
-        yield here, {NPGEN: "numpy Generator", NPSCALAR: "numpy scalar", DTYPE: "dtype", SIZE: "torch.Size"}.get(tag, tag)
+        yield here, Shown(f"<unknown node {tag!r}>")
+
+
+class Shown(str):
+    """A value ``show`` and ``diff`` print as its text, without quotes (``torch.float32``, ``torch.Size([2])``);
+    equal when the text is: the value is not rebuilt, so reading a manifest never needs torch."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 __all__ = ["BIGINT", "DICT", "DTYPE", "LIST", "NDARRAY", "NPGEN", "NPSCALAR", "ODICT", "SCALAR", "SIZE", "STATEFUL",
-           "TENSOR", "TUPLE", "key_value", "numel", "plain_values"]
+           "Shown", "TENSOR", "TUPLE", "key_value", "numel", "plain_values"]

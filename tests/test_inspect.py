@@ -152,3 +152,19 @@ def test_diff_compares_bits_so_nan_is_unchanged_where_the_bytes_are(repo):
     repo.snapshot({"w": nan.clone(), "c": cnan.clone(), "z": torch.tensor([-0.0])}, step=2)
     assert {d.name: d.status for d in repo.diff("@1", "@2").tensors} == {"w": "unchanged", "c": "unchanged",
                                                                           "z": "changed"}
+
+
+def test_diff_and_show_see_numpy_scalars_dtypes_sizes_and_generators(repo):
+    """They were summarised by type ('numpy scalar', 'dtype'), so diff called every change of them unchanged."""
+    import numpy as np
+    repo.snapshot({"best": np.float32(0.5), "dt": torch.float32, "sz": torch.Size([2, 3]),
+                   "g": np.random.default_rng(1), "same": np.int64(7)}, step=1)
+    repo.snapshot({"best": np.float32(0.25), "dt": torch.bfloat16, "sz": torch.Size([4]),
+                   "g": np.random.default_rng(2), "same": np.int64(7)}, step=2)
+    objs = {o.path: o for o in repo.diff("@1", "@2").objects}
+    assert (objs["best"].a, objs["best"].b) == (repr(np.float32(0.5)), repr(np.float32(0.25)))
+    assert (objs["dt"].a, objs["dt"].b) == ("torch.float32", "torch.bfloat16")
+    assert (objs["sz"].a, objs["sz"].b) == ("torch.Size([2, 3])", "torch.Size([4])")
+    assert objs["g/state/state"].status == "changed" and "same" not in objs
+    shown = dict(repo.show("@2").objects)
+    assert shown["dt"] == "torch.bfloat16" and shown["best"] == repr(np.float32(0.25))
