@@ -27,7 +27,7 @@ from .boxes import volume
 from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
-from .providers import (DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten,
+from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten,
                         is_stateful, own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import LocalParam, Rules
@@ -76,6 +76,16 @@ def with_version_shapes(rules: Rules, manifest: dict[str, Any]) -> Rules:
     prefix = rules.model_section + "/"
     return rules.with_param_shapes([(t["name"][len(prefix):], t["shape"]) for t in manifest["tensors"]
                                     if t["name"].startswith(prefix)])
+
+
+def _check_dtypes(pieces: list[Any], shapes: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """Refuse a tensor of ``into`` whose dtype is not the saved one, as the plain load does: the copy would cast,
+    silently and lossily (float32 into int32 truncated)."""
+    for p in pieces:
+        saved = shapes.get(p.name, (None, None))[1]
+        if saved is not None and DTYPE_NAMES.get(p.view.dtype) != saved:
+            raise StateMismatchError(f"{p.name}: dtype {p.view.dtype} in `into` but {saved} in the version; cast "
+                                     f"after loading, or load without into=")
 
 
 def per_rank_values(manifest: dict[str, Any]) -> list[str]:
@@ -187,6 +197,8 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     per_rank = tmpl if world > 1 or "tp" in manifest.get("layout", {}) else None
     sharder = Sharder(target, rank, per_rank, gshape_of=lambda n: shapes[n][0] if n in shapes else None)
     sharded = sharder.shard(records)
+    if not fresh:
+        _check_dtypes(sharded.pieces, shapes)
     # an unsharded load (no layout) takes saved rank 0's, as documented; DTensors under a process group do not
     if changed and (layout is not None or target.world_size > 1):
         moved = sorted({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n}

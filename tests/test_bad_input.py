@@ -52,6 +52,23 @@ def test_into_with_wrong_shapes_changes_nothing(repo):
         repo.load("HEAD", into={"a": 3, "b": torch.zeros(4)})
 
 
+def test_into_with_another_dtype_is_refused_on_the_layout_path_too(repo):
+    """The piece-wise load cast silently, float32 into int32 truncating, where the plain load refuses."""
+    from _dist_workers import SPLIT_RULES
+    state = {"col.weight": torch.randn(8, 4), "row.weight": torch.randn(4, 8), "norm.weight": torch.randn(4)}
+    repo.snapshot({"model": state}, step=1, parallel_layout=ckptrepo.ParallelLayout(rules=SPLIT_RULES))
+    lay = ckptrepo.ParallelLayout(tp=2, rules=SPLIT_RULES)
+    into = {"model": {"col.weight": torch.zeros(4, 4, dtype=torch.int32), "row.weight": torch.zeros(4, 4),
+                      "norm.weight": torch.zeros(4)}}
+    with pytest.raises(StateMismatchError, match=r"model/col.weight: dtype torch.int32 in `into` but float32 in the "
+                                                 r"version; cast after loading"):
+        repo.load("HEAD", parallel_layout=lay, rank=0, into=into)
+    assert not into["model"]["row.weight"].any(), "nothing is loaded when any tensor mismatches"
+    into["model"]["col.weight"] = torch.zeros(4, 4)
+    repo.load("HEAD", parallel_layout=lay, rank=1, into=into)
+    assert torch.equal(into["model"]["col.weight"], state["col.weight"][4:])
+
+
 def test_model_with_wrong_architecture(repo):
     repo.snapshot({"model": torch.nn.Linear(4, 8)}, step=0)
     other = torch.nn.Linear(4, 9)
