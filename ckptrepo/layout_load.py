@@ -319,7 +319,12 @@ def _merge_plain(node: Any, target: Any) -> bool:
     else:
         return False
     for key, v in items:
-        if (isinstance(target, dict) and key not in target) or v[0] in (TENSOR, NDARRAY):
+        if isinstance(target, dict) and key not in target:
+            if not _holds_tensors(v):   # a saved plain value `into` lacks is added, as the plain load does
+                target[key] = unflatten(v, lambda i, n: None)
+                changed = True
+            continue
+        if v[0] in (TENSOR, NDARRAY):
             continue
         value = target[key]
         if is_stateful(value) or (isinstance(value, (dict, list)) and v[0] in (DICT, ODICT, LIST, STATEFUL)):
@@ -328,6 +333,12 @@ def _merge_plain(node: Any, target: Any) -> bool:
             target[key] = unflatten(v, lambda i, n: None)
             changed = True
     return changed
+
+
+def _holds_tensors(node: Any) -> bool:
+    if isinstance(node, list) and node and node[0] in (TENSOR, NDARRAY):
+        return True
+    return isinstance(node, list) and any(_holds_tensors(c) for c in node)
 
 
 def _to_device(obj: Any, device: Any) -> Any:

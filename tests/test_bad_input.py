@@ -65,8 +65,10 @@ def test_into_with_another_dtype_is_refused_on_the_layout_path_too(repo):
         repo.load("HEAD", parallel_layout=lay, rank=0, into=into)
     assert not into["model"]["row.weight"].any(), "nothing is loaded when any tensor mismatches"
     into["model"]["col.weight"] = torch.zeros(4, 4)
-    repo.load("HEAD", parallel_layout=lay, rank=1, into=into)
+    repo.snapshot({"model": state, "step": 7}, step=2, parallel_layout=ckptrepo.ParallelLayout(rules=SPLIT_RULES))
+    out = repo.load("HEAD", parallel_layout=lay, rank=1, into=into)
     assert torch.equal(into["model"]["col.weight"], state["col.weight"][4:])
+    assert out["step"] == 7, "a saved plain value into lacks is added, as by the plain load"
 
 
 def test_model_with_wrong_architecture(repo):
