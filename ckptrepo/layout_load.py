@@ -18,6 +18,7 @@ An unsharded load (no layout given) takes saved rank 0's, without a warning.
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from typing import Any, Iterator
 
@@ -120,6 +121,31 @@ def _without_tensors(node: Any) -> Any:
     return [_without_tensors(c) for c in node] if isinstance(node, list) else node
 
 
+def default_rank(layout: ParallelLayout) -> int:
+    """This process's rank of ``layout`` when no ``rank=`` was given: its torch.distributed rank, when the
+    process group has exactly the layout's ranks (otherwise part of the layout would silently go unloaded)."""
+    if layout.world_size == 1:
+        return 0
+    pg_rank, pg_world = process_group_rank()
+    if pg_world == 1:
+        raise LayoutError(f"the layout ({layout}) has {layout.world_size} ranks: pass rank= (0 to "
+                          f"{layout.world_size - 1}), or load in each process of a torch.distributed group of that size")
+    if pg_world != layout.world_size:
+        raise LayoutError(f"the layout ({layout}) has {layout.world_size} ranks but torch.distributed has {pg_world}; "
+                          f"pass rank= to load one rank of another layout")
+    return pg_rank
+
+
+def checked_rank(rank: Any) -> int:
+    """``rank`` as an int; a float, string or bool is refused in one line (not a TypeError from deep inside)."""
+    try:
+        if isinstance(rank, bool):
+            raise TypeError
+        return operator.index(rank)
+    except TypeError:
+        raise LayoutError(f"rank={rank!r} is not a rank; pass an int") from None
+
+
 def check_layer_count(rules: Rules, manifest: dict[str, Any]) -> None:
     """Refuse rules whose ``num_layers`` is not the version's: the load would silently drop the layers past it,
     or place layers on the wrong pipeline stages."""
@@ -183,8 +209,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
         check_layer_count(target.rules, manifest)
         target = ParallelLayout(target.tp, target.pp, target.dp, target.zero,
                                 with_version_shapes(target.rules, manifest))
-    if rank is None:
-        rank = process_group_rank()[0] if target.world_size > 1 else 0
+    rank = default_rank(target) if rank is None else checked_rank(rank)
     tmpl, changed = template_rank(manifest, target, rank)
     tree, leaf_names = rank_tree(manifest, tmpl)
     shapes = {t["name"]: (tuple(t["shape"]), t["dtype"]) for t in manifest["tensors"]}

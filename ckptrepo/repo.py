@@ -258,7 +258,7 @@ class Repository:
         is changed; tensors are filled in place and Stateful objects get
         ``load_state_dict``. Only the skeleton's own types are ever built: no pickle.
 
-        ``parallel_layout`` (and ``rank``, default: this process's rank) loads
+        ``parallel_layout`` (and ``rank``, default: this process's rank in a process group of the layout's size) loads
         the state one rank of that layout holds, whatever layout saved it,
         reading only the bytes that rank needs (``read_stats`` counts them);
         ``into`` may then hold DTensors, whose placements say what to read. A

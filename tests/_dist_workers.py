@@ -139,4 +139,10 @@ def snapshot_disagreeing(rank: int, layout: ParallelLayout, url: str) -> dict[st
         t = torch.ones(1)
         dist.all_reduce(t)      # training goes on: the process group is not left inside a collective
         out[case + " then all_reduce"] = str(int(t.item()))
+    dist.barrier()
+    try:   # a layout of 4 ranks in a group of 2, without rank=: half of the layout would go unloaded
+        repo.load("HEAD", parallel_layout=ParallelLayout(tp=4, rules=rules))
+        out["tp=4 in a group of 2"] = "loaded"
+    except ckptrepo.errors.CkptRepoError as err:
+        out["tp=4 in a group of 2"] = f"{type(err).__name__}: {err}"
     return out

@@ -203,3 +203,22 @@ def test_rules_with_another_layer_count_than_the_model_are_refused(repo):
     out = repo.load("HEAD", parallel_layout=ckptrepo.ParallelLayout(pp=2, rules=rules(cfg.layers)), rank=1)
     assert torch.equal(out["model"]["layers.0.mlp.fc1.weight"],
                        state["model"][f"layers.{cfg.layers // 2}.mlp.fc1.weight"])
+
+
+def test_a_multi_rank_layout_needs_a_rank_that_is_an_int(repo):
+    """Without rank= and without a process group of the layout's size, a load silently gave rank 0's slice
+    (or this process's rank of a smaller group), leaving the rest of the layout unloaded."""
+    from ckptrepo.errors import LayoutError
+    from _dist_workers import SPLIT_RULES
+    state = {"col.weight": torch.randn(8, 4), "row.weight": torch.randn(4, 8), "norm.weight": torch.randn(4)}
+    repo.snapshot({"model": state}, step=1, parallel_layout=ckptrepo.ParallelLayout(rules=SPLIT_RULES))
+    lay = ckptrepo.ParallelLayout(tp=2, rules=SPLIT_RULES)
+    with pytest.raises(LayoutError, match=r"the layout \(tp=2 pp=1 dp=1 zero=0\) has 2 ranks: pass rank= \(0 to 1\)"):
+        repo.load("HEAD", parallel_layout=lay)
+    for bad in (1.0, "1", True):
+        with pytest.raises(LayoutError, match=rf"rank={bad!r} is not a rank; pass an int"):
+            repo.load("HEAD", parallel_layout=lay, rank=bad)
+    out = repo.load("HEAD", parallel_layout=lay, rank=np.int64(1))
+    assert torch.equal(out["model"]["col.weight"], state["col.weight"][4:])
+    assert torch.equal(repo.load("HEAD", parallel_layout=ckptrepo.ParallelLayout(rules=SPLIT_RULES))["model"]
+                       ["row.weight"], state["row.weight"])   # one rank: no rank= needed

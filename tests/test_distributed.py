@@ -165,7 +165,7 @@ def test_snapshots_the_ranks_disagree_about_fail_on_every_rank_and_leave_no_vers
     process group's timeout); ranks holding one tensor in different dtypes or shapes commit nothing (the
     version used to commit, pass fsck and load other bytes as its dtype)."""
     url = str(tmp_path / "repo")
-    ckptrepo.init(url)
+    ckptrepo.init(url).snapshot({"model": {"w": torch.ones(8, 4)}}, step=0)
     results = launch(ParallelLayout(dp=2), snapshot_disagreeing, url, timeout=60)
     for rank, out in enumerate(results):
         assert out["one rank refuses"].startswith("UnsupportedValueError" if rank == 1 else
@@ -175,8 +175,10 @@ def test_snapshots_the_ranks_disagree_about_fail_on_every_rank_and_leave_no_vers
                "bfloat16 [8, 4]" in out["dtypes differ"], out
         assert "rank 0 holds it as float32 [8, 4], rank 1 as float32 [16, 2]" in out["shapes differ"], out
         assert all(out[c] == "2" for c in out if c.endswith("all_reduce")), out
+        assert out["tp=4 in a group of 2"] == "LayoutError: the layout (tp=4 pp=1 dp=1 zero=0) has 4 ranks but " \
+                                              "torch.distributed has 2; pass rank= to load one rank of another layout"
     repo = ckptrepo.open(url)
-    assert repo.log() == [] and repo.fsck().ok
+    assert [v.step for v in repo.log()] == [0] and repo.fsck().ok
 
 
 def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
