@@ -12,7 +12,7 @@ from typing import Any, Callable
 from .arrays import ArrayInfo, open_array
 from .boxes import check_coverage, volume
 from .errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
-from .gc import pruned_ids, reachable_versions
+from .gc import pruned_ids, reachable_versions, ref_targets
 from .manifest import DATA_PREFIX, VERSIONS_PREFIX
 from .repo import Repository
 
@@ -44,15 +44,17 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
     data is (a progress bar's size); ``on_bytes`` each shard's bytes as it is read.
     """
     report = FsckReport()
+    # a writer may commit while fsck runs: the refs read before the listing reach every listed ancestor, and
+    # those read after it name versions the listing may lack, which are read before being called missing
+    starts = ref_targets(repo)
     manifests: dict[str, dict[str, Any]] = {}
     for vid, m in repo.iter_manifests(repo.all_version_ids()):
         if isinstance(m, dict):
             manifests[vid] = m
-        else:
+        elif repo.store.exists(VERSIONS_PREFIX + vid):
             report.errors.append(str(m))
-    report.versions = len(manifests)
-
     _check_refs(repo, manifests, report)
+    report.versions = len(manifests)
     pruned = pruned_ids(repo)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
         on_total(sum(ArrayInfo.from_json(k, a).nbytes for vid, m in manifests.items() if vid not in pruned
@@ -64,7 +66,7 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
         if vid not in pruned:
             _check_version_data(repo, vid, m, report, on_bytes)
 
-    reachable = reachable_versions(repo, {vid: m["parents"] for vid, m in manifests.items()})
+    reachable = reachable_versions(starts + ref_targets(repo), {vid: m["parents"] for vid, m in manifests.items()})
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
@@ -84,14 +86,28 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
 
 
 def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport) -> None:
+    """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
+    ancestors the listing lacks), not reported."""
+    def missing(vid: str | None) -> bool:
+        while vid is not None and vid not in manifests:
+            if not repo.store.exists(VERSIONS_PREFIX + vid):
+                return True
+            try:
+                manifests[vid] = repo.manifest(vid)
+            except CkptRepoError as err:
+                report.errors.append(str(err))
+                return False
+            vid = next(iter(manifests[vid]["parents"]), None)
+        return False
+
     for name, vid in repo.refs.branches().items():
-        if vid not in manifests:
+        if missing(vid):
             report.errors.append(f"branch {name!r} points at missing version {vid[:12]}")
     for name, vid in repo.refs.tags().items():
-        if vid not in manifests:
+        if missing(vid):
             report.errors.append(f"tag {name!r} points at missing version {vid[:12]}")
     head = repo.refs.head()
-    if head.branch is None and head.version not in manifests:
+    if head.branch is None and (head.version is None or missing(head.version)):
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
 
 

@@ -107,29 +107,25 @@ def pruned_ids(repo: Any) -> set[str]:
     return {k[len(PRUNED_PREFIX):] for k in repo.store.list(PRUNED_PREFIX)}
 
 
-def reachable_versions(repo: Any, parents: Mapping[str, Sequence[str]]) -> set[str]:
-    """Versions reachable from a branch, a tag or HEAD through parent links (``parents``: each known version's)."""
-    return _walk(repo, parents)[0]
-
-
-def _walk(repo: Any, parents: Mapping[str, Sequence[str]]) -> tuple[set[str], list[str]]:
-    """The versions reachable from the refs, and the ids a ref or a parent link names that ``parents`` lacks."""
-    head = repo.refs.head()
-    stack = list(repo.refs.branches().values()) + list(repo.refs.tags().values())
-    if head.version:
-        stack.append(head.version)
+def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str]]) -> set[str]:
+    """Versions reachable from ``starts`` (ref targets) through parent links (``parents``: each known version's;
+    a walk stops at an unknown one)."""
     seen: set[str] = set()
-    unknown: list[str] = []
+    stack = list(starts)
     while stack:
         vid = stack.pop()
-        if vid in seen:
-            continue
-        if vid not in parents:
-            unknown.append(vid)
+        if vid in seen or vid not in parents:
             continue
         seen.add(vid)
         stack.extend(parents[vid])
-    return seen, unknown
+    return seen
+
+
+def ref_targets(repo: Any) -> list[str]:
+    """The versions the branches, the tags and a detached HEAD point at."""
+    head = repo.refs.head()
+    return list(repo.refs.branches().values()) + list(repo.refs.tags().values()) + \
+        ([head.version] if head.version else [])
 
 
 def reaches(repo: Any, starts: Sequence[str], target: str) -> bool:
@@ -148,18 +144,31 @@ def reaches(repo: Any, starts: Sequence[str], target: str) -> bool:
     return False
 
 
-def _refuse_dangling(repo: Any, unknown: list[str]) -> None:
-    """Stop gc before it deletes anything when a ref or a parent link names a version whose manifest is gone.
+def _reachable(repo: Any, starts: Sequence[str], facts: dict[str, "VersionFacts"]) -> set[str]:
+    """The versions reachable from ``starts`` through parent links; a version missing from ``facts`` is read
+    (and added to them) before the walk goes on, and gc stops before it deletes anything when its manifest is
+    gone.
 
     Without the manifest that version's data would look like an interrupted
     snapshot's and be collected: a repository that is already damaged would
     lose the bytes a restored manifest could still use. An id missing only
-    from gc's listing (a concurrent writer committed it since) is read again
-    to tell the two apart.
+    from gc's listing (committed since, or listed late by an object store) is
+    walked through like any other: stopping the walk there would leave its
+    whole history unreached, and collected.
     """
-    for vid in dict.fromkeys(unknown):
-        if repo.store.get(VERSIONS_PREFIX + vid) is None:
-            raise CorruptionError(f"gc stopped before deleting anything: {missing_manifest(vid)}")
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack:
+        vid = stack.pop()
+        if vid in seen:
+            continue
+        if vid not in facts:
+            if not repo.store.exists(VERSIONS_PREFIX + vid):
+                raise CorruptionError(f"gc stopped before deleting anything: {missing_manifest(vid)}")
+            facts[vid] = VersionFacts.of(repo.manifest(vid))
+        seen.add(vid)
+        stack.extend(facts[vid].parents)
+    return seen
 
 
 def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: Any = None,
@@ -203,14 +212,15 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
                              f"--metric loss --mode min`")
     now = time.time()
     report = GcReport(dry_run=dry_run)
-    facts = _facts(repo, {} if known is None else known)
-    already_pruned = pruned_ids(repo)
+    # the refs before the listing: a version committed after this read is young, and its ancestors are reached
+    # from these refs; read after, a new tip missing from the listing cut its whole history off from the walk
     branches = repo.refs.branches()
     tags = repo.refs.tags()
     head = repo.refs.head()
-
-    reachable, unknown = _walk(repo, {vid: f.parents for vid, f in facts.items()})
-    _refuse_dangling(repo, unknown)
+    facts = _facts(repo, {} if known is None else known)
+    already_pruned = pruned_ids(repo)
+    reachable = _reachable(repo, list(branches.values()) + list(tags.values()) +
+                           ([head.version] if head.version else []), facts)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None
     keep: set[str] = set()
@@ -255,8 +265,10 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
     for vid in sorted(data_ids - set(facts)):
         (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
+    # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now
+    unfinished = sorted(v for v in (already_pruned & data_ids & reachable) if v not in keep)
 
-    doomed_arrays = {key: nbytes for vid in report.pruned + report.collected
+    doomed_arrays = {key: nbytes for vid in report.pruned + report.collected + unfinished
                      for key, nbytes in facts[vid].arrays if key not in live_arrays}
     report.bytes_freed = sum(doomed_arrays.values())
     if dry_run:
@@ -306,6 +318,12 @@ def _facts(repo: Any, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]
     ids = repo.all_version_ids()
     for vid in set(known) - set(ids):
         del known[vid]
-    for vid, m in repo.each_manifest([vid for vid in ids if vid not in known]):
-        known[vid] = VersionFacts.of(m)
-    return {vid: known[vid] for vid in ids}
+    gone = set()
+    for vid, m in repo.iter_manifests([vid for vid in ids if vid not in known]):
+        if isinstance(m, dict):
+            known[vid] = VersionFacts.of(m)
+        elif repo.store.exists(VERSIONS_PREFIX + vid):
+            raise m
+        else:
+            gone.add(vid)      # deleted since the listing (another gc collected it): not damage
+    return {vid: known[vid] for vid in ids if vid not in gone}

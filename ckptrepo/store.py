@@ -208,11 +208,15 @@ class Store:
             raise _wrap(err, f"deleting {key}") from err
 
     def delete_prefix(self, prefix: str) -> None:
-        """Delete every key under ``prefix``."""
+        """Delete every key under ``prefix``; on a local store also the folders that leaves empty (up to the
+        prefix's top-level folder, which stays): gc would otherwise leave a tree of empty folders per version."""
         try:
             self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix))).result()
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"deleting {prefix}") from err
+        root = self.local_root()
+        if root is not None and "/" in prefix.rstrip("/"):
+            _remove_empty_folders(root, prefix)
 
     def local_root(self) -> str | None:
         """The directory of a local ``file`` store (keys are paths under it); None for other drivers."""
@@ -235,3 +239,22 @@ def _prefix_end(prefix: str) -> str:
     if not b:
         return ""
     return (b[:-1] + bytes([b[-1] + 1])).decode("latin-1")
+
+
+def _remove_empty_folders(root: str, prefix: str) -> None:
+    """The empty folders under ``prefix`` (a folder when it ends in "/"), then its parents while they are empty,
+    stopping below its top-level folder (``data/``, ``staging/``)."""
+    folder = os.path.join(root, prefix.rstrip("/")) if prefix.endswith("/") else os.path.dirname(os.path.join(root, prefix))
+    for path, _, _ in os.walk(folder, topdown=False):
+        try:
+            os.rmdir(path)   # only when empty
+        except OSError:
+            pass
+    top = os.path.join(root, prefix.split("/", 1)[0])
+    parent = os.path.dirname(folder)
+    while parent.startswith(top + os.sep):
+        try:
+            os.rmdir(parent)
+        except OSError:
+            return
+        parent = os.path.dirname(parent)

@@ -101,3 +101,41 @@ def test_two_processes_create_the_same_tag(tmp_path):
     assert len(tags) == ROUNDS
     report = fsck(repo)
     assert report.ok and not report.warnings, (report.errors, report.warnings)
+
+
+def test_gc_and_fsck_while_another_writer_commits_lose_and_report_nothing(tmp_path, monkeypatch):
+    """A commit landing between gc's listing of the manifests and its read of the refs made the new tip look
+    like a dead end: its whole history was collected. fsck called the new tip missing."""
+    import torch
+
+    from ckptrepo import gc as gc_module
+    from ckptrepo.repo import Repository
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    for step in range(3):
+        repo.snapshot({"w": torch.full((4,), float(step))}, step=step)
+    listing = gc_module._facts
+
+    def listing_then_a_commit(r, known):
+        out = listing(r, known)
+        ckptrepo.open(url).snapshot({"w": torch.full((4,), 3.0)}, step=3)   # another writer, after the listing
+        return out
+    monkeypatch.setattr(gc_module, "_facts", listing_then_a_commit)
+    report = ckptrepo.open(url).gc(grace_period_s=0)
+    monkeypatch.undo()
+    assert report.collected == [] and report.pruned == []
+    fresh = ckptrepo.open(url)
+    assert [v.step for v in fresh.log()] == [3, 2, 1, 0]
+    assert all(fresh.load(f"@{s}")["w"][0] == s for s in range(4))
+
+    ids = Repository.all_version_ids
+
+    def ids_then_a_commit(self):
+        out = ids(self)
+        ckptrepo.open(url).snapshot({"w": torch.full((4,), 4.0)}, step=4)
+        return out
+    monkeypatch.setattr(Repository, "all_version_ids", ids_then_a_commit)
+    report = fsck(ckptrepo.open(url))
+    monkeypatch.undo()
+    assert report.ok and report.versions == 5, report.errors
+    assert not [w for w in report.warnings if "not reachable" in w], report.warnings
