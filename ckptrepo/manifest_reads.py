@@ -33,6 +33,22 @@ def missing_manifest(vid: str) -> CorruptionError:
                            f"is missing; run `ckptrepo fsck`")
 
 
+def version_manifest(raw: bytes, vid: str, header_only: bool = False) -> dict[str, Any]:
+    """The decoded manifest (or header) stored under ``versions/<vid>``, which must be ``vid``'s own.
+
+    Why the id check: the crc32c proves the bytes are a manifest, not whose. One copied over another
+    version's key made `load` of that version return the other's data, `log` list a version twice and gc
+    collect the real one as unreachable, with fsck saying ok.
+    """
+    what = f"manifest {VERSIONS_PREFIX}{vid}"
+    m = unseal_header(raw, what) if header_only else unseal(raw, what)
+    if not isinstance(m, dict) or m.get("id") != vid:
+        held = m.get("id") if isinstance(m, dict) else None
+        raise CorruptionError(f"{what} holds the manifest of {'version ' + str(held)[:12] if held else 'no version'}"
+                              f", not its own; run `ckptrepo fsck`")
+    return m
+
+
 class ManifestReads:
     """One handle's manifest and header reads (see the module docstring)."""
 
@@ -45,7 +61,7 @@ class ManifestReads:
         """The decoded manifest of version ``vid`` (cached: manifests never change)."""
         m = self._manifests.get(vid)
         if m is None:
-            m = unseal(self._sealed(vid), f"manifest {VERSIONS_PREFIX}{vid}")
+            m = version_manifest(self._sealed(vid), vid)
             self._manifests.put(vid, m)
         return m
 
@@ -54,7 +70,7 @@ class ManifestReads:
         stats): all that history walks need, decoded without the tensor table and tree (~40x faster)."""
         h = self._manifests.get(vid) or self._headers.get(vid)
         if h is None:
-            h = unseal_header(self._sealed(vid), f"manifest {VERSIONS_PREFIX}{vid}")
+            h = version_manifest(self._sealed(vid), vid, header_only=True)
             self._headers.put(vid, h)
         return h
 
@@ -79,7 +95,7 @@ class ManifestReads:
             if raw is None:
                 continue
             try:
-                self._headers.put(v, unseal_header(raw, f"manifest {VERSIONS_PREFIX}{v}"))
+                self._headers.put(v, version_manifest(raw, v, header_only=True))
             except CkptRepoError:
                 if v == vid:
                     raise
@@ -126,7 +142,7 @@ class ManifestReads:
                     elif raw is None:
                         raise missing_manifest(v)
                     else:
-                        m = unseal(raw, f"manifest {VERSIONS_PREFIX}{v}")
+                        m = version_manifest(raw, v)
                 except CkptRepoError as err:
                     yield v, err
                     continue

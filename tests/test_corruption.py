@@ -193,6 +193,21 @@ def test_damaged_manifest(repo_dir, damage):
         assert "interrupted snapshot" not in notes and "gc will remove" not in notes, notes
 
 
+def test_a_manifest_under_another_versions_key_is_corruption_not_that_version(repo_dir):
+    """Its crc32c is fine: only the id inside says whose it is. Accepted, `load` of the tag returned the other
+    version's data, `log` listed a version twice, and gc collected the real version as unreachable."""
+    path, vid, other = repo_dir
+    ckptrepo.open(str(path)).tag("first", vid)
+    (path / "versions" / vid).write_bytes((path / "versions" / other).read_bytes())
+    key = f"versions/{vid}"
+    for call in (lambda r: r.load("first"), lambda r: r.log(), lambda r: r.gc(grace_period_s=0)):
+        with pytest.raises(CorruptionError, match=rf"manifest {key} holds the manifest of version {other[:12]}, "
+                                                  rf"not its own; run `ckptrepo fsck`"):
+            call(ckptrepo.open(str(path)))
+    _assert_fsck_names(path, key, "not its own")
+    assert (path / "data" / vid).is_dir(), "gc deleted nothing"
+
+
 def test_cli_fsck_reports_corruption(repo_dir):
     path, vid, _ = repo_dir
     file, key = _shard_file(path, vid)
