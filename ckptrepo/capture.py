@@ -55,7 +55,8 @@ from .errors import CkptRepoError, LayoutError, SnapshotFailedError, StorageErro
 from .gc import RetentionPolicy, VersionFacts
 from .layout import ParallelLayout
 from .localwrite import DirectWriter, LiveShard
-from .manifest import DATA_PREFIX, Version, new_version_id, plain_metrics, version_id_time
+from .manifest import (DATA_PREFIX, Version, checked_message, checked_step, new_version_id, plain_metrics,
+                       version_id_time)
 from .providers import TensorRecord, flatten
 from .sharding import Piece, Sharder, ShardedState, column_blocks
 from .snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
@@ -172,6 +173,7 @@ class Snapshotter:
             self._raise_pending()
             if self._closed:
                 raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
+            step, message, metrics = checked_step(step), checked_message(message), plain_metrics(metrics)
             skeleton, records = flatten(state)
             # of the live tensors, before buffer copies
             keys = [dedup_key(r) for r in records] if self._dedup is not None else []
@@ -184,8 +186,8 @@ class Snapshotter:
         vid, leaf_names, names, boxes = new_version_id(), [], [], []
         if local is not None:
             vid, records, boxes, leaf_names, names = self._shard(records, local)
-        handle = SnapshotHandle(vid, None if step is None else int(step))
-        job = SnapshotJob(handle, skeleton, records, None, message, plain_metrics(metrics or {}), started=t0,
+        handle = SnapshotHandle(vid, step)
+        job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0,
                    leaf_names=leaf_names, names=names, boxes=boxes, keys=keys)
         # a CPU state to a local store with O_DIRECT is written from where it is (not for CUDA tensors: their
         # bytes must come to the host anyway, and whole-segment DMAs into pinned staging are the cheap way)
@@ -537,7 +539,11 @@ class Snapshotter:
             job = self._commit_q.get()
             if job is None:
                 return
-            retain = self._commit_in_turn(job)
+            try:
+                retain = self._commit_in_turn(job)
+            except BaseException:  # noqa: BLE001 - this thread must outlive any job, or every later one hangs
+                log.exception("ckptrepo: the commit thread failed on snapshot %s", job.vid[:12])
+                retain = False
             del job
             if retain:
                 try:

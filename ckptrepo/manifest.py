@@ -12,13 +12,14 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+import operator
+from typing import Any, Mapping
 
 import msgpack
 import numpy as np
 
 from .crc import crc32c
-from .errors import CorruptionError, FormatVersionError
+from .errors import CorruptionError, FormatVersionError, UnsupportedValueError
 
 FORMAT_VERSION = 1
 CONFIG_KEY = "ckptrepo.json"
@@ -160,13 +161,50 @@ def _is_tensor(v: Any) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
-def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted)."""
+def plain_metrics(metrics: Any) -> dict[str, Any]:
+    """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted); anything else is
+    refused here, at ``snapshot()``, not when the manifest is written in the background."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedValueError(f"metrics must be a dict of numbers and strings, not {type(metrics).__name__}")
     out = {}
     for k, v in metrics.items():
         if isinstance(v, np.generic) or _is_tensor(v):
             v = v.item()
         if not isinstance(v, (int, float, str, bool)) and v is not None:
-            raise TypeError(f"metric {k!r} must be a number or string, not {type(v).__name__}")
-        out[str(k)] = v
+            raise UnsupportedValueError(f"metric {k!r} must be a number or string, not {type(v).__name__}")
+        if isinstance(v, int) and not -(1 << 63) <= v < (1 << 64):
+            raise UnsupportedValueError(f"metric {k!r} = {v} does not fit in 64 bits; store it as a float or a string")
+        out[_text(str(k), f"metric name {k!r}")] = _text(v, f"metric {k!r}") if isinstance(v, str) else v
     return out
+
+
+def checked_step(step: Any) -> int | None:
+    """``step`` as an int (numpy ints too) that fits the manifest's 64 bits, or None; a float, string or bool
+    is refused (1.7 used to become 1, and 2**64 killed the background commit)."""
+    if step is None:
+        return None
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise UnsupportedValueError(f"step must be an int or None, not {type(step).__name__} {step!r}")
+    step = operator.index(step)
+    if not -(1 << 63) <= step < (1 << 63):
+        raise UnsupportedValueError(f"step {step} does not fit in 64 bits")
+    return step
+
+
+def checked_message(message: Any) -> str:
+    """The commit message: text (``None`` is empty). Another type broke `ckptrepo log` for good once committed."""
+    if message is None:
+        return ""
+    if not isinstance(message, str):
+        raise UnsupportedValueError(f"message must be a str, not {type(message).__name__}")
+    return _text(message, "message")
+
+
+def _text(value: str, what: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UnsupportedValueError(f"{what} is not valid text ({err.reason} at position {err.start})") from None
+    return value

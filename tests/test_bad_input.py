@@ -222,3 +222,45 @@ def test_a_multi_rank_layout_needs_a_rank_that_is_an_int(repo):
     assert torch.equal(out["model"]["col.weight"], state["col.weight"][4:])
     assert torch.equal(repo.load("HEAD", parallel_layout=ckptrepo.ParallelLayout(rules=SPLIT_RULES))["model"]
                        ["row.weight"], state["row.weight"])   # one rank: no rank= needed
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"step": 1 << 64}, "step 18446744073709551616 does not fit in 64 bits"),
+    ({"step": 1.7}, "step must be an int or None, not float 1.7"),
+    ({"step": "3"}, "step must be an int or None, not str '3'"),
+    ({"message": 123}, "message must be a str, not int"),
+    ({"message": "\ud800"}, "message is not valid text (surrogates not allowed at position 0)"),
+    ({"metrics": "loss=1"}, "metrics must be a dict of numbers and strings, not str"),
+    ({"metrics": {"n": 1 << 64}}, "metric 'n' = 18446744073709551616 does not fit in 64 bits"),
+    ({"metrics": {"x": object()}}, "metric 'x' must be a number or string, not object"),
+])
+def test_header_fields_the_manifest_cannot_hold_are_refused_at_snapshot(repo, kwargs, fragment):
+    """They were accepted, then failed the background commit; the failure record failed the same way, which
+    killed the commit thread: later snapshots never committed and wait() and exit hung (or, for a message
+    that is not a str, the version committed and `ckptrepo log` failed on it for good)."""
+    with repo.snapshotter() as snap:
+        with pytest.raises(UnsupportedValueError) as info:
+            snap.snapshot({"w": torch.ones(2)}, **kwargs)
+        assert fragment in str(info.value)
+        h = snap.snapshot({"w": torch.ones(2)}, step=np.int64(2), message=None)   # numpy ints and None are fine
+        snap.wait()
+    assert h.result().step == 2 and [v.step for v in repo.log()] == [2]
+
+
+def test_the_commit_thread_outlives_a_failure_it_cannot_record(repo, monkeypatch):
+    """An exception outside the library's own (here from the failure record itself) killed the commit thread."""
+    from ckptrepo import commit
+    from ckptrepo.errors import SnapshotFailedError
+
+    def broken_record(self, job, cause):
+        raise TypeError("cannot serialise")
+    monkeypatch.setattr(commit.Committer, "record_failure", broken_record)
+    with repo.snapshotter() as snap:
+        monkeypatch.setattr(commit.Committer, "commit", lambda self, job: (_ for _ in ()).throw(OSError("disk")))
+        snap.snapshot({"w": torch.ones(2)}, step=1)
+        with pytest.raises(SnapshotFailedError, match="disk"):
+            snap.wait()
+        monkeypatch.undo()
+        snap.snapshot({"w": torch.ones(2)}, step=2)
+        snap.wait()
+    assert [v.step for v in repo.log()] == [2]
