@@ -199,11 +199,11 @@ class Snapshotter:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             job.ready.append(ev)
-        self._start_threads()
-        with self._lock:
+        with self._lock:   # snapshot() from several threads: one set of threads, jobs queued in one order
+            self._start_threads()
             self._inflight.append(job)
-        self._capture_q.put(job)
-        self._commit_q.put(job)
+            self._capture_q.put(job)   # unbounded queues: never blocks under the lock
+            self._commit_q.put(job)
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle
 

@@ -377,3 +377,36 @@ def test_buffers_of_a_state_dict_that_forward_changes_are_captured_at_snapshot(r
         got = repo.load(f"@{step}")["model"]
         for k, v in expected[step].items():
             assert torch.equal(got[k], v), (step, k)
+
+
+def test_snapshots_from_several_threads_start_one_pipeline(repo, monkeypatch):
+    """Threads calling snapshot() at once on a new snapshotter each started the capture, flush and commit
+    threads: snapshots failed against their own commits and close() never returned."""
+    import threading
+
+    start = threading.Thread.start
+
+    def slow_start(self):
+        time.sleep(0.05)   # widen the window between the snapshotter's check for its threads and their start
+        start(self)
+    snap = repo.snapshotter()
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    barrier = threading.Barrier(4)
+    handles = []
+
+    def worker(k):
+        barrier.wait()
+        handles.append(snap.snapshot({"t": torch.full((100,), float(k))}, step=k))
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    monkeypatch.undo()
+    assert len(snap._threads) == 3
+    closer = threading.Thread(target=snap.close, daemon=True)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive(), "close() did not return"
+    assert sorted(v.step for v in repo.log()) == [0, 1, 2, 3]
+    assert all(repo.load(f"@{k}")["t"][0] == k for k in range(4))
