@@ -50,7 +50,7 @@ class Refs:
 
     def set_head(self, branch: str | None, version: str | None, expected: bytes) -> None:
         value = f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}" if branch else str(version)
-        if self.store.compare_and_swap(HEAD_KEY, value.encode(), expected) is None:
+        if self._swap(HEAD_KEY, value.encode(), expected) is None:
             raise ConflictError("HEAD was changed by another process at the same time; run the command again")
 
     def branch_tip(self, name: str) -> str | None:
@@ -63,7 +63,18 @@ class Refs:
 
     def move_branch(self, name: str, version: str, expected: bytes) -> bytes | None:
         """Point branch ``name`` at ``version`` if it is still at ``expected``; the new generation, or None."""
-        return self.store.compare_and_swap(HEADS_PREFIX + name, version.encode(), expected)
+        return self._swap(HEADS_PREFIX + name, version.encode(), expected)
+
+    def _swap(self, key: str, value: bytes | None, expected: bytes) -> bytes | None:
+        """``store.compare_and_swap``, with a write whose reply was lost counted as done: an object store retries
+        the request, finds the ref already changed (by that very write) and reports the condition as failed.
+        Read back, a ref that holds exactly ``value`` (ids are unique) was written; the new generation."""
+        gen = self.store.compare_and_swap(key, value, expected)
+        if gen is None:
+            raw, now = self.store.get_with_generation(key)
+            if (raw.strip() if raw is not None else None) == value:
+                return now or b"deleted"
+        return gen
 
     def _names(self, kind: str) -> set[str]:
         """The names of every branch or tag (one listing; their targets are not read)."""
@@ -93,13 +104,13 @@ class Refs:
     def create_branch(self, name: str, version: str) -> None:
         check_ref_name(name, "branch")
         self._check_no_clash("branch", name)
-        if not self.store.put_if_absent(HEADS_PREFIX + name, version.encode()):
+        if self._swap(HEADS_PREFIX + name, version.encode(), NO_VALUE) is None:
             raise RefError(f"branch {name!r} already exists; pick another name or check it out")
 
     def create_tag(self, name: str, version: str) -> None:
         check_ref_name(name, "tag")
         self._check_no_clash("tag", name)
-        if not self.store.put_if_absent(TAGS_PREFIX + name, version.encode()):
+        if self._swap(TAGS_PREFIX + name, version.encode(), NO_VALUE) is None:
             raise RefError(f"tag {name!r} already exists; tags never move, so pick another name")
 
     def delete(self, kind: str, name: str, seen: tuple[str | None, bytes] | None = None) -> str:
@@ -114,7 +125,7 @@ class Refs:
         value, gen = seen
         if value is None:
             raise RefError(f"no {kind} named {name!r}; list them with `ckptrepo {kind}`")
-        if self.store.compare_and_swap(key, None, gen) is None:
+        if self._swap(key, None, gen) is None:
             raise ConflictError(f"{kind} {name!r} moved while it was being deleted (a snapshot landed on it); "
                                 f"run the command again")
         self._remove_empty_folders(key)

@@ -263,3 +263,26 @@ def test_a_ref_cannot_shadow_another_ref_or_a_version_id(repo):
     with pytest.raises(RefError, match="the start of a version id"):
         repo.branch(vid[:6])
     assert repo.resolve(vid[:6]) == vid and set(repo.branches()) == {"main"} and set(repo.tags()) == {"v1"}
+
+
+def test_a_ref_write_whose_reply_was_lost_counts_as_done(repo, monkeypatch):
+    """An object store retries a conditional write whose reply was lost, finds the ref changed by that very
+    write and reports the condition as failed: the committed version was called a conflict, and a snapshotter
+    kept the old generation, so every later snapshot failed too. Tags, branches and deletes likewise."""
+    swap = type(repo.store).compare_and_swap
+
+    def reply_lost(self, key, value, expected):
+        swap(self, key, value, expected)   # the write lands ...
+        return None                         # ... and the retry reports the condition as failed
+    ids = commit_steps(repo, range(1))
+    monkeypatch.setattr(type(repo.store), "compare_and_swap", reply_lost)
+    with repo.snapshotter() as snap:
+        for step in (1, 2, 3):
+            snap.snapshot({"w": torch.full((3,), float(step))}, step=step)
+        snap.wait()
+    repo.tag("best", ids[0])
+    repo.branch("exp", ids[0])
+    repo.delete_branch("exp", force=True)
+    monkeypatch.undo()
+    assert [v.step for v in repo.log()] == [3, 2, 1, 0]
+    assert repo.resolve("best") == ids[0] and "exp" not in repo.branches() and repo.fsck().ok
