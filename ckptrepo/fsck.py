@@ -13,7 +13,7 @@ from .arrays import ArrayInfo, open_array
 from .boxes import check_coverage, volume
 from .errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
 from .gc import pruned_ids, reachable_versions, ref_targets
-from .manifest import DATA_PREFIX, VERSIONS_PREFIX
+from .manifest import DATA_PREFIX, HEADS_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX
 from .repo import Repository
 
 
@@ -46,14 +46,17 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
     report = FsckReport()
     # a writer may commit while fsck runs: the refs read before the listing reach every listed ancestor, and
     # those read after it name versions the listing may lack, which are read before being called missing
-    starts = ref_targets(repo)
+    try:
+        starts = ref_targets(repo)
+    except CkptRepoError:   # a damaged ref: _check_refs names it, and reaches through the others
+        starts = []
     manifests: dict[str, dict[str, Any]] = {}
     for vid, m in repo.iter_manifests(repo.all_version_ids()):
         if isinstance(m, dict):
             manifests[vid] = m
         elif repo.store.exists(VERSIONS_PREFIX + vid):
             report.errors.append(str(m))
-    _check_refs(repo, manifests, report)
+    _check_refs(repo, manifests, report, starts)
     report.versions = len(manifests)
     pruned = pruned_ids(repo)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
@@ -66,7 +69,7 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
         if vid not in pruned:
             _check_version_data(repo, vid, m, report, on_bytes)
 
-    reachable = reachable_versions(starts + ref_targets(repo), {vid: m["parents"] for vid, m in manifests.items()})
+    reachable = reachable_versions(starts, {vid: m["parents"] for vid, m in manifests.items()})
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
@@ -74,8 +77,7 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
     data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
-    referenced = {p for m in manifests.values() for p in m["parents"]} | set(repo.refs.branches().values()) \
-        | set(repo.refs.tags().values()) | {repo.refs.head().version}
+    referenced = {p for m in manifests.values() for p in m["parents"]} | set(starts)
     for vid in sorted(data_ids - set(manifests)):
         if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover
             report.warnings.append(f"{DATA_PREFIX}{vid}/ is the data of version {vid[:12]}, whose manifest is "
@@ -85,9 +87,9 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
     return report
 
 
-def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport) -> None:
+def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport, starts: list[str]) -> None:
     """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
-    ancestors the listing lacks), not reported."""
+    ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``."""
     def missing(vid: str | None) -> bool:
         while vid is not None and vid not in manifests:
             if not repo.store.exists(VERSIONS_PREFIX + vid):
@@ -100,15 +102,27 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport)
             vid = next(iter(manifests[vid]["parents"]), None)
         return False
 
-    for name, vid in repo.refs.branches().items():
-        if missing(vid):
-            report.errors.append(f"branch {name!r} points at missing version {vid[:12]}")
-    for name, vid in repo.refs.tags().items():
-        if missing(vid):
-            report.errors.append(f"tag {name!r} points at missing version {vid[:12]}")
-    head = repo.refs.head()
-    if head.branch is None and (head.version is None or missing(head.version)):
+    for kind, prefix, read in (("branch", HEADS_PREFIX, repo.refs.branch_tip), ("tag", TAGS_PREFIX, repo.refs.tag_target)):
+        for key in repo.store.list(prefix):
+            name = key[len(prefix):]
+            try:
+                vid = read(name)
+            except CkptRepoError as err:   # damaged: named, and the other refs still checked
+                report.errors.append(str(err))
+                continue
+            if missing(vid):
+                report.errors.append(f"{kind} {name!r} points at missing version {str(vid)[:12]}")
+            elif vid is not None:
+                starts.append(vid)
+    try:
+        head = repo.refs.head()
+    except CkptRepoError as err:
+        report.errors.append(str(err))
+        return
+    if head.branch is None and missing(head.version):
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
+    elif head.version is not None:
+        starts.append(head.version)
 
 
 def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: FsckReport,

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .errors import ConflictError, RefError
+from .errors import ConflictError, CorruptionError, RefError
 from .manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX
 from .store import NO_VALUE, Store
 
@@ -23,6 +23,29 @@ def check_ref_name(name: str, kind: str) -> None:
     if not _NAME_RE.match(name) or ".." in name or name.endswith(("/", ".")) or name == "HEAD" or "//" in name:
         raise RefError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-' and '/', "
                        f"not starting with '-', '.' or '/', and not 'HEAD'")
+
+
+_ID_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def ref_value(raw: bytes | None, key: str) -> str | None:
+    """The version id a branch or tag ref (or a detached HEAD) holds; None when the ref does not exist.
+
+    A ref that exists but holds no version id (empty, not text, garbage) is damage, named here: read as
+    "no ref", an empty branch ref made the next snapshot start a new root history, and a byte that is not
+    UTF-8 failed every command with a bare UnicodeDecodeError.
+    """
+    if raw is None:
+        return None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        text = None
+    if text is None or not _ID_RE.fullmatch(text):
+        shown = "empty" if not raw.strip() else f"holds {raw[:40]!r}"
+        raise CorruptionError(f"ref {key} is damaged ({shown}, not a version id); write the right version id "
+                              f"into it or delete it (see `ckptrepo log --all`)")
+    return text
 
 
 @dataclass(frozen=True)
@@ -42,11 +65,21 @@ class Refs:
 
     def head(self) -> Head:
         raw, gen = self.store.get_with_generation(HEAD_KEY)
-        text = (raw or b"").decode().strip()
-        if text.startswith(SYMREF_PREFIX):
-            branch = text[len(SYMREF_PREFIX):].removeprefix(HEADS_PREFIX)
+        if raw is None:
+            raise CorruptionError(f"{HEAD_KEY} is missing (an init interrupted before writing it?); "
+                                  f"`ckptrepo init --exist-ok` writes it again")
+        if raw.startswith(SYMREF_PREFIX.encode()):
+            target = raw.decode("utf-8", "replace").strip()[len(SYMREF_PREFIX):]
+            branch = target.removeprefix(HEADS_PREFIX)
+            try:
+                if branch == target:
+                    raise RefError("not a branch")
+                check_ref_name(branch, "branch")
+            except RefError:
+                raise CorruptionError(f"{HEAD_KEY} is damaged (it names {target!r}, not a branch); write "
+                                      f"'{SYMREF_PREFIX}{HEADS_PREFIX}main' (or another branch) into it") from None
             return Head(branch, self.branch_tip(branch), gen)
-        return Head(None, text or None, gen)
+        return Head(None, ref_value(raw, HEAD_KEY), gen)
 
     def set_head(self, branch: str | None, version: str | None, expected: bytes) -> None:
         value = f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}" if branch else str(version)
@@ -54,12 +87,11 @@ class Refs:
             raise ConflictError("HEAD was changed by another process at the same time; run the command again")
 
     def branch_tip(self, name: str) -> str | None:
-        raw = self.store.get(HEADS_PREFIX + name)
-        return raw.decode().strip() if raw else None
+        return ref_value(self.store.get(HEADS_PREFIX + name), HEADS_PREFIX + name)
 
     def branch_tip_with_generation(self, name: str) -> tuple[str | None, bytes]:
         raw, gen = self.store.get_with_generation(HEADS_PREFIX + name)
-        return (raw.decode().strip() if raw else None), gen
+        return ref_value(raw, HEADS_PREFIX + name), gen
 
     def move_branch(self, name: str, version: str, expected: bytes) -> bytes | None:
         """Point branch ``name`` at ``version`` if it is still at ``expected``; the new generation, or None."""
@@ -121,7 +153,7 @@ class Refs:
         key = (HEADS_PREFIX if kind == "branch" else TAGS_PREFIX) + name
         if seen is None:
             raw, gen = self.store.get_with_generation(key)
-            seen = (raw.decode().strip() if raw else None), gen
+            seen = ref_value(raw, key), gen
         value, gen = seen
         if value is None:
             raise RefError(f"no {kind} named {name!r}; list them with `ckptrepo {kind}`")
@@ -147,7 +179,7 @@ class Refs:
 
     def tag_target(self, name: str) -> str | None:
         raw = self.store.get(TAGS_PREFIX + name)
-        return raw.decode().strip() if raw else None
+        return ref_value(raw, TAGS_PREFIX + name)
 
     def branches(self) -> dict[str, str]:
         return {k[len(HEADS_PREFIX):]: self.branch_tip(k[len(HEADS_PREFIX):]) or ""

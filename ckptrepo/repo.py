@@ -56,6 +56,7 @@ def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None
         if not exist_ok:
             raise RepositoryExistsError(f"a repository already exists at {url}; open it with ckptrepo.open, "
                                         f"or pass exist_ok=True")
+        init_head(store, DEFAULT_BRANCH)   # only if absent: an init killed before it wrote HEAD is finished
         return Repository(store)
     init_head(store, DEFAULT_BRANCH)
     return Repository(store)

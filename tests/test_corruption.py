@@ -246,3 +246,34 @@ def test_stats_diff_and_trajectory_name_a_missing_object_like_load(repo_dir):
             call()
         msg = str(info.value)
         assert f"data/{vid}/" in msg and "is missing" in msg and "ckptrepo fsck" in msg and "tensorstore_spec" not in msg
+
+
+@pytest.mark.parametrize("ref,content", [("refs/heads/main", b""), ("refs/tags/t", b"\xff\xfe"),
+                                         ("HEAD", b"ref: refs/(eads/main"), ("HEAD", b"")])
+def test_a_damaged_ref_is_named_not_taken_for_an_absent_one(repo_dir, ref, content):
+    """An empty branch ref read as an unborn branch (the next snapshot started a new root history and fsck
+    called the real history abandoned); bytes that are not UTF-8 failed every command, fsck included, with a
+    bare UnicodeDecodeError; a HEAD naming no branch made the next snapshot create one."""
+    path, vid, other = repo_dir
+    ckptrepo.open(str(path)).tag("t", vid)
+    (path / ref).write_bytes(content)
+    calls = [lambda r: r.log(), lambda r: r.gc(grace_period_s=0)]
+    if "tags" not in ref:    # a snapshot reads HEAD and its branch, not the tags
+        calls.append(lambda r: r.snapshot({"w": torch.ones(2)}, step=3))
+    for call in calls:
+        with pytest.raises(CorruptionError, match=rf"(ref )?{ref} is damaged") as info:
+            call(ckptrepo.open(str(path)))
+        assert "\n" not in str(info.value)
+    report = fsck(ckptrepo.open(str(path)))
+    assert [e for e in report.errors if f"{ref} is damaged" in e], report.errors
+    assert sorted(p.name for p in (path / "versions").iterdir()) == sorted([vid, other])   # nothing new, nothing lost
+
+
+def test_an_init_killed_before_head_is_finished_by_init_exist_ok(tmp_path):
+    path = tmp_path / "r"
+    ckptrepo.init(str(path))
+    (path / "HEAD").unlink()
+    with pytest.raises(CorruptionError, match="HEAD is missing .*`ckptrepo init --exist-ok` writes it again"):
+        ckptrepo.open(str(path)).snapshot({"w": torch.ones(2)}, step=1)
+    ckptrepo.init(str(path), exist_ok=True).snapshot({"w": torch.ones(2)}, step=1)
+    assert [v.step for v in ckptrepo.open(str(path)).log()] == [1]
