@@ -43,8 +43,9 @@ def ref_value(raw: bytes | None, key: str) -> str | None:
         text = None
     if text is None or not _ID_RE.fullmatch(text):
         shown = "empty" if not raw.strip() else f"holds {raw[:40]!r}"
-        raise CorruptionError(f"ref {key} is damaged ({shown}, not a version id); write the right version id "
-                              f"into it or delete it (see `ckptrepo log --all`)")
+        fix = f"write '{SYMREF_PREFIX}{HEADS_PREFIX}main' (or a version id) into it" if key == HEAD_KEY else \
+            f"write a version id into it (the names under {VERSIONS_PREFIX}) or delete it"
+        raise CorruptionError(f"ref {key} is damaged ({shown}, not a version id); {fix}")
     return text
 
 
