@@ -37,6 +37,7 @@ import atexit
 import logging
 import os
 import queue
+import re
 import threading
 import time
 import weakref
@@ -65,17 +66,26 @@ from .writer import LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, 
 log = logging.getLogger("ckptrepo")
 
 
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|[KMGT]|B)?\s*$", re.IGNORECASE)
+_UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+          "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1}
+
+
 def parse_size(size: int | str | None) -> int | None:
-    """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes."""
-    if size is None or isinstance(size, int):
-        return size
-    s = size.strip().upper().replace(" ", "")
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "B": 1}
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
+    """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes; None for the default. Anything else (negative, zero,
+    "abc", a float) is refused in one line: "-1" used to give a pool of two 64 KiB buffers, "0" the default."""
+    if size is None:
+        return None
+    m = _SIZE_RE.match(size) if isinstance(size, str) else None
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    elif m is not None:
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"host_memory {size!r} is not a size; pass bytes (an int > 0) or a string like '8GiB'")
+    return n
 
 
 def default_host_memory() -> int:

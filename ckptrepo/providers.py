@@ -86,6 +86,9 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
     names: set[str] = set()
 
     def add_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        if t.is_nested:   # a strided-layout nested tensor too, which has no sizes to read
+            raise UnsupportedValueError(f"{_path_str(path)}: nested tensors are not supported; save their "
+                                        f"components (t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
         if t.layout != torch.strided:
             raise UnsupportedValueError(f"{_path_str(path)}: {t.layout} tensors are not supported; convert with .to_dense()")
         if t.is_quantized:

@@ -264,3 +264,19 @@ def test_the_commit_thread_outlives_a_failure_it_cannot_record(repo, monkeypatch
         snap.snapshot({"w": torch.ones(2)}, step=2)
         snap.wait()
     assert [v.step for v in repo.log()] == [2]
+
+
+@pytest.mark.parametrize("size", ["-1", "0", "abc", "1e3", " ", 1.5, -5, True])
+def test_a_host_memory_that_is_not_a_size_is_refused(repo, size):
+    """"-1" gave a pool of two 64 KiB buffers, "0" the default, "abc" a raw int() error, 1.5 an AttributeError."""
+    with pytest.raises(ValueError, match=r"host_memory .* is not a size; pass bytes \(an int > 0\) or a string like"):
+        repo.snapshotter(host_memory=size)
+    assert repo.snapshotter(host_memory="1.5 MiB").host_memory == 3 << 19
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_a_nested_tensor_is_refused_naming_its_key(repo):
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])   # strided layout: torch has no sizes for it
+    with pytest.raises(UnsupportedValueError, match=r"state\['n'\]: nested tensors are not supported; save their "
+                                                    r"components"):
+        repo.snapshot({"n": nested}, step=1)
