@@ -56,7 +56,7 @@ def export_version(repo: Any, rev: str, out: str | os.PathLike[str], format: str
     state = repo.load(vid)
     if format == "torch":
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
+        _save_torch(state, path)
     elif format == "safetensors":
         _save_safetensors(state, path, vid)
     else:
@@ -105,6 +105,17 @@ def _check_free(path: Path, directory: bool) -> None:
 
 
 # ---- torch.save --------------------------------------------------------------------------------------------------
+def _save_torch(state: Any, path: Path) -> None:
+    """``torch.save`` into a temporary name beside ``path``, renamed once complete: a full disk used to leave a
+    truncated file at ``path`` (which the next export then refused to overwrite) and a cryptic error."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:
+        tmp.unlink(missing_ok=True)
+        raise ExchangeError(f"could not write {path}: {first_line(err)}; nothing was left there (is the disk "
+                            f"full?)") from None
 def _load_torch(path: Path, trust: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)

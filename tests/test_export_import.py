@@ -154,3 +154,24 @@ def test_cli_export_and_import(repo, tmp_path):
     assert_bit_exact(repo.load("HEAD"), repo.load("HEAD~1"))
     p = run("export", "HEAD", str(tmp_path / "st"), repo=url)
     assert p.returncode == 2 and "already exists" in p.stderr and p.stderr.count("\n") == 1
+
+
+def test_a_torch_export_that_fails_midway_leaves_nothing_behind(repo, tmp_path, monkeypatch):
+    """A full disk left a truncated file, with a cryptic error, which the next export refused to overwrite."""
+    from ckptrepo import exchange
+    repo.snapshot({"w": torch.randn(1000)}, step=1)
+    save = torch.save
+
+    def disk_full(obj, f):
+        save(obj, f)
+        with open(f, "r+b") as fh:
+            fh.truncate(100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 263296 vs 263184")
+    monkeypatch.setattr(exchange.torch, "save", disk_full)
+    out = tmp_path / "out" / "model.pt"
+    with pytest.raises(ExchangeError, match=r"could not write .*model.pt: \[enforce fail.*nothing was left there"):
+        repo.export("HEAD", out)
+    assert not out.exists() and list(out.parent.iterdir()) == []
+    monkeypatch.undo()
+    repo.export("HEAD", out)
+    assert torch.equal(torch.load(out, weights_only=True)["w"], repo.load("HEAD")["w"])
