@@ -9,6 +9,7 @@ TensorStore driver itself does, so the same code runs on S3 and GCS.
 from __future__ import annotations
 
 import os
+import posixpath
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -77,6 +78,12 @@ def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> di
             bucket, _, prefix = rest.partition("/")
             if not bucket:
                 raise StorageError(f"{url!r} names no bucket; use {scheme}://BUCKET/PREFIX")
+            if {".", ".."} & set(prefix.split("/")):
+                # object keys are not paths: reads and writes went to the normalised key, listings did not
+                # (a repository that saw none of its own versions, and an fsck that said ok)
+                clean = posixpath.normpath("/" + prefix).lstrip("/")
+                raise StorageError(f"{url!r}: '.' and '..' are not allowed in an object store prefix; write it "
+                                   f"out: {scheme}://{bucket}/{clean}")
             spec = {"driver": "s3" if scheme == "s3" else "gcs", "bucket": bucket,
                     "path": _dir(prefix) if prefix else ""}
             if scheme == "s3":

@@ -277,3 +277,13 @@ def test_into_parameters_and_schedulers(repo, path):
     assert out["params"]["weight"] is model2.weight and model2.weight.requires_grad
     assert torch.equal(model2.weight, model.weight) and torch.equal(model2.bias, model.bias)
     assert sched2.get_last_lr() == sched.get_last_lr() and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("url,clean", [("s3://bkt/x/../y", "s3://bkt/y"), ("gs://bkt/./runs/a", "gs://bkt/runs/a")])
+def test_dot_segments_in_an_object_store_prefix_are_refused(url, clean):
+    """Object stores normalised them on reads and writes but not in listings: the repository saw none of its
+    own versions and fsck said ok. No request is made: the URL is refused as it is parsed."""
+    from ckptrepo.errors import StorageError
+    with pytest.raises(StorageError, match=rf"'\.' and '\.\.' are not allowed in an object store prefix; write it "
+                                           rf"out: {clean}$"):
+        ckptrepo.init(url)
