@@ -21,6 +21,7 @@ Where the mapping comes from, per tensor of the state:
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -123,17 +124,35 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def _check_placements(placements: Sequence[Any], mesh: Any) -> None:
+    """Refuse placements whose local shard is not one box of the global tensor.
+
+    Shard and Replicate are boxes. A ``_StridedShard(d, split_factor=f)`` is what FSDP2 puts on its mesh
+    dimension when it shards a tensor-parallel DTensor again on dim d (2-D FSDP2 + TP): alone it would
+    interleave f pieces, but with later ``Shard(d)`` mesh dimensions of f ranks in all it is one box, which
+    torch's ``compute_local_shape_and_global_offset`` gives (checked against ``full_tensor()``, uneven too).
+    Partial (a pending reduction) holds no value to save.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    for a, p in enumerate(placements):
+        if type(p) in (Shard, Replicate):
+            continue
+        if type(p).__name__ == "_StridedShard":
+            later = [b for b in range(a + 1, len(placements))
+                     if type(placements[b]) is Shard and placements[b].dim == p.dim]
+            if later and math.prod(mesh.size(b) for b in later) == p.split_factor:
+                continue
+        raise LayoutError(f"DTensor placement {p} is not supported; redistribute to Shard/Replicate before saving")
+
+
 def dtensor_box(t: Any, boxes: dict[Any, Any] | None = None) -> tuple[Box, torch.Tensor]:
     """The global box a DTensor's local shard covers, and the local tensor.
 
     ``boxes`` remembers the box per (global shape, placements, mesh) within one call over a state: a model's
     tensors share a few of them (every layer's weight and its two moments), and torch works each out in ~90 us.
     """
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    for p in t.placements:
-        if type(p) not in (Shard, Replicate):  # _StridedShard, Partial: not a plain box
-            raise LayoutError(f"DTensor placement {p} is not supported; redistribute to Shard/Replicate before saving")
+    _check_placements(t.placements, t.device_mesh)
     key = (tuple(t.shape), tuple(t.placements), id(t.device_mesh))
     got = boxes.get(key) if boxes is not None else None
     if got is None:

@@ -22,11 +22,23 @@ D_IN, D_HID, D_OUT = 16, 33, 5
 CONTINUE_STEPS = 3
 
 
-def build(mesh: Any, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The FSDP2-sharded model and its Adam optimizer after one step on the seed's data."""
+def build(mesh: Any, seed: int, tp: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The FSDP2-sharded model and its Adam optimizer after one step on the seed's data.
+
+    ``tp`` > 1: 2-D, as torchtitan does it: tensor parallel over the inner mesh dimension first
+    (``parallelize_module``: the first Linear column-wise, the second row-wise), then FSDP2 over the outer
+    one, which makes the column-wise parameters ``(_StridedShard(0, sf=tp), Shard(0))``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     torch.manual_seed(seed)   # every rank builds the same global values
-    model = nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_OUT))
+    hid = D_HID if tp == 1 else D_HID + 1   # torch's tensor parallel forward needs even splits (34: 17 + 17,
+    model = nn.Sequential(nn.Linear(D_IN, hid), nn.ReLU(), nn.Linear(hid, D_OUT))   # then 9 + 8 for FSDP2)
+    if tp > 1:
+        mesh2 = init_device_mesh("cpu", (mesh.size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = mesh2["dp"]
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -58,21 +70,21 @@ def _train_and_report(rank: int, tag: str, model: nn.Module, opt: torch.optim.Op
         _write_json(out_dir, f"loss-{tag}.json", losses)
 
 
-def save_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> None:
+def save_worker(rank: int, world: int, port: int, url: str, tp: int, out_dir: str) -> None:
     """Snapshot the FSDP2 state on ``world`` ranks, then keep training: the losses a resumed run must follow."""
     def body() -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         import ckptrepo
         mesh = _init(rank, world, port)
-        model, opt = build(mesh, seed=0)
+        model, opt = build(mesh, seed=0, tp=tp)
         msd, osd = get_state_dict(model, opt)
         ckptrepo.open(url).snapshot({"model": msd, "optim": osd}, step=1)
         _train_and_report(rank, "save", model, opt, full({"model": msd, "optim": osd}), out_dir)
     _guarded("save", rank, out_dir, body)
 
 
-def load_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> None:
+def load_worker(rank: int, world: int, port: int, url: str, tp: int, out_dir: str) -> None:
     """Load HEAD into another FSDP2 model's state on ``world`` ranks (built from another seed), hand it to the
     model and optimizer with ``set_state_dict``, then train the same steps."""
     def body() -> None:
@@ -82,7 +94,7 @@ def load_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> Non
 
         import ckptrepo
         mesh = _init(rank, world, port)
-        model, opt = build(mesh, seed=1)
+        model, opt = build(mesh, seed=1, tp=tp)
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
         with warnings.catch_warnings():
