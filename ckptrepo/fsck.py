@@ -12,7 +12,7 @@ from typing import Any, Callable
 from .arrays import ArrayInfo, open_array
 from .boxes import check_coverage, volume
 from .errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
-from .gc import pruned_ids, reachable_versions, ref_targets
+from .gc import head_branch_lost, head_ref_blocked, pruned_ids, reachable_versions, ref_targets
 from .manifest import DATA_PREFIX, HEADS_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX
 from .repo import Repository
 
@@ -119,6 +119,8 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport,
     except CkptRepoError as err:
         report.errors.append(str(err))
         return
+    if head.branch is not None and head.version is None and manifests and head_ref_blocked(repo, head.branch):
+        report.errors.append(head_branch_lost(head.branch, len(manifests)))
     if head.branch is None and missing(head.version):
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
     elif head.version is not None:

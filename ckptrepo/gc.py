@@ -18,12 +18,13 @@ kept version is never deleted.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .errors import CorruptionError, RetentionError
-from .manifest import DATA_PREFIX, FAILURES_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, version_id_time
+from .manifest import DATA_PREFIX, FAILURES_PREFIX, HEADS_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, version_id_time
 from .manifest_reads import missing_manifest
 
 PRUNED_PREFIX = "pruned/"
@@ -171,6 +172,22 @@ def _reachable(repo: Any, starts: Sequence[str], facts: dict[str, "VersionFacts"
     return seen
 
 
+def head_ref_blocked(repo: Any, branch: str) -> bool:
+    """Whether something that is not a ref sits where HEAD's branch ref should be (a folder on a local
+    store, keys under it on an object store): the ref was replaced, not never created, so the branch's
+    history would look unreachable and be collected."""
+    root = repo.store.local_root()
+    if root is not None and os.path.isdir(os.path.join(root, HEADS_PREFIX + branch)):
+        return True
+    return bool(repo.store.list(HEADS_PREFIX + branch + "/"))
+
+
+def head_branch_lost(branch: str, versions: int) -> str:
+    return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder, and the repository has {versions} "
+            f"version(s); remove the folder and restore the ref (`ckptrepo branch {branch} ID`, an id from "
+            f"versions/), or check out another branch")
+
+
 def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: Any = None,
                       grace_period_s: Any = 0.0, every_commits: Any = None) -> None:
     """Refuse a count that is not a whole number of at least 1: ``keep_last=-1`` or ``keep_every=0`` used to
@@ -219,6 +236,8 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     head = repo.refs.head()
     facts = _facts(repo, {} if known is None else known)
     already_pruned = pruned_ids(repo)
+    if head.branch is not None and head.version is None and facts and head_ref_blocked(repo, head.branch):
+        raise CorruptionError(f"gc stopped before deleting anything: {head_branch_lost(head.branch, len(facts))}")
     reachable = _reachable(repo, list(branches.values()) + list(tags.values()) +
                            ([head.version] if head.version else []), facts)
 
