@@ -93,6 +93,10 @@ def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> di
                     spec["endpoint"] = endpoint
                 if region:
                     spec["aws_region"] = region
+                if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+                    # what the default chain would pick first anyway; building the whole chain makes the AWS
+                    # runtime log ~5 lines to stderr per process when ~/.aws/config or credentials is absent
+                    spec["aws_credentials"] = {"type": "environment"}
         else:
             raise StorageError(f"unsupported repository URL scheme {scheme!r}; use a path, file://, memory://, s3:// or gs://")
     spec.update(options)

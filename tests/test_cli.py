@@ -275,3 +275,14 @@ def test_dcp_exchange_failures_are_one_line(populated, tmp_path):
     (bad / ".metadata").write_text("garbage")
     p = run("import", str(bad), "--trust", repo=url)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "cannot read DCP checkpoint" in p.stderr, p.stderr
+
+
+def test_cli_on_s3_prints_nothing_on_stderr(s3_url, tmp_path):
+    """With credentials in the environment and no ~/.aws files, the AWS runtime logged ~5 error lines per
+    command to the terminal's stderr (the whole default credential chain was built)."""
+    ckptrepo.init(s3_url).snapshot({"w": torch.ones(2)}, step=1)
+    env = dict(os.environ, HOME=str(tmp_path))   # no ~/.aws/config, no ~/.aws/credentials
+    out = subprocess.run([sys.executable, "-m", "cli.main", "--repo", s3_url, "log"], capture_output=True,
+                         text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
+    assert out.returncode == 0 and "step 1" in out.stdout, out
+    assert out.stderr == "", out.stderr
