@@ -17,6 +17,7 @@ from .errors import StateMismatchError
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, STATEFUL, TENSOR, TUPLE, is_stateful,
                         own_containers)
 from .reader import TensorEntry
+from .skeleton import holds_tensors
 
 Finalizer = Callable[[], Any]
 
@@ -132,9 +133,18 @@ class Binder:
 
     def _bind_sequence(self, node: Any, target: list | tuple, path: tuple[Any, ...]) -> Finalizer:
         children = node[1]
+        if len(children) != len(target) and not holds_tensors(node) and not _holds_arrays(target):
+            # plain values only (a loss history, a sampler's remaining indices): replaced whole, whatever its length
+            if isinstance(target, list) and node[0] == LIST:
+                def replace() -> Any:
+                    target[:] = self.build(node)
+                    return target
+                return replace
+            return lambda: self.build(node)
         if len(children) != len(target):
             raise StateMismatchError(f"{_p(path)}: {len(target)} items in `into` but {len(children)} saved in version "
-                                     f"{self.version[:12]}")
+                                     f"{self.version[:12]}; build the state with the saved configuration, or load "
+                                     f"without into=")
         finals = [self.bind(c, t, path + (i,)) for i, (c, t) in enumerate(zip(children, target))]
         if isinstance(target, list) and node[0] == LIST:
             def assign() -> Any:
@@ -143,6 +153,14 @@ class Binder:
                 return target
             return assign
         return lambda: (list if node[0] == LIST else tuple)(fin() for fin in finals)
+
+
+def _holds_arrays(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_arrays(v) for v in obj.values())
+    return isinstance(obj, (list, tuple)) and any(_holds_arrays(v) for v in obj)
 
 
 def meta_target_error(where: str) -> StateMismatchError:

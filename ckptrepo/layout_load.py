@@ -33,7 +33,7 @@ from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSO
 from .reshard import ReadStats, read_pieces
 from .rules import LocalParam, Rules
 from .sharding import Sharder, is_dtensor
-from .skeleton import key_value
+from .skeleton import holds_tensors, key_value
 from .store import Store
 
 
@@ -345,7 +345,7 @@ def _merge_plain(node: Any, target: Any) -> bool:
         return False
     for key, v in items:
         if isinstance(target, dict) and key not in target:
-            if not _holds_tensors(v):   # a saved plain value `into` lacks is added, as the plain load does
+            if not holds_tensors(v):   # a saved plain value `into` lacks is added, as the plain load does
                 target[key] = unflatten(v, lambda i, n: None)
                 changed = True
             continue
@@ -358,12 +358,6 @@ def _merge_plain(node: Any, target: Any) -> bool:
             target[key] = unflatten(v, lambda i, n: None)
             changed = True
     return changed
-
-
-def _holds_tensors(node: Any) -> bool:
-    if isinstance(node, list) and node and node[0] in (TENSOR, NDARRAY):
-        return True
-    return isinstance(node, list) and any(_holds_tensors(c) for c in node)
 
 
 def _to_device(obj: Any, device: Any) -> Any:

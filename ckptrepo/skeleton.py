@@ -67,6 +67,13 @@ def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) 
         yield here, Shown(f"<unknown node {tag!r}>")
 
 
+def holds_tensors(node: Any) -> bool:
+    """Whether a skeleton node has a tensor or array anywhere inside it."""
+    if isinstance(node, list) and node and node[0] in (TENSOR, NDARRAY):
+        return True
+    return isinstance(node, list) and any(holds_tensors(c) for c in node)
+
+
 class Shown(str):
     """A value ``show`` and ``diff`` print as its text, without quotes (``torch.float32``, ``torch.Size([2])``);
     equal when the text is: the value is not rebuilt, so reading a manifest never needs torch."""
@@ -76,4 +83,5 @@ class Shown(str):
 
 
 __all__ = ["BIGINT", "DICT", "DTYPE", "LIST", "NDARRAY", "NPGEN", "NPSCALAR", "ODICT", "SCALAR", "SIZE", "STATEFUL",
-           "Shown", "TENSOR", "TUPLE", "key_value", "numel", "plain_values"]
+           "Shown", "TENSOR", "TUPLE", "holds_tensors", "key_value", "numel",
+           "plain_values"]

@@ -287,3 +287,25 @@ def test_dot_segments_in_an_object_store_prefix_are_refused(url, clean):
     with pytest.raises(StorageError, match=rf"'\.' and '\.\.' are not allowed in an object store prefix; write it "
                                            rf"out: {clean}$"):
         ckptrepo.init(url)
+
+
+def test_into_with_a_plain_list_of_another_length_is_replaced(repo):
+    """A loss history or a sampler's remaining indices grows: a fresh object's empty list was refused
+    ("0 items in `into` but 2 saved"), where DCP restores it. Lists holding tensors must still match."""
+    class History:
+        def __init__(self):
+            self.losses = []
+
+        def state_dict(self):
+            return {"losses": list(self.losses)}
+
+        def load_state_dict(self, sd):
+            self.losses = list(sd["losses"])
+    h = History()
+    h.losses += [1.0, 0.5]
+    repo.snapshot({"hist": h, "order": [3, 1, 2], "ts": [torch.ones(2)]}, step=1)
+    fresh, order = History(), []
+    repo.load("@1", into={"hist": fresh, "order": order, "ts": [torch.zeros(2)]})
+    assert fresh.losses == [1.0, 0.5] and order == [3, 1, 2]
+    with pytest.raises(ckptrepo.errors.StateMismatchError, match=r"state\['ts'\]: 0 items in `into` but 1 saved"):
+        repo.load("@1", into={"hist": History(), "order": [], "ts": []})
