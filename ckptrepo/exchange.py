@@ -21,9 +21,10 @@ import math
 import os
 import pickle
 import re
+import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,14 +55,41 @@ def export_version(repo: Any, rev: str, out: str | os.PathLike[str], format: str
     _check_free(path, directory=format != "torch")
     vid = repo.resolve(rev)
     state = repo.load(vid)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if format == "torch":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _save_torch(state, path)
+        _write_then_rename(path, lambda tmp: torch.save(state, tmp))
     elif format == "safetensors":
-        _save_safetensors(state, path, vid)
+        _write_then_rename(path, lambda tmp: _save_safetensors(state, tmp, vid))
     else:
-        _save_dcp(state, path)
+        _write_then_rename(path, lambda tmp: _save_dcp(state, tmp))
     return repo.version(vid)
+
+
+def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a file or directory under a temporary name beside ``path``, renamed into place once complete;
+    on failure the temporary is removed and the error says so. A full disk used to leave a truncated
+    torch file, or a DCP checkpoint directory, at ``path``, which the next export then refused to overwrite."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+    def discard() -> None:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+    try:
+        write(tmp)
+        if path.is_dir():
+            path.rmdir()          # an empty directory, which _check_free allowed
+        os.replace(tmp, path)
+    except ExchangeError:         # refused before anything was written (a dtype safetensors lacks, ...)
+        discard()
+        raise
+    except BaseException as err:  # DCP's CheckpointException derives from BaseException, over many lines
+        discard()
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ExchangeError(f"could not write {path}: {_dcp_cause(err)}; nothing was left there (is the disk "
+                            f"full?)") from None
 
 
 def import_state(repo: Any, path: str | os.PathLike[str], trust: bool = False, step: int | None = None,
@@ -105,17 +133,6 @@ def _check_free(path: Path, directory: bool) -> None:
 
 
 # ---- torch.save --------------------------------------------------------------------------------------------------
-def _save_torch(state: Any, path: Path) -> None:
-    """``torch.save`` into a temporary name beside ``path``, renamed once complete: a full disk used to leave a
-    truncated file at ``path`` (which the next export then refused to overwrite) and a cryptic error."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as err:
-        tmp.unlink(missing_ok=True)
-        raise ExchangeError(f"could not write {path}: {first_line(err)}; nothing was left there (is the disk "
-                            f"full?)") from None
 def _load_torch(path: Path, trust: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
@@ -152,12 +169,7 @@ def _save_dcp(state: Any, path: Path) -> None:
                             f"export with --format torch or safetensors")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        try:
-            dcp.save(state, checkpoint_id=str(path), no_dist=True)
-        except BaseException as err:   # DCP's CheckpointException derives from BaseException, over many lines
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise ExchangeError(f"DCP could not save the state to {path}: {_dcp_cause(err)}") from None
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)   # its failures: see _write_then_rename
 
 
 def _dcp_cause(err: BaseException) -> str:
@@ -224,7 +236,7 @@ def _save_safetensors(state: Any, path: Path, vid: str) -> None:
         if r.dtype in _SAFETENSORS_UNSUPPORTED:
             raise ExchangeError(f"safetensors cannot store tensor {r.name!r} of dtype {r.dtype}; "
                                 f"export with --format torch or dcp")
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True)
     save_file({r.name: r.tensor.contiguous() for r in records}, str(path / SAFETENSORS_FILE), metadata={"format": "pt"})
     objects = {"format": OBJECTS_FORMAT, "format_version": OBJECTS_FORMAT_VERSION, "version": vid,
                "tensors": [r.name for r in records], "tree": _to_json(skeleton)}

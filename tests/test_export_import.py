@@ -169,9 +169,31 @@ def test_a_torch_export_that_fails_midway_leaves_nothing_behind(repo, tmp_path, 
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 263296 vs 263184")
     monkeypatch.setattr(exchange.torch, "save", disk_full)
     out = tmp_path / "out" / "model.pt"
-    with pytest.raises(ExchangeError, match=r"could not write .*model.pt: \[enforce fail.*nothing was left there"):
+    with pytest.raises(ExchangeError, match=r"could not write .*model.pt: RuntimeError: \[enforce fail.*nothing was left there"):
         repo.export("HEAD", out)
     assert not out.exists() and list(out.parent.iterdir()) == []
     monkeypatch.undo()
     repo.export("HEAD", out)
     assert torch.equal(torch.load(out, weights_only=True)["w"], repo.load("HEAD")["w"])
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "safetensors"])
+def test_a_directory_export_that_fails_midway_leaves_nothing_behind(repo, tmp_path, monkeypatch, fmt):
+    """A full disk left a truncated DCP checkpoint (which blocked the retry) or an empty directory."""
+    from ckptrepo import exchange
+    repo.snapshot({"w": torch.randn(1000)}, step=1)
+    real = exchange._save_dcp if fmt == "dcp" else exchange._save_safetensors
+
+    def disk_full(state, path, *rest):
+        real(state, path, *rest)
+        raise OSError(27, "File too large")
+    monkeypatch.setattr(exchange, "_save_dcp" if fmt == "dcp" else "_save_safetensors", disk_full)
+    out = tmp_path / "exports" / "out"
+    with pytest.raises(ExchangeError, match=r"could not write .*out: OSError: \[Errno 27\] File too large; nothing "
+                                            r"was left there"):
+        repo.export("HEAD", out, format=fmt)
+    assert list((tmp_path / "exports").iterdir()) == []
+    monkeypatch.undo()
+    repo.export("HEAD", out, format=fmt)   # the retry is not blocked by leftovers
+    repo.import_state(out, trust=True)
+    assert torch.equal(repo.load("HEAD")["w"], repo.load("@1")["w"])
