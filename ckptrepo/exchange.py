@@ -55,7 +55,11 @@ def export_version(repo: Any, rev: str, out: str | os.PathLike[str], format: str
     _check_free(path, directory=format != "torch")
     vid = repo.resolve(rev)
     state = repo.load(vid)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:   # a file where a folder of the path should be, no permission, ...
+        raise ExchangeError(f"cannot make the folder {path.parent} ({first_line(err)}); export to another "
+                            f"path") from None
     if format == "torch":
         _write_then_rename(path, lambda tmp: torch.save(state, tmp))
     elif format == "safetensors":

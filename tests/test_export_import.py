@@ -138,6 +138,8 @@ def test_bad_paths_and_outputs_are_one_line_errors(repo, tmp_path):
             repo.import_state(path)
     with pytest.raises(ExchangeError, match="already exists"):
         repo.export("HEAD", tmp_path / "junk.pt")
+    with pytest.raises(ExchangeError, match=r"cannot make the folder .*junk.pt \(.*File exists.*\); export to another"):
+        repo.export("HEAD", tmp_path / "junk.pt" / "model.pt")   # a file where a folder should be
     with pytest.raises(ExchangeError, match="safetensors cannot store tensor 'z' of dtype complex128"):
         repo.export("HEAD", tmp_path / "st", format="safetensors")
     assert len(repo.log()) == 1
