@@ -269,7 +269,8 @@ def test_dcp_exchange_failures_are_one_line(populated, tmp_path):
     url, _ = populated
     (tmp_path / "afile").write_text("x")
     p = run("export", "HEAD", str(tmp_path / "afile" / "x"), "--format", "dcp", repo=url)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Not a directory" in p.stderr, p.stderr
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "cannot make the folder" in p.stderr \
+        and "export to another path" in p.stderr, p.stderr
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / ".metadata").write_text("garbage")
