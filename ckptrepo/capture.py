@@ -250,7 +250,8 @@ class Snapshotter:
         A rank whose own checks failed (``failure``) still joins it, with its error in place of the metadata,
         so that every rank raises at the same call instead of waiting in the collective until its timeout.
         """
-        mine = (new_version_id(), meta) if failure is None else (None, f"{type(failure).__name__}: {first_line(failure)}")
+        mine = (new_version_id(), meta) if failure is None else \
+            (None, f"{type(failure).__name__}: {first_line(failure)}")
         gathered = all_gather(mine, self.group) if self.distributed else [mine]
         refused = [(r, g[1]) for r, g in enumerate(gathered) if g[0] is None]
         if refused and failure is None:

@@ -81,7 +81,8 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
     for vid in sorted(data_ids - set(manifests)):
         if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover
             report.warnings.append(f"{DATA_PREFIX}{vid}/ is the data of version {vid[:12]}, whose manifest is "
-                                   f"missing: it cannot be loaded without it (gc refuses to run until that is resolved)")
+                                   f"missing: it cannot be loaded without it (gc refuses to run until that is "
+                                   f"resolved)")
         else:
             report.warnings.append(f"{DATA_PREFIX}{vid}/ has no manifest (an interrupted snapshot); gc will remove it")
     return report
@@ -91,18 +92,20 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport,
     """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
     ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``."""
     def missing(vid: str | None) -> bool:
+        tip = True
         while vid is not None and vid not in manifests:
             if not repo.store.exists(VERSIONS_PREFIX + vid):
-                return True
+                return tip          # an ancestor's absence is reported as a missing parent below
             try:
                 manifests[vid] = repo.manifest(vid)
             except CkptRepoError as err:
                 report.errors.append(str(err))
                 return False
-            vid = next(iter(manifests[vid]["parents"]), None)
+            tip, vid = False, next(iter(manifests[vid]["parents"]), None)
         return False
 
-    for kind, prefix, read in (("branch", HEADS_PREFIX, repo.refs.branch_tip), ("tag", TAGS_PREFIX, repo.refs.tag_target)):
+    refs = (("branch", HEADS_PREFIX, repo.refs.branch_tip), ("tag", TAGS_PREFIX, repo.refs.tag_target))
+    for kind, prefix, read in refs:
         for key in repo.store.list(prefix):
             name = key[len(prefix):]
             try:

@@ -28,8 +28,8 @@ from .boxes import volume
 from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
-from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, flatten,
-                        is_stateful, own_containers, unflatten)
+from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str,
+                        flatten, is_stateful, own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import LocalParam, Rules
 from .sharding import Sharder, is_dtensor
@@ -129,7 +129,8 @@ def default_rank(layout: ParallelLayout) -> int:
     pg_rank, pg_world = process_group_rank()
     if pg_world == 1:
         raise LayoutError(f"the layout ({layout}) has {layout.world_size} ranks: pass rank= (0 to "
-                          f"{layout.world_size - 1}), or load in each process of a torch.distributed group of that size")
+                          f"{layout.world_size - 1}), or load in each process of a torch.distributed group of that "
+                          f"size")
     if pg_world != layout.world_size:
         raise LayoutError(f"the layout ({layout}) has {layout.world_size} ranks but torch.distributed has {pg_world}; "
                           f"pass rank= to load one rank of another layout")

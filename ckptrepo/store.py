@@ -255,7 +255,8 @@ def _prefix_end(prefix: str) -> str:
 def _remove_empty_folders(root: str, prefix: str) -> None:
     """The empty folders under ``prefix`` (a folder when it ends in "/"), then its parents while they are empty,
     stopping below its top-level folder (``data/``, ``staging/``)."""
-    folder = os.path.join(root, prefix.rstrip("/")) if prefix.endswith("/") else os.path.dirname(os.path.join(root, prefix))
+    path = os.path.join(root, prefix.rstrip("/"))
+    folder = path if prefix.endswith("/") else os.path.dirname(path)
     for path, _, _ in os.walk(folder, topdown=False):
         try:
             os.rmdir(path)   # only when empty

@@ -171,7 +171,8 @@ def test_a_torch_export_that_fails_midway_leaves_nothing_behind(repo, tmp_path, 
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 263296 vs 263184")
     monkeypatch.setattr(exchange.torch, "save", disk_full)
     out = tmp_path / "out" / "model.pt"
-    with pytest.raises(ExchangeError, match=r"could not write .*model.pt: RuntimeError: \[enforce fail.*nothing was left there"):
+    with pytest.raises(ExchangeError,
+                       match=r"could not write .*model.pt: RuntimeError: \[enforce fail.*nothing was left there"):
         repo.export("HEAD", out)
     assert not out.exists() and list(out.parent.iterdir()) == []
     monkeypatch.undo()
