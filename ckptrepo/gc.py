@@ -124,9 +124,11 @@ def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str
 
 def ref_targets(repo: Any) -> list[str]:
     """The versions the branches, the tags and a detached HEAD point at."""
-    head = repo.refs.head()
-    return list(repo.refs.branches().values()) + list(repo.refs.tags().values()) + \
-        ([head.version] if head.version else [])
+    return _targets(repo.refs.branches(), repo.refs.tags(), repo.refs.head())
+
+
+def _targets(branches: Mapping[str, str], tags: Mapping[str, str], head: Any) -> list[str]:
+    return list(branches.values()) + list(tags.values()) + ([head.version] if head.version else [])
 
 
 def reaches(repo: Any, starts: Sequence[str], target: str) -> bool:
@@ -238,8 +240,7 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     already_pruned = pruned_ids(repo)
     if head.branch is not None and head.version is None and facts and head_ref_blocked(repo, head.branch):
         raise CorruptionError(f"gc stopped before deleting anything: {head_branch_lost(head.branch, len(facts))}")
-    reachable = _reachable(repo, list(branches.values()) + list(tags.values()) +
-                           ([head.version] if head.version else []), facts)
+    reachable = _reachable(repo, _targets(branches, tags, head), facts)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None
     keep: set[str] = set()

@@ -7,12 +7,12 @@ are tiny text objects: a version id, or ``ref: refs/heads/NAME`` for HEAD.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import struct
 import sys
 import time
 from dataclasses import dataclass, field
-import operator
 from typing import Any, Mapping
 
 import msgpack

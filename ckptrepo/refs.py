@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import ConflictError, CorruptionError, RefError
 from .manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX
-from .store import NO_VALUE, Store
+from .store import NO_VALUE, Store, remove_empty_parents
 
 _HEX_RE = re.compile(r"[0-9a-f]{4,32}")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
@@ -170,13 +170,7 @@ class Refs:
         if root is None:
             return
         top = os.path.join(root, (HEADS_PREFIX if key.startswith(HEADS_PREFIX) else TAGS_PREFIX).rstrip("/"))
-        folder = os.path.dirname(os.path.join(root, key))
-        while folder != top and folder.startswith(top + os.sep):
-            try:
-                os.rmdir(folder)   # only when empty
-            except OSError:
-                return
-            folder = os.path.dirname(folder)
+        remove_empty_parents(os.path.dirname(os.path.join(root, key)), top)
 
     def tag_target(self, name: str) -> str | None:
         raw = self.store.get(TAGS_PREFIX + name)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from . import revisions
 from .arrays import ArrayInfo, itemsize
 from .errors import (CkptRepoError, NotARepositoryError, RefError, RepositoryExistsError, RevisionError,
-                     SnapshotFailedError, StorageError)
+                     SnapshotFailedError, StorageError, first_line)
 from .manifest import (CONFIG_KEY, FAILURES_PREFIX, VERSIONS_PREFIX, Version, decode_config, encode_config, unseal,
                        version_from_manifest)
 from .manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
@@ -84,8 +84,7 @@ def load_device(spec: Any) -> "torch.device | None":
     try:
         torch.empty(0, device=dev)
     except (AssertionError, RuntimeError) as e:
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load onto device {str(dev)!r} in this process ({cause}); "
+        raise ValueError(f"cannot load onto device {str(dev)!r} in this process ({first_line(e)}); "
                          f"load with device='cpu' or pick an available device") from None
     return dev
 

@@ -152,10 +152,10 @@ def dtensor_box(t: Any, boxes: dict[Any, Any] | None = None) -> tuple[Box, torch
     tensors share a few of them (every layer's weight and its two moments), and torch works each out in ~90 us.
     """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    _check_placements(t.placements, t.device_mesh)
     key = (tuple(t.shape), tuple(t.placements), id(t.device_mesh))
     got = boxes.get(key) if boxes is not None else None
     if got is None:
+        _check_placements(t.placements, t.device_mesh)
         got = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         if boxes is not None:
             boxes[key] = got

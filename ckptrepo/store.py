@@ -257,16 +257,20 @@ def _remove_empty_folders(root: str, prefix: str) -> None:
     stopping below its top-level folder (``data/``, ``staging/``)."""
     path = os.path.join(root, prefix.rstrip("/"))
     folder = path if prefix.endswith("/") else os.path.dirname(path)
-    for path, _, _ in os.walk(folder, topdown=False):
+    for sub, _, _ in os.walk(folder, topdown=False):
         try:
-            os.rmdir(path)   # only when empty
+            os.rmdir(sub)   # only when empty
         except OSError:
             pass
-    top = os.path.join(root, prefix.split("/", 1)[0])
-    parent = os.path.dirname(folder)
-    while parent.startswith(top + os.sep):
+    remove_empty_parents(os.path.dirname(folder), os.path.join(root, prefix.split("/", 1)[0]))
+
+
+def remove_empty_parents(folder: str, top: str) -> None:
+    """Remove ``folder``, then its parents, while they are empty, stopping below ``top`` (a local store's
+    folders: a deleted key's leftovers)."""
+    while folder.startswith(top + os.sep):
         try:
-            os.rmdir(parent)
+            os.rmdir(folder)   # only when empty
         except OSError:
             return
-        parent = os.path.dirname(parent)
+        folder = os.path.dirname(folder)
