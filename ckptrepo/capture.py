@@ -58,7 +58,7 @@ from .layout import ParallelLayout
 from .localwrite import DirectWriter, LiveShard
 from .manifest import (DATA_PREFIX, Version, checked_message, checked_step, new_version_id, plain_metrics,
                        version_id_time)
-from .providers import TensorRecord, flatten
+from .providers import TensorRecord, flatten, is_stateful
 from .sharding import Piece, Sharder, ShardedState, column_blocks
 from .snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from .writer import LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, fill_segment, live_residues
@@ -107,13 +107,14 @@ class Snapshotter:
     Reading them (forward, backward) is fine, and so is writing gradients.
     Plain Python values and the structure are recorded during ``snapshot``
     itself. Buffers of ``nn.Module``s in the state (BatchNorm running
-    statistics change in forward) are copied during ``snapshot``, and so is
-    every tensor of at most ``EAGER_COPY_BYTES`` (64 KiB) that is not a
-    parameter or state of an attached optimizer: that covers the buffers of a
+    statistics change in forward) are copied during ``snapshot``, those of
+    modules held by a Stateful object in it too, and so is every tensor that
+    is not a parameter or state of an attached optimizer, up to 16 MiB with an
+    optimizer attached and 64 KiB without: that covers the buffers of a
     ``model.state_dict()`` (DCP's way), whose module the snapshot never sees.
     A larger tensor that forward changes in place must come with its module,
-    or be copied by the caller: if it changes while its bytes are being
-    written, the version fails its checksum at load and in ``fsck``.
+    or be copied by the caller: a change before its bytes are written is
+    saved as changed (only one while they are written fails the checksum).
 
     With ``dedup`` (the default; single process only), a CPU tensor whose
     bytes equal those of the same tensor in the last version this snapshotter
@@ -638,28 +639,39 @@ def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException) -> BaseEx
 
 
 EAGER_COPY_BYTES = 64 << 10   # tensors this small are copied at snapshot(): see the Snapshotter contract
+# with an optimizer attached, tensors it does not own are copied up to this size: the parameters are known, so
+# only buffers and frozen weights are left, and a BatchNorm of 32768 channels has 128 KiB statistics
+EAGER_COPY_BYTES_ATTACHED = 16 << 20
 
 
 def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_owned: set[int]) -> None:
-    """Copy now the buffers of modules in ``state`` (forward changes BatchNorm statistics in place) and every
-    tensor of at most EAGER_COPY_BYTES that no attached optimizer owns (``step_owned``): a ``model.state_dict()``
-    hands over the same buffers as bare tensors. Parameters and optimizer state stay live: only the step
-    changes them, and it waits for capture (copying the ~300 small ones of a GPT cost 12 ms a snapshot)."""
+    """Copy now the buffers of modules in ``state`` (forward changes BatchNorm statistics in place), also of modules
+    held by a Stateful object in it (DCP's ``AppState(model, optimizer)``), and every tensor no attached optimizer
+    owns (``step_owned``) of at most EAGER_COPY_BYTES (EAGER_COPY_BYTES_ATTACHED with an optimizer attached): a
+    ``model.state_dict()`` hands over the same buffers as bare tensors. Parameters and optimizer state stay live:
+    only the step changes them, and it waits for capture (copying the ~300 small ones of a GPT cost 12 ms a
+    snapshot)."""
     ptrs: set[int] = set()
-    stack = [state]
+    stack, seen = [state], set()
     while stack:
         obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
             ptrs.update(b.data_ptr() for b in obj.buffers())
         elif isinstance(obj, dict):
-            stack.extend(obj.values())
+            stack.extend(v for v in obj.values() if not isinstance(v, (torch.Tensor, str, int, float)))
         elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
+            stack.extend(v for v in obj if not isinstance(v, (torch.Tensor, str, int, float)))
+        elif is_stateful(obj) and hasattr(obj, "__dict__"):
+            stack.extend(v for v in vars(obj).values() if isinstance(v, torch.nn.Module))
+    limit = EAGER_COPY_BYTES_ATTACHED if step_owned else EAGER_COPY_BYTES
     for r in records:
         t = r.tensor
         if r.numel and type(t) is torch.Tensor and (   # not a DTensor: its local shard is what a rank writes
                 (ptrs and t.data_ptr() in ptrs)
-                or (t.numel() * t.element_size() <= EAGER_COPY_BYTES and t.data_ptr() not in step_owned)):
+                or (t.numel() * t.element_size() <= limit and t.data_ptr() not in step_owned)):
             r.tensor = _page_aligned_copy(t)
 
 

@@ -379,6 +379,50 @@ def test_buffers_of_a_state_dict_that_forward_changes_are_captured_at_snapshot(r
             assert torch.equal(got[k], v), (step, k)
 
 
+class AppState:
+    """DCP's documented wrapper: a Stateful object whose state dict is the model's and the optimizer's."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def load_state_dict(self, sd):
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optim"])
+
+
+@pytest.mark.parametrize("wrap, attach", [("state_dict", True), ("app_state", True), ("app_state", False)])
+def test_big_buffers_that_forward_changes_are_captured_at_snapshot(repo, wrap, attach):
+    """BatchNorm statistics over 64 KiB (32768 channels), handed over by `model.state_dict()` or inside a Stateful
+    `AppState`: the next forward's update landed in the version, which loaded and passed fsck. With an optimizer
+    attached every tensor it does not own (up to 16 MiB) is copied at snapshot(); modules held by a Stateful
+    object are found and their buffers copied, attached or not."""
+    from ckptrepo import faults
+    bn = torch.nn.BatchNorm1d(32768)
+    opt = torch.optim.SGD(bn.parameters(), lr=0.1)
+    faults.set_hook("before_capture", lambda name: time.sleep(0.3))   # slow storage: forward runs first
+    try:
+        with repo.snapshotter() as snap:
+            if attach:
+                snap.attach(opt)
+            bn(torch.randn(2, 32768)).sum().backward()
+            opt.step()
+            expected = bn.running_mean.clone()
+            state = {"model": bn.state_dict(), "opt": opt.state_dict()} if wrap == "state_dict" \
+                else {"app": AppState(bn, opt)}
+            snap.snapshot(state, step=1)
+            with torch.no_grad():
+                bn(torch.randn(2, 32768))     # forward of the next step, before the snapshot is written
+            snap.wait()
+    finally:
+        faults.clear()
+    got = repo.load("HEAD")
+    saved = got["model"] if wrap == "state_dict" else got["app"]["model"]
+    assert torch.equal(saved["running_mean"], expected)
+
+
 def test_snapshots_from_several_threads_start_one_pipeline(repo, monkeypatch):
     """Threads calling snapshot() at once on a new snapshotter each started the capture, flush and commit
     threads: snapshots failed against their own commits and close() never returned."""
