@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .errors import StateMismatchError
-from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, STATEFUL, TENSOR, TUPLE, is_stateful,
+from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, SCALAR, STATEFUL, TENSOR, TUPLE, is_stateful,
                         own_containers)
 from .reader import TensorEntry
 from .skeleton import holds_tensors
@@ -64,11 +64,17 @@ class Binder:
         if isinstance(target, (torch.Tensor, np.ndarray)):
             raise StateMismatchError(f"{_p(path)}: `into` holds a tensor but version {self.version[:12]} "
                                      f"saved a {_kind(tag)} there; load without into= to see what was saved")
+        if is_stateful(target):   # replacing a live optimizer or scheduler with a plain value would go unnoticed
+            raise StateMismatchError(f"{_p(path)}: `into` holds a {type(target).__name__} but version "
+                                     f"{self.version[:12]} saved a {_kind(tag)} there; load without into= to see "
+                                     f"what was saved")
         return lambda: self.build(node)
 
     def _bind_stateful(self, node: Any, target: Any, path: tuple[Any, ...]) -> Finalizer:
         """Fill ``target.state_dict()`` from the saved dict ``node``, then hand it to ``target.load_state_dict``."""
         state = own_containers(target.state_dict())
+        if isinstance(target, torch.optim.Optimizer) and node[0] in (DICT, ODICT):
+            self._check_param_groups(node, state, path)
         if isinstance(target, torch.nn.Module) and node[0] in (DICT, ODICT):
             # a module takes exactly its own keys: a saved one it lacks would fail load_state_dict after the
             # other tensors were filled (an optimizer's empty state, by contrast, is filled from the saved one)
@@ -85,13 +91,34 @@ class Binder:
             return target
         return load_stateful
 
+    def _check_param_groups(self, node: Any, state: dict, path: tuple[Any, ...]) -> None:
+        """An optimizer built with other parameter groups than the saved one: refused here, before anything is
+        filled (its ``load_state_dict`` would refuse it only after the model was overwritten)."""
+        saved = next((v for k, v in node[1] if k == [SCALAR, "param_groups"]), None)
+        if saved is None or saved[0] != LIST or not isinstance(state.get("param_groups"), list):
+            return
+        sizes = []
+        for group in saved[1]:
+            params = next((v for k, v in group[1] if k == [SCALAR, "params"]), None) \
+                if group[0] in (DICT, ODICT) else None
+            sizes.append(len(params[1]) if params is not None and params[0] in (LIST, TUPLE) else None)
+        mine = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) else None
+                for g in state["param_groups"]]
+        if sizes != mine:
+            raise StateMismatchError(f"{_p(path + ('param_groups',))}: the optimizer in `into` has parameter groups "
+                                     f"of {mine} parameters but version {self.version[:12]} saved groups of {sizes}; "
+                                     f"build it with the saved groups, or load without into=")
+
     def _bind_tensor(self, node: Any, target: Any, path: tuple[Any, ...]) -> Finalizer:
         e = self.entries[node[1]]
         dest = target
         if isinstance(target, np.ndarray):
-            if not target.flags.writeable or not target.flags.c_contiguous:
+            if tuple(target.shape) != e.shape:
+                raise StateMismatchError(f"{_p(path)}: shape {list(target.shape)} in `into` but {list(e.shape)} in "
+                                         f"version {self.version[:12]}; build the state with the saved configuration")
+            dest = _fillable(target)
+            if dest is None:   # read-only, strided, big-endian: replaced by the saved array, as a plain value is
                 return lambda: self.build(node)
-            dest = torch.from_numpy(target)
         if not isinstance(dest, torch.Tensor):
             if target is None:
                 return lambda: self.build(node)
@@ -105,6 +132,9 @@ class Binder:
         if DTYPE_NAMES.get(dest.dtype) != e.dtype:
             raise StateMismatchError(f"{_p(path)}: dtype {dest.dtype} in `into` but {e.dtype} in version "
                                      f"{self.version[:12]}; cast after loading, or load without into=")
+        if any(st == 0 and n > 1 for st, n in zip(dest.stride(), dest.shape)):
+            raise StateMismatchError(f"{_p(path)}: the tensor in `into` is an expanded view whose elements share "
+                                     f"memory; give it memory of its own (t.clone()), or load without into=")
         # a parameter (requires_grad) is filled through a detached view of its storage: an in-place copy into the
         # leaf itself is refused by autograd, in the reader threads too (grad mode is per thread)
         self.destinations[node[1]] = dest.detach() if dest.requires_grad else dest
@@ -120,7 +150,8 @@ class Binder:
                 finals.append((key, self.bind(vnode, target[key], path + (key,))))
             else:
                 finals.append((key, (lambda n=vnode: self.build(n))))
-        extra = [k for k in target if k not in set(saved_keys)]
+        saved = set(saved_keys)
+        extra = [k for k in target if k not in saved]
         if extra:
             raise StateMismatchError(f"{_p(path + (extra[0],))}: present in `into` but not saved in version "
                                      f"{self.version[:12]}; remove it from the state or load without into=")
@@ -153,6 +184,17 @@ class Binder:
                 return target
             return assign
         return lambda: (list if node[0] == LIST else tuple)(fin() for fin in finals)
+
+
+def _fillable(target: np.ndarray) -> torch.Tensor | None:
+    """A tensor over the numpy array's own memory that a load can fill in place, or None if it cannot be one."""
+    if not (target.flags.writeable and target.flags.c_contiguous and target.dtype.isnative):
+        return None
+    canonical = np.dtype(target.dtype.str)   # np.ulonglong ('Q'): torch takes only uint64 ('L')
+    try:
+        return torch.from_numpy(target if canonical.char == target.dtype.char else target.view(canonical))
+    except TypeError:
+        return None
 
 
 def _holds_arrays(obj: Any) -> bool:

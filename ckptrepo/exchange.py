@@ -92,8 +92,8 @@ def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
         discard()
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ExchangeError(f"could not write {path}: {_dcp_cause(err)}; nothing was left there (is the disk "
-                            f"full?)") from None
+        hint = " (is the disk full?)" if isinstance(err, OSError) else ""
+        raise ExchangeError(f"could not write {path}: {_dcp_cause(err)}; nothing was left there{hint}") from None
 
 
 def import_state(repo: Any, path: str | os.PathLike[str], trust: bool = False, step: int | None = None,
@@ -237,6 +237,9 @@ def _save_safetensors(state: Any, path: Path, vid: str) -> None:
     from safetensors.torch import save_file
     skeleton, records = flatten(state)
     for r in records:
+        if r.name == "__metadata__":   # the header's reserved key: every reader would refuse the file
+            raise ExchangeError("safetensors reserves the name '__metadata__', which this state uses for a tensor; "
+                                "export with --format torch or dcp")
         if r.dtype in _SAFETENSORS_UNSUPPORTED:
             raise ExchangeError(f"safetensors cannot store tensor {r.name!r} of dtype {r.dtype}; "
                                 f"export with --format torch or dcp")

@@ -21,7 +21,7 @@ from .arrays import ArrayInfo, open_array
 from .boxes import flat_boxes, volume
 from .errors import damaged_object_error, first_line, is_storage_failure, storage_failure
 from .providers import TORCH_DTYPES, numel
-from .skeleton import plain_values
+from .skeleton import plain_values, short_text
 from .reshard import VersionReader
 from .sharding import Piece
 
@@ -267,21 +267,16 @@ def _norm(x: torch.Tensor) -> float:
     return top * float(torch.linalg.vector_norm(a / top))
 
 
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _diff_objects(ta: Any, tb: Any) -> list[ObjectDiff]:
     a, b = dict(plain_values(ta)), dict(plain_values(tb))
     out = []
     for path in list(a) + [p for p in b if p not in a]:
         if path not in b:
-            out.append(ObjectDiff(path, "removed", _short(a[path]), None))
+            out.append(ObjectDiff(path, "removed", short_text(a[path], 60), None))
         elif path not in a:
-            out.append(ObjectDiff(path, "added", None, _short(b[path])))
+            out.append(ObjectDiff(path, "added", None, short_text(b[path], 60)))
         elif a[path] != b[path] and not (a[path] != a[path] and b[path] != b[path]):  # NaN == NaN here
-            out.append(ObjectDiff(path, "changed", _short(a[path]), _short(b[path])))
+            out.append(ObjectDiff(path, "changed", short_text(a[path], 60), short_text(b[path], 60)))
     return out
 
 

@@ -29,10 +29,10 @@ from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str,
-                        flatten, is_stateful, own_containers, unflatten)
+                        flatten, is_dtensor, is_stateful, own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import LocalParam, Rules
-from .sharding import Sharder, is_dtensor
+from .sharding import Sharder
 from .skeleton import holds_tensors, key_value
 from .store import Store
 

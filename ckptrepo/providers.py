@@ -20,9 +20,13 @@ import torch
 from .errors import UnsupportedValueError
 
 from .skeleton import (BIGINT, DICT, DTYPE, LIST, NDARRAY, NPGEN, NPSCALAR, ODICT, SCALAR, SIZE, STATEFUL,  # noqa: F401
-                       TENSOR, TUPLE, key_value, numel)
+                       TENSOR, TUPLE, bigint_text, bigint_value, key_value, numel)
 
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
+# Containers nested deeper than this are refused at flatten, naming the path: the manifest's msgpack stops at
+# 511 levels (three a dict), which used to fail the commit after the data was written; a container that holds
+# itself used to end in a bare RecursionError.
+MAX_DEPTH = 100
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
@@ -72,6 +76,30 @@ def own_containers(obj: Any) -> Any:
     return obj
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor; no DTensor exists until torch.distributed.tensor is imported, so do not pay
+    ~1 s importing it to find out."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _check_tensor_type(t: torch.Tensor, where: str) -> None:
+    """Refuse tensor subclasses other than Parameter and DTensor: stored as plain tensors, they would come back
+    without what the subclass adds (a scale, a tag), silently."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return
+    if torch.nn.parameter.is_lazy(t):
+        raise UnsupportedValueError(f"{where}: an uninitialised lazy parameter or buffer has no shape or data yet; "
+                                    f"run one forward pass (or module.initialize_parameters()) before saving")
+    if isinstance(t, torch.nn.Parameter) and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        return   # a Parameter subclass over plain data (FSDP's FlatParameter)
+    if is_dtensor(t):
+        return
+    raise UnsupportedValueError(f"{where}: a {type(t).__module__}.{type(t).__qualname__} (a tensor subclass) would "
+                                f"load as a plain tensor, without what the subclass adds; save its component "
+                                f"tensors, or t.as_subclass(torch.Tensor) if its data is all there is")
+
+
 def _key_str(key: Any) -> str:
     return key if isinstance(key, str) else repr(key)
 
@@ -86,6 +114,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
     names: set[str] = set()
 
     def add_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        _check_tensor_type(t, _path_str(path))
         if t.is_nested:   # a strided-layout nested tensor too, which has no sizes to read
             raise UnsupportedValueError(f"{_path_str(path)}: nested tensors are not supported; save their "
                                         f"components (t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
@@ -121,18 +150,33 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             if obj.dtype.kind not in "biufc":
                 raise UnsupportedValueError(f"{_path_str(path)}: numpy scalar of dtype {obj.dtype} is not supported")
             return [NPSCALAR, obj.dtype.str, obj.tobytes()]
-        if obj is None or isinstance(obj, (bool, str, bytes, float)):
+        if isinstance(obj, str):
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError as err:   # a lone surrogate: msgpack could not write the manifest
+                raise UnsupportedValueError(f"{_path_str(path)}: text with a character UTF-8 cannot encode "
+                                            f"({err.reason}, at {err.start}); store it as bytes "
+                                            f"(s.encode('utf-8', 'surrogatepass'))") from None
+            return [SCALAR, obj]
+        if obj is None or isinstance(obj, (bool, bytes, float)):
             return [SCALAR, obj]
         if isinstance(obj, int):
             obj = int(obj)  # IntEnum and friends are stored as their value
-            return [SCALAR, obj] if _INT64_MIN <= obj <= _UINT64_MAX else [BIGINT, str(obj)]
+            return [SCALAR, obj] if _INT64_MIN <= obj <= _UINT64_MAX else [BIGINT, bigint_text(obj)]
         if isinstance(obj, torch.Tensor):
             return [TENSOR, add_tensor(obj, path)]
         if isinstance(obj, np.ndarray):
+            if type(obj) is not np.ndarray and not isinstance(obj, np.memmap):
+                raise UnsupportedValueError(f"{_path_str(path)}: a {type(obj).__module__}.{type(obj).__qualname__} "
+                                            f"(an ndarray subclass) would load as a plain array, without what the "
+                                            f"subclass adds (a mask); save its parts as plain arrays")
             if obj.dtype.kind not in "biufc":
                 raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported")
             if not obj.dtype.isnative:   # big-endian data: its values, in this machine's byte order
                 obj = obj.astype(obj.dtype.newbyteorder("="))
+            canonical = np.dtype(obj.dtype.str)   # np.ulonglong ('Q') is uint64 ('L') to everyone but torch
+            if canonical.char != obj.dtype.char:
+                obj = obj.view(canonical)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:   # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d)
@@ -142,14 +186,19 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
                         from None
             return [NDARRAY, add_tensor(t, path)]
         if _is_numpy_generator(obj):
-            bitgen = type(obj.bit_generator).__name__
-            return [NPGEN, bitgen, walk(obj.bit_generator.state, path)]
+            bg = obj.bit_generator
+            node = [NPGEN, type(bg).__name__, walk(bg.state, path)]
+            seed = _seed_sequence(bg)
+            return node if seed is None else node + [walk(seed, path)]
         if isinstance(obj, torch.dtype):
             if obj not in DTYPE_NAMES:
                 raise UnsupportedValueError(f"{_path_str(path)}: dtype {obj} is not supported")
             return [DTYPE, DTYPE_NAMES[obj]]
         if isinstance(obj, torch.Size):
             return [SIZE, list(obj)]
+        if isinstance(obj, (dict, list, tuple)) and len(path) >= MAX_DEPTH:
+            raise UnsupportedValueError(f"{_path_str(path[:6])}...: containers nested more than {MAX_DEPTH} deep (or "
+                                        f"one that holds itself); flatten the structure, e.g. with joined keys")
         if isinstance(obj, dict):
             tag = ODICT if isinstance(obj, collections.OrderedDict) else DICT  # other dict subclasses load as dict
             return [tag, [[key_node(k, path + (k,)), walk(v, path + (k,))] for k, v in obj.items()]]
@@ -187,7 +236,7 @@ def _build(node: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
     if tag == SCALAR:
         return node[1]
     if tag == BIGINT:
-        return int(node[1])
+        return bigint_value(node[1])
     if tag in (DICT, ODICT):
         items = [(key_value(k), _build(v, get_tensor)) for k, v in node[1]]
         return collections.OrderedDict(items) if tag == ODICT else dict(items)
@@ -200,7 +249,8 @@ def _build(node: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
     if tag == NPSCALAR:
         return np.frombuffer(node[2], dtype=np.dtype(node[1]))[0]
     if tag == NPGEN:
-        return make_numpy_generator(node[1], _build(node[2], get_tensor))
+        return make_numpy_generator(node[1], _build(node[2], get_tensor),
+                                    _build(node[3], get_tensor) if len(node) > 3 else None)
     if tag == DTYPE:
         return TORCH_DTYPES[node[1]]
     if tag == SIZE:
@@ -225,10 +275,31 @@ def _is_numpy_generator(obj: Any) -> bool:
 _NUMPY_BITGENS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
 
 
-def make_numpy_generator(bitgen: str, state: dict[str, Any]) -> np.random.Generator:
-    """Rebuild a numpy Generator from its bit generator's name and state (numpy's own classes only)."""
+def _seed_sequence(bg: Any) -> dict[str, Any] | None:
+    """What rebuilds a bit generator's SeedSequence, from which ``Generator.spawn()`` draws its children (the
+    state alone gives a resumed run other children than the saved generator's); None if it has none."""
+    seq = getattr(bg, "seed_seq", None)
+    if not isinstance(seq, np.random.SeedSequence):
+        return None
+    entropy = seq.entropy
+    return {"entropy": entropy if entropy is None or isinstance(entropy, int) else [int(x) for x in entropy],
+            "spawn_key": [int(k) for k in seq.spawn_key], "pool_size": int(seq.pool_size),
+            "n_children_spawned": int(seq.n_children_spawned)}
+
+
+def make_numpy_generator(bitgen: str, state: dict[str, Any], seed: dict[str, Any] | None = None
+                         ) -> np.random.Generator:
+    """Rebuild a numpy Generator from its bit generator's name, state and SeedSequence (numpy's own classes)."""
     if bitgen not in _NUMPY_BITGENS:
         raise UnsupportedValueError(f"numpy bit generator {bitgen!r} is not one of numpy's own {_NUMPY_BITGENS}")
-    bg = getattr(np.random, bitgen)()
+    if seed is None:
+        bg = getattr(np.random, bitgen)()
+    else:
+        try:
+            seq = np.random.SeedSequence(seed["entropy"], spawn_key=tuple(seed["spawn_key"]),
+                                         pool_size=seed["pool_size"], n_children_spawned=seed["n_children_spawned"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise UnsupportedValueError(f"numpy SeedSequence {seed!r} cannot be rebuilt: {err}") from None
+        bg = getattr(np.random, bitgen)(seq)
     bg.state = state
     return np.random.Generator(bg)

@@ -24,7 +24,7 @@ from .manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
 from .refs import Refs, init_head
 from .gc import PRUNED_PREFIX
 from .gcpause import collection_paused
-from .skeleton import numel, plain_values
+from .skeleton import numel, plain_values, short_text
 from .store import Store
 
 if TYPE_CHECKING:
@@ -443,7 +443,7 @@ class Repository:
         from .gc import pruned_ids
         pruned = vid in pruned_ids(self)   # as log says: its data is gone (the table lists what was saved)
         return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ()), pruned), layout,
-                              tensors, [(p, _short(v)) for p, v in plain_values(m["tree"], summarize_after=8)])
+                              tensors, [(p, short_text(v, 80)) for p, v in plain_values(m["tree"], summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,
              on_bytes: Callable[[int], None] | None = None) -> Any:
@@ -534,8 +534,3 @@ class Repository:
         """
         from .exchange import import_state
         return import_state(self, path, trust, step, message)
-
-
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) and value.startswith(("list of", "tuple of")) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

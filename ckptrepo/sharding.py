@@ -22,7 +22,6 @@ Where the mapping comes from, per tensor of the state:
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -31,7 +30,7 @@ import torch
 from .boxes import Box, flat_boxes, intersect, slices, volume
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
-from .providers import DTYPE_NAMES, TensorRecord
+from .providers import DTYPE_NAMES, TensorRecord, is_dtensor
 from .rules import Region, Rules, Spec, global_shape, local_shape, regions
 
 
@@ -116,12 +115,6 @@ def column_blocks(pieces: Sequence[Piece]) -> list[Piece]:
 
 def _cut_dim(dim: int | None) -> int | None:
     return dim if dim is not None and dim > 0 else None
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    # no DTensor exists until torch.distributed.tensor is imported: do not pay ~1 s importing it to find out
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def _check_placements(placements: Sequence[Any], mesh: Any) -> None:

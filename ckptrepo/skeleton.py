@@ -24,10 +24,21 @@ def key_value(node: Any) -> Any:
     if tag == SCALAR:
         return node[1]
     if tag == BIGINT:
-        return int(node[1])
+        return bigint_value(node[1])
     if tag == TUPLE:
         return tuple(key_value(k) for k in node[1])
     raise UnsupportedValueError(f"unknown dict key node {tag!r}; the repository was written by a newer ckptrepo")
+
+
+def bigint_text(value: int) -> str:
+    """An int outside 64 bits as stored: hexadecimal, which Python converts at any size (a decimal string of
+    over 4300 digits is refused by ``int()`` and ``str()`` since Python 3.11)."""
+    return hex(value)
+
+
+def bigint_value(text: str) -> int:
+    """The int a BIGINT node holds: hexadecimal (``-0x..`` too), or decimal as versions before 2026-11-22 wrote."""
+    return int(text, 0)
 
 
 def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) -> Iterator[tuple[str, Any]]:
@@ -42,7 +53,7 @@ def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) 
     if tag in (TENSOR, NDARRAY):
         return
     if tag in (SCALAR, BIGINT):
-        yield here, tree[1] if tag == SCALAR else int(tree[1])
+        yield here, tree[1] if tag == SCALAR else bigint_value(tree[1])
     elif tag in (STATEFUL, NPGEN):     # a numpy Generator: its bit generator's state, which differs per seed
         yield from plain_values(tree[2], path, summarize_after)
     elif tag in (DICT, ODICT):
@@ -52,7 +63,7 @@ def plain_values(tree: Any, path: str = "", summarize_after: int | None = None) 
     elif tag in (LIST, TUPLE):
         kids = tree[1]
         if summarize_after is not None and len(kids) > summarize_after and all(c[0] in (SCALAR, BIGINT) for c in kids):
-            yield here, f"{'list' if tag == LIST else 'tuple'} of {len(kids)} values"
+            yield here, Shown(f"{'list' if tag == LIST else 'tuple'} of {len(kids)} values")
             return
         for i, c in enumerate(kids):
             yield from plain_values(c, f"{path}/{i}" if path else str(i), summarize_after)
@@ -82,6 +93,16 @@ class Shown(str):
         return str(self)
 
 
+def short_text(value: Any, width: int) -> str:
+    """``value`` as ``show`` and ``diff`` print it, cut to ``width`` characters; an int too big for ``repr``
+    (over 4300 digits) by its leading hexadecimal digits and its size."""
+    if isinstance(value, int) and value.bit_length() > 4 * width:
+        text = f"{hex(value)[:width // 2]}... ({value.bit_length()} bits)"
+    else:
+        text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 __all__ = ["BIGINT", "DICT", "DTYPE", "LIST", "NDARRAY", "NPGEN", "NPSCALAR", "ODICT", "SCALAR", "SIZE", "STATEFUL",
-           "Shown", "TENSOR", "TUPLE", "holds_tensors", "key_value", "numel",
-           "plain_values"]
+           "Shown", "TENSOR", "TUPLE", "bigint_text", "bigint_value", "holds_tensors", "key_value", "numel",
+           "plain_values", "short_text"]

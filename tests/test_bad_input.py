@@ -17,7 +17,21 @@ def listing(path):
 
 
 class Opaque:
-    pass
+    class Sub(torch.Tensor):
+        """A tensor subclass: loading it as a plain tensor would drop what it adds."""
+
+    @staticmethod
+    def deep(depth):
+        state = {"w": torch.ones(1)}
+        for _ in range(depth):
+            state = {"k": state}
+        return state
+
+    @staticmethod
+    def cycle():
+        state = {}
+        state["x"] = state
+        return state
 
 
 @pytest.mark.parametrize("value, where, what", [
@@ -26,6 +40,13 @@ class Opaque:
     ({"s": {1, 2}}, "state['s']", "set"),
     ({"t": torch.zeros(3).to_sparse()}, "state['t']", "sparse"),
     ({"k": {object(): 1}}, "state['k']", "dict key"),
+    # each of these was accepted and then failed the commit after the data was written, or loaded as something else
+    ({"c": {"cursor": "abc\udcff"}}, "state['c']['cursor']", "UTF-8 cannot encode"),
+    ({"d": {"m": np.ma.masked_array([1.0, 2.0], mask=[0, 1])}}, "state['d']['m']", "numpy.ma.MaskedArray"),
+    ({"w": torch.ones(2).as_subclass(Opaque.Sub)}, "state['w']", "tensor subclass"),
+    ({"lazy": torch.nn.LazyLinear(2).weight}, "state['lazy']", "uninitialised lazy"),
+    (Opaque.deep(150), "state['k']['k']", "nested more than 100 deep"),
+    (Opaque.cycle(), "state['x']['x']", "nested more than 100 deep"),
 ])
 def test_unsupported_values_are_refused_naming_the_key_path(repo, tmp_path, value, where, what):
     repo.snapshot({"ok": torch.ones(2)}, step=0)
@@ -142,6 +163,35 @@ def test_numpy_values_torch_cannot_hold_are_refused_at_snapshot(repo, value, wha
     with pytest.raises(UnsupportedValueError) as info:
         repo.snapshot(value, step=1)
     assert what in str(info.value) and repo.log() == []
+
+
+def test_into_problems_found_late_are_refused_before_anything_is_filled(repo):
+    """An optimizer with other parameter groups (torch's error after the model was overwritten), a live optimizer
+    where the version saved a plain value (silently replaced by a list), and an expanded target (torch's error
+    midway) are one-line StateMismatchErrors naming the key, with `into` untouched."""
+    model = torch.nn.Linear(2, 2)
+    repo.snapshot({"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "plain": [1, 2]}, step=1)
+
+    def fresh():
+        m = torch.nn.Linear(2, 2)
+        torch.nn.init.zeros_(m.weight)
+        return m
+    m = fresh()
+    two_groups = torch.optim.SGD([{"params": [m.weight]}, {"params": [m.bias]}], lr=0.1)
+    with pytest.raises(StateMismatchError, match=r"\['opt'\]\['param_groups'\]: the optimizer in `into` has "
+                                                 r"parameter groups of \[1, 1\] parameters .* saved groups of \[2\]"):
+        repo.load("HEAD", into={"model": m, "opt": two_groups, "plain": [1, 2]})
+    assert not m.weight.any()
+    m = fresh()
+    with pytest.raises(StateMismatchError, match=r"\['plain'\]: `into` holds a SGD but version .* saved a list"):
+        repo.load("HEAD", into={"model": m, "opt": torch.optim.SGD(m.parameters(), lr=0.1),
+                                "plain": torch.optim.SGD(m.parameters(), lr=0.1)})
+    assert not m.weight.any()
+    repo.snapshot({"a": torch.ones(3), "b": torch.ones(2, 3)}, step=2)
+    a = torch.zeros(3)
+    with pytest.raises(StateMismatchError, match=r"\['b'\]: the tensor in `into` is an expanded view"):
+        repo.load("HEAD", into={"a": a, "b": torch.zeros(3).expand(2, 3)})
+    assert not a.any()
 
 
 def test_mismatches_found_only_by_load_state_dict_or_set_state_are_refused_before_anything_is_filled(repo):

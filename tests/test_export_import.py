@@ -143,6 +143,11 @@ def test_bad_paths_and_outputs_are_one_line_errors(repo, tmp_path):
     with pytest.raises(ExchangeError, match="safetensors cannot store tensor 'z' of dtype complex128"):
         repo.export("HEAD", tmp_path / "st", format="safetensors")
     assert len(repo.log()) == 1
+    # the header's reserved key: the export succeeded and no reader, import_state included, could open it
+    repo.snapshot({"__metadata__": torch.ones(2)}, step=1)
+    with pytest.raises(ExchangeError, match="safetensors reserves the name '__metadata__'"):
+        repo.export("HEAD", tmp_path / "st", format="safetensors")
+    assert not (tmp_path / "st").exists()
 
 
 def test_cli_export_and_import(repo, tmp_path):

@@ -249,6 +249,26 @@ def test_numpy_zero_dim_and_big_endian_arrays_round_trip(repo):
     assert into["scalar"] == 2.5 and into["be"].tolist() == [0, 1, 2, 3]
 
 
+def test_values_python_and_numpy_convert_lossily_round_trip(repo):
+    """An int of over 4300 digits (str() refuses it: the snapshot failed, or its version failed every load and
+    `show`), numpy's ulonglong ('Q') arrays (refused as "uint64 is not supported"), and a numpy Generator's seed
+    sequence (spawn() gave other children after every load)."""
+    huge = -(7 ** 9000)
+    gen = np.random.default_rng(1234)
+    gen.spawn(2)
+    q = np.array([1, 2**64 - 1], dtype=np.ulonglong)
+    repo.snapshot({"huge": huge, "q": q, "gen": gen}, step=1)
+    out = repo.load("HEAD")
+    assert out["huge"] == huge
+    assert out["q"].dtype == np.uint64 and out["q"].tolist() == q.tolist()
+    assert [c.integers(1 << 30) for c in out["gen"].spawn(2)] == [c.integers(1 << 30) for c in gen.spawn(2)]
+    into = {"huge": 0, "q": np.zeros(2, dtype=np.ulonglong), "gen": np.random.default_rng(0)}
+    repo.load("HEAD", into=into)
+    assert into["q"].tolist() == q.tolist() and into["huge"] == huge
+    shown = dict(repo.show("HEAD").objects)
+    assert shown["huge"].endswith(f"({huge.bit_length()} bits)") and len(shown["huge"]) <= 80, shown
+
+
 @pytest.mark.parametrize("path", ["plain", "layout"])
 def test_into_parameters_and_schedulers(repo, path):
     """Parameters (requires_grad) are filled in place, where autograd refused the copy halfway through a load;
