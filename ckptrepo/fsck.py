@@ -14,6 +14,7 @@ from .boxes import check_coverage, volume
 from .errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
 from .gc import head_branch_lost, head_ref_blocked, pruned_ids, reachable_versions, ref_targets
 from .manifest import DATA_PREFIX, HEADS_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX
+from .refs import is_ref_name
 from .repo import Repository
 
 
@@ -108,6 +109,8 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport,
     for kind, prefix, read in refs:
         for key in repo.store.list(prefix):
             name = key[len(prefix):]
+            if not is_ref_name(name):
+                continue   # not a ref (a Finder .DS_Store): no command reads it as one
             try:
                 vid = read(name)
             except CkptRepoError as err:   # damaged: named, and the other refs still checked

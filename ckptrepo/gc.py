@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .errors import CorruptionError, RetentionError
-from .manifest import DATA_PREFIX, FAILURES_PREFIX, HEADS_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, version_id_time
+from .manifest import (DATA_PREFIX, FAILURES_PREFIX, HEADS_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, is_version_id,
+                       version_id_time)
 from .manifest_reads import missing_manifest
 
 PRUNED_PREFIX = "pruned/"
@@ -282,7 +283,8 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
             report.too_young.append(vid)
         else:
             report.collected.append(vid)
-    data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
+    data_ids = {vid for k in repo.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
+                if is_version_id(vid)}
     for vid in sorted(data_ids - set(facts)):
         (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
     # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now

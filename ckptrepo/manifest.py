@@ -43,6 +43,12 @@ def new_version_id() -> str:
     return f"{os.urandom(10).hex()}{int(time.time() * 1000) & ((1 << 48) - 1):012x}"
 
 
+def is_version_id(name: str) -> bool:
+    """Whether ``name`` is a version id (32 lower-case hex digits): what a listing of ``versions/`` or ``data/``
+    keeps, so that a stray file there (an editor's backup, a Finder ``.DS_Store``) is not read as a version."""
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
 def version_id_time(vid: str) -> float | None:
     """The creation time (unix seconds) encoded in a version id, or None if it is not an id."""
     if len(vid) != 32:

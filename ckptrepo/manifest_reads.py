@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 
 from .errors import CkptRepoError, CorruptionError
 from .lru import LruCache
-from .manifest import BULKY_FIELDS, VERSIONS_PREFIX, unseal, unseal_header, version_id_time
+from .manifest import BULKY_FIELDS, VERSIONS_PREFIX, is_version_id, unseal, unseal_header, version_id_time
 from .store import Store
 
 # Decoded manifests a handle keeps: enough for `diff`/`load`/`show`. A handle that cached every manifest it
@@ -162,7 +162,8 @@ class ManifestReads:
 
     def all_version_ids(self) -> list[str]:
         """Every version manifest in storage, reachable or not."""
-        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX)]
+        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX)
+                if is_version_id(k[len(VERSIONS_PREFIX):])]
 
 
 class HeaderWalk:

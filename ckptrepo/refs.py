@@ -18,11 +18,18 @@ _HEX_RE = re.compile(r"[0-9a-f]{4,32}")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
 
 
+def is_ref_name(name: str) -> bool:
+    """Whether ``name`` may name a branch or tag: not ambiguous in a revision (``~``, ``@``, ``..``, ``HEAD``),
+    not ending in TensorStore's ``.__lock`` (its file store's lock files), no folder starting with '.'."""
+    return bool(_NAME_RE.match(name)) and ".." not in name and not name.endswith(("/", ".", ".__lock")) \
+        and name != "HEAD" and "//" not in name and "/." not in name
+
+
 def check_ref_name(name: str, kind: str) -> None:
-    """Refuse names that would be ambiguous in a revision (``~``, ``@``, ``..``, ``HEAD``)."""
-    if not _NAME_RE.match(name) or ".." in name or name.endswith(("/", ".")) or name == "HEAD" or "//" in name:
+    """Refuse names :func:`is_ref_name` refuses, saying what a name may hold."""
+    if not is_ref_name(name):
         raise RefError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-' and '/', "
-                       f"not starting with '-', '.' or '/', and not 'HEAD'")
+                       f"not starting with '-', '.' or '/', not ending in '.__lock', and not 'HEAD'")
 
 
 _ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -112,7 +119,7 @@ class Refs:
     def _names(self, kind: str) -> set[str]:
         """The names of every branch or tag (one listing; their targets are not read)."""
         prefix = HEADS_PREFIX if kind == "branch" else TAGS_PREFIX
-        return {k[len(prefix):] for k in self.store.list(prefix)}
+        return {k[len(prefix):] for k in self.store.list(prefix) if is_ref_name(k[len(prefix):])}
 
     def _check_no_clash(self, kind: str, name: str) -> None:
         """git's rule: ``a`` and ``a/b`` cannot both exist (on a local store one would be a file, the other a
@@ -154,7 +161,10 @@ class Refs:
         key = (HEADS_PREFIX if kind == "branch" else TAGS_PREFIX) + name
         if seen is None:
             raw, gen = self.store.get_with_generation(key)
-            seen = ref_value(raw, key), gen
+            try:
+                seen = ref_value(raw, key), gen
+            except CorruptionError:   # a damaged ref points at nothing: deleting it is the repair it asks for
+                seen = "", gen
         value, gen = seen
         if value is None:
             raise RefError(f"no {kind} named {name!r}; list them with `ckptrepo {kind}`")
@@ -176,12 +186,37 @@ class Refs:
         raw = self.store.get(TAGS_PREFIX + name)
         return ref_value(raw, TAGS_PREFIX + name)
 
-    def branches(self) -> dict[str, str]:
-        return {k[len(HEADS_PREFIX):]: self.branch_tip(k[len(HEADS_PREFIX):]) or ""
-                for k in self.store.list(HEADS_PREFIX)}
+    def branches(self, strict: bool = True) -> dict[str, str]:
+        """Branch name -> version id (see :meth:`_read_all`)."""
+        return self._read_all(HEADS_PREFIX, strict)[0]
 
-    def tags(self) -> dict[str, str]:
-        return {k[len(TAGS_PREFIX):]: self.tag_target(k[len(TAGS_PREFIX):]) or "" for k in self.store.list(TAGS_PREFIX)}
+    def tags(self, strict: bool = True) -> dict[str, str]:
+        """Tag name -> version id (see :meth:`_read_all`)."""
+        return self._read_all(TAGS_PREFIX, strict)[0]
+
+    def damaged(self) -> list[str]:
+        """What is wrong with each damaged branch or tag ref, one line each (what ``strict=False`` leaves out)."""
+        return self._read_all(HEADS_PREFIX, False)[1] + self._read_all(TAGS_PREFIX, False)[1]
+
+    def _read_all(self, prefix: str, strict: bool) -> tuple[dict[str, str], list[str]]:
+        """Every ref under ``prefix``, read in one batch (one round trip on S3, not one per ref), and the damage
+        found. Files whose names no ref can have (``.DS_Store``) are not refs; a ref deleted since the listing is
+        left out. A damaged ref raises when ``strict`` (gc must not run past it), and is left out otherwise
+        (``log`` and ``show`` name versions with the refs that can be read; ``fsck`` names the damage)."""
+        keys = [k for k in self.store.list(prefix) if is_ref_name(k[len(prefix):])]
+        out: dict[str, str] = {}
+        damage: list[str] = []
+        for key, raw in zip(keys, self.store.get_many(keys)):
+            try:
+                value = ref_value(raw, key)
+            except CorruptionError as err:
+                if strict:
+                    raise
+                damage.append(str(err))
+                continue
+            if value is not None:
+                out[key[len(prefix):]] = value
+        return out, damage
 
 
 def init_head(store: Store, branch: str = "main") -> None:

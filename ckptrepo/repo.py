@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from . import revisions
 from .arrays import ArrayInfo, itemsize
-from .errors import (CkptRepoError, NotARepositoryError, RefError, RepositoryExistsError, RevisionError,
-                     SnapshotFailedError, StorageError, first_line)
-from .manifest import (CONFIG_KEY, FAILURES_PREFIX, VERSIONS_PREFIX, Version, decode_config, encode_config, unseal,
-                       version_from_manifest)
+from .errors import (CkptRepoError, CorruptionError, NotARepositoryError, RefError, RepositoryExistsError,
+                     RevisionError, SnapshotFailedError, StorageError, first_line)
+from .manifest import (CONFIG_KEY, FAILURES_PREFIX, HEADS_PREFIX, VERSIONS_PREFIX, Version, decode_config,
+                       encode_config, is_version_id, unseal, version_from_manifest)
 from .manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
 from .refs import Refs, init_head
 from .gc import PRUNED_PREFIX
@@ -199,7 +199,8 @@ class Repository:
         return self.refs.tag_target(name)
 
     def ids_with_prefix(self, prefix: str) -> list[str]:
-        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)]
+        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)
+                if is_version_id(k[len(VERSIONS_PREFIX):])]
 
     def first_parent(self, vid: str) -> str | None:
         parents = self.header(vid)["parents"]
@@ -313,9 +314,9 @@ class Repository:
     def _ref_names(self) -> dict[str, tuple[str, ...]]:
         names: dict[str, list[str]] = {}
         head = self.refs.head()
-        for b, vid in self.refs.branches().items():
+        for b, vid in self.refs.branches(strict=False).items():
             names.setdefault(vid, []).append(f"HEAD -> {b}" if b == head.branch else b)
-        for t, vid in self.refs.tags().items():
+        for t, vid in self.refs.tags(strict=False).items():
             names.setdefault(vid, []).append(f"tag: {t}")
         if head.branch is None and head.version:
             names.setdefault(head.version, []).insert(0, "HEAD")
@@ -406,9 +407,15 @@ class Repository:
         head = self.refs.head()
         if head.branch == name:
             raise RefError(f"branch {name!r} is checked out; check out another branch or version first")
-        tip, gen = self.refs.branch_tip_with_generation(name)   # deleted only if still there after the check
-        if tip is not None and not force:
-            others = [v for b, v in self.refs.branches().items() if b != name] + list(self.refs.tags().values())
+        try:
+            tip, gen = self.refs.branch_tip_with_generation(name)   # deleted only if still there after the check
+        except CorruptionError:
+            if not force:
+                raise
+            tip, gen = "", self.store.get_with_generation(HEADS_PREFIX + name)[1]   # damaged: -D is the repair
+        if tip and not force:
+            others = [v for b, v in self.refs.branches(strict=False).items() if b != name] + \
+                list(self.refs.tags(strict=False).values())
             if head.version:
                 others.append(head.version)
             if not reaches(self, others, tip):
@@ -421,12 +428,16 @@ class Repository:
         return self.refs.delete("tag", name)
 
     def branches(self) -> dict[str, str]:
-        """Branch name -> version id."""
-        return self.refs.branches()
+        """Branch name -> version id; a damaged branch ref is left out (``damaged_refs`` says what is wrong)."""
+        return self.refs.branches(strict=False)
 
     def tags(self) -> dict[str, str]:
-        """Tag name -> version id."""
-        return self.refs.tags()
+        """Tag name -> version id; a damaged tag ref is left out (``damaged_refs`` says what is wrong)."""
+        return self.refs.tags(strict=False)
+
+    def damaged_refs(self) -> list[str]:
+        """One line per damaged branch or tag ref, saying what to do (as git warns "ignoring broken ref")."""
+        return self.refs.damaged()
 
     def current_branch(self) -> str | None:
         """The branch HEAD is on, or None when detached."""

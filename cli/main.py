@@ -270,13 +270,16 @@ def _ref_command(kind: str, doc: str):
             if delete or force:
                 raise click.UsageError(f"name the {kind} to delete")
             refs = repo.branches() if kind == "branch" else repo.tags()
+            for damage in repo.damaged_refs():
+                if damage.startswith(f"ref refs/{'heads' if kind == 'branch' else 'tags'}/"):
+                    click.echo(f"warning: ignoring {damage}", err=True)
             _list_refs(refs, repo.current_branch() if kind == "branch" else None, as_json)
             return
         if delete or force:
             if rev != "HEAD":
                 raise click.UsageError(f"-d takes one {kind} name, not a revision")
             was = repo.delete_branch(name, force=force) if kind == "branch" else repo.delete_tag(name)
-            click.echo(f"deleted {kind} {name!r} (was {was[:12]})")
+            click.echo(f"deleted {kind} {name!r} (was {was[:12] or 'damaged'})")
             return
         v = (repo.branch if kind == "branch" else repo.tag)(name, rev)
         click.echo(f"created {kind} {name!r} at {v.short_id}")

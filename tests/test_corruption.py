@@ -257,9 +257,9 @@ def test_a_damaged_ref_is_named_not_taken_for_an_absent_one(repo_dir, ref, conte
     path, vid, other = repo_dir
     ckptrepo.open(str(path)).tag("t", vid)
     (path / ref).write_bytes(content)
-    calls = [lambda r: r.log(), lambda r: r.gc(grace_period_s=0)]
-    if "tags" not in ref:    # a snapshot reads HEAD and its branch, not the tags
-        calls.append(lambda r: r.snapshot({"w": torch.ones(2)}, step=3))
+    calls = [lambda r: r.gc(grace_period_s=0)]
+    if "tags" not in ref:    # a snapshot and log read HEAD and its branch; a damaged tag only drops out of names
+        calls += [lambda r: r.log(), lambda r: r.snapshot({"w": torch.ones(2)}, step=3)]
     for call in calls:
         with pytest.raises(CorruptionError, match=rf"(ref )?{ref} is damaged") as info:
             call(ckptrepo.open(str(path)))
@@ -267,6 +267,34 @@ def test_a_damaged_ref_is_named_not_taken_for_an_absent_one(repo_dir, ref, conte
     report = fsck(ckptrepo.open(str(path)))
     assert [e for e in report.errors if f"{ref} is damaged" in e], report.errors
     assert sorted(p.name for p in (path / "versions").iterdir()) == sorted([vid, other])   # nothing new, nothing lost
+
+
+def test_stray_files_and_damaged_refs_block_only_what_needs_them(repo_dir):
+    """A Finder `.DS_Store` in refs/heads, refs/tags, versions/ or data/ made log, show, branch and gc fail
+    ("ref ... is damaged"), and a damaged branch or tag could not be deleted by the commands that name the
+    repair: as git ignores names that are not refs and deletes broken ones. gc still stops at a damaged ref."""
+    path, vid, other = repo_dir
+    repo = ckptrepo.open(str(path))
+    repo.tag("t", vid)
+    for folder in ("refs/heads", "refs/tags", "versions", "data"):
+        (path / folder / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    assert [v.id for v in repo.log()] == [other, vid] and "tag: t" in repo.version(vid).refs
+    assert set(repo.branches()) == {"main"} and set(repo.tags()) == {"t"}
+    assert fsck(repo).ok
+    report = repo.gc(grace_period_s=0)
+    assert report.collected == [] and report.orphan_data == []
+    assert (path / "data" / ".DS_Store").exists()          # not ours to delete
+    (path / "refs/heads/junk").write_bytes(b"garbage")
+    (path / "refs/tags/bad").write_bytes(b"")
+    repo = ckptrepo.open(str(path))
+    assert [v.id for v in repo.log()] == [other, vid] and set(repo.tags()) == {"t"}
+    assert len(repo.damaged_refs()) == 2 and all("is damaged" in d for d in repo.damaged_refs())
+    with pytest.raises(CorruptionError, match="refs/heads/junk is damaged"):
+        repo.gc(grace_period_s=0)
+    with pytest.raises(CorruptionError, match="refs/heads/junk is damaged"):
+        repo.delete_branch("junk")                          # -d cannot tell what it would leave to gc
+    assert repo.delete_branch("junk", force=True) == "" and repo.delete_tag("bad") == ""
+    assert repo.damaged_refs() == [] and fsck(repo).ok
 
 
 def test_an_init_killed_before_head_is_finished_by_init_exist_ok(tmp_path):
