@@ -200,7 +200,7 @@ def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: 
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise RetentionError(f"{name} must be a whole number of at least 1, not {value!r}; leave it out to not "
                                  f"use that rule")
-    if not isinstance(grace_period_s, (int, float)) or grace_period_s < 0:
+    if not isinstance(grace_period_s, (int, float)) or not grace_period_s >= 0:   # NaN too: it compared as 0
         raise RetentionError(f"the grace period must be a number of seconds of at least 0, not {grace_period_s!r}")
 
 

@@ -33,15 +33,15 @@ class TensorDiff:
     """How one tensor differs between two versions."""
 
     name: str
-    status: str                      # "changed", "unchanged", "added", "removed", "reshaped"
+    status: str                      # "changed", "unchanged", "added", "removed", "reshaped", "retyped"
     dtype: str | None = None
     shape: list[int] | None = None
     l2: float = 0.0                  # ||B - A||
     relative: float = 0.0            # ||B - A|| / ||A||
     max_abs: float = 0.0             # max |B - A|
     cosine: float = 1.0              # <A, B> / (||A|| ||B||)
-    norm_a: float = 0.0
-    norm_b: float = 0.0
+    norm_a: float = math.nan         # NaN: not computed (a tensor added, removed, reshaped or retyped)
+    norm_b: float = math.nan
 
     def to_json(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.__dict__.items()}
@@ -197,8 +197,8 @@ def diff_versions(repo: Any, a: str, b: str, pattern: str | None = None,
                                              math.nan, math.nan, math.nan, math.nan))
             continue
         if ea["shape"] != eb["shape"] or ea["dtype"] != eb["dtype"]:
-            result.tensors.append(TensorDiff(name, "reshaped", eb["dtype"], eb["shape"], math.nan, math.nan,
-                                             math.nan, math.nan))
+            result.tensors.append(TensorDiff(name, "reshaped" if ea["shape"] != eb["shape"] else "retyped",
+                                             eb["dtype"], eb["shape"], math.nan, math.nan, math.nan, math.nan))
             continue
         result.tensors.append(_diff_tensor(name, ea, eb, ca, cb, on_bytes))
     result.objects = _diff_objects(ma["tree"], mb["tree"])
@@ -275,9 +275,19 @@ def _diff_objects(ta: Any, tb: Any) -> list[ObjectDiff]:
             out.append(ObjectDiff(path, "removed", short_text(a[path], 60), None))
         elif path not in a:
             out.append(ObjectDiff(path, "added", None, short_text(b[path], 60)))
-        elif a[path] != b[path] and not (a[path] != a[path] and b[path] != b[path]):  # NaN == NaN here
+        elif not _same_value(a[path], b[path]):
             out.append(ObjectDiff(path, "changed", short_text(a[path], 60), short_text(b[path], 60)))
     return out
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """Equal as stored: of one type (``True == 1 == 1.0`` in Python, not in a version), a float's sign too
+    (``0.0 == -0.0``, which tensors already count as a change), and NaN equal to NaN."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, float):
+        return (x != x and y != y) or (x == y and math.copysign(1.0, x) == math.copysign(1.0, y))
+    return bool(x == y)
 
 
 def tensor_stats(repo: Any, rev: str, pattern: str | None = None,

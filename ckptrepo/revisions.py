@@ -10,6 +10,7 @@ import re
 from typing import Protocol
 
 from .errors import RevisionError
+from .refs import is_ref_name
 
 _REV_RE = re.compile(r"^(?P<base>.+?)(?P<tildes>(?:~\d*)*)$")
 _HEX_RE = re.compile(r"^[0-9a-f]{4,32}$")
@@ -67,14 +68,15 @@ def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
                 return vid
             vid = src.first_parent(vid)
         raise RevisionError(f"no version with step {step} on {src.head_description()}; see `ckptrepo log`")
-    tip = src.branch_tip(base)
-    if tip is not None:
-        return tip
-    target = src.tag_target(base)
-    if target is not None:
-        return target
-    if _HEX_RE.match(base):
-        matches = src.ids_with_prefix(base)
+    if is_ref_name(base):   # `main/` or `../tags/v1` is no ref: looked up, it was a raw storage error
+        tip = src.branch_tip(base)
+        if tip is not None:
+            return tip
+        target = src.tag_target(base)
+        if target is not None:
+            return target
+    if _HEX_RE.match(base.lower()):   # ids are lower case; git takes an upper-case prefix too
+        matches = src.ids_with_prefix(base.lower())
         if len(matches) == 1:
             return matches[0]
         if len(matches) > 1:
@@ -82,5 +84,7 @@ def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
                                 f"({', '.join(m[:12] for m in matches[:3])}…); type more digits")
     if src.head_version() is None and src.head_description() == f"branch {base!r}":
         raise RevisionError(f"branch {base!r} has no versions yet; take a snapshot first")
-    raise RevisionError(f"unknown revision {rev!r}: not a branch, tag, version id or @STEP; see `ckptrepo log`")
+    short = " (an id prefix needs at least 4 digits)" if re.fullmatch(r"[0-9a-fA-F]{1,3}", base) else ""
+    raise RevisionError(f"unknown revision {rev!r}{short}: not a branch, tag, version id or @STEP; "
+                        f"see `ckptrepo log`")
 

@@ -56,6 +56,19 @@ def request_retries() -> dict[str, Any]:
     return {"max_retries": tries, "initial_delay": "0.5s", "max_delay": "8s"}
 
 
+def _local_file_path(url: str, rest: str) -> str:
+    """The path of a file URL after ``file://``: ``/data/run``, or with the host ``localhost`` (RFC 8089), which
+    used to make the repository ``./localhost/data/run``. Another host, or none before a relative path, is
+    refused: the store is this machine's file system."""
+    if rest.startswith("/"):
+        return rest
+    host, _, path = rest.partition("/")
+    if host == "localhost":
+        return "/" + path
+    raise StorageError(f"{url!r} names host {host!r}: a file URL names a path on this machine; write "
+                       f"file:///ABSOLUTE/PATH, or the path itself")
+
+
 def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return the TensorStore kvstore spec (JSON) for a repository URL.
 
@@ -66,12 +79,14 @@ def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> di
     ``options`` are merged into the spec last (e.g. ``{"endpoint": ...}``).
     """
     options = dict(options or {})
+    if url.startswith("file:") and not url.startswith("file://"):
+        url = "file://" + url[len("file:"):]   # file:/data/run, RFC 8089's form without an authority
     if "://" not in url:
         spec: dict[str, Any] = {"driver": "file", "path": _dir(os.path.abspath(url))}
     else:
         scheme, rest = url.split("://", 1)
         if scheme == "file":   # a URL: percent-encoded (file:///data/my%20runs is /data/my runs)
-            spec = {"driver": "file", "path": _dir(os.path.abspath(unquote(rest)))}
+            spec = {"driver": "file", "path": _dir(os.path.abspath(unquote(_local_file_path(url, rest))))}
         elif scheme == "memory":
             spec = {"driver": "memory", "path": _dir(rest) if rest else ""}
         elif scheme in ("s3", "gs"):

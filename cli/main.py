@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from datetime import datetime
 from typing import Any, Iterable, Sequence
 
 import click
 from rich.console import Console
-from rich.control import strip_control_codes
 from rich.markup import escape
 from rich.text import Text
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
@@ -47,7 +47,7 @@ def _print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str
         else:
             table.add_column(h, no_wrap=True)
     for r in rows:
-        table.add_row(*(Text(strip_control_codes(c)) for c in r))
+        table.add_row(*(Text(printable(c)) for c in r))
     # rich lays a table out within the console's width, crushing columns to fit: give it the room it needs
     # (wider than a narrow terminal, whose lines then wrap, rather than cells cut short)
     need = sum(widths) + 3 * len(widths) + 1   # each cell padded by a space on both sides, plus the borders
@@ -96,7 +96,16 @@ def _step(v: ckptrepo.Version) -> str:
 
 def _literal(text: str) -> str:
     """``text`` as rich markup that prints it as it is, without terminal control codes."""
-    return escape(strip_control_codes(text))
+    return escape(printable(text))
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every terminal control code (ESC included: a message could clear the screen, hide text
+    or set the window title; rich's strip_control_codes leaves ESC) shown as ``\\xNN``; tabs and newlines kept."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _first_line(text: str) -> str:
@@ -224,7 +233,7 @@ def show(ctx: click.Context, rev: str, as_json: bool) -> None:
     if v.metrics:
         click.echo(f"metrics {_metrics(v.metrics)}")
     if v.message:
-        click.echo(f"\n    {v.message}\n")
+        click.echo("\n" + "\n".join(f"    {line}" for line in printable(v.message).splitlines()) + "\n")
     _print_table(f"{len(d.tensors)} tensors", ("tensor", "dtype", "shape", "bytes"),
                  ((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", _size(t["bytes"])) for t in d.tensors))
     if d.objects:
@@ -405,7 +414,7 @@ def diff(ctx: click.Context, a: str, b: str, summary: bool, depth: int, sort_by:
                      ((t["name"], t["status"], _num(t["l2"]), _num(t["relative"]), _num(t["max_abs"]),
                        _num(t["cosine"])) for t in sorted(rows, key=key)))
     for o in d.objects:
-        click.echo(f"object {o.path}: {o.status} {o.a or ''} -> {o.b or ''}".rstrip())
+        click.echo(printable(f"object {o.path}: {o.status} {o.a or ''} -> {o.b or ''}".rstrip()))
 
 
 @cli.command()
@@ -429,7 +438,9 @@ SERIES_COLUMNS = ("first", "last", "min", "max", "trend")
 
 def _series_row(name: str, values: list[float]) -> tuple[str, ...]:
     """A trajectory's or a metric's row: its name, then SERIES_COLUMNS."""
-    return (name, _num(values[0]), _num(values[-1]), _num(min(values)), _num(max(values)), _sparkline(values))
+    ordered = [v for v in values if v == v]   # min() and max() of a series that starts with NaN are NaN
+    return (name, _num(values[0]), _num(values[-1]), _num(min(ordered)) if ordered else _num(float("nan")),
+            _num(max(ordered)) if ordered else _num(float("nan")), _sparkline(values))
 
 
 _SPARK = "▁▂▃▄▅▆▇█"

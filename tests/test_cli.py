@@ -287,3 +287,42 @@ def test_cli_on_s3_prints_nothing_on_stderr(s3_url, tmp_path):
                          text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
     assert out.returncode == 0 and "step 1" in out.stdout, out
     assert out.stderr == "", out.stderr
+
+
+def test_terminal_control_codes_from_a_repository_never_reach_the_terminal(tmp_path):
+    """A message or name holding ESC sequences (clear the screen, hide text, set the window title) went to the
+    terminal as they were through log, show and diff: rich's strip_control_codes leaves ESC. Shown as \\xNN."""
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    repo.snapshot({"k\x1b[8m": 1, "w": torch.zeros(1)}, step=1, message="fix\x1b[2J\nmore\x1b]0;pwned\x07")
+    repo.snapshot({"k\x1b[8m": 2, "w": torch.zeros(1)}, step=2)
+    outputs = [run(*args, repo=url) for args in (["log"], ["show", "@1"], ["diff", "@1", "@2"])]
+    for p in outputs:
+        assert p.returncode == 0 and "\x1b" not in p.stdout and "\x07" not in p.stdout, p.stdout
+    assert "fix\\x1b[2J" in outputs[0].stdout
+    assert "    fix\\x1b[2J\n    more\\x1b]0;pwned\\x07" in outputs[1].stdout and "k\\x1b[8m" in outputs[1].stdout
+    assert "object k\\x1b[8m: changed 1 -> 2" in outputs[2].stdout
+
+
+def test_metric_series_with_a_leading_nan_and_a_nan_grace_period(tmp_path):
+    """min()/max() of a series that starts with NaN are NaN: `metrics` showed '-' for both. `gc --grace nan`
+    compared as 0 and collected versions seconds old."""
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    for step, loss in enumerate([float("nan"), 3.0, 1.0, 2.0]):
+        repo.snapshot({"w": torch.zeros(1)}, step=step, metrics={"loss": loss})
+    row = next(line for line in run("metrics", repo=url).stdout.splitlines() if "loss" in line)
+    assert [c.strip() for c in row.split("│")[1:6]] == ["loss", "-", "2", "1", "3"], row
+    p = run("gc", "--grace", "nan", repo=url)
+    assert p.returncode == 2 and "grace period must be a number of seconds of at least 0" in p.stderr
+
+
+def test_file_urls_with_a_host_or_without_slashes_name_the_absolute_path(tmp_path, monkeypatch):
+    """RFC 8089: file://localhost/ABS and file:/ABS are /ABS; they made ./localhost/ABS and ./file:/ABS."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "runs" / "r"
+    v = ckptrepo.init(f"file://localhost{path}").snapshot({"x": torch.ones(2)}, step=1)
+    assert ckptrepo.open(f"file:{path}").log()[0].id == v.id == ckptrepo.open(str(path)).log()[0].id
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    p = run("log", repo="file://otherhost/data")
+    assert p.returncode == 2 and "names host 'otherhost'" in p.stderr and "\n" not in p.stderr.strip()

@@ -154,6 +154,22 @@ def test_diff_compares_bits_so_nan_is_unchanged_where_the_bytes_are(repo):
                                                                           "z": "changed"}
 
 
+def test_diff_sees_changes_of_type_and_sign_and_leaves_uncomputed_norms_empty(repo):
+    """True -> 1, 1 -> 1.0 and 0.0 -> -0.0 compare equal in Python, so diff printed no object line for them;
+    added and removed tensors had norms of 0.0 in --json, and a dtype change was called "reshaped"."""
+    repo.snapshot({"flag": True, "n": 1, "z": 0.0, "same": float("nan"), "old": torch.ones(4),
+                   "d": torch.ones(2)}, step=1)
+    repo.snapshot({"flag": 1, "n": 1.0, "z": -0.0, "same": float("nan"), "new": torch.ones(4),
+                   "d": torch.ones(2, dtype=torch.float64)}, step=2)
+    d = repo.diff("@1", "@2")
+    assert {o.path: (o.status, o.a, o.b) for o in d.objects} == {
+        "flag": ("changed", "True", "1"), "n": ("changed", "1", "1.0"), "z": ("changed", "0.0", "-0.0")}
+    tensors = {t.name: t for t in d.tensors}
+    assert tensors["d"].status == "retyped"
+    for name in ("old", "new", "d"):
+        assert math.isnan(tensors[name].norm_a) and math.isnan(tensors[name].norm_b), name
+
+
 def test_diff_and_show_see_numpy_scalars_dtypes_sizes_and_generators(repo):
     """They were summarised by type ('numpy scalar', 'dtype'), so diff called every change of them unchanged."""
     import numpy as np

@@ -36,12 +36,22 @@ def test_revision_forms(repo):
     ("@x", "step number"),
     ("HEAD~9", "has only 4 ancestors"),
     ("abcd0000", "unknown revision"),
+    ("abc", "an id prefix needs at least 4 digits"),
+    ("main/", "unknown revision 'main/'"),            # these three were raw storage errors ("Invalid key")
+    ("./exp", "unknown revision './exp'"),
+    ("../tags/v1~2", "unknown revision '../tags/v1~2'"),
 ])
 def test_bad_revisions_are_one_line_errors(repo, rev, fragment):
     commit_steps(repo, range(5))
     with pytest.raises(RevisionError) as info:
         repo.resolve(rev)
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_upper_case_id_prefix_names_its_version(repo):
+    commit_steps(repo, range(2))
+    vid = repo.head_version()
+    assert repo.resolve(vid[:8].upper()) == vid and repo.resolve(vid.upper() + "~1") == repo.log()[1].id
 
 
 def test_ambiguous_prefix(repo, monkeypatch):
