@@ -317,7 +317,16 @@ def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io
     if direct_io:
         padded = _aligned(-(-tail.nbytes // block) * block)
         padded[:tail.nbytes] = tail
-        _pwritev_all(fd, [padded], n * stride)
+        try:
+            _pwritev_all(fd, [padded], n * stride)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            # a device of 4 KiB blocks took every batch of chunks (each a multiple of 4 KiB long) and refuses the
+            # index at a 512-byte boundary, after the shard was released: the index alone through the page cache
+            # (every snapshot of a state over one shard failed there)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _pwritev_all(fd, [tail], n * stride)
         os.ftruncate(fd, layout.total)
     else:
         _pwritev_all(fd, [tail], n * stride)

@@ -376,6 +376,27 @@ def test_o_direct_refused_midway_through_a_shard_is_retried_while_the_state_is_u
     assert fsck(repo).ok
 
 
+def test_a_device_of_4k_blocks_that_takes_the_chunks_and_refuses_the_index(tmp_path, monkeypatch):
+    """A 4096-byte-sector disk (a 4Kn loop device in the storage probe) accepts every batch of 512-spaced
+    chunks, whose lengths are multiples of 4 KiB, and refuses only the index at a 512-byte boundary, after the
+    shard was released: every repo.snapshot() of a state over one shard (64 MiB of a dtype) failed. Emulated
+    here: O_DIRECT writes not on 4 KiB boundaries are refused, as such a device does."""
+    import fcntl
+    real = os.pwritev
+
+    def pwritev(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and (offset % 4096 or sum(len(memoryview(b).cast("B"))
+                                                                                 for b in buffers) % 4096):
+            raise OSError(errno.EINVAL, "injected: Invalid argument")
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(localwrite.os, "pwritev", pwritev)
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    state = {"w": torch.randn(1 << 24)}   # 64 MiB: a whole shard, 16 batches of 64 chunks of 4 KiB blocks each
+    v = repo.snapshot(state, step=0)
+    assert_bit_exact(state, repo.load(v.id))
+    assert fsck(repo).ok
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "complex128", "bool"])
 @pytest.mark.parametrize("chunks", CHUNKS + [40])
 def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tmp_path, monkeypatch, dtype, chunks):
