@@ -12,8 +12,8 @@ from typing import Any, Callable
 from .arrays import ArrayInfo, open_array
 from .boxes import check_coverage, volume
 from .errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
-from .gc import head_branch_lost, head_ref_blocked, pruned_ids, reachable_versions, ref_targets
-from .manifest import DATA_PREFIX, HEADS_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX
+from .gc import PRUNED_PREFIX, head_branch_lost, head_ref_blocked, pruned_ids, reachable_versions, ref_targets
+from .manifest import DATA_PREFIX, HEADS_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id
 from .refs import is_ref_name
 from .repo import Repository
 
@@ -68,7 +68,10 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
             if p not in manifests:
                 report.errors.append(f"version {vid[:12]}: parent {p[:12]} is missing ({VERSIONS_PREFIX}{p})")
         if vid not in pruned:
+            before = len(report.errors)
             _check_version_data(repo, vid, m, report, on_bytes)
+            if len(report.errors) > before and repo.store.exists(PRUNED_PREFIX + vid):
+                del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
     reachable = reachable_versions(starts, {vid: m["parents"] for vid, m in manifests.items()})
     for vid in sorted(set(manifests) - reachable):
@@ -77,7 +80,8 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
     for f in repo.failures():
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
-    data_ids = {k[len(DATA_PREFIX):].split("/", 1)[0] for k in repo.store.list(DATA_PREFIX)}
+    data_ids = {vid for k in repo.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
+                if is_version_id(vid)}
     referenced = {p for m in manifests.values() for p in m["parents"]} | set(starts)
     for vid in sorted(data_ids - set(manifests)):
         if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover

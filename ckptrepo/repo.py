@@ -281,6 +281,15 @@ class Repository:
         vid = self.resolve(rev)
         m = self.manifest(vid)
         self.require_data(vid, m)
+        try:
+            return self._load_data(vid, m, into, target_device, on_bytes, parallel_layout, rank, read_stats)
+        except CorruptionError:
+            self.require_data(vid, m)   # pruned by a gc while it was read: say so, not "corrupt; run fsck"
+            raise
+
+    def _load_data(self, vid: str, m: dict[str, Any], into: Any, target_device: "torch.device | None",
+                   on_bytes: Callable[[int], None] | None, parallel_layout: "ParallelLayout | None",
+                   rank: int | None, read_stats: "ReadStats | None") -> Any:
         from .binding import Binder
         from .layout_load import load_layout, needs_layout_load
         from .providers import unflatten

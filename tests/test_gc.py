@@ -245,3 +245,35 @@ def test_a_folder_in_place_of_heads_branch_ref_stops_gc(tmp_path):
         ckptrepo.open(str(tmp_path / "r")).gc(grace_period_s=0)
     assert sorted(os.listdir(tmp_path / "r" / "versions")) == sorted(ids)
     assert [e for e in ckptrepo.open(str(tmp_path / "r")).fsck().errors if "replaced by a folder" in e]
+
+
+def test_a_load_or_fsck_that_races_a_pruning_gc_says_pruned_not_corrupt(tmp_path, monkeypatch):
+    """An eval process loading a version while training's retention prunes it was told the repository is
+    corrupt ("run ckptrepo fsck"), and an fsck running beside a pruning gc reported damage and exited 1; an fsck
+    right after said ok. The gc runs between each one's check of the pruned/ marker and its reads."""
+    import ckptrepo.fsck as fsck_module
+    import ckptrepo.reader as reader
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    for i in range(3):
+        repo.snapshot({"w": torch.full((1000,), float(i))}, step=i)
+    real_read, real_check = reader.read_tensors, fsck_module._check_version_data
+
+    def read_after_gc(*args, **kwargs):
+        ckptrepo.open(url).gc(keep_last=1, grace_period_s=0)   # another process
+        return real_read(*args, **kwargs)
+    monkeypatch.setattr(reader, "read_tensors", read_after_gc)
+    with pytest.raises(ckptrepo.errors.RevisionError, match=r"\(step 1\) was pruned by gc"):
+        ckptrepo.open(url).load("@1")
+    monkeypatch.setattr(reader, "read_tensors", real_read)
+    repo.snapshot({"w": torch.full((1000,), 3.0)}, step=3)
+    repo.snapshot({"w": torch.full((1000,), 4.0)}, step=4)
+    ran = []
+
+    def check_after_gc(*args, **kwargs):
+        if not ran:
+            ran.append(ckptrepo.open(url).gc(keep_last=1, grace_period_s=0))
+        return real_check(*args, **kwargs)
+    monkeypatch.setattr(fsck_module, "_check_version_data", check_after_gc)
+    report = ckptrepo.open(url).fsck()
+    assert ran and ran[0].pruned and report.ok, report.errors
