@@ -51,7 +51,7 @@ def export_version(repo: Any, rev: str, out: str | os.PathLike[str], format: str
     """
     if format not in FORMATS:
         raise ExchangeError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
-    path = Path(out)
+    path = _local_path(out, "export to")
     _check_free(path, directory=format != "torch")
     vid = repo.resolve(rev)
     state = repo.load(vid)
@@ -103,7 +103,7 @@ def import_state(repo: Any, path: str | os.PathLike[str], trust: bool = False, s
     The format is detected from the path (see :func:`detect_format`). Nothing
     is committed when reading fails or is refused for lack of ``trust``.
     """
-    p = Path(path)
+    p = _local_path(path, "import from")
     kind = detect_format(p)
     if kind == "torch":
         state = _load_torch(p, trust)
@@ -128,6 +128,17 @@ def detect_format(path: Path) -> str:
         return "torch"
     raise ExchangeError(f"{path} does not exist; import a torch.save file, a DCP checkpoint directory or a "
                         f"safetensors export directory")
+
+
+def _local_path(where: str | os.PathLike[str], doing: str) -> Path:
+    """``where`` as a local path; a URL is refused (``s3://bucket/x`` was written to ``./s3:/bucket/x``, and the
+    export reported success)."""
+    text = os.fspath(where)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+        raise ExchangeError(f"cannot {doing} {text}: exports and imports are local files and folders; write it "
+                            f"to a local path, and copy it from there (or keep it as a version, which any store "
+                            f"holds)")
+    return Path(text)
 
 
 def _check_free(path: Path, directory: bool) -> None:

@@ -143,6 +143,11 @@ def test_bad_paths_and_outputs_are_one_line_errors(repo, tmp_path):
     with pytest.raises(ExchangeError, match="safetensors cannot store tensor 'z' of dtype complex128"):
         repo.export("HEAD", tmp_path / "st", format="safetensors")
     assert len(repo.log()) == 1
+    for url in ("s3://bucket/x", "gs://b/y.pt"):   # written to ./s3:/bucket/x, with a success message
+        with pytest.raises(ExchangeError, match=r"exports and imports are local files and folders"):
+            repo.export("HEAD", url)
+        with pytest.raises(ExchangeError, match=r"exports and imports are local files and folders"):
+            repo.import_state(url)
     # the header's reserved key: the export succeeded and no reader, import_state included, could open it
     repo.snapshot({"__metadata__": torch.ones(2)}, step=1)
     with pytest.raises(ExchangeError, match="safetensors reserves the name '__metadata__'"):
