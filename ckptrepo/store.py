@@ -108,13 +108,30 @@ def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> di
                     spec["endpoint"] = endpoint
                 if region:
                     spec["aws_region"] = region
-                if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-                    # what the default chain would pick first anyway; building the whole chain makes the AWS
-                    # runtime log ~5 lines to stderr per process when ~/.aws/config or credentials is absent
-                    spec["aws_credentials"] = {"type": "environment"}
+                credentials = _aws_credentials()
+                if credentials is not None:
+                    spec["aws_credentials"] = credentials
         else:
             raise StorageError(f"unsupported repository URL scheme {scheme!r}; use a path, file://, memory://, s3:// or gs://")
     spec.update(options)
+    return spec
+
+
+def _aws_credentials() -> dict[str, Any] | None:
+    """The first source of the AWS default chain that is there: the environment, then the shared credentials file
+    (``aws configure``'s ``~/.aws/credentials``, profile ``AWS_PROFILE`` or default), named to TensorStore; None
+    leaves TensorStore's own chain (instance roles). Its chain, built whole, logged ~5 lines to stderr per process
+    when the files are absent, and did not find the default profile in ``~/.aws/credentials`` at all."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return {"type": "environment"}
+    files = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
+    if not os.path.isfile(files):
+        return None
+    spec: dict[str, Any] = {"type": "profile", "profile": os.environ.get("AWS_PROFILE") or "default",
+                            "credentials_file": files}
+    config = os.environ.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
+    # the provider fails to start without a config file to read; an empty one is what no file means
+    spec["config_file"] = config if os.path.isfile(config) else os.devnull
     return spec
 
 

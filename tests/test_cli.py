@@ -289,6 +289,20 @@ def test_cli_on_s3_prints_nothing_on_stderr(s3_url, tmp_path):
     assert out.stderr == "", out.stderr
 
 
+def test_s3_credentials_from_the_shared_credentials_file(s3_url, tmp_path):
+    """`aws configure`'s ~/.aws/credentials, which boto3 uses, was not found: 3-5 AWS runtime lines and
+    "PERMISSION_DENIED: Unknown". A process with no credentials in its environment now finds them there."""
+    ckptrepo.init(s3_url).snapshot({"w": torch.ones(2)}, step=1)
+    (tmp_path / ".aws").mkdir()
+    (tmp_path / ".aws" / "credentials").write_text("[default]\naws_access_key_id = testing\n"
+                                                   "aws_secret_access_key = testing\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env.update(HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true")
+    out = subprocess.run([sys.executable, "-m", "cli.main", "--repo", s3_url, "log"], capture_output=True,
+                         text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
+    assert out.returncode == 0 and "step 1" in out.stdout and out.stderr == "", out
+
+
 def test_terminal_control_codes_from_a_repository_never_reach_the_terminal(tmp_path):
     """A message or name holding ESC sequences (clear the screen, hide text, set the window title) went to the
     terminal as they were through log, show and diff: rich's strip_control_codes leaves ESC. Shown as \\xNN."""
