@@ -34,10 +34,12 @@ bytes (dedup.py). What the threads share about one snapshot is its
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
 import re
+import signal
 import threading
 import time
 import weakref
@@ -126,7 +128,13 @@ class Snapshotter:
     def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None,
                  record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
-                 retention: RetentionPolicy | None = None) -> None:
+                 retention: RetentionPolicy | None = None, max_in_flight: int = 4) -> None:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
+        # backpressure when storage is slower than the snapshots: with nothing bounding them, 300 snapshot()
+        # calls of a 16 MiB state left 4.7 GiB in flight, and a state of small tensors (copied at snapshot(),
+        # outside the staging pool) took ~900 MiB of memory with host_memory="1MiB"
+        self.max_in_flight = max_in_flight
         self.rank, self.world_size = process_group_rank()
         self.retention = retention
         self._commits = 0
@@ -170,6 +178,7 @@ class Snapshotter:
         self._hooks: list[Any] = []
         self._optimizers: list[weakref.ref] = []   # attached: what their step changes, capture may leave live
         self._closed = False
+        self._pid = os.getpid()   # a forked child inherits this object but none of its threads
         self._side_stream: Any = None
         ref = weakref.ref(self)
         self._atexit = lambda: (s := ref()) is not None and s._close_at_exit()
@@ -181,9 +190,11 @@ class Snapshotter:
         """Start a snapshot of ``state`` and return its handle at once (see the class contract)."""
         t0 = time.perf_counter()
         try:
+            self._check_process()
             self._raise_pending()
             if self._closed:
                 raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
+            self._wait_for_room()
             step, message, metrics = checked_step(step), checked_message(message), plain_metrics(metrics)
             skeleton, records = flatten(state)
             # of the live tensors, before buffer copies
@@ -210,7 +221,9 @@ class Snapshotter:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             job.ready.append(ev)
-        with self._lock:   # snapshot() from several threads: one set of threads, jobs queued in one order
+        # snapshot() from several threads: one set of threads, jobs queued in one order. A Ctrl-C landing between
+        # these steps left a job in flight that no thread would ever finish: wait(), close() and exit hung
+        with _interrupts_deferred(), self._lock:
             self._start_threads()
             self._inflight.append(job)
             self._capture_q.put(job)   # unbounded queues: never blocks under the lock
@@ -280,8 +293,13 @@ class Snapshotter:
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step()`` first wait until every pending capture has finished."""
+        self._check_process()
+        if self._closed:
+            raise CkptRepoError("this snapshotter is closed; attach the optimizer to a new one (repo.snapshotter())")
+
         def pre_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self._wait_for_capture()
+            if os.getpid() == self._pid:   # in a forked child this snapshotter has nothing in flight
+                self._wait_for_capture()
         self._hooks.append(optimizer.register_step_pre_hook(pre_step))
         self._optimizers.append(weakref.ref(optimizer))
 
@@ -301,11 +319,13 @@ class Snapshotter:
 
     def wait_captured(self) -> None:
         """Block until every snapshot taken so far is in staging memory: the state may be mutated again."""
+        self._check_process()
         self._wait_for_capture()
         self._raise_pending()
 
     def wait(self, progress: bool | None = None) -> None:
         """Block until every snapshot taken so far is committed (or failed); raise the first failure."""
+        self._check_process()
         jobs = self._pending_jobs()
         show = progress if progress is not None else _stderr_is_terminal()
         if show and jobs:
@@ -317,6 +337,7 @@ class Snapshotter:
 
     def close(self) -> None:
         """Finish every pending snapshot, stop the threads and detach hooks; raise a pending failure."""
+        self._check_process()
         if self._closed:
             self._raise_pending()
             return
@@ -338,6 +359,21 @@ class Snapshotter:
                 log.error("ckptrepo: %s", err)
 
     # ---- internals ----------------------------------------------------------
+    def _check_process(self) -> None:
+        """Refuse use in a forked child: its snapshots would wait forever for threads that live in the parent."""
+        if os.getpid() != self._pid:
+            raise CkptRepoError(f"this snapshotter belongs to process {self._pid}, not to this forked child; "
+                                f"create one here with repo.snapshotter()")
+
+    def _wait_for_room(self) -> None:
+        """Hold ``snapshot()`` while ``max_in_flight`` snapshots are not committed yet (the oldest commits first)."""
+        while True:
+            with self._lock:
+                if len(self._inflight) < self.max_in_flight:
+                    return
+                oldest = self._inflight[0]
+            oldest.handle._done.wait()
+
     def _pending_jobs(self) -> list[SnapshotJob]:
         with self._lock:
             return list(self._inflight)
@@ -348,7 +384,8 @@ class Snapshotter:
         for job in jobs:
             if job.live:   # what the writers have not written yet is copied out of the state now
                 job.staged.wait()
-                copied = sum(shard.release() for shard in list(job.live_shards))
+                with _interrupts_deferred():   # a Ctrl-C inside a release lost its hold: the next step hung
+                    copied = sum(shard.release() for shard in list(job.live_shards))
                 with job.lock:
                     job.handle.stats.copied_bytes += copied
             job.handle._captured.wait()
@@ -367,13 +404,14 @@ class Snapshotter:
         raise first
 
     def _start_threads(self) -> None:
-        if self._threads:
-            return
-        for name, target in (("capture", self._capture_loop), ("flush", self._flush_loop),
-                             ("commit", self._commit_loop)):
-            t = threading.Thread(target=target, name=f"ckptrepo-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        """Start the capture, flush and commit threads, or whichever of them an interrupted start left unstarted."""
+        if not self._threads:
+            self._threads = [threading.Thread(target=target, name=f"ckptrepo-{name}", daemon=True)
+                             for name, target in (("capture", self._capture_loop), ("flush", self._flush_loop),
+                                                  ("commit", self._commit_loop))]
+        for t in self._threads:
+            if t.ident is None:
+                t.start()
 
     def _shutdown(self) -> None:
         self._closed = True
@@ -391,7 +429,7 @@ class Snapshotter:
 
     def _close_at_exit(self) -> None:
         """At interpreter exit: finish what is in flight so no snapshot is silently dropped."""
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:   # a forked child's exit: the parent's snapshots, not its own
             return
         try:
             self.close()
@@ -692,10 +730,30 @@ def _stderr_is_terminal() -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Any:
+    """Hold a Ctrl-C (SIGINT with Python's default handler, in the main thread) until the block is done, then
+    raise it: for the few steps that must happen together or not at all. Elsewhere, a no-op."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            raise KeyboardInterrupt
+
+
 def _wait_with_progress(jobs: list[SnapshotJob]) -> None:
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn
+    # on stderr, which is the terminal this was chosen for (rich's default console is stdout)
     with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  transient=True) as progress:
+                  transient=True, console=Console(stderr=True)) as progress:
         task = progress.add_task("wait", total=len(jobs))
         for job in jobs:
             job.handle._done.wait()

@@ -105,8 +105,11 @@ class Committer:
         faults.point("after_manifest")
         gen = self.repo.refs.move_branch(self.branch, job.vid, self.generation)
         if gen is None:
-            now = self.repo.refs.branch_tip(self.branch)
+            now, now_gen = self.repo.refs.branch_tip_with_generation(self.branch)
             base = f"version {self.tip[:12]}" if self.tip else "an empty branch"
+            # the next snapshot goes on top of what the branch holds now (after the caller loaded it, as the
+            # message says); kept at the old tip, every later snapshot of this snapshotter failed the same way
+            self.tip, self.generation = now, now_gen
             raise ConflictError(f"branch {self.branch!r} moved to {str(now)[:12]} while this snapshot was written "
                                 f"on top of {base}; version {job.vid[:12]} was not committed: load the branch tip "
                                 f"and take the snapshot again")

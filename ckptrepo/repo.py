@@ -231,7 +231,7 @@ class Repository:
     def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None,
                     parallel_layout: "ParallelLayout | None" = None, group: Any = None,
                     commit_timeout_s: float = 600.0, dedup: bool = True,
-                    retention: "RetentionPolicy | None" = None) -> "Snapshotter":
+                    retention: "RetentionPolicy | None" = None, max_in_flight: int = 4) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
@@ -242,11 +242,12 @@ class Repository:
         previous version is not written again (single process only).
         ``retention``: a :class:`ckptrepo.gc.RetentionPolicy` applied in the
         background after commits (what ``repo.gc(...)`` does by hand).
+        ``max_in_flight``: snapshots not yet committed, at most; one more waits in ``snapshot()`` for the oldest.
         """
         from .capture import Snapshotter
         return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
                            parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
-                           dedup=dedup, retention=retention)
+                           dedup=dedup, retention=retention, max_in_flight=max_in_flight)
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,

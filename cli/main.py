@@ -342,7 +342,8 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
 @click.option("--keep-branch-heads/--no-keep-branch-heads", default=True, show_default=True,
               help="Never prune branch tips and HEAD.")
 @click.option("--grace", "grace_s", type=float, default=3600.0, show_default=True,
-              help="Seconds an unreferenced object must have existed before it is collected (protects writers).")
+              help="Seconds an unreferenced object must have existed before it is collected (protects writers: "
+                   "0 can collect a snapshot being committed by another process).")
 @click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context

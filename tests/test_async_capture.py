@@ -454,3 +454,131 @@ def test_snapshots_from_several_threads_start_one_pipeline(repo, monkeypatch):
     assert not closer.is_alive(), "close() did not return"
     assert sorted(v.step for v in repo.log()) == [0, 1, 2, 3]
     assert all(repo.load(f"@{k}")["t"][0] == k for k in range(4))
+
+
+def _finishes(call, timeout=30.0):
+    """Run ``call`` in a thread; fail (instead of hanging the suite) if it has not returned in ``timeout``."""
+    import threading
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{call} still blocked after {timeout} s"
+
+
+def _ctrl_c_inside(monkeypatch, obj, name):
+    """Make ``obj.name`` deliver a real Ctrl-C (SIGINT to this process) as it starts, then do its work."""
+    import signal
+    real = getattr(obj, name)
+
+    def interrupted(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(obj, name, interrupted)
+
+
+def test_ctrl_c_inside_snapshot_or_the_pre_step_hook_leaves_nothing_hanging(repo, monkeypatch):
+    """A Ctrl-C between queueing a job for capture and for commit left it in flight for good (wait(), close()
+    and the exit hung), and one inside a live shard's release lost the job's hold (the next optimizer.step()
+    hung). The interrupt is held until those steps are done, then raised."""
+    from ckptrepo.localwrite import LiveShard
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "opt": opt}
+    with repo.snapshotter() as snap:
+        snap.attach(opt)
+        snap.snapshot(state, step=0)
+        snap.wait()
+        with monkeypatch.context() as m:
+            _ctrl_c_inside(m, snap._commit_q, "put")
+            with pytest.raises(KeyboardInterrupt):
+                snap.snapshot(state, step=1)
+        _finishes(snap.wait)
+        assert [v.step for v in repo.log()] == [1, 0]
+        from ckptrepo import faults
+        faults.set_hook("before_capture", lambda name: time.sleep(0.2))   # writes still running at the step
+        model(torch.randn(2, 512)).sum().backward()
+        opt.step()   # changed: written, not reused by dedup
+        try:
+            snap.snapshot(state, step=2)
+            with monkeypatch.context() as m:
+                _ctrl_c_inside(m, LiveShard, "release")
+                with pytest.raises(KeyboardInterrupt):
+                    opt.step()
+        finally:
+            faults.clear()
+        _finishes(opt.step)
+        h = snap.snapshot(state, step=3)
+        snap.wait()
+        assert h.result().step == 3
+
+
+def test_after_a_conflict_the_next_snapshot_commits_on_the_new_tip(repo):
+    """The ConflictError says to load the branch tip and take the snapshot again, but the snapshotter kept
+    comparing against the tip it started from: every later snapshot failed (0 of 30 for the losing writer)."""
+    snap = repo.snapshotter()
+    other = repo.snapshot({"w": torch.zeros(4)}, step=1)     # another writer moves the branch
+    h = snap.snapshot({"w": torch.ones(4)}, step=2)
+    with pytest.raises(ckptrepo.errors.SnapshotFailedError, match="moved to"):
+        snap.wait()
+    with pytest.raises(ckptrepo.errors.SnapshotFailedError):
+        h.result()
+    v = snap.snapshot({"w": torch.ones(4)}, step=3).result(timeout=60)
+    assert list(v.parents) == [other.id] and [x.step for x in repo.log()] == [3, 1]
+    snap.close()
+    with pytest.raises(ckptrepo.errors.CkptRepoError, match="closed; attach the optimizer to a new one"):
+        snap.attach(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_neither_hangs_at_exit_nor_uses_the_parents_snapshotter(tmp_path):
+    """A child forked with a snapshot in flight hung at exit (its atexit close() waited for the parent's
+    threads), and a snapshot() in it was accepted and never ran. Run as a script: the child must exit the
+    normal way, atexit hooks included, which it cannot do inside pytest."""
+    script = textwrap.dedent(f"""
+        import os, sys, time, torch, ckptrepo
+        from ckptrepo import faults
+        repo = ckptrepo.init({str(tmp_path / "r")!r})
+        snap = repo.snapshotter()
+        faults.set_hook("before_capture", lambda name: time.sleep(0.5))
+        snap.snapshot({{"w": torch.ones(1000)}}, step=1)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                snap.snapshot({{"w": torch.ones(1000)}}, step=2)
+                sys.exit(3)
+            except ckptrepo.errors.CkptRepoError as err:
+                sys.exit(0 if "forked child" in str(err) else 4)
+        deadline = time.time() + 30
+        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.time() > deadline:
+                os.kill(pid, 9)
+                sys.exit(5)
+            time.sleep(0.05)
+        if os.waitstatus_to_exitcode(done[1]) != 0:
+            sys.exit(10 + os.waitstatus_to_exitcode(done[1]))
+        snap.close()
+        print([v.step for v in repo.log()])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[1]", out
+
+
+def test_snapshots_in_flight_are_bounded(repo):
+    """Nothing bounded them: snapshot() returned at once however far storage was behind (300 calls left 4.7 GiB
+    in flight, and copies made at snapshot() outside host_memory took ~900 MiB). The call past
+    max_in_flight waits for the oldest to commit."""
+    from ckptrepo import faults
+    faults.set_hook("before_capture", lambda name: time.sleep(0.1))   # storage slower than the loop
+    try:
+        with repo.snapshotter(max_in_flight=2) as snap:
+            seen = []
+            for step in range(6):
+                snap.snapshot({"w": torch.full((1000,), float(step))}, step=step)
+                seen.append(len(snap._pending_jobs()))
+            snap.wait()
+    finally:
+        faults.clear()
+    assert max(seen) == 2, seen
+    assert [v.step for v in repo.log()] == [5, 4, 3, 2, 1, 0]
+    with pytest.raises(ValueError, match="max_in_flight must be a whole number of at least 1"):
+        repo.snapshotter(max_in_flight=0)
