@@ -94,9 +94,12 @@ def itemsize(dtype: str) -> int:
 
 
 def choose_geometry(dtype: str, numel: int, shard_bytes: int = SHARD_BYTES, inner_bytes: int = INNER_BYTES) -> tuple[int, int]:
-    """Shard and inner-chunk sizes in elements; a shard never exceeds what the array needs."""
+    """Shard and inner-chunk sizes in elements; neither exceeds what the array needs, in whole pages for the
+    inner chunk (a 16-element array in a 64 KiB chunk took 64 KiB of storage for 64 bytes, so a tiny state
+    cost ~1000x its size on disk; pages, because chunks written from memory sit in page-aligned slots)."""
     item = itemsize(dtype)
-    inner = max(1, inner_bytes // item)
+    page = max(1, 4096 // item)
+    inner = max(1, min(inner_bytes // item, -(-numel // page) * page))
     shard = max(inner, (shard_bytes // item) // inner * inner)
     needed = max(inner, -(-numel // inner) * inner)
     return min(shard, needed), inner
