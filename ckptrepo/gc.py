@@ -297,7 +297,9 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
         return report
 
     for vid in report.pruned:
-        repo.store.put(PRUNED_PREFIX + vid, str(now).encode())   # mark first: a crash leaves data, never a lie
+        # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
+        # marker with content failed, and gc, the way to free space, freed nothing
+        repo.store.put(PRUNED_PREFIX + vid, b"")
     for vid in report.collected:
         repo.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest
         repo.store.delete(PRUNED_PREFIX + vid)

@@ -277,3 +277,25 @@ def test_a_load_or_fsck_that_races_a_pruning_gc_says_pruned_not_corrupt(tmp_path
     monkeypatch.setattr(fsck_module, "_check_version_data", check_after_gc)
     report = ckptrepo.open(url).fsck()
     assert ran and ran[0].pruned and report.ok, report.errors
+
+
+def test_gc_frees_space_on_a_full_disk(tmp_path, monkeypatch):
+    """gc writes a pruned/ marker before it deletes a version's data; the marker held a timestamp, which a full
+    disk refused (RESOURCE_EXHAUSTED), so gc, what a user runs to free space, freed nothing. The marker is empty
+    now: a file system with no free block still takes an empty file (checked on a full tmpfs)."""
+    from ckptrepo.errors import StorageError
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    for step in range(3):
+        repo.snapshot({"w": torch.full((1000,), float(step))}, step=step)
+    repo = ckptrepo.open(url)
+    real_put = repo.store.put
+
+    def full_disk_put(key, value):
+        if len(value):
+            raise StorageError(f"writing {key} failed: RESOURCE_EXHAUSTED: No space left on device")
+        return real_put(key, value)
+    monkeypatch.setattr(repo.store, "put", full_disk_put)
+    report = repo.gc(keep_last=1, grace_period_s=0)
+    assert len(report.pruned) == 2 and report.bytes_freed > 0
+    assert [v.pruned for v in ckptrepo.open(url).log()] == [False, True, True]
