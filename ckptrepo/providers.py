@@ -83,11 +83,12 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def _check_tensor_type(t: torch.Tensor, where: str) -> None:
+def _check_tensor_type(t: torch.Tensor, path: tuple[Any, ...]) -> None:
     """Refuse tensor subclasses other than Parameter and DTensor: stored as plain tensors, they would come back
     without what the subclass adds (a scale, a tag), silently."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return
+    where = _path_str(path)   # only here: ~8 us a tensor, 0.17 s of snapshot() for 20k tensors
     if torch.nn.parameter.is_lazy(t):
         raise UnsupportedValueError(f"{where}: an uninitialised lazy parameter or buffer has no shape or data yet; "
                                     f"run one forward pass (or module.initialize_parameters()) before saving")
@@ -114,7 +115,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
     names: set[str] = set()
 
     def add_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> int:
-        _check_tensor_type(t, _path_str(path))
+        _check_tensor_type(t, path)
         if t.is_nested:   # a strided-layout nested tensor too, which has no sizes to read
             raise UnsupportedValueError(f"{_path_str(path)}: nested tensors are not supported; save their "
                                         f"components (t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
@@ -127,7 +128,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
                                         f"materialise the model first (module.to_empty(device=...))")
         if t.dtype not in DTYPE_NAMES:
             raise UnsupportedValueError(f"{_path_str(path)}: dtype {t.dtype} is not supported")
-        name = "/".join(_key_str(k) for k in path) or "<root>"
+        name = "/".join([k if type(k) is str else _key_str(k) for k in path]) or "<root>"
         base, n = name, 1
         while name in names:
             n += 1
