@@ -56,6 +56,18 @@ def request_retries() -> dict[str, Any]:
     return {"max_retries": tries, "initial_delay": "0.5s", "max_delay": "8s"}
 
 
+STALLED_REQUEST_S = 15
+
+
+def _detect_stalled_requests() -> None:
+    """A request that gets no byte for ``STALLED_REQUEST_S`` seconds is given up (and retried), unless the
+    environment says otherwise: curl's own threshold let an endpoint that accepts connections and never
+    answers hold ``ckptrepo log`` for ~10 minutes (60 s a try). TensorStore reads these when its HTTP
+    transport starts, at the first request of the process, which no S3 or GCS store has made before this."""
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(STALLED_REQUEST_S))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+
+
 def _local_file_path(url: str, rest: str) -> str:
     """The path of a file URL after ``file://``: ``/data/run``, or with the host ``localhost`` (RFC 8089), which
     used to make the repository ``./localhost/data/run``. Another host, or none before a relative path, is
@@ -167,6 +179,7 @@ class Store:
             }
             if spec["driver"] in ("s3", "gcs"):
                 resources[f"{spec['driver']}_request_retries"] = request_retries()
+                _detect_stalled_requests()
             context = ts.Context(resources)
         try:
             kv = ts.KvStore.open(spec, context=context).result()

@@ -48,6 +48,44 @@ def test_the_cli_on_an_unreachable_endpoint_fails_within_seconds_saying_what_to_
     assert took < 30, f"{took:.1f}s: the retries were not bounded"
 
 
+def test_an_endpoint_that_accepts_and_never_answers_is_given_up_on(tmp_path):
+    """A hung proxy or stalled server (the connection accepted, no byte ever sent) held `ckptrepo log` for ~10
+    minutes: each of the 9 tries waited out curl's 60-second stall limit. A request that gets no byte for
+    STALLED_REQUEST_S (15 s; 2 s here) is given up. Run as a process of its own: TensorStore reads the limit
+    when its HTTP transport starts."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held = []
+
+    def hold_connections():
+        try:
+            while True:
+                held.append(server.accept()[0])   # read nothing, answer nothing
+        except OSError:   # closed at the end of the test
+            return
+    threading.Thread(target=hold_connections, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORSTORE_CURL_", "AWS_"))}
+    env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
+               AWS_ENDPOINT_URL=f"http://127.0.0.1:{server.getsockname()[1]}", CKPTREPO_STORE_RETRIES="1",
+               HOME=str(tmp_path))
+    code = ("import sys, ckptrepo.store as s; s.STALLED_REQUEST_S = 2\n"
+            "sys.argv = ['ckptrepo', '--repo', 's3://bucket/r', 'log']\n"
+            "from ckptrepo_cli.main import main; main()")
+    t0 = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        server.close()
+    took = time.monotonic() - t0
+    assert out.returncode == 2 and "Operation too slow" in out.stderr, out
+    assert took < 30, f"{took:.1f}s: a stalled request was not given up"
+
+
 def test_every_s3_and_gcs_request_gets_a_bounded_retry_policy(monkeypatch):
     """The default (no environment variable) and the override, as bound into the store's context."""
     monkeypatch.delenv("CKPTREPO_STORE_RETRIES", raising=False)
