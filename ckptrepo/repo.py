@@ -340,7 +340,8 @@ class Repository:
         """
         starts: list[str] = []
         if all:
-            starts = list(self.refs.branches().values()) + list(self.refs.tags().values())
+            # a damaged ref is left out, as git's "ignoring broken ref" (fsck names it; gc stops at it)
+            starts = list(self.refs.branches(strict=False).values()) + list(self.refs.tags(strict=False).values())
             head = self.head_version()
             if head:
                 starts.append(head)

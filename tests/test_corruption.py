@@ -288,6 +288,7 @@ def test_stray_files_and_damaged_refs_block_only_what_needs_them(repo_dir):
     (path / "refs/tags/bad").write_bytes(b"")
     repo = ckptrepo.open(str(path))
     assert [v.id for v in repo.log()] == [other, vid] and set(repo.tags()) == {"t"}
+    assert [v.id for v in repo.log(all=True)] == [other, vid]
     assert len(repo.damaged_refs()) == 2 and all("is damaged" in d for d in repo.damaged_refs())
     with pytest.raises(CorruptionError, match="refs/heads/junk is damaged"):
         repo.gc(grace_period_s=0)
