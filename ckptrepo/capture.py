@@ -688,8 +688,10 @@ def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_
     owns (``step_owned``) of at most EAGER_COPY_BYTES (EAGER_COPY_BYTES_ATTACHED with an optimizer attached): a
     ``model.state_dict()`` hands over the same buffers as bare tensors. Parameters and optimizer state stay live:
     only the step changes them, and it waits for capture (copying the ~300 small ones of a GPT cost 12 ms a
-    snapshot)."""
+    snapshot). Parameters of the modules in the state are never copied (a frozen base is not the step's, but
+    forward does not change it either)."""
     ptrs: set[int] = set()
+    params: set[int] = set()   # forward never changes a parameter in place: a frozen base stays live too
     stack, seen = [state], set()
     while stack:
         obj = stack.pop()
@@ -698,6 +700,7 @@ def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_
         seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
             ptrs.update(b.data_ptr() for b in obj.buffers())
+            params.update(p.data_ptr() for p in obj.parameters())
         elif isinstance(obj, dict):
             stack.extend(v for v in obj.values() if not isinstance(v, (torch.Tensor, str, int, float)))
         elif isinstance(obj, (list, tuple)):
@@ -709,7 +712,8 @@ def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_
         t = r.tensor
         if r.numel and type(t) is torch.Tensor and (   # not a DTensor: its local shard is what a rank writes
                 (ptrs and t.data_ptr() in ptrs)
-                or (t.numel() * t.element_size() <= limit and t.data_ptr() not in step_owned)):
+                or (t.numel() * t.element_size() <= limit and t.data_ptr() not in step_owned
+                    and t.data_ptr() not in params)):
             r.tensor = _page_aligned_copy(t)
 
 

@@ -585,3 +585,23 @@ def test_snapshots_in_flight_are_bounded(repo):
     assert [v.step for v in repo.log()] == [5, 4, 3, 2, 1, 0]
     with pytest.raises(ValueError, match="max_in_flight must be a whole number of at least 1"):
         repo.snapshotter(max_in_flight=0)
+
+
+def test_frozen_parameters_of_a_module_in_the_state_are_not_copied_at_snapshot(repo):
+    """With an optimizer attached, tensors it does not own are copied at snapshot() (buffers that forward
+    changes); a frozen base is not the optimizer's either, but forward never changes a parameter: copying it
+    every snapshot would put the whole frozen model's bytes on the training thread."""
+    from ckptrepo.capture import _copy_what_forward_may_change
+    from ckptrepo.providers import flatten
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 8))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    with repo.snapshotter() as snap:
+        snap.attach(opt)
+        _, records = flatten({"model": model})
+        before = {r.name: r.tensor.data_ptr() for r in records}
+        _copy_what_forward_may_change({"model": model}, records, snap._step_owned())
+    after = {r.name: r.tensor.data_ptr() for r in records}
+    assert after["model/0.weight"] == before["model/0.weight"] == model[0].weight.data_ptr()
+    assert after["model/1.running_mean"] != before["model/1.running_mean"]   # forward changes it: copied
