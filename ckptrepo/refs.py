@@ -19,15 +19,23 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
 
 
 def is_ref_name(name: str) -> bool:
-    """Whether ``name`` may name a branch or tag: not ambiguous in a revision (``~``, ``@``, ``..``, ``HEAD``),
-    not ending in TensorStore's ``.__lock`` (its file store's lock files), no folder starting with '.'."""
-    return bool(_NAME_RE.match(name)) and ".." not in name and not name.endswith(("/", ".", ".__lock")) \
-        and name != "HEAD" and "//" not in name and "/." not in name
+    """Whether ``name`` can be a branch or tag some ckptrepo made: not ambiguous in a revision (``~``, ``@``,
+    ``..``, ``HEAD``). Listings keep exactly these, so a stray ``.DS_Store`` or ``main~`` is no ref, while gc
+    and fsck still see every ref ever created (skipping one would let gc collect what only it reaches)."""
+    return bool(_NAME_RE.match(name)) and ".." not in name and not name.endswith(("/", ".")) \
+        and name != "HEAD" and "//" not in name
+
+
+def is_new_ref_name(name: str) -> bool:
+    """What a new branch or tag may be called: :func:`is_ref_name`, and neither a folder starting with '.' nor
+    a name ending in TensorStore's ``.__lock`` (its file store's lock files; such a ref failed as a storage
+    error)."""
+    return is_ref_name(name) and "/." not in name and not name.endswith(".__lock")
 
 
 def check_ref_name(name: str, kind: str) -> None:
-    """Refuse names :func:`is_ref_name` refuses, saying what a name may hold."""
-    if not is_ref_name(name):
+    """Refuse names :func:`is_new_ref_name` refuses, saying what a name may hold."""
+    if not is_new_ref_name(name):
         raise RefError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-' and '/', "
                        f"not starting with '-', '.' or '/', not ending in '.__lock', and not 'HEAD'")
 
@@ -79,13 +87,9 @@ class Refs:
         if raw.startswith(SYMREF_PREFIX.encode()):
             target = raw.decode("utf-8", "replace").strip()[len(SYMREF_PREFIX):]
             branch = target.removeprefix(HEADS_PREFIX)
-            try:
-                if branch == target:
-                    raise RefError("not a branch")
-                check_ref_name(branch, "branch")
-            except RefError:
+            if branch == target or not is_ref_name(branch):
                 raise CorruptionError(f"{HEAD_KEY} is damaged (it names {target!r}, not a branch); write "
-                                      f"'{SYMREF_PREFIX}{HEADS_PREFIX}main' (or another branch) into it") from None
+                                      f"'{SYMREF_PREFIX}{HEADS_PREFIX}main' (or another branch) into it")
             return Head(branch, self.branch_tip(branch), gen)
         return Head(None, ref_value(raw, HEAD_KEY), gen)
 

@@ -296,6 +296,16 @@ def test_stray_files_and_damaged_refs_block_only_what_needs_them(repo_dir):
         repo.delete_branch("junk")                          # -d cannot tell what it would leave to gc
     assert repo.delete_branch("junk", force=True) == "" and repo.delete_tag("bad") == ""
     assert repo.damaged_refs() == [] and fsck(repo).ok
+    # a name earlier versions allowed (a folder starting with '.'), refused for new refs, is still a ref:
+    # skipped as a stray file, gc collected the history only it reached
+    hidden = repo.snapshot({"w": torch.ones(1)}, step=9)
+    (path / "refs/heads/exp").mkdir()
+    (path / "refs/heads/exp/.hidden").write_text(hidden.id)
+    with pytest.raises(ckptrepo.errors.RefError, match="invalid branch name"):
+        repo.branch("exp/.other", vid)
+    assert repo.branches()["exp/.hidden"] == hidden.id
+    assert hidden.id not in repo.gc(grace_period_s=0).collected and fsck(repo).ok
+    assert torch.equal(repo.load("exp/.hidden")["w"], torch.ones(1))
 
 
 def test_an_init_killed_before_head_is_finished_by_init_exist_ok(tmp_path):
