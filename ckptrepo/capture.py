@@ -54,7 +54,7 @@ from .boxes import volume
 from .commit import Committer
 from .dedup import DedupIndex, dedup_key
 from .distributed import all_gather, process_group_rank, assign_writers
-from .errors import CkptRepoError, LayoutError, SnapshotFailedError, StorageError, first_line
+from .errors import CkptRepoError, ConflictError, LayoutError, SnapshotFailedError, StorageError, first_line
 from .gc import RetentionPolicy, VersionFacts
 from .layout import ParallelLayout
 from .localwrite import DirectWriter, LiveShard
@@ -194,6 +194,8 @@ class Snapshotter:
             self._raise_pending()
             if self._closed:
                 raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
+            if self._committer.conflict is not None:   # its data could never be committed: refused before written
+                raise ConflictError(self._committer.conflict)
             self._wait_for_room()
             step, message, metrics = checked_step(step), checked_message(message), plain_metrics(metrics)
             skeleton, records = flatten(state)

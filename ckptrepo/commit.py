@@ -51,6 +51,7 @@ class Committer:
         self.commit_timeout_s = commit_timeout_s
         self.branch = head.branch
         self.tip, self.generation = repo.refs.branch_tip_with_generation(head.branch)
+        self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
         faults.point("after_read_head")
 
     def commit(self, job: SnapshotJob) -> Version:
@@ -99,20 +100,22 @@ class Committer:
 
     def _publish(self, job: SnapshotJob, manifest: dict[str, Any]) -> Version:
         """Write the manifest, then move the branch: the version exists once the ref moved."""
+        if self.conflict is not None:
+            raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
         manifest["stats"] = job.handle.stats.to_json()
         self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, seal(manifest))
         faults.point("after_manifest")
         gen = self.repo.refs.move_branch(self.branch, job.vid, self.generation)
         if gen is None:
-            now, now_gen = self.repo.refs.branch_tip_with_generation(self.branch)
+            now = self.repo.refs.branch_tip(self.branch)
             base = f"version {self.tip[:12]}" if self.tip else "an empty branch"
-            # the next snapshot goes on top of what the branch holds now (after the caller loaded it, as the
-            # message says); kept at the old tip, every later snapshot of this snapshotter failed the same way
-            self.tip, self.generation = now, now_gen
-            raise ConflictError(f"branch {self.branch!r} moved to {str(now)[:12]} while this snapshot was written "
-                                f"on top of {base}; version {job.vid[:12]} was not committed: load the branch tip "
-                                f"and take the snapshot again")
+            # every later snapshot of this snapshotter was taken from the diverged state too (those in flight
+            # already): none may go on top of the other writer's version, so none is committed
+            self.conflict = (f"branch {self.branch!r} moved to {str(now)[:12]} (another writer) while this "
+                             f"snapshotter wrote on top of {base}, so it commits nothing more to it: load the branch "
+                             f"tip and snapshot with a new snapshotter, or give each writer a branch of its own")
+            raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         self.tip, self.generation = job.vid, gen
         faults.point("after_ref")
         self.repo.remember_header(manifest)

@@ -515,21 +515,44 @@ def test_ctrl_c_inside_snapshot_or_the_pre_step_hook_leaves_nothing_hanging(repo
         assert h.result().step == 3
 
 
-def test_after_a_conflict_the_next_snapshot_commits_on_the_new_tip(repo):
-    """The ConflictError says to load the branch tip and take the snapshot again, but the snapshotter kept
-    comparing against the tip it started from: every later snapshot failed (0 of 30 for the losing writer)."""
+def test_after_a_conflict_the_snapshotter_says_so_and_commits_nothing_more(repo):
+    """The ConflictError told the user to "take the snapshot again", but every later snapshot of that
+    snapshotter failed too (0 of 30 for the losing writer), after writing its data. Committing them on the
+    other writer's tip instead would chain states taken from the diverged run onto it, those already in
+    flight included. Now the error says this snapshotter commits nothing more, later snapshot() calls are
+    refused before writing anything, and a new snapshotter commits."""
+    import threading
+    from ckptrepo import faults
     snap = repo.snapshotter()
-    other = repo.snapshot({"w": torch.zeros(4)}, step=1)     # another writer moves the branch
-    h = snap.snapshot({"w": torch.ones(4)}, step=2)
-    with pytest.raises(ckptrepo.errors.SnapshotFailedError, match="moved to"):
-        snap.wait()
-    with pytest.raises(ckptrepo.errors.SnapshotFailedError):
-        h.result()
-    v = snap.snapshot({"w": torch.ones(4)}, step=3).result(timeout=60)
-    assert list(v.parents) == [other.id] and [x.step for x in repo.log()] == [3, 1]
+    go, calls = threading.Event(), []
+
+    def hold_first_capture(name):
+        calls.append(name)
+        if len(calls) == 1:   # this snapshotter's first capture waits until the other writer has committed
+            go.wait(30)
+    faults.set_hook("before_capture", hold_first_capture)
+    try:
+        h1 = snap.snapshot({"w": torch.ones(4)}, step=2)
+        h2 = snap.snapshot({"w": torch.ones(4)}, step=3)          # in flight when the conflict surfaces
+        other = repo.snapshot({"w": torch.zeros(4)}, step=1)     # another writer moves the branch meanwhile
+        go.set()
+        with pytest.raises(ckptrepo.errors.SnapshotFailedError, match="commits nothing more to it"):
+            snap.wait()
+    finally:
+        go.set()
+        faults.clear()
+    for h in (h1, h2):
+        with pytest.raises(ckptrepo.errors.SnapshotFailedError):
+            h.result()
+    with pytest.raises(ckptrepo.errors.ConflictError, match="load the branch tip and snapshot with a new"):
+        snap.snapshot({"w": torch.ones(4)}, step=4)
+    assert [v.id for v in repo.log()] == [other.id]
     snap.close()
     with pytest.raises(ckptrepo.errors.CkptRepoError, match="closed; attach the optimizer to a new one"):
         snap.attach(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+    with repo.snapshotter() as fresh:
+        v = fresh.snapshot({"w": torch.ones(4)}, step=4).result(timeout=60)
+    assert list(v.parents) == [other.id]
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
