@@ -64,6 +64,8 @@ class Binder:
         if isinstance(target, (torch.Tensor, np.ndarray)):
             raise StateMismatchError(f"{_p(path)}: `into` holds a tensor but version {self.version[:12]} "
                                      f"saved a {_kind(tag)} there; load without into= to see what was saved")
+        if is_stateful(target) and node == [SCALAR, None]:
+            return lambda: target   # nothing was saved for it (a scheduler enabled since): the live object stays
         if is_stateful(target):   # replacing a live optimizer or scheduler with a plain value would go unnoticed
             raise StateMismatchError(f"{_p(path)}: `into` holds a {type(target).__name__} but version "
                                      f"{self.version[:12]} saved a {_kind(tag)} there; load without into= to see "

@@ -75,10 +75,10 @@ def _local_file_path(url: str, rest: str) -> str:
     if rest.startswith("/"):
         return rest
     host, _, path = rest.partition("/")
-    if host == "localhost":
+    if host == "localhost" and path:
         return "/" + path
-    raise StorageError(f"{url!r} names host {host!r}: a file URL names a path on this machine; write "
-                       f"file:///ABSOLUTE/PATH, or the path itself")
+    raise StorageError(f"{url!r} names host {host!r} and no path on this machine; write file:///ABSOLUTE/PATH, "
+                       f"or the path itself")
 
 
 def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -137,14 +137,25 @@ def _aws_credentials() -> dict[str, Any] | None:
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         return {"type": "environment"}
     files = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
-    if not os.path.isfile(files):
+    profile = os.environ.get("AWS_PROFILE") or "default"
+    if not _has_profile(files, profile):   # instance roles, web identity: TensorStore's chain finds them
         return None
-    spec: dict[str, Any] = {"type": "profile", "profile": os.environ.get("AWS_PROFILE") or "default",
-                            "credentials_file": files}
+    spec: dict[str, Any] = {"type": "profile", "profile": profile, "credentials_file": files}
     config = os.environ.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
     # the provider fails to start without a config file to read; an empty one is what no file means
     spec["config_file"] = config if os.path.isfile(config) else os.devnull
     return spec
+
+
+def _has_profile(path: str, profile: str) -> bool:
+    """Whether the shared credentials file at ``path`` has a ``[profile]`` section."""
+    import configparser
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(path)
+    except (OSError, configparser.Error):
+        return False
+    return parser.has_section(profile)
 
 
 def _dir(path: str) -> str:

@@ -187,6 +187,12 @@ def test_into_problems_found_late_are_refused_before_anything_is_filled(repo):
         repo.load("HEAD", into={"model": m, "opt": torch.optim.SGD(m.parameters(), lr=0.1),
                                 "plain": torch.optim.SGD(m.parameters(), lr=0.1)})
     assert not m.weight.any()
+    repo.snapshot({"model": model, "sched": None}, step=3)   # a scheduler enabled since: the live one stays
+    m = fresh()
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(m.parameters(), lr=0.1), 1)
+    into = {"model": m, "sched": sched}
+    repo.load("HEAD", into=into)
+    assert into["sched"] is sched and torch.equal(m.weight, model.weight)
     repo.snapshot({"a": torch.ones(3), "b": torch.ones(2, 3)}, step=2)
     a = torch.zeros(3)
     with pytest.raises(StateMismatchError, match=r"\['b'\]: the tensor in `into` is an expanded view"):

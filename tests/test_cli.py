@@ -303,6 +303,19 @@ def test_s3_credentials_from_the_shared_credentials_file(s3_url, tmp_path):
     assert out.returncode == 0 and "step 1" in out.stdout and out.stderr == "", out
 
 
+def test_a_credentials_file_without_the_profile_leaves_the_default_chain(tmp_path, monkeypatch):
+    """Named as a profile provider whenever the file existed, a file holding only other profiles stopped every
+    S3 repository from opening on a machine whose credentials come from an instance role (review finding)."""
+    from ckptrepo.store import _aws_credentials
+    (tmp_path / "credentials").write_text("[other]\naws_access_key_id = a\naws_secret_access_key = b\n")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    assert _aws_credentials() is None
+    monkeypatch.setenv("AWS_PROFILE", "other")
+    assert _aws_credentials()["profile"] == "other"
+
+
 def test_terminal_control_codes_from_a_repository_never_reach_the_terminal(tmp_path):
     """A message or name holding ESC sequences (clear the screen, hide text, set the window title) went to the
     terminal as they were through log, show and diff: rich's strip_control_codes leaves ESC. Shown as \\xNN."""
@@ -338,5 +351,6 @@ def test_file_urls_with_a_host_or_without_slashes_name_the_absolute_path(tmp_pat
     v = ckptrepo.init(f"file://localhost{path}").snapshot({"x": torch.ones(2)}, step=1)
     assert ckptrepo.open(f"file:{path}").log()[0].id == v.id == ckptrepo.open(str(path)).log()[0].id
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
-    p = run("log", repo="file://otherhost/data")
-    assert p.returncode == 2 and "names host 'otherhost'" in p.stderr and "\n" not in p.stderr.strip()
+    for url in ("file://otherhost/data", "file://localhost"):   # the second was the root directory
+        p = run("log", repo=url)
+        assert p.returncode == 2 and "and no path on this machine" in p.stderr and "\n" not in p.stderr.strip()
