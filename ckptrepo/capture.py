@@ -179,6 +179,7 @@ class Snapshotter:
         self._optimizers: list[weakref.ref] = []   # attached: what their step changes, capture may leave live
         self._closed = False
         self._pid = os.getpid()   # a forked child inherits this object but none of its threads
+        self._bare_versions: dict[str, tuple[int, int]] = {}   # see _copy_what_forward_may_change
         self._side_stream: Any = None
         ref = weakref.ref(self)
         self._atexit = lambda: (s := ref()) is not None and s._close_at_exit()
@@ -201,7 +202,8 @@ class Snapshotter:
             skeleton, records = flatten(state)
             # of the live tensors, before buffer copies
             keys = [dedup_key(r) for r in records] if self._dedup is not None else []
-            _copy_what_forward_may_change(state, records, self._step_owned())
+            self._bare_versions = _copy_what_forward_may_change(state, records, self._step_owned(),
+                                                                self._bare_versions)
             local = self._local_pieces(records) if self.sharded else None
         except Exception as err:
             if self.distributed:   # the other ranks are entering the collective: tell them, or they wait forever
@@ -684,14 +686,18 @@ EAGER_COPY_BYTES = 64 << 10   # tensors this small are copied at snapshot(): see
 EAGER_COPY_BYTES_ATTACHED = 16 << 20
 
 
-def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_owned: set[int]) -> None:
+def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_owned: set[int],
+                                  last: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """Copy now the buffers of modules in ``state`` (forward changes BatchNorm statistics in place), also of modules
     held by a Stateful object in it (DCP's ``AppState(model, optimizer)``), and every tensor no attached optimizer
     owns (``step_owned``) of at most EAGER_COPY_BYTES (EAGER_COPY_BYTES_ATTACHED with an optimizer attached): a
     ``model.state_dict()`` hands over the same buffers as bare tensors. Parameters and optimizer state stay live:
     only the step changes them, and it waits for capture (copying the ~300 small ones of a GPT cost 12 ms a
     snapshot). Parameters of the modules in the state are never copied (a frozen base is not the step's, but
-    forward does not change it either)."""
+    forward does not change it either). Nor is a bare tensor over EAGER_COPY_BYTES whose address and version
+    counter are those it had at the previous snapshot (``last``, by name): nothing changed it in a whole step,
+    so it is frozen (a ``base.state_dict()`` of 400 MB was copied every snapshot), where BatchNorm statistics
+    change at every forward. Returns this snapshot's (address, version) of those tensors, for the next."""
     ptrs: set[int] = set()
     params: set[int] = set()   # forward never changes a parameter in place: a frozen base stays live too
     stack, seen = [state], set()
@@ -710,13 +716,23 @@ def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_
         elif is_stateful(obj) and hasattr(obj, "__dict__"):
             stack.extend(v for v in vars(obj).values() if isinstance(v, torch.nn.Module))
     limit = EAGER_COPY_BYTES_ATTACHED if step_owned else EAGER_COPY_BYTES
+    versions: dict[str, tuple[int, int]] = {}
     for r in records:
         t = r.tensor
-        if r.numel and type(t) is torch.Tensor and (   # not a DTensor: its local shard is what a rank writes
-                (ptrs and t.data_ptr() in ptrs)
-                or (t.numel() * t.element_size() <= limit and t.data_ptr() not in step_owned
-                    and t.data_ptr() not in params)):
+        if not r.numel or type(t) is not torch.Tensor:   # a DTensor: its local shard is what a rank writes
+            continue
+        if ptrs and t.data_ptr() in ptrs:
             r.tensor = _page_aligned_copy(t)
+            continue
+        nbytes = t.numel() * t.element_size()
+        if nbytes > limit or t.data_ptr() in step_owned or t.data_ptr() in params:
+            continue
+        if nbytes > EAGER_COPY_BYTES:
+            versions[r.name] = seen_as = (t.data_ptr(), t._version)
+            if last.get(r.name) == seen_as:
+                continue   # unchanged for a whole step: frozen, stays live
+        r.tensor = _page_aligned_copy(t)
+    return versions
 
 
 def _page_aligned_copy(t: torch.Tensor) -> torch.Tensor:
