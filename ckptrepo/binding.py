@@ -15,7 +15,7 @@ import torch
 
 from .errors import StateMismatchError
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, SCALAR, STATEFUL, TENSOR, TUPLE, is_stateful,
-                        own_containers)
+                        own_containers, torch_viewable)
 from .reader import TensorEntry
 from .skeleton import holds_tensors
 
@@ -64,9 +64,10 @@ class Binder:
         if isinstance(target, (torch.Tensor, np.ndarray)):
             raise StateMismatchError(f"{_p(path)}: `into` holds a tensor but version {self.version[:12]} "
                                      f"saved a {_kind(tag)} there; load without into= to see what was saved")
-        if is_stateful(target) and node == [SCALAR, None]:
-            return lambda: target   # nothing was saved for it (a scheduler enabled since): the live object stays
-        if is_stateful(target):   # replacing a live optimizer or scheduler with a plain value would go unnoticed
+        if is_stateful(target):
+            if node == [SCALAR, None]:
+                return lambda: target   # nothing was saved for it (a scheduler enabled since): the live one stays
+            # replacing a live optimizer or scheduler with a plain value would go unnoticed
             raise StateMismatchError(f"{_p(path)}: `into` holds a {type(target).__name__} but version "
                                      f"{self.version[:12]} saved a {_kind(tag)} there; load without into= to see "
                                      f"what was saved")
@@ -96,13 +97,12 @@ class Binder:
     def _check_param_groups(self, node: Any, state: dict, path: tuple[Any, ...]) -> None:
         """An optimizer built with other parameter groups than the saved one: refused here, before anything is
         filled (its ``load_state_dict`` would refuse it only after the model was overwritten)."""
-        saved = next((v for k, v in node[1] if k == [SCALAR, "param_groups"]), None)
+        saved = _saved_field(node, "param_groups")
         if saved is None or saved[0] != LIST or not isinstance(state.get("param_groups"), list):
             return
         sizes = []
         for group in saved[1]:
-            params = next((v for k, v in group[1] if k == [SCALAR, "params"]), None) \
-                if group[0] in (DICT, ODICT) else None
+            params = _saved_field(group, "params")
             sizes.append(len(params[1]) if params is not None and params[0] in (LIST, TUPLE) else None)
         mine = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) else None
                 for g in state["param_groups"]]
@@ -188,13 +188,20 @@ class Binder:
         return lambda: (list if node[0] == LIST else tuple)(fin() for fin in finals)
 
 
+def _saved_field(node: Any, key: str) -> Any:
+    """The skeleton node saved under the str ``key`` of a saved dict node, or None (also for a node that is
+    not a dict)."""
+    if node[0] not in (DICT, ODICT):
+        return None
+    return next((v for k, v in node[1] if k == [SCALAR, key]), None)
+
+
 def _fillable(target: np.ndarray) -> torch.Tensor | None:
     """A tensor over the numpy array's own memory that a load can fill in place, or None if it cannot be one."""
     if not (target.flags.writeable and target.flags.c_contiguous and target.dtype.isnative):
         return None
-    canonical = np.dtype(target.dtype.str)   # np.ulonglong ('Q'): torch takes only uint64 ('L')
     try:
-        return torch.from_numpy(target if canonical.char == target.dtype.char else target.view(canonical))
+        return torch.from_numpy(torch_viewable(target))
     except TypeError:
         return None
 

@@ -63,7 +63,8 @@ from .manifest import (DATA_PREFIX, Version, checked_message, checked_step, new_
 from .providers import TensorRecord, flatten, is_stateful
 from .sharding import Piece, Sharder, ShardedState, column_blocks
 from .snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
-from .writer import LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, fill_segment, live_residues
+from .writer import (LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, fill_segment, live_residues,
+                     written_from_memory)
 
 log = logging.getLogger("ckptrepo")
 
@@ -738,8 +739,8 @@ def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_
 def _page_aligned_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` that starts on a page (CPU): a new address every snapshot, but always the same
     offset within a page, so the write plan (``live_residues``) stays the same and is not made again.
-    A tensor too small to be written from its memory (``live_residues``: two inner chunks) needs no page."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < 2 * INNER_BYTES:
+    A tensor too small to be written from its memory needs no page."""
+    if t.device.type != "cpu" or not written_from_memory(t.numel() * t.element_size(), INNER_BYTES):
         return t.clone(memory_format=torch.contiguous_format)
     out = aligned_empty(t.numel() * t.element_size(), LIVE_ALIGN).view(t.dtype).view(t.shape)
     out.copy_(t)

@@ -12,9 +12,9 @@ from typing import Any, Callable
 from .arrays import ArrayInfo, open_array
 from .boxes import check_coverage, volume
 from .errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
-from .gc import PRUNED_PREFIX, head_branch_lost, head_ref_blocked, pruned_ids, reachable_versions, ref_targets
-from .manifest import DATA_PREFIX, HEADS_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id
-from .refs import is_ref_name
+from .gc import (PRUNED_PREFIX, data_version_ids, head_branch_lost, head_ref_blocked, pruned_ids,
+                 reachable_versions, ref_targets)
+from .manifest import DATA_PREFIX, VERSIONS_PREFIX
 from .repo import Repository
 
 
@@ -80,8 +80,7 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
     for f in repo.failures():
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
-    data_ids = {vid for k in repo.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
-                if is_version_id(vid)}
+    data_ids = data_version_ids(repo)
     referenced = {p for m in manifests.values() for p in m["parents"]} | set(starts)
     for vid in sorted(data_ids - set(manifests)):
         if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover
@@ -109,20 +108,13 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport,
             tip, vid = False, next(iter(manifests[vid]["parents"]), None)
         return False
 
-    refs = (("branch", HEADS_PREFIX, repo.refs.branch_tip), ("tag", TAGS_PREFIX, repo.refs.tag_target))
-    for kind, prefix, read in refs:
-        for key in repo.store.list(prefix):
-            name = key[len(prefix):]
-            if not is_ref_name(name):
-                continue   # not a ref (a Finder .DS_Store): no command reads it as one
-            try:
-                vid = read(name)
-            except CkptRepoError as err:   # damaged: named, and the other refs still checked
-                report.errors.append(str(err))
-                continue
+    for kind in ("branch", "tag"):
+        targets, damage = repo.refs.read_all(kind, strict=False)
+        report.errors.extend(damage)   # damaged: named, and the other refs still checked
+        for name, vid in targets.items():
             if missing(vid):
-                report.errors.append(f"{kind} {name!r} points at missing version {str(vid)[:12]}")
-            elif vid is not None:
+                report.errors.append(f"{kind} {name!r} points at missing version {vid[:12]}")
+            else:
                 starts.append(vid)
     try:
         head = repo.refs.head()

@@ -123,6 +123,13 @@ def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str
     return seen
 
 
+def data_version_ids(repo: Any) -> set[str]:
+    """The versions with a folder under ``data/`` (whether or not a manifest names them); a stray file there (a
+    Finder ``.DS_Store``) is no version."""
+    return {vid for k in repo.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
+            if is_version_id(vid)}
+
+
 def ref_targets(repo: Any) -> list[str]:
     """The versions the branches, the tags and a detached HEAD point at."""
     return _targets(repo.refs.branches(), repo.refs.tags(), repo.refs.head())
@@ -283,8 +290,7 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
             report.too_young.append(vid)
         else:
             report.collected.append(vid)
-    data_ids = {vid for k in repo.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
-                if is_version_id(vid)}
+    data_ids = data_version_ids(repo)
     for vid in sorted(data_ids - set(facts)):
         (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
     # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now

@@ -101,6 +101,13 @@ def _check_tensor_type(t: torch.Tensor, path: tuple[Any, ...]) -> None:
                                 f"tensors, or t.as_subclass(torch.Tensor) if its data is all there is")
 
 
+def torch_viewable(arr: np.ndarray) -> np.ndarray:
+    """``arr`` with its dtype spelt the way torch takes it: ``np.ulonglong`` ('Q') is uint64 ('L') to everyone
+    but ``torch.from_numpy``, which refused it as "uint64 is not supported"."""
+    canonical = np.dtype(arr.dtype.str)
+    return arr if canonical.char == arr.dtype.char else arr.view(canonical)
+
+
 def _key_str(key: Any) -> str:
     return key if isinstance(key, str) else repr(key)
 
@@ -175,9 +182,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
                 raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported")
             if not obj.dtype.isnative:   # big-endian data: its values, in this machine's byte order
                 obj = obj.astype(obj.dtype.newbyteorder("="))
-            canonical = np.dtype(obj.dtype.str)   # np.ulonglong ('Q') is uint64 ('L') to everyone but torch
-            if canonical.char != obj.dtype.char:
-                obj = obj.view(canonical)
+            obj = torch_viewable(obj)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:   # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d)

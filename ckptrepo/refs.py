@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import ConflictError, CorruptionError, RefError
-from .manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX
+from .manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id
 from .store import NO_VALUE, Store, remove_empty_parents
 
 _HEX_RE = re.compile(r"[0-9a-f]{4,32}")
@@ -40,9 +40,6 @@ def check_ref_name(name: str, kind: str) -> None:
                        f"not starting with '-', '.' or '/', not ending in '.__lock', and not 'HEAD'")
 
 
-_ID_RE = re.compile(r"[0-9a-f]{32}")
-
-
 def ref_value(raw: bytes | None, key: str) -> str | None:
     """The version id a branch or tag ref (or a detached HEAD) holds; None when the ref does not exist.
 
@@ -56,7 +53,7 @@ def ref_value(raw: bytes | None, key: str) -> str | None:
         text = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         text = None
-    if text is None or not _ID_RE.fullmatch(text):
+    if text is None or not is_version_id(text):
         shown = "empty" if not raw.strip() else f"holds {raw[:40]!r}"
         fix = f"write '{SYMREF_PREFIX}{HEADS_PREFIX}main' (or a version id) into it" if key == HEAD_KEY else \
             f"write a version id into it (the names under {VERSIONS_PREFIX}) or delete it"
@@ -191,22 +188,25 @@ class Refs:
         return ref_value(raw, TAGS_PREFIX + name)
 
     def branches(self, strict: bool = True) -> dict[str, str]:
-        """Branch name -> version id (see :meth:`_read_all`)."""
-        return self._read_all(HEADS_PREFIX, strict)[0]
+        """Branch name -> version id (see :meth:`read_all`)."""
+        return self.read_all("branch", strict)[0]
 
     def tags(self, strict: bool = True) -> dict[str, str]:
-        """Tag name -> version id (see :meth:`_read_all`)."""
-        return self._read_all(TAGS_PREFIX, strict)[0]
+        """Tag name -> version id (see :meth:`read_all`)."""
+        return self.read_all("tag", strict)[0]
 
-    def damaged(self) -> list[str]:
-        """What is wrong with each damaged branch or tag ref, one line each (what ``strict=False`` leaves out)."""
-        return self._read_all(HEADS_PREFIX, False)[1] + self._read_all(TAGS_PREFIX, False)[1]
+    def damaged(self, kind: str | None = None) -> list[str]:
+        """What is wrong with each damaged ref of ``kind`` ("branch", "tag"; None: both), one line each (what
+        ``strict=False`` leaves out)."""
+        return [line for k in ((kind,) if kind else ("branch", "tag")) for line in self.read_all(k, False)[1]]
 
-    def _read_all(self, prefix: str, strict: bool) -> tuple[dict[str, str], list[str]]:
-        """Every ref under ``prefix``, read in one batch (one round trip on S3, not one per ref), and the damage
-        found. Files whose names no ref can have (``.DS_Store``) are not refs; a ref deleted since the listing is
-        left out. A damaged ref raises when ``strict`` (gc must not run past it), and is left out otherwise
-        (``log`` and ``show`` name versions with the refs that can be read; ``fsck`` names the damage)."""
+    def read_all(self, kind: str, strict: bool = True) -> tuple[dict[str, str], list[str]]:
+        """Every branch or tag ref (``kind``), read in one batch (one round trip on S3, not one per ref), and the
+        damage found. Files whose names no ref can have (``.DS_Store``) are not refs; a ref deleted since the
+        listing is left out. A damaged ref raises when ``strict`` (gc must not run past it), and is left out
+        otherwise (``log`` and ``show`` name versions with the refs that can be read; ``fsck`` names the
+        damage)."""
+        prefix = HEADS_PREFIX if kind == "branch" else TAGS_PREFIX
         keys = [k for k in self.store.list(prefix) if is_ref_name(k[len(prefix):])]
         out: dict[str, str] = {}
         damage: list[str] = []

@@ -446,9 +446,10 @@ class Repository:
         """Tag name -> version id; a damaged tag ref is left out (``damaged_refs`` says what is wrong)."""
         return self.refs.tags(strict=False)
 
-    def damaged_refs(self) -> list[str]:
-        """One line per damaged branch or tag ref, saying what to do (as git warns "ignoring broken ref")."""
-        return self.refs.damaged()
+    def damaged_refs(self, kind: str | None = None) -> list[str]:
+        """One line per damaged ref of ``kind`` ("branch", "tag"; None: both), saying what to do (as git warns
+        "ignoring broken ref")."""
+        return self.refs.damaged(kind)
 
     def current_branch(self) -> str | None:
         """The branch HEAD is on, or None when detached."""

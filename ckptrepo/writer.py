@@ -111,13 +111,21 @@ def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None,
     return WritePlan(plan_signature(records), streams, tuple(placements), tuple(segments))
 
 
+def written_from_memory(nbytes: int, chunk_bytes: int) -> bool:
+    """Whether a contiguous CPU tensor of ``nbytes`` is big enough to be written from its own memory (two inner
+    chunks or more): placed by its address (``live_residues``), so a copy of it must keep that address's page
+    offset (``capture._page_aligned_copy``)."""
+    return nbytes >= 2 * chunk_bytes
+
+
 def live_residues(records: Sequence[TensorRecord], chunk_bytes: int) -> tuple[int | None, ...]:
     """``make_plan``'s residues for writing from the tensors' memory: contiguous CPU tensors of two
     inner chunks or more are placed at their address's offset modulo ``LIVE_ALIGN``; the rest packed."""
     out = []
     for r in records:
         t = r.tensor
-        big = t.device.type == "cpu" and t.is_contiguous() and r.numel * t.element_size() >= 2 * chunk_bytes
+        big = t.device.type == "cpu" and t.is_contiguous() and written_from_memory(r.numel * t.element_size(),
+                                                                                    chunk_bytes)
         out.append(t.data_ptr() % LIVE_ALIGN if big and t.data_ptr() % t.element_size() == 0 else None)
     return tuple(out)
 

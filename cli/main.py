@@ -279,9 +279,8 @@ def _ref_command(kind: str, doc: str):
             if delete or force:
                 raise click.UsageError(f"name the {kind} to delete")
             refs = repo.branches() if kind == "branch" else repo.tags()
-            for damage in repo.damaged_refs():
-                if damage.startswith(f"ref refs/{'heads' if kind == 'branch' else 'tags'}/"):
-                    click.echo(f"warning: ignoring {damage}", err=True)
+            for damage in repo.damaged_refs(kind):
+                click.echo(f"warning: ignoring {damage}", err=True)
             _list_refs(refs, repo.current_branch() if kind == "branch" else None, as_json)
             return
         if delete or force:
@@ -440,8 +439,8 @@ SERIES_COLUMNS = ("first", "last", "min", "max", "trend")
 def _series_row(name: str, values: list[float]) -> tuple[str, ...]:
     """A trajectory's or a metric's row: its name, then SERIES_COLUMNS."""
     ordered = [v for v in values if v == v]   # min() and max() of a series that starts with NaN are NaN
-    return (name, _num(values[0]), _num(values[-1]), _num(min(ordered)) if ordered else _num(float("nan")),
-            _num(max(ordered)) if ordered else _num(float("nan")), _sparkline(values))
+    lo, hi = (min(ordered), max(ordered)) if ordered else (math.nan, math.nan)
+    return (name, _num(values[0]), _num(values[-1]), _num(lo), _num(hi), _sparkline(values))
 
 
 _SPARK = "▁▂▃▄▅▆▇█"
