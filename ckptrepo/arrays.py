@@ -8,7 +8,6 @@ inner chunks it touches. Missing chunks are an error, never silently zeros.
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,22 +23,6 @@ MISSING_CHUNK = (1 << 64) - 1   # a shard index entry (offset and size) of an ab
 
 _BYTES_CODEC = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
-
-
-class ByteCounter:
-    """A running total of bytes, safe across threads: what a direct local I/O path (localread,
-    localwrite) moved, the counterpart of TensorStore's own kvstore metrics."""
-
-    def __init__(self) -> None:
-        self._total = 0
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self._total += n
-
-    def total(self) -> int:
-        return self._total
 
 
 @dataclass(frozen=True)

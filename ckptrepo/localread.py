@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import MISSING_CHUNK, ArrayInfo, ByteCounter, metadata_matches
+from .arrays import MISSING_CHUNK, ArrayInfo, metadata_matches
 from .crc import crc32c
-from .store import Store
+from .store import ByteCounter, Store
 from .vectored import transfer_all
 
 
@@ -88,7 +88,7 @@ class DirectReader:
         self.root = root
         self.pool = _reader_pool()
         self._tasks: list[Future] = []
-        self._shards: dict[str, tuple[int, np.ndarray]] = {}   # shard key -> (open fd, verified index)
+        self._shards: dict[str, _Shard] = {}                     # shard key -> open shard, verified index
         self._metadata: dict[str, bool] = {}                    # array key -> zarr.json matches the manifest
         self._lock = threading.Lock()
 
@@ -103,8 +103,8 @@ class DirectReader:
             fut.cancel()
         wait(self._tasks)
         self._tasks.clear()
-        for fd, _ in self._shards.values():
-            os.close(fd)
+        for shard in self._shards.values():
+            os.close(shard.fd)
         self._shards.clear()
 
     def metadata_ok(self, info: ArrayInfo) -> bool:
@@ -154,7 +154,7 @@ class DirectReader:
             c = stop
         return futs
 
-    def _shard(self, info: ArrayInfo, s: int) -> tuple[int, np.ndarray]:
+    def _shard(self, info: ArrayInfo, s: int) -> "_Shard":
         """The open shard object and its verified index (opened once per load, shared by the tasks)."""
         key = info.shard_key(s)
         with self._lock:
@@ -176,124 +176,130 @@ class DirectReader:
         except BaseException:
             os.close(fd)
             raise
+        shard = _Shard(fd, np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2), info.inner_bytes + 4)
         with self._lock:
             got = self._shards.get(key)
             if got is None:
-                got = self._shards[key] = (fd, np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2))
+                got = self._shards[key] = shard
                 return got
         os.close(fd)  # another task opened it meanwhile
         return got
 
     def _read_chunks(self, info: ArrayInfo, c0: int, c1: int, pieces: list[tuple[int, int, Any]]) -> None:
-        """Read inner chunks ``[c0, c1)`` of one shard into the pieces, then hand row targets their elements.
+        """Read inner chunks ``[c0, c1)`` of one shard into the pieces (sorted, disjoint element ranges).
 
-        A row target (a piece with ``scatter(buf, lo, hi)``, not a buffer) is read into this thread's
-        scratch, ``ROW_SCRATCH_BYTES`` of chunks at a time, and copies its elements from there once they
-        are verified, while they are still in cache.
+        Chunks that lie wholly inside one plain target (a numpy byte buffer) are read straight into it.
+        The others (chunks shared by several targets, holding bytes no target wants, or bound for a row
+        target, a piece with ``scatter(buf, lo, hi)``) are read into this thread's scratch,
+        ``ROW_SCRATCH_BYTES`` at a time, and copied out once verified, while still in cache: a few
+        copies of a cache-sized buffer instead of a Python loop over every chunk and every target in it.
         """
-        if all(type(q[2]) is np.ndarray for q in pieces):
-            self._read_verified(info, c0, c1, pieces)
-            return
-        inner, item = info.inner_elems, info.itemsize
-        step = max(1, ROW_SCRATCH_BYTES // info.inner_bytes)   # chunks per batch: one, if a chunk is bigger
-        scratch = getattr(_scratch_of_thread, "buf", None)
-        if scratch is None or len(scratch) < step * info.inner_bytes:
-            scratch = _scratch_of_thread.buf = np.empty(step * info.inner_bytes, dtype=np.uint8)
-        for b0 in range(c0, c1, step):
-            b1 = min(c1, b0 + step)
-            lo, hi = b0 * inner, b1 * inner
-            batch, later, at = [], [], 0
-            for a, b, buf in pieces:
-                if b <= lo or a >= hi:
-                    continue
-                if type(buf) is np.ndarray:   # _read_verified takes the part of it inside the batch
-                    batch.append((a, b, buf))
-                    continue
-                a2, b2 = max(a, lo), min(b, hi)
-                region = scratch[at:at + (b2 - a2) * item]
-                at += len(region)
-                batch.append((a2, b2, region))
-                later.append((buf, region, a2, b2))
-            self._read_verified(info, b0, b1, batch)
-            for target, region, a2, b2 in later:
-                target.scatter(region, a2, b2)
-
-    def _read_verified(self, info: ArrayInfo, c0: int, c1: int,
-                       pieces: list[tuple[int, int, np.ndarray]]) -> None:
-        """Read inner chunks ``[c0, c1)`` of one shard into the pieces (scratch for bytes no piece wants)."""
-        item, inner = info.itemsize, info.inner_elems
-        per_shard = info.shard_elems // inner
-        s = c0 // per_shard
-        chunk_bytes = info.inner_bytes
-        fd, index = self._shard(info, s)
-        crcs = np.empty(4 * (c1 - c0), dtype=np.uint8)
-        chunks: list[list[np.ndarray]] = []
-        iov: list[np.ndarray] = []
-        file_off = expect = -1
-        p = 0
-        entries = index[c0 - s * per_shard:c1 - s * per_shard]
-        bad = np.flatnonzero((entries[:, 0] == MISSING_CHUNK) | (entries[:, 1] != chunk_bytes + 4))
-        if len(bad):
-            raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + int(bad[0])}")
-        nbytes = chunk_bytes + 4
-        whole = [q for q in pieces if q[0] <= c0 * inner and q[1] >= c1 * inner]
-        # chunks back to back (TensorStore's layout) or at a block-aligned stride (localwrite.write_live's)
-        stride = int(entries[1, 0] - entries[0, 0]) if c1 - c0 > 1 else nbytes
-        if whole and nbytes <= stride <= nbytes + _MAX_GAP and bool(
-                (entries[:, 0] == entries[0, 0] + stride * np.arange(c1 - c0, dtype=np.uint64)).all()):
-            # the common case, one tensor's memory holding every chunk, stored in order: no per-chunk planning
-            start, _, buf = whole[0]
-            first = (c0 * inner - start) * item
-            rows = buf[first:first + (c1 - c0) * chunk_bytes].reshape(c1 - c0, chunk_bytes)
-            gap = _scratch(stride - nbytes)
-            iov = [x for k in range(c1 - c0) for x in (rows[k], crcs[4 * k:4 * k + 4], gap)]
-            _preadv(fd, [x for x in iov[:-1] if x.nbytes], int(entries[0, 0]))
-            stored = crcs.view("<u4").tolist()
-            for k in range(c1 - c0):
-                if crc32c(rows[k]) != stored[k]:
-                    raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + k} checksum")
-            return
-        offsets = entries[:, 0].tolist()   # checked in one go above; plain ints for the loop
-        for k, c in enumerate(range(c0, c1)):
-            off = offsets[k]
-            if expect < off <= expect + _MAX_GAP and iov:   # padding after the previous chunk: read past it
-                iov.append(_scratch(off - expect))
-            elif off != expect:
-                _preadv(fd, iov, file_off)
-                iov, file_off = [], off
-            expect = off + nbytes
-            lo, hi = c * inner, (c + 1) * inner
-            parts = []
-            pos = lo
+        inner, item, chunk_bytes = info.inner_elems, info.itemsize, info.inner_bytes
+        step = max(1, ROW_SCRATCH_BYTES // chunk_bytes)   # chunks per scratch batch: one, if a chunk is bigger
+        c, p = c0, 0
+        while c < c1:
+            lo = c * inner
             while p < len(pieces) and pieces[p][1] <= lo:
                 p += 1
-            q = p
-            while q < len(pieces) and pieces[q][0] < hi:
-                start, stop, buf = pieces[q]
-                a, b = max(start, lo), min(stop, hi)
-                if a < pos:
-                    raise Unexpected("overlapping tensors")
-                if a > pos:
-                    parts.append(np.empty((a - pos) * item, dtype=np.uint8))
-                parts.append(buf[(a - start) * item:(b - start) * item])
-                pos = b
-                q += 1
-            if pos < hi:
-                parts.append(np.empty((hi - pos) * item, dtype=np.uint8))
-            chunks.append(parts)
-            iov.extend(parts)
-            iov.append(crcs[4 * k:4 * k + 4])
-        _preadv(fd, iov, file_off)
-        stored = crcs.view("<u4")
-        for k, parts in enumerate(chunks):
-            crc = 0
-            for part in parts:
-                crc = crc32c(part, crc)
-            if crc != int(stored[k]):
+            if p < len(pieces) and type(pieces[p][2]) is np.ndarray and pieces[p][0] <= lo:
+                start, stop_elem, buf = pieces[p]
+                stop = min(c1, stop_elem // inner)
+                if stop > c:   # whole chunks of one plain target: straight into it
+                    first = (lo - start) * item
+                    self._read_into(info, c, stop, buf[first:first + (stop - c) * chunk_bytes])
+                    c = stop
+                    continue
+            stop = min(c1, c + step)
+            for a, b, buf in pieces[p:]:   # stop where a plain target's whole chunks begin
+                if a >= stop * inner:
+                    break
+                whole = -(-a // inner)
+                if type(buf) is np.ndarray and c < whole < b // inner:
+                    stop = min(stop, whole)
+                    break
+            hi = stop * inner
+            scratch = _thread_scratch(step * chunk_bytes)
+            self._read_into(info, c, stop, scratch[:(stop - c) * chunk_bytes])
+            for a, b, buf in pieces[p:]:
+                if a >= hi:
+                    break
+                a2, b2 = max(a, lo), min(b, hi)
+                region = scratch[(a2 - lo) * item:(b2 - lo) * item]
+                if type(buf) is np.ndarray:
+                    np.copyto(buf[(a2 - a) * item:(b2 - a) * item], region)
+                else:
+                    buf.scatter(region, a2, b2)
+            c = stop
+
+    def _read_into(self, info: ArrayInfo, c0: int, c1: int, dest: np.ndarray) -> None:
+        """Read inner chunks ``[c0, c1)`` of one shard into ``dest`` (their bytes back to back), verified."""
+        per_shard = info.shard_elems // info.inner_elems
+        s = c0 // per_shard
+        chunk_bytes, n = info.inner_bytes, c1 - c0
+        shard = self._shard(info, s)
+        k0 = c0 - s * per_shard
+        rows = dest.reshape(n, chunk_bytes)
+        crcs = np.empty(4 * n, dtype=np.uint8)
+        nbytes, stride = chunk_bytes + 4, shard.stride
+        if k0 + n <= shard.regular:   # the usual layout, checked once per shard: no per-batch planning
+            if stride == nbytes:
+                iov = [x for k in range(n) for x in (rows[k], crcs[4 * k:4 * k + 4])]
+            else:
+                gap = _scratch(stride - nbytes)
+                iov = [x for k in range(n) for x in (rows[k], crcs[4 * k:4 * k + 4], gap)][:-1]
+            _preadv(shard.fd, iov, shard.first + k0 * stride, n * nbytes + (n - 1) * (stride - nbytes))
+        else:   # chunks missing, resized or out of order somewhere in the shard: look at each
+            entries = shard.index[k0:k0 + n]
+            bad = np.flatnonzero((entries[:, 0] == MISSING_CHUNK) | (entries[:, 1] != nbytes))
+            if len(bad):
+                raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + int(bad[0])}")
+            iov, file_off, expect, size = [], -1, -1, 0
+            for k, off in enumerate(entries[:, 0].tolist()):
+                if expect < off <= expect + _MAX_GAP and iov:   # padding after the previous chunk: read past it
+                    iov.append(_scratch(off - expect))
+                    size += off - expect
+                elif off != expect:
+                    if iov:
+                        _preadv(shard.fd, iov, file_off, size)
+                    iov, file_off, size = [], off, 0
+                iov += (rows[k], crcs[4 * k:4 * k + 4])
+                size += nbytes
+                expect = off + nbytes
+            _preadv(shard.fd, iov, file_off, size)
+        stored = crcs.view("<u4").tolist()
+        for k in range(n):
+            if crc32c(rows[k]) != stored[k]:
                 raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + k} checksum")
 
 
+class _Shard:
+    """An open shard object, its verified index, and how many of its leading inner chunks lie at one
+    stride from the first (every chunk present and whole): TensorStore writes them back to back,
+    localwrite.write_live at a block-aligned stride. Reads of those chunks need no look at the index."""
+
+    __slots__ = ("fd", "index", "first", "stride", "regular")
+
+    def __init__(self, fd: int, index: np.ndarray, nbytes: int) -> None:
+        self.fd, self.index = fd, index
+        offsets, sizes = index[:, 0], index[:, 1]
+        self.first = int(offsets[0])
+        self.stride = int(offsets[1]) - self.first if len(offsets) > 1 else nbytes
+        self.regular = 0
+        if self.first != MISSING_CHUNK and nbytes <= self.stride <= nbytes + _MAX_GAP:
+            good = (offsets == self.first + self.stride * np.arange(len(offsets), dtype=np.uint64)) \
+                & (sizes == nbytes) & (offsets != MISSING_CHUNK)
+            self.regular = int(np.argmin(good)) if not good.all() else len(good)
+
+
 _MAX_GAP = 4096   # padding between chunk encodings read through rather than skipped with another preadv
+
+
+def _thread_scratch(nbytes: int) -> np.ndarray:
+    """This reader thread's buffer for chunks read before they are copied out (kept: no page faults per task)."""
+    buf = getattr(_scratch_of_thread, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _scratch_of_thread.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf
 
 
 def _target_buffer(target: Any) -> Any:
@@ -306,9 +312,9 @@ def _scratch(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
-def _preadv(fd: int, iov: list[np.ndarray], offset: int) -> None:
-    """Fill every buffer of ``iov`` from ``offset`` on; a short read (ShortTransfer) is a surprise."""
-    transfer_all(os.preadv, fd, iov, offset, _count)
+def _preadv(fd: int, iov: list[np.ndarray], offset: int, nbytes: int) -> None:
+    """Fill every buffer of ``iov`` (``nbytes`` in all) from ``offset`` on; a short read is a surprise."""
+    transfer_all(os.preadv, fd, iov, offset, _count, nbytes)
 
 
 def _failed() -> Future:

@@ -67,9 +67,9 @@ except ImportError:   # not POSIX: every shard goes through TensorStore
 import numpy as np
 
 from . import faults
-from .arrays import MISSING_CHUNK, ArrayInfo, ByteCounter
+from .arrays import MISSING_CHUNK, ArrayInfo
 from .crc import crc32c
-from .store import Store
+from .store import ByteCounter, Store
 from .vectored import transfer_all
 
 DIRECT_WRITES = True     # False: every shard goes through TensorStore (read when a Snapshotter is created)

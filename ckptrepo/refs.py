@@ -76,8 +76,10 @@ class Refs:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def head(self) -> Head:
-        raw, gen = self.store.get_with_generation(HEAD_KEY)
+    def head(self, for_update: bool = False) -> Head:
+        """What HEAD says; its storage generation (for ``set_head``) only ``for_update``: a plain read is
+        cheaper on a local store (see ``Store.get``), and most callers only look."""
+        raw, gen = self.store.get_with_generation(HEAD_KEY) if for_update else (self.store.get(HEAD_KEY), b"")
         if raw is None:
             raise CorruptionError(f"{HEAD_KEY} is missing (an init interrupted before writing it?); "
                                   f"`ckptrepo init --exist-ok` writes it again")

@@ -382,7 +382,7 @@ class Repository:
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
-        head = self.refs.head()
+        head = self.refs.head(for_update=True)
         vid = self.resolve(rev)
         if branch is not None:
             self.refs.create_branch(branch, vid)

@@ -42,7 +42,7 @@ from . import localread
 from .localread import DirectReader
 from .providers import TORCH_DTYPES
 from .sharding import Piece
-from .store import Store
+from .store import Store, local_bytes_read
 
 INFLIGHT_BYTES = 512 << 20
 
@@ -67,8 +67,8 @@ class _Span:
 
 def kvstore_bytes_read() -> int:
     """Bytes this process has read from storage so far: every TensorStore kvstore driver's own counter
-    (file, s3, gcs, memory) plus the direct local-file path's."""
-    total = localread.bytes_read()
+    (file, s3, gcs, memory) plus the direct local-file paths' (tensor data, small objects)."""
+    total = localread.bytes_read() + local_bytes_read()
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
         if m["name"].endswith("/bytes_read"):
             total += sum(int(v.get("value", 0)) for v in m.get("values", []))
