@@ -115,7 +115,7 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, explicit: Sequence[int]
         return range(first, first + explicit[pp_rank])
     if num_layers % pp:
         raise LayoutError(f"{num_layers} layers cannot be split evenly over pp={pp} stages; "
-                          f"pass explicit stage sizes to the rules (stage_layers=[...])")
+                          f"pass explicit stage sizes to the rules (stage_sizes=[...])")
     per = num_layers // pp
     return range(pp_rank * per, (pp_rank + 1) * per)
 

@@ -59,7 +59,7 @@ def full_rules(rules: Rules | None) -> Rules | None:
     if rules is None:
         return None
     return Rules([], rules.sections, rules.optimizer_sections, rules.layer_prefix, rules.num_layers,
-                 rules.stage_sizes, rules.first_stage, rules.last_stage, rules.param_shapes)
+                 None, rules.first_stage, rules.last_stage, rules.param_shapes)
 
 
 def with_version_shapes(rules: Rules, manifest: dict[str, Any]) -> Rules:
@@ -203,7 +203,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
         pg_world = process_group_rank()[1] if _has_dtensor(into) else 1
         target = ParallelLayout(dp=pg_world, rules=full_rules(rules))
     elif layout.rules is None and rules is not None:
-        target = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, rules)
+        target = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, rules.for_pp(layout.pp))
     else:
         target = layout
     if target.rules is not None:

@@ -219,6 +219,14 @@ class Rules:
         return Rules(self.params, self.sections, self.optimizer_sections, self.layer_prefix, self.num_layers,
                      self.stage_sizes, self.first_stage, self.last_stage, param_shapes)
 
+    def for_pp(self, pp: int) -> "Rules":
+        """These rules for ``pp`` pipeline stages: explicit stage sizes made for another stage count (a
+        version's saved rules, loaded under a new layout) give way to the even split."""
+        if self.stage_sizes is None or len(self.stage_sizes) == pp:
+            return self
+        return Rules(self.params, self.sections, self.optimizer_sections, self.layer_prefix, self.num_layers,
+                     None, self.first_stage, self.last_stage, self.param_shapes)
+
     def local_params(self, tp: int, tp_rank: int, pp: int, pp_rank: int) -> list[LocalParam]:
         """The parameters a rank holds, in model order: the layout of its ZeRO flat partitions.
 

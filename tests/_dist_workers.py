@@ -113,6 +113,37 @@ def snapshot_split_state(rank: int, layout: ParallelLayout, url: str, seed: int)
     return ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay).id
 
 
+UNEVEN_LAYERS = 4
+
+
+def uneven_stage_rules(stage_sizes: list[int] | None) -> Rules:
+    return Rules([("*.w", Split(0))], num_layers=UNEVEN_LAYERS, stage_sizes=stage_sizes,
+                 first_stage=("embed.*",), last_stage=("head.*",))
+
+
+def uneven_stage_state() -> dict[str, torch.Tensor]:
+    """A small layered model's full parameters: an embedding, UNEVEN_LAYERS layers, a head."""
+    g = torch.Generator().manual_seed(3)
+    out = {"embed.weight": torch.randn(10, 8, generator=g)}
+    for i in range(UNEVEN_LAYERS):
+        out[f"layers.{i}.w"] = torch.randn(8, 8, generator=g)
+    out["head.weight"] = torch.randn(10, 8, generator=g)
+    return out
+
+
+def snapshot_uneven_stages(rank: int, layout: ParallelLayout, url: str, stage_sizes: list[int]) -> str:
+    """Snapshot this pipeline stage's layers of ``uneven_stage_state()`` under explicit stage sizes."""
+    full = uneven_stage_state()
+    first, n = sum(stage_sizes[:rank]), stage_sizes[rank]
+    local = {f"layers.{j}.w": full[f"layers.{first + j}.w"] for j in range(n)}
+    if rank == 0:
+        local["embed.weight"] = full["embed.weight"]
+    if rank == len(stage_sizes) - 1:
+        local["head.weight"] = full["head.weight"]
+    lay = ParallelLayout(pp=len(stage_sizes), rules=uneven_stage_rules(stage_sizes))
+    return ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay).id
+
+
 def snapshot_disagreeing(rank: int, layout: ParallelLayout, url: str) -> dict[str, str]:
     """Snapshots the ranks must all refuse, each followed by a collective of the training loop; the outcomes."""
     import torch.distributed as dist

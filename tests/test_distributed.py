@@ -188,3 +188,21 @@ def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
     check_coverage({"w": ((8, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4))])})
     with pytest.raises(LayoutError, match=r"w: a saved piece \[8:16, 0:2\] lies outside the tensor's shape \[8, 4\]"):
         check_coverage({"w": ((8, 4), [((0, 0), (4, 4)), ((8, 0), (8, 2))])})
+
+
+def test_a_version_of_uneven_pipeline_stages_loads_unsharded_and_under_another_stage_count(tmp_path) -> None:
+    """Saved rules carry the saving layout's stage sizes; an unsharded load (one stage) and a load under
+    another stage count without rules fall back to the even split instead of refusing the saved sizes."""
+    from _dist_workers import snapshot_uneven_stages, uneven_stage_state
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    launch(ParallelLayout(pp=2), snapshot_uneven_stages, url, [1, 3])
+    repo = ckptrepo.open(url)
+    full = uneven_stage_state()
+    got = repo.load("HEAD")["model"]
+    assert set(got) == set(full) and all(torch.equal(got[k], v) for k, v in full.items())
+    last = repo.load("HEAD", parallel_layout=ParallelLayout(pp=4), rank=3)["model"]
+    assert set(last) == {"layers.0.w", "head.weight"}
+    assert torch.equal(last["layers.0.w"], full["layers.3.w"])
+    same = repo.load("HEAD", parallel_layout=ParallelLayout(pp=2), rank=1)["model"]   # the saved sizes: 3 layers
+    assert torch.equal(same["layers.2.w"], full["layers.3.w"])
