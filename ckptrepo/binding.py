@@ -77,7 +77,7 @@ class Binder:
         """Fill ``target.state_dict()`` from the saved dict ``node``, then hand it to ``target.load_state_dict``."""
         state = own_containers(target.state_dict())
         if isinstance(target, torch.optim.Optimizer) and node[0] in (DICT, ODICT):
-            self._check_param_groups(node, state, path)
+            check_param_groups(node, state, path, self.version)
         if isinstance(target, torch.nn.Module) and node[0] in (DICT, ODICT):
             # a module takes exactly its own keys: a saved one it lacks would fail load_state_dict after the
             # other tensors were filled (an optimizer's empty state, by contrast, is filled from the saved one)
@@ -94,23 +94,6 @@ class Binder:
             return target
         return load_stateful
 
-    def _check_param_groups(self, node: Any, state: dict, path: tuple[Any, ...]) -> None:
-        """An optimizer built with other parameter groups than the saved one: refused here, before anything is
-        filled (its ``load_state_dict`` would refuse it only after the model was overwritten)."""
-        saved = _saved_field(node, "param_groups")
-        if saved is None or saved[0] != LIST or not isinstance(state.get("param_groups"), list):
-            return
-        sizes = []
-        for group in saved[1]:
-            params = _saved_field(group, "params")
-            sizes.append(len(params[1]) if params is not None and params[0] in (LIST, TUPLE) else None)
-        mine = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) else None
-                for g in state["param_groups"]]
-        if sizes != mine:
-            raise StateMismatchError(f"{_p(path + ('param_groups',))}: the optimizer in `into` has parameter groups "
-                                     f"of {mine} parameters but version {self.version[:12]} saved groups of {sizes}; "
-                                     f"build it with the saved groups, or load without into=")
-
     def _bind_tensor(self, node: Any, target: Any, path: tuple[Any, ...]) -> Finalizer:
         e = self.entries[node[1]]
         dest = target
@@ -118,7 +101,7 @@ class Binder:
             if tuple(target.shape) != e.shape:
                 raise StateMismatchError(f"{_p(path)}: shape {list(target.shape)} in `into` but {list(e.shape)} in "
                                          f"version {self.version[:12]}; build the state with the saved configuration")
-            dest = _fillable(target)
+            dest = fillable_array(target)
             if dest is None:   # read-only, strided, big-endian: replaced by the saved array, as a plain value is
                 return lambda: self.build(node)
         if not isinstance(dest, torch.Tensor):
@@ -188,6 +171,25 @@ class Binder:
         return lambda: (list if node[0] == LIST else tuple)(fin() for fin in finals)
 
 
+def check_param_groups(node: Any, state: dict, path: tuple[Any, ...], version: str) -> None:
+    """An optimizer built with other parameter groups than the saved one (``node``, its saved state_dict):
+    refused before anything is filled (its ``load_state_dict`` would refuse it only after the model was
+    overwritten, or, through a layout load, take the saved moments by index into the wrong parameters)."""
+    saved = _saved_field(node, "param_groups")
+    if saved is None or saved[0] != LIST or not isinstance(state.get("param_groups"), list):
+        return
+    sizes = []
+    for group in saved[1]:
+        params = _saved_field(group, "params")
+        sizes.append(len(params[1]) if params is not None and params[0] in (LIST, TUPLE) else None)
+    mine = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) else None
+            for g in state["param_groups"]]
+    if sizes != mine:
+        raise StateMismatchError(f"{_p(path + ('param_groups',))}: the optimizer in `into` has parameter groups "
+                                 f"of {mine} parameters but version {version[:12]} saved groups of {sizes}; "
+                                 f"build it with the saved groups, or load without into=")
+
+
 def _saved_field(node: Any, key: str) -> Any:
     """The skeleton node saved under the str ``key`` of a saved dict node, or None (also for a node that is
     not a dict)."""
@@ -196,7 +198,7 @@ def _saved_field(node: Any, key: str) -> Any:
     return next((v for k, v in node[1] if k == [SCALAR, key]), None)
 
 
-def _fillable(target: np.ndarray) -> torch.Tensor | None:
+def fillable_array(target: np.ndarray) -> torch.Tensor | None:
     """A tensor over the numpy array's own memory that a load can fill in place, or None if it cannot be one."""
     if not (target.flags.writeable and target.flags.c_contiguous and target.dtype.isnative):
         return None

@@ -22,14 +22,16 @@ import operator
 import warnings
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from .boxes import volume
 from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
+from .binding import check_param_groups, fillable_array
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str,
-                        flatten, is_dtensor, is_stateful, own_containers, unflatten)
+                        _path_str, flatten, is_dtensor, is_stateful, own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import LocalParam, Rules
 from .sharding import Sharder
@@ -217,7 +219,13 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     fresh = into is None
     if fresh:
         into = _build(manifest, tree, leaf_names, target, rank, shapes)
+    if not fresh:
+        _check_arrays(into, ())
     _, records = flatten(into)
+    if not fresh:
+        if not changed:   # the same ranks: each optimizer's groups as saved (a new pipeline split regroups them)
+            _check_optimizers(tree, into, (), str(manifest.get("id", "")))
+        _check_into_tensors(manifest, tree, leaf_names, target, rank, shapes, records, into)
     # a save with a layout (its degrees recorded) stores per-rank tensors as <path>@rank<r>, a single process's
     # too; a plain version stores them under their path
     per_rank = tmpl if world > 1 or "tp" in manifest.get("layout", {}) else None
@@ -249,9 +257,91 @@ def _layout_str(manifest: dict[str, Any]) -> str:
     return f"world_size={lay.get('world_size', 1)}"
 
 
+def _check_arrays(obj: Any, path: tuple[Any, ...]) -> None:
+    """Refuse a numpy array in a layout load's ``into`` that the load cannot fill in place: read-only (writing
+    it crashed the process), strided or of another byte order (it filled a copy and left the array as it was)."""
+    if isinstance(obj, np.ndarray):
+        if fillable_array(obj) is None:
+            raise StateMismatchError(f"{_path_str(path)}: the numpy array in `into` cannot be filled in place "
+                                     f"(read-only, not C-contiguous or not native byte order); pass a writable "
+                                     f"contiguous array (np.array(a)), or load without into=")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_arrays(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_arrays(v, path + (i,))
+
+
+def _check_optimizers(node: Any, target: Any, path: tuple[Any, ...], version: str) -> None:
+    """``binding.check_param_groups`` for every optimizer in ``into`` where the saved tree has its state."""
+    tag = node[0]
+    if isinstance(target, torch.optim.Optimizer) and tag in (STATEFUL, DICT, ODICT):
+        check_param_groups(node[2] if tag == STATEFUL else node, own_containers(target.state_dict()), path, version)
+        return
+    if tag == STATEFUL:
+        _check_optimizers(node[2], target, path, version)
+    elif tag in (DICT, ODICT) and isinstance(target, dict):
+        for k, v in node[1]:
+            key = unflatten(k, lambda i, n: None)
+            if key in target:
+                _check_optimizers(v, target[key], path + (key,), version)
+    elif tag in (LIST, TUPLE) and isinstance(target, (list, tuple)):
+        for i, (v, t) in enumerate(zip(node[1], target)):
+            _check_optimizers(v, t, path + (i,), version)
+
+
+def _stateful_names(obj: Any, path: tuple[Any, ...]) -> list[str]:
+    """The flattened names (``flatten``'s) of the modules and optimizers in ``obj``, outermost only."""
+    if is_stateful(obj):
+        return ["/".join(k if type(k) is str else _key_str(k) for k in path)]
+    if isinstance(obj, dict):
+        return [n for k, v in obj.items() for n in _stateful_names(v, path + (k,))]
+    if isinstance(obj, (list, tuple)):
+        return [n for i, v in enumerate(obj) for n in _stateful_names(v, path + (i,))]
+    return []
+
+
+def _check_into_tensors(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: ParallelLayout,
+                        rank: int, shapes: dict[str, tuple[tuple[int, ...], str]], records: list[Any],
+                        into: Any) -> None:
+    """Refuse an ``into`` whose tensors are not the ones this rank of ``layout`` holds in the version, before
+    anything is changed: a tensor of a module or optimizer that the version has and ``into`` lacks was
+    silently left out (an optimizer that had not stepped yet kept no moments), and one ``into`` has that the
+    version lacks kept its values. A plain dict may leave tensors out: they are not loaded.
+    The reference is the state a fresh load would build (its structure only: tensors of no elements)."""
+    expected = _build(manifest, tree, leaf_names, layout, rank, shapes, empty=True)
+    want = [r.name for r in flatten(expected)[1]]
+    have = {r.name for r in records}
+    # a plain dict may hold only the tensors a caller wants; a module or optimizer takes its whole state
+    owners = _stateful_names(into, ())
+    missing = [n for n in want if n not in have and any(n == o or n.startswith(o + "/") or not o for o in owners)]
+    extra = sorted(have - set(want))
+    vid = str(manifest.get("id", ""))[:12]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise StateMismatchError(f"{missing[0]}{more}: version {vid} holds it for rank {rank} but `into` has no "
+                                 f"tensor there (an optimizer that has not stepped has no state yet); load "
+                                 f"without into= and pass the result to load_state_dict, or give `into` that state")
+    for r in records:
+        t = r.tensor
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise StateMismatchError(f"{r.name}: the tensor in `into` is an expanded view whose elements share "
+                                     f"memory; give it memory of its own (t.clone()), or load without into=")
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise StateMismatchError(f"{extra[0]}{more}: `into` has a tensor there that version {vid} does not hold "
+                                 f"for rank {rank}; remove it, or load the version it belongs to")
+
+
 def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: ParallelLayout, rank: int,
-           shapes: dict[str, tuple[tuple[int, ...], str]]) -> Any:
-    """A fresh state for ``rank`` of ``layout``: the template's structure, parameter sections regenerated."""
+           shapes: dict[str, tuple[tuple[int, ...], str]], empty: bool = False) -> Any:
+    """A fresh state for ``rank`` of ``layout``: the template's structure, parameter sections regenerated.
+
+    ``empty``: the structure only, every tensor without elements (what ``_check_into_tensors`` compares)."""
+    def zeros(shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype) if empty else torch.zeros(shape, dtype=dtype)
+
     rules = layout.rules
     sections = set(rules.all_sections()) if rules is not None else set()
     built: dict[str, Any] = {}
@@ -272,13 +362,13 @@ def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: P
         if (layout.zero == 3 and name == rules.model_section) or (layout.zero and name in rules.optimizer_sections):
             total = sum(volume(shape) for _, _, shape, _, _ in params)
             dtype = next((shapes[n][1] for n in shapes if n.startswith(name + "/")), "float32")
-            value: Any = torch.zeros(zero_partition(total, layout.dp, c.dp)[2], dtype=TORCH_DTYPES[dtype])
+            value: Any = zeros(zero_partition(total, layout.dp, c.dp)[2], TORCH_DTYPES[dtype])
         else:
             value = {}
             for local, gparam, shape, _, _ in params:
                 stored = shapes.get(f"{name}/{gparam}")
                 if stored is not None:
-                    value[local] = torch.zeros(shape, dtype=TORCH_DTYPES[stored[1]])
+                    value[local] = zeros(shape, TORCH_DTYPES[stored[1]])
             if not value and name == rules.model_section:
                 raise LayoutError(f"the version has no tensors under {name}/ for rank {rank} of {layout}; "
                                   f"check the rules' sections and param_shapes")
@@ -293,7 +383,7 @@ def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: P
                 raise StateMismatchError(f"{name}: not in the version's tensor table; run `ckptrepo fsck`")
             name = plain
         shape, dtype = shapes[name]
-        return torch.empty(shape, dtype=TORCH_DTYPES[dtype])
+        return torch.empty(0 if empty else shape, dtype=TORCH_DTYPES[dtype])
 
     def build(node: Any, path: str) -> Any:
         if path in sections:

@@ -336,3 +336,74 @@ def test_a_nested_tensor_is_refused_naming_its_key(repo):
     with pytest.raises(UnsupportedValueError, match=r"state\['n'\]: nested tensors are not supported; save their "
                                                     r"components"):
         repo.snapshot({"n": nested}, step=1)
+
+
+def _layout_version(tmp_path):
+    """A version that loads through the piece-wise path (a layout named at save), of a model, its Adam state
+    after one step, and a numpy array."""
+    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.rules import Rules
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    repo = ckptrepo.init(str(tmp_path / "repo"))
+    layout = ParallelLayout(rules=Rules([]))
+    repo.snapshot({"model": model, "optim": opt, "arr": np.arange(1 << 14, dtype=np.float32)}, step=1,
+                  parallel_layout=layout)
+    return repo, layout, model
+
+
+def _fresh(groups=None):
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    params = list(m.parameters())
+    opt = torch.optim.Adam(params if groups is None else [{"params": params[:groups]}, {"params": params[groups:]}],
+                           lr=0.1)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()   # state of the same structure as the saved one
+    return m, opt
+
+
+@pytest.mark.parametrize("case", ["read-only array", "strided array", "unstepped optimizer", "module lacks a key",
+                                  "extra tensor", "expanded view", "other param groups"])
+def test_a_layout_load_into_refuses_what_the_plain_load_refuses_before_changing_anything(tmp_path, case) -> None:
+    """The piece-wise path (every multi-rank version, any load with a layout) filled `into` with none of the
+    plain load's checks: a read-only numpy array was written into (a segfault for a read-only memory map), a
+    strided one filled a copy, an optimizer that had not stepped silently got no moments, extra or missing
+    module keys and an optimizer with other parameter groups loaded. Each is refused, with nothing changed."""
+    repo, layout, _ = _layout_version(tmp_path)
+    m, opt = _fresh(groups=2 if case == "other param groups" else None)
+    arr = np.zeros(1 << 14, dtype=np.float32)
+    into = {"model": m, "optim": opt, "arr": arr}
+    if case == "read-only array":
+        path = str(tmp_path / "a.npy")
+        np.save(path, arr)
+        into["arr"] = np.load(path, mmap_mode="r")
+    elif case == "strided array":
+        into["arr"] = np.zeros(2 << 14, dtype=np.float32)[::2]
+    elif case == "unstepped optimizer":
+        into["optim"] = torch.optim.Adam(m.parameters(), lr=0.1)
+    elif case == "module lacks a key":
+        m[1].bias = None
+    elif case == "extra tensor":
+        m.register_buffer("extra", torch.zeros(3))
+    elif case == "expanded view":
+        m[0].weight = torch.nn.Parameter(torch.zeros(1, 4).expand(4, 4))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    arr_before = np.array(into["arr"])
+    with pytest.raises(StateMismatchError) as err:
+        repo.load("HEAD", parallel_layout=layout, rank=0, into=into)
+    assert "\n" not in str(err.value)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    assert np.array_equal(into["arr"], arr_before)
+    if case == "unstepped optimizer":
+        assert "has not stepped" in str(err.value) and into["optim"].state_dict()["state"] == {}
+
+
+def test_a_layout_load_into_a_plain_dict_may_take_only_some_tensors(tmp_path) -> None:
+    """A plain dict (not a module or optimizer) in `into` may hold only the tensors the caller wants."""
+    repo, layout, saved_model = _layout_version(tmp_path)
+    into = {"model": {"0.weight": torch.zeros(4, 4)}}
+    repo.load("HEAD", parallel_layout=layout, rank=0, into=into)
+    assert torch.equal(into["model"]["0.weight"], saved_model[0].weight.detach())
