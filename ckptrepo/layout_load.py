@@ -95,8 +95,9 @@ def per_rank_values(manifest: dict[str, Any]) -> list[str]:
     """Paths of the plain values (not tensors) that differ between the saved ranks: seeds, a numpy Generator's
     or ``random.getstate()``'s state. A load whose layout changed gives them to a rank from another saved rank's
     tree, just like per-rank tensors, so they are named in the same warning."""
-    ranks = manifest.get("layout", {}).get("ranks", [])
-    trees = [dict(_values(r["tree"], "")) for r in ranks]
+    if saved_world(manifest) < 2:   # one saved tree (a single process's ranks list names no trees)
+        return []
+    trees = [dict(_values(r["tree"], "")) for r in manifest["layout"]["ranks"]]
     if len(trees) < 2:
         return []
     paths = set().union(*trees)
@@ -186,8 +187,8 @@ def _has_dtensor(obj: Any) -> bool:
 def template_rank(manifest: dict[str, Any], layout: ParallelLayout, rank: int) -> tuple[int, bool]:
     """The saved rank whose per-rank objects ``rank`` gets, and whether the layout changed."""
     world = saved_world(manifest)
-    if world == 1:
-        return 0, False
+    if world == 1:   # one saved rank: every rank of a larger layout gets its per-rank state
+        return 0, layout.world_size > 1
     saved = manifest["layout"]
     same = (saved.get("tp", 1), saved.get("pp", 1), saved.get("dp", world), saved.get("zero", 0)) == \
         (layout.tp, layout.pp, layout.dp, layout.zero) and layout.world_size == world
@@ -361,7 +362,12 @@ def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: P
         params = local_params()
         if (layout.zero == 3 and name == rules.model_section) or (layout.zero and name in rules.optimizer_sections):
             total = sum(volume(shape) for _, _, shape, _, _ in params)
-            dtype = next((shapes[n][1] for n in shapes if n.startswith(name + "/")), "float32")
+            dtypes = sorted({shapes[n][1] for n in shapes if n.startswith(name + "/")})
+            if len(dtypes) > 1 and not empty:   # a flat partition has one dtype: a cast lost precision unsaid
+                raise LayoutError(f"{name}: the version's tensors there have dtypes {', '.join(dtypes)}, which no "
+                                  f"flat ZeRO partition of one dtype holds; load with zero=0, or into= partitions "
+                                  f"you build")
+            dtype = dtypes[0] if dtypes else "float32"
             value: Any = zeros(zero_partition(total, layout.dp, c.dp)[2], TORCH_DTYPES[dtype])
         else:
             value = {}

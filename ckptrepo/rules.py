@@ -122,7 +122,7 @@ def _split_dim(spec: Spec, shape: Sequence[int], what: str) -> int | None:
     """The dimension ``spec`` splits (None for a replicated tensor), checked against ``shape``."""
     if isinstance(spec, Replicated):
         return None
-    if spec.dim >= len(shape):
+    if not -len(shape) <= spec.dim < len(shape):
         raise LayoutError(f"{what}: rule splits dim {spec.dim} but the tensor has shape {list(shape)}")
     return spec.dim
 

@@ -407,3 +407,41 @@ def test_a_layout_load_into_a_plain_dict_may_take_only_some_tensors(tmp_path) ->
     into = {"model": {"0.weight": torch.zeros(4, 4)}}
     repo.load("HEAD", parallel_layout=layout, rank=0, into=into)
     assert torch.equal(into["model"]["0.weight"], saved_model[0].weight.detach())
+
+
+def test_a_fresh_zero_build_of_mixed_dtypes_is_refused_not_cast(tmp_path) -> None:
+    """A flat ZeRO partition has one dtype: built from bf16 and fp64 tensors it was cast to bf16, silently."""
+    from ckptrepo.errors import LayoutError
+    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.rules import Rules
+    repo = ckptrepo.init(str(tmp_path / "repo"))
+    rules = Rules([], optimizer_sections=("optimizer/exp_avg",))
+    mom = {"a": torch.ones(8, 4, dtype=torch.bfloat16), "b": torch.full((16, 4), 1.0001, dtype=torch.float64)}
+    repo.snapshot({"model": {k: v.clone() for k, v in mom.items()}, "optimizer": {"exp_avg": mom}}, step=1,
+                  parallel_layout=ParallelLayout(rules=rules))
+    with pytest.raises(LayoutError, match="bfloat16, float64"):
+        repo.load("HEAD", parallel_layout=ParallelLayout(dp=2, zero=1, rules=rules), rank=1)
+    into = {"model": {k: torch.zeros_like(v) for k, v in mom.items()},
+            "optimizer": {"exp_avg": torch.zeros(48, dtype=torch.float64)}}   # rank 1's partition: all fp64
+    repo.load("HEAD", parallel_layout=ParallelLayout(dp=2, zero=1, rules=rules), rank=1, into=into)
+    assert torch.equal(into["optimizer"]["exp_avg"], mom["b"].reshape(-1)[16:])
+
+
+def test_a_single_process_version_loaded_into_more_ranks_warns_about_its_per_rank_state(tmp_path) -> None:
+    """Every rank of the new layout gets the one saved rank's RNG state: said, as for a multi-rank version."""
+    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.rules import Rules, Split
+    repo = ckptrepo.init(str(tmp_path / "repo"))
+    rules = Rules([("w", Split(0))])
+    repo.snapshot({"model": {"w": torch.randn(4, 4)}, "rng": torch.get_rng_state()}, step=1,
+                  parallel_layout=ParallelLayout(rules=rules))
+    with pytest.warns(UserWarning, match="per-rank state rng of rank 1 comes from saved rank 0"):
+        repo.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=rules), rank=1)
+
+
+def test_a_split_dimension_out_of_range_is_a_one_line_layout_error() -> None:
+    from ckptrepo.errors import LayoutError
+    from ckptrepo.rules import Split, local_shape
+    assert local_shape(Split(-1), (4, 6), 2) == (4, 3)
+    with pytest.raises(LayoutError, match="rule splits dim -3 but the tensor has shape"):
+        local_shape(Split(-3), (4, 6), 2)

@@ -556,7 +556,8 @@ def test_short_writes_are_resumed_and_the_snapshot_reads_back(tmp_path, monkeypa
 def _rewrite_shard(path: str, n: int, order: list[int], gap: int) -> None:
     """Store a shard's ``n`` inner chunk encodings in ``order`` with ``gap`` bytes between them (what another
     zarr writer may do), with an index (and its crc32c) that says where each one is now."""
-    raw = open(path, "rb").read()
+    with open(path, "rb") as f:
+        raw = f.read()
     entries = np.frombuffer(raw[-(16 * n + 4):-4], dtype="<u8").reshape(n, 2)
     body, index = bytearray(), np.full((n, 2), (1 << 64) - 1, dtype="<u8")
     for c in order:
