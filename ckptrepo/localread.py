@@ -88,7 +88,7 @@ class DirectReader:
         self.root = root
         self.pool = _reader_pool()
         self._tasks: list[Future] = []
-        self._shards: dict[str, _Shard] = {}                     # shard key -> open shard, verified index
+        self._shards: dict[str, _Shard] = {}                     # shard key -> its verified index
         self._metadata: dict[str, bool] = {}                    # array key -> zarr.json matches the manifest
         self._lock = threading.Lock()
 
@@ -103,8 +103,6 @@ class DirectReader:
             fut.cancel()
         wait(self._tasks)
         self._tasks.clear()
-        for shard in self._shards.values():
-            os.close(shard.fd)
         self._shards.clear()
 
     def metadata_ok(self, info: ArrayInfo) -> bool:
@@ -154,36 +152,31 @@ class DirectReader:
             c = stop
         return futs
 
-    def _shard(self, info: ArrayInfo, s: int) -> "_Shard":
-        """The open shard object and its verified index (opened once per load, shared by the tasks)."""
+    def _open(self, info: ArrayInfo, s: int) -> int:
+        """A descriptor of shard object ``s``, for one task: a load holds no more files open than it has
+        reader threads (one per shard ran into the open-file limit, 1024 shards being 64 GiB)."""
+        try:
+            return os.open(os.path.join(self.root, info.shard_key(s)), os.O_RDONLY)
+        except OSError as err:
+            raise Unexpected(str(err)) from err
+
+    def _shard(self, info: ArrayInfo, s: int, fd: int) -> "_Shard":
+        """Shard object ``s``'s verified index, read through ``fd`` once per load and shared by the tasks."""
         key = info.shard_key(s)
         with self._lock:
             got = self._shards.get(key)
         if got is not None:
             return got
-        try:
-            fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
-        except OSError as err:
-            raise Unexpected(str(err)) from err
-        try:
-            n = info.shard_elems // info.inner_elems
-            size = os.fstat(fd).st_size
-            length = 16 * n + 4
-            raw = os.pread(fd, length, size - length) if size >= length else b""
-            _count(len(raw))
-            if len(raw) != length or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
-                raise Unexpected(f"{key}: shard index")
-        except BaseException:
-            os.close(fd)
-            raise
-        shard = _Shard(fd, np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2), info.inner_bytes + 4)
+        n = info.shard_elems // info.inner_elems
+        size = os.fstat(fd).st_size
+        length = 16 * n + 4
+        raw = os.pread(fd, length, size - length) if size >= length else b""
+        _count(len(raw))
+        if len(raw) != length or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise Unexpected(f"{key}: shard index")
+        shard = _Shard(np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2), info.inner_bytes + 4)
         with self._lock:
-            got = self._shards.get(key)
-            if got is None:
-                got = self._shards[key] = shard
-                return got
-        os.close(fd)  # another task opened it meanwhile
-        return got
+            return self._shards.setdefault(key, shard)
 
     def _read_chunks(self, info: ArrayInfo, c0: int, c1: int, pieces: list[tuple[int, int, Any]]) -> None:
         """Read inner chunks ``[c0, c1)`` of one shard into the pieces (sorted, disjoint element ranges).
@@ -194,6 +187,13 @@ class DirectReader:
         ``ROW_SCRATCH_BYTES`` at a time, and copied out once verified, while still in cache: a few
         copies of a cache-sized buffer instead of a Python loop over every chunk and every target in it.
         """
+        fd = self._open(info, c0 // (info.shard_elems // info.inner_elems))
+        try:
+            self._read_task(info, fd, c0, c1, pieces)
+        finally:
+            os.close(fd)
+
+    def _read_task(self, info: ArrayInfo, fd: int, c0: int, c1: int, pieces: list[tuple[int, int, Any]]) -> None:
         inner, item, chunk_bytes = info.inner_elems, info.itemsize, info.inner_bytes
         step = max(1, ROW_SCRATCH_BYTES // chunk_bytes)   # chunks per scratch batch: one, if a chunk is bigger
         c, p = c0, 0
@@ -206,7 +206,7 @@ class DirectReader:
                 stop = min(c1, stop_elem // inner)
                 if stop > c:   # whole chunks of one plain target: straight into it
                     first = (lo - start) * item
-                    self._read_into(info, c, stop, buf[first:first + (stop - c) * chunk_bytes])
+                    self._read_into(info, fd, c, stop, buf[first:first + (stop - c) * chunk_bytes])
                     c = stop
                     continue
             stop = min(c1, c + step)
@@ -219,7 +219,7 @@ class DirectReader:
                     break
             hi = stop * inner
             scratch = _thread_scratch(step * chunk_bytes)
-            self._read_into(info, c, stop, scratch[:(stop - c) * chunk_bytes])
+            self._read_into(info, fd, c, stop, scratch[:(stop - c) * chunk_bytes])
             for a, b, buf in pieces[p:]:
                 if a >= hi:
                     break
@@ -231,12 +231,13 @@ class DirectReader:
                     buf.scatter(region, a2, b2)
             c = stop
 
-    def _read_into(self, info: ArrayInfo, c0: int, c1: int, dest: np.ndarray) -> None:
-        """Read inner chunks ``[c0, c1)`` of one shard into ``dest`` (their bytes back to back), verified."""
+    def _read_into(self, info: ArrayInfo, fd: int, c0: int, c1: int, dest: np.ndarray) -> None:
+        """Read inner chunks ``[c0, c1)`` of one shard (open as ``fd``) into ``dest`` (their bytes back to
+        back), verified."""
         per_shard = info.shard_elems // info.inner_elems
         s = c0 // per_shard
         chunk_bytes, n = info.inner_bytes, c1 - c0
-        shard = self._shard(info, s)
+        shard = self._shard(info, s, fd)
         k0 = c0 - s * per_shard
         rows = dest.reshape(n, chunk_bytes)
         crcs = np.empty(4 * n, dtype=np.uint8)
@@ -247,7 +248,7 @@ class DirectReader:
             else:
                 gap = _scratch(stride - nbytes)
                 iov = [x for k in range(n) for x in (rows[k], crcs[4 * k:4 * k + 4], gap)][:-1]
-            _preadv(shard.fd, iov, shard.first + k0 * stride, n * nbytes + (n - 1) * (stride - nbytes))
+            _preadv(fd, iov, shard.first + k0 * stride, n * nbytes + (n - 1) * (stride - nbytes))
         else:   # chunks missing, resized or out of order somewhere in the shard: look at each
             entries = shard.index[k0:k0 + n]
             bad = np.flatnonzero((entries[:, 0] == MISSING_CHUNK) | (entries[:, 1] != nbytes))
@@ -260,12 +261,12 @@ class DirectReader:
                     size += off - expect
                 elif off != expect:
                     if iov:
-                        _preadv(shard.fd, iov, file_off, size)
+                        _preadv(fd, iov, file_off, size)
                     iov, file_off, size = [], off, 0
                 iov += (rows[k], crcs[4 * k:4 * k + 4])
                 size += nbytes
                 expect = off + nbytes
-            _preadv(shard.fd, iov, file_off, size)
+            _preadv(fd, iov, file_off, size)
         stored = crcs.view("<u4").tolist()
         for k in range(n):
             if crc32c(rows[k]) != stored[k]:
@@ -273,14 +274,14 @@ class DirectReader:
 
 
 class _Shard:
-    """An open shard object, its verified index, and how many of its leading inner chunks lie at one
+    """A shard object's verified index, and how many of its leading inner chunks lie at one
     stride from the first (every chunk present and whole): TensorStore writes them back to back,
     localwrite.write_live at a block-aligned stride. Reads of those chunks need no look at the index."""
 
-    __slots__ = ("fd", "index", "first", "stride", "regular")
+    __slots__ = ("index", "first", "stride", "regular")
 
-    def __init__(self, fd: int, index: np.ndarray, nbytes: int) -> None:
-        self.fd, self.index = fd, index
+    def __init__(self, index: np.ndarray, nbytes: int) -> None:
+        self.index = index
         offsets, sizes = index[:, 0], index[:, 1]
         self.first = int(offsets[0])
         self.stride = int(offsets[1]) - self.first if len(offsets) > 1 else nbytes

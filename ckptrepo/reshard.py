@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
@@ -295,7 +295,8 @@ def _when_all(futs: list[Future], then: Callable[[], None]) -> Future:
     lock = threading.Lock()
 
     def one(f: Future) -> None:
-        err = f.exception()
+        # a task the reader cancelled once the load failed: its exception() would raise in this callback
+        err = CancelledError() if f.cancelled() else f.exception()
         with lock:
             if err is not None:
                 errors.append(err)

@@ -134,9 +134,10 @@ def test_deleted_middle_shard_of_multi_shard_array(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_a_resharding_load_names_the_damaged_object_and_its_tensors(tmp_path, damage):
+def test_a_resharding_load_names_the_damaged_object_and_its_tensors(tmp_path, damage, capfd):
     """The piece-wise path (a version saved with a layout, loaded into a tensor-parallel rank) reports damage
-    with the same one-line error as whole-tensor loads, whether its direct reader or TensorStore meets it."""
+    with the same one-line error as whole-tensor loads, whether its direct reader or TensorStore meets it,
+    and only that: the reader's tasks cancelled after the failure printed a traceback each to stderr."""
     from ckptrepo.layout import ParallelLayout
     from _dist_workers import SPLIT_RULES, split_state
 
@@ -157,6 +158,7 @@ def test_a_resharding_load_names_the_damaged_object_and_its_tensors(tmp_path, da
     kind = "missing" if damage == "delete" else "corrupt"
     assert key in msg and "col.weight" in msg and f"is {kind}" in msg and "ckptrepo fsck" in msg, msg
     assert "\n" not in msg
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
@@ -316,3 +318,20 @@ def test_an_init_killed_before_head_is_finished_by_init_exist_ok(tmp_path):
         ckptrepo.open(str(path)).snapshot({"w": torch.ones(2)}, step=1)
     ckptrepo.init(str(path), exist_ok=True).snapshot({"w": torch.ones(2)}, step=1)
     assert [v.step for v in ckptrepo.open(str(path)).log()] == [1]
+
+
+def test_a_failing_strided_load_with_reads_still_queued_prints_nothing_but_its_error(tmp_path, capfd, caplog):
+    """Column slices of a plain version: every span is scattered once its tasks are done; after the first
+    chunk fails its checksum the reader cancels the queued tasks, whose callbacks printed a traceback each."""
+    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.rules import Rules, Split
+    path = tmp_path / "repo"
+    repo = ckptrepo.init(str(path))
+    vid = repo.snapshot({"model": {"w": torch.randn(400, 40_000)}}, step=1).id   # 64 MB: tasks queued
+    file, key = _shard_file(path, vid)
+    _flip(file, 100)
+    with pytest.raises(CorruptionError, match="is corrupt"):
+        ckptrepo.open(str(path)).load(vid, parallel_layout=ParallelLayout(tp=2, rules=Rules([("w", Split(1))])),
+                                      rank=0)
+    assert "Traceback" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if "exception calling callback" in r.getMessage()]   # futures' logger

@@ -596,3 +596,28 @@ def test_a_shard_with_chunks_out_of_order_loads_through_the_direct_path(tmp_path
     assert direct >= info.numel * 4 and kvstore_bytes_read() - ts_before - direct < 100_000
     for rank in range(3):   # column slices: rows out of every chunk, copied out of the reader's scratch
         assert torch.equal(repo.load("HEAD", parallel_layout=layout, rank=rank)["model"]["w"], want[rank])
+
+
+def test_a_load_of_more_shards_than_the_open_file_limit_reads_them_directly(tmp_path):
+    """The direct reader held every shard of a load open until it ended: a version of more shards than the
+    open-file limit (1024 by default: 64 GiB of 64 MiB shards) failed to load. It now holds one per task."""
+    import resource
+    from ckptrepo.reshard import kvstore_bytes_read
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(3_000_000, generator=g)}
+    with repo.snapshotter(host_memory="128KiB") as snap:   # 64 KiB shards: ~190 of them
+        snap.snapshot(state, step=1).result(timeout=120)
+    shards = sum(len(files) for _, _, files in os.walk(str(tmp_path / "r" / "data")))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = len(os.listdir("/proc/self/fd")) + 64
+    assert shards > limit - len(os.listdir("/proc/self/fd")) + 100
+    before, ts_before = localread.bytes_read(), kvstore_bytes_read()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        got = repo.load("HEAD")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert_bit_exact(state, got)
+    direct = localread.bytes_read() - before
+    assert direct >= 12_000_000 and kvstore_bytes_read() - ts_before - direct < 100_000   # no fallback either
