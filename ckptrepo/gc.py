@@ -183,18 +183,19 @@ def _reachable(repo: Any, starts: Sequence[str], facts: dict[str, "VersionFacts"
 
 
 def head_ref_blocked(repo: Any, branch: str) -> bool:
-    """Whether something that is not a ref sits where HEAD's branch ref should be (a folder on a local
-    store, keys under it on an object store): the ref was replaced, not never created, so the branch's
-    history would look unreachable and be collected."""
+    """Whether something that is not a ref sits where HEAD's branch ref should be (a folder or a broken
+    symbolic link on a local store, keys under it on an object store): the ref was replaced, not never
+    created, so the branch's history would look unreachable and be collected."""
     root = repo.store.local_root()
-    if root is not None and os.path.isdir(os.path.join(root, HEADS_PREFIX + branch)):
+    path = os.path.join(root, HEADS_PREFIX + branch) if root is not None else None
+    if path is not None and (os.path.isdir(path) or (os.path.islink(path) and not os.path.exists(path))):
         return True
     return bool(repo.store.list(HEADS_PREFIX + branch + "/"))
 
 
 def head_branch_lost(branch: str, versions: int) -> str:
-    return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder, and the repository has {versions} "
-            f"version(s); remove the folder and restore the ref (`ckptrepo branch {branch} ID`, an id from "
+    return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder or a broken link, and the repository "
+            f"has {versions} version(s); remove it and restore the ref (`ckptrepo branch {branch} ID`, an id from "
             f"versions/), or check out another branch")
 
 

@@ -232,14 +232,19 @@ def test_a_gc_killed_after_its_markers_is_finished_by_the_next_and_leaves_no_emp
     assert all(repo.load(v)["w"][0] == s for s, v in enumerate(ids) if s >= 3)
 
 
-def test_a_folder_in_place_of_heads_branch_ref_stops_gc(tmp_path):
-    """The branch's ref gone, its whole history looked unreachable: gc collected it and fsck said ok."""
+@pytest.mark.parametrize("replacement", ["folder", "broken link"])
+def test_a_folder_in_place_of_heads_branch_ref_stops_gc(tmp_path, replacement):
+    """The branch's ref gone, its whole history looked unreachable: gc collected it and fsck said ok (a
+    broken symbolic link, say to refs kept on a volume that is not mounted, reads as no ref at all)."""
     import os
     repo = ckptrepo.init(str(tmp_path / "r"))
     ids = [repo.snapshot({"w": torch.full((10,), float(s))}, step=s).id for s in range(3)]
     ref = tmp_path / "r" / "refs" / "heads" / "main"
     ref.unlink()
-    ref.mkdir()
+    if replacement == "folder":
+        ref.mkdir()
+    else:
+        ref.symlink_to(tmp_path / "elsewhere" / "main")
     with pytest.raises(ckptrepo.errors.CorruptionError, match="gc stopped before deleting anything: HEAD is on "
                                                              "branch 'main', whose ref is replaced by a folder"):
         ckptrepo.open(str(tmp_path / "r")).gc(grace_period_s=0)
