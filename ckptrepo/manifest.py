@@ -149,8 +149,8 @@ def decode_config(blob: bytes, url: str) -> dict[str, Any]:
         cfg = json.loads(blob)
     except ValueError as err:
         raise CorruptionError(f"{url}: {CONFIG_KEY} is not valid JSON ({err}); the repository config is damaged") from err
-    version = cfg.get("format_version")
-    if cfg.get("format") != "ckptrepo" or not isinstance(version, int):
+    version = cfg.get("format_version") if isinstance(cfg, dict) else None
+    if version is None or cfg.get("format") != "ckptrepo" or not isinstance(version, int):
         raise CorruptionError(f"{url}: {CONFIG_KEY} is not a ckptrepo config")
     if version > FORMAT_VERSION:
         raise FormatVersionError(

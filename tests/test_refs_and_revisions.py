@@ -131,6 +131,16 @@ def test_unknown_format_version_is_refused(tmp_path):
         ckptrepo.open(str(url))
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "null", "3", '"x"'])
+def test_a_config_of_json_that_is_not_an_object_is_named_as_damaged(tmp_path, text):
+    """It raised AttributeError ('list' object has no attribute 'get'), a traceback's words in the CLI."""
+    url = tmp_path / "r"
+    ckptrepo.init(str(url))
+    (url / "ckptrepo.json").write_text(text)
+    with pytest.raises(ckptrepo.errors.CorruptionError, match="ckptrepo.json is not a ckptrepo config"):
+        ckptrepo.open(str(url))
+
+
 def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch):
     """`log -n N` stops after N versions, as `git log -n` does, and history walks never build a manifest's
     tensor table or tree: a run that snapshots every step has thousands of versions with big manifests."""
