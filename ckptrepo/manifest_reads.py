@@ -46,7 +46,45 @@ def version_manifest(raw: bytes, vid: str, header_only: bool = False) -> dict[st
         held = m.get("id") if isinstance(m, dict) else None
         raise CorruptionError(f"{what} holds the manifest of {'version ' + str(held)[:12] if held else 'no version'}"
                               f", not its own; run `ckptrepo fsck`")
+    if not header_only:
+        problem = _table_problem(m)
+        if problem:
+            raise CorruptionError(f"{what}: {problem}; the manifest is damaged, run `ckptrepo fsck`")
     return m
+
+
+def _table_problem(m: dict[str, Any]) -> str | None:
+    """What is wrong with the tensor table's pieces against the arrays they point into, or None.
+
+    The crc32c proves the bytes are as written, not that a writer wrote them right (or that a hand-edited
+    manifest was re-sealed consistently): a tensor of another dtype than its array, or a piece past its
+    array's end, loaded uninitialised memory on one path and failed with an IndexError on another."""
+    try:
+        arrays = m["arrays"]
+        for t in m["tensors"]:
+            covered = 0
+            for p in t["pieces"]:
+                a = arrays.get(p["array"])
+                offs, sizes = p["box"]
+                n = 1
+                for size in sizes:
+                    n *= size
+                if a is None:
+                    return f"tensor {t['name']} points into array {p['array']}, which it does not list"
+                if a["dtype"] != t["dtype"]:
+                    return f"tensor {t['name']} is {t['dtype']} but its array {p['array']} holds {a['dtype']}"
+                if len(offs) != len(t["shape"]) or len(sizes) != len(t["shape"]) or min(sizes, default=0) < 0 \
+                        or p["offset"] < 0 or p["offset"] + n > a["numel"]:
+                    return f"a piece of tensor {t['name']} lies outside its box or array {p['array']}"
+                covered += n
+            total = 1
+            for size in t["shape"]:
+                total *= size
+            if covered != total:
+                return f"the pieces of tensor {t['name']} hold {covered} of its {total} elements"
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        return f"its tensor table is malformed ({type(err).__name__}: {err})"
+    return None
 
 
 class ManifestReads:

@@ -335,3 +335,29 @@ def test_a_failing_strided_load_with_reads_still_queued_prints_nothing_but_its_e
                                       rank=0)
     assert "Traceback" not in capfd.readouterr().err
     assert not [r for r in caplog.records if "exception calling callback" in r.getMessage()]   # futures' logger
+
+
+@pytest.mark.parametrize("edit", ["dtype", "offset", "no pieces", "piece twice"])
+def test_a_resealed_manifest_whose_tensor_table_does_not_fit_its_arrays_is_refused(tmp_path, edit):
+    """A manifest whose crc32c checks out can still disagree with itself (a writer's bug, a hand edit sealed
+    again): a float32 array read as float64 loaded uninitialised memory on the direct path, a piece past
+    its array's end an IndexError, and fsck said ok. Reading the manifest now checks its tensor table."""
+    from ckptrepo.manifest import seal, unseal
+    path = tmp_path / "repo"
+    repo = ckptrepo.init(str(path))
+    vid = repo.snapshot({"model": {"a": torch.randn(1000), "c": torch.randn(4000)}}, step=1).id
+    file = path / "versions" / vid
+    m = unseal(file.read_bytes(), "test")
+    c = next(t for t in m["tensors"] if t["name"] == "model/c")
+    if edit == "dtype":
+        c["dtype"] = "float64"
+    elif edit == "offset":
+        c["pieces"][0]["offset"] = -5
+    elif edit == "no pieces":
+        c["pieces"] = []
+    else:
+        c["pieces"].append(dict(c["pieces"][0]))
+    file.write_bytes(seal(m))
+    with pytest.raises(CorruptionError, match=f"manifest versions/{vid}: .*model/c.*run `ckptrepo fsck`"):
+        ckptrepo.open(str(path)).load(vid)
+    assert [e for e in ckptrepo.open(str(path)).fsck().errors if vid in e]
