@@ -103,6 +103,17 @@ def zarr_metadata(info: ArrayInfo) -> dict[str, Any]:
     }
 
 
+_PLAIN_METADATA_KEYS = frozenset({"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+                                  "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"})
+
+
+def _zero_fill(value: Any) -> bool:
+    """Whether a ``fill_value`` is zero (complex types: a pair of zeros)."""
+    if isinstance(value, list):
+        return len(value) == 2 and all(_zero_fill(v) for v in value)
+    return isinstance(value, (int, float)) and value == 0
+
+
 def metadata_matches(info: ArrayInfo, stored: Any) -> bool:
     """Whether a parsed ``zarr.json`` describes exactly the array the manifest says (defaults filled in).
 
@@ -111,6 +122,11 @@ def metadata_matches(info: ArrayInfo, stored: Any) -> bool:
     load; anything that does not match is left to TensorStore to judge.
     """
     if not isinstance(stored, dict) or stored.get("zarr_format") != 3 or stored.get("node_type") != "array":
+        return False
+    # anything else TensorStore would have to understand (storage transformers, extensions), or a fill value
+    # other than the zeros create_array leaves, is TensorStore's to judge: it refuses what it cannot read
+    if set(stored) - _PLAIN_METADATA_KEYS or stored.get("storage_transformers", []) != [] \
+            or not _zero_fill(stored.get("fill_value")):
         return False
     want = zarr_metadata(info)
     try:

@@ -621,3 +621,24 @@ def test_a_load_of_more_shards_than_the_open_file_limit_reads_them_directly(tmp_
     assert_bit_exact(state, got)
     direct = localread.bytes_read() - before
     assert direct >= 12_000_000 and kvstore_bytes_read() - ts_before - direct < 100_000   # no fallback either
+
+
+@pytest.mark.parametrize("edit", [{"storage_transformers": [{"name": "unknown"}]},
+                                  {"an_extension": {"must_understand": True}}, {"fill_value": 5.0}])
+def test_a_zarr_json_the_direct_reader_does_not_understand_is_left_to_tensorstore(tmp_path, edit):
+    """The direct reader compared only the fields it reads: a storage transformer or an extension TensorStore
+    refuses loaded anyway on the direct path, while TensorStore, fsck and stats called the array corrupt."""
+    import json
+    from ckptrepo.arrays import ArrayInfo, metadata_matches
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    repo.snapshot({"w": torch.randn(100_000)}, step=1)
+    (key, meta), = repo.manifest(repo.resolve("HEAD"))["arrays"].items()
+    path = tmp_path / "r" / key / "zarr.json"
+    stored = json.loads(path.read_text())
+    assert metadata_matches(ArrayInfo.from_json(key, meta), stored)
+    stored.update(edit)
+    assert not metadata_matches(ArrayInfo.from_json(key, meta), stored)
+    path.write_text(json.dumps(stored))
+    if "fill_value" not in edit:   # a fill value for absent chunks: TensorStore reads the array
+        with pytest.raises(ckptrepo.errors.CorruptionError, match=key):
+            ckptrepo.open(str(tmp_path / "r")).load("HEAD")
