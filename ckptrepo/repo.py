@@ -22,7 +22,7 @@ from .manifest import (CONFIG_KEY, FAILURES_PREFIX, HEADS_PREFIX, VERSIONS_PREFI
                        encode_config, is_version_id, unseal, version_from_manifest)
 from .manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
 from .refs import Refs, init_head
-from .gc import PRUNED_PREFIX
+from .gc import PRUNED_PREFIX, head_branch_lost, head_ref_blocked
 from .gcpause import collection_paused
 from .skeleton import numel, plain_values, short_text
 from .store import Store
@@ -186,7 +186,12 @@ class Repository:
         return revisions.resolve(_WalkingSource(self), rev)
 
     def head_version(self) -> str | None:
-        return self.refs.head().version
+        """HEAD's version; None on a branch without versions, unless its ref was replaced (a folder, a broken
+        link: see ``gc.head_ref_blocked``), which is damage to name, not an empty branch to report."""
+        h = self.refs.head()
+        if h.version is None and h.branch is not None and head_ref_blocked(self, h.branch):
+            raise CorruptionError(head_branch_lost(h.branch, len(self.store.list(VERSIONS_PREFIX))))
+        return h.version
 
     def head_description(self) -> str:
         h = self.refs.head()

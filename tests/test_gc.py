@@ -250,6 +250,8 @@ def test_a_folder_in_place_of_heads_branch_ref_stops_gc(tmp_path, replacement):
         ckptrepo.open(str(tmp_path / "r")).gc(grace_period_s=0)
     assert sorted(os.listdir(tmp_path / "r" / "versions")) == sorted(ids)
     assert [e for e in ckptrepo.open(str(tmp_path / "r")).fsck().errors if "replaced by a folder" in e]
+    with pytest.raises(ckptrepo.errors.CorruptionError, match="replaced by a folder or a broken link"):
+        ckptrepo.open(str(tmp_path / "r")).log()   # was "no versions yet"
 
 
 def test_a_load_or_fsck_that_races_a_pruning_gc_says_pruned_not_corrupt(tmp_path, monkeypatch):
