@@ -19,7 +19,7 @@ from . import faults
 from .arrays import ArrayInfo
 from .dedup import StoredTensor
 from .distributed import Staging, merge_rank_manifests
-from .errors import CkptRepoError, ConflictError, DetachedHeadError, first_line
+from .errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
 from .layout import ParallelLayout
 from .manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal, version_from_manifest
 from .providers import TensorRecord
@@ -72,7 +72,8 @@ class Committer:
         """
         assert job.plan is not None
         part = {
-            "rank": self.rank, "tree": job.skeleton, "leaf_names": job.leaf_names, "names": job.names,
+            "rank": self.rank, "step": job.handle.step, "tree": job.skeleton, "leaf_names": job.leaf_names,
+            "names": job.names,
             "coords": vars(self.layout.coords(self.rank)) if self.layout is not None else None,
             "tensors": [{"name": r.name, "pieces": [{"box": box, "array": job.arrays[p.dtype].key, "offset": p.offset}]}
                         for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel],
@@ -94,6 +95,12 @@ class Committer:
 
     def _publish_merged(self, job: SnapshotJob, ranks: list[dict[str, Any]]) -> Version:
         """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
+        steps = {p["rank"]: p.get("step", job.handle.step) for p in ranks}
+        other = next((r for r, s in steps.items() if s != job.handle.step), None)
+        if other is not None:   # the version would record rank 0's step for every rank's state
+            raise SnapshotFailedError(f"the ranks disagree about the step: rank {self.rank} snapshots step "
+                                      f"{job.handle.step}, rank {other} step {steps[other]}; pass every rank the "
+                                      f"same step")
         manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
         manifest.update(version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics))
         return self._publish(job, manifest)

@@ -157,12 +157,14 @@ def snapshot_disagreeing(rank: int, layout: ParallelLayout, url: str) -> dict[st
         "dtypes differ": lambda: {"model": {"w": torch.ones(4, 4, dtype=torch.bfloat16 if rank else torch.float32)}},
         # the same tensor with two global shapes
         "shapes differ": lambda: {"model": {"w": torch.ones(4, 4) if rank == 0 else torch.ones(8, 2)}},
+        # the same state at two steps: the version would say rank 0's
+        "steps differ": lambda: {"model": {"w": torch.ones(4, 4)}},
     }
     out = {}
     for case, make in cases.items():
         try:
             with repo.snapshotter(parallel_layout=lay) as snap:
-                snap.snapshot(make(), step=1)
+                snap.snapshot(make(), step=1 + rank if case == "steps differ" else 1)
                 snap.wait()
             out[case] = "committed"
         except ckptrepo.errors.CkptRepoError as err:

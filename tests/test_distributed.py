@@ -174,6 +174,7 @@ def test_snapshots_the_ranks_disagree_about_fail_on_every_rank_and_leave_no_vers
         assert "w: the ranks disagree about this tensor: rank 0 holds it as float32 [8, 4], rank 1 as " \
                "bfloat16 [8, 4]" in out["dtypes differ"], out
         assert "rank 0 holds it as float32 [8, 4], rank 1 as float32 [16, 2]" in out["shapes differ"], out
+        assert "the ranks disagree about the step: rank 0 snapshots step 1, rank 1 step 2" in out["steps differ"], out
         assert all(out[c] == "2" for c in out if c.endswith("all_reduce")), out
         assert out["tp=4 in a group of 2"] == "LayoutError: the layout (tp=4 pp=1 dp=1 zero=0) has 4 ranks but " \
                                               "torch.distributed has 2; pass rank= to load one rank of another layout"
