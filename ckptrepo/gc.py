@@ -190,6 +190,8 @@ def head_ref_blocked(repo: Any, branch: str) -> bool:
     path = os.path.join(root, HEADS_PREFIX + branch) if root is not None else None
     if path is not None and (os.path.isdir(path) or (os.path.islink(path) and not os.path.exists(path))):
         return True
+    if path is not None and os.path.exists(path):   # a file: the ref, readable or damaged (named elsewhere)
+        return False
     return bool(repo.store.list(HEADS_PREFIX + branch + "/"))
 
 

@@ -68,6 +68,7 @@ class Head:
     branch: str | None
     version: str | None
     generation: bytes
+    damage: str | None = None   # HEAD's branch ref is damaged: why (its version is then unknown, not None)
 
 
 class Refs:
@@ -89,7 +90,10 @@ class Refs:
             if branch == target or not is_ref_name(branch):
                 raise CorruptionError(f"{HEAD_KEY} is damaged (it names {target!r}, not a branch); write "
                                       f"'{SYMREF_PREFIX}{HEADS_PREFIX}main' (or another branch) into it")
-            return Head(branch, self.branch_tip(branch), gen)
+            try:
+                return Head(branch, self.branch_tip(branch), gen)
+            except CorruptionError as err:   # raised by what needs HEAD's version; checkout -b still works
+                return Head(branch, None, gen, str(err))
         return Head(None, ref_value(raw, HEAD_KEY), gen)
 
     def set_head(self, branch: str | None, version: str | None, expected: bytes) -> None:

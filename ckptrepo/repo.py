@@ -189,6 +189,8 @@ class Repository:
         """HEAD's version; None on a branch without versions, unless its ref was replaced (a folder, a broken
         link: see ``gc.head_ref_blocked``), which is damage to name, not an empty branch to report."""
         h = self.refs.head()
+        if h.damage is not None:
+            raise CorruptionError(h.damage)
         if h.version is None and h.branch is not None and head_ref_blocked(self, h.branch):
             raise CorruptionError(head_branch_lost(h.branch, len(self.store.list(VERSIONS_PREFIX))))
         return h.version

@@ -361,3 +361,21 @@ def test_a_resealed_manifest_whose_tensor_table_does_not_fit_its_arrays_is_refus
     with pytest.raises(CorruptionError, match=f"manifest versions/{vid}: .*model/c.*run `ckptrepo fsck`"):
         ckptrepo.open(str(path)).load(vid)
     assert [e for e in ckptrepo.open(str(path)).fsck().errors if vid in e]
+
+
+def test_a_damaged_ref_of_heads_branch_blocks_only_what_reads_heads_version(repo_dir):
+    """Reading HEAD read its branch's tip, so every command that only looks at HEAD's branch name failed
+    with the damage: `show ID`, `log good`, `export good`, and the repair the message implies,
+    `checkout good -b fix` (then `branch -D main`). Only what needs HEAD's version fails now."""
+    path, vid, other = repo_dir
+    ckptrepo.open(str(path)).tag("good", vid)
+    (path / "refs/heads/main").write_bytes(b"zzz\n")
+    repo = ckptrepo.open(str(path))
+    for call in (lambda: repo.load("HEAD"), lambda: repo.log(), lambda: repo.snapshot({"w": torch.ones(2)}, step=3)):
+        with pytest.raises(CorruptionError, match="refs/heads/main is damaged"):
+            call()
+    assert "tag: good" in repo.version(vid).refs and [v.id for v in repo.log("good")] == [vid]
+    assert repo.load("good") is not None
+    repo.checkout("good", branch="fix")
+    assert repo.delete_branch("main", force=True) == "" and fsck(repo).ok
+    assert [v.id for v in repo.log()] == [vid]
