@@ -137,10 +137,16 @@ def merge_rank_manifests(ranks: list[dict[str, Any]], layout: "ParallelLayout | 
     """
     entries: dict[str, dict[str, Any]] = {}
     declared: dict[str, int] = {}   # name -> the first rank that listed it
+    stage_of = {p["rank"]: (p.get("coords") or {}).get("pp", 0) for p in ranks}
     for part in ranks:
         for name, dtype, shape in part["names"]:
             e = entries.setdefault(name, {"name": name, "dtype": dtype, "shape": list(shape), "pieces": []})
             first = declared.setdefault(name, part["rank"])
+            if stage_of[first] != stage_of[part["rank"]]:   # replicas live within a stage: one copy would be kept
+                raise LayoutError(f"{name}: pipeline stages {stage_of[first]} and {stage_of[part['rank']]} both hold "
+                                  f"a tensor of this name, and only one copy would be kept; name the layers with "
+                                  f"the rules' layer_prefix so that each stage's become global layer numbers, or "
+                                  f"give each stage's tensor a name of its own")
             if (e["dtype"], e["shape"]) != (dtype, list(shape)):   # bytes of one dtype would load as another's
                 raise LayoutError(f"{name}: the ranks disagree about this tensor: rank {first} holds it as "
                                   f"{e['dtype']} {e['shape']}, rank {part['rank']} as {dtype} {list(shape)}; "

@@ -144,6 +144,18 @@ def snapshot_uneven_stages(rank: int, layout: ParallelLayout, url: str, stage_si
     return ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay).id
 
 
+def snapshot_unprefixed_layers(rank: int, layout: ParallelLayout, url: str) -> str:
+    """Pipeline stages whose layers are named without the rules' layer prefix ("decoder.layers.0" against
+    "layers."): every stage holds "its" layer 0 under one global name. Returns the outcome."""
+    rules = Rules([], num_layers=2 * layout.pp)
+    local = {f"decoder.layers.{i}.w": torch.full((4, 4), float(rank * 2 + i)) for i in range(2)}
+    try:
+        ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=ParallelLayout(pp=layout.pp, rules=rules))
+    except ckptrepo.errors.CkptRepoError as err:
+        return f"{type(err).__name__}: {err}"
+    return "committed"
+
+
 def snapshot_disagreeing(rank: int, layout: ParallelLayout, url: str) -> dict[str, str]:
     """Snapshots the ranks must all refuse, each followed by a collective of the training loop; the outcomes."""
     import torch.distributed as dist

@@ -207,3 +207,15 @@ def test_a_version_of_uneven_pipeline_stages_loads_unsharded_and_under_another_s
     assert torch.equal(last["layers.0.w"], full["layers.3.w"])
     same = repo.load("HEAD", parallel_layout=ParallelLayout(pp=2), rank=1)["model"]   # the saved sizes: 3 layers
     assert torch.equal(same["layers.2.w"], full["layers.3.w"])
+
+
+def test_one_name_held_by_two_pipeline_stages_is_refused_not_kept_once(tmp_path) -> None:
+    """Layers named without the rules' layer prefix map every stage's layer i to one global name; the merge
+    took them for replicas and kept one copy: half the model was gone, and the version loaded and passed fsck."""
+    from _dist_workers import snapshot_unprefixed_layers
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    results = launch(ParallelLayout(pp=2), snapshot_unprefixed_layers, url)
+    assert all("model/decoder.layers.0.w: pipeline stages 0 and 1 both hold a tensor of this name" in r
+               for r in results), results
+    assert ckptrepo.open(url).log() == []
