@@ -379,3 +379,16 @@ def test_a_damaged_ref_of_heads_branch_blocks_only_what_reads_heads_version(repo
     repo.checkout("good", branch="fix")
     assert repo.delete_branch("main", force=True) == "" and fsck(repo).ok
     assert [v.id for v in repo.log()] == [vid]
+
+
+def test_a_folder_in_place_of_head_is_named_with_a_repair_that_works(repo_dir):
+    """It read as a missing HEAD, and the repair named (`init --exist-ok`) then failed on the folder."""
+    import shutil
+    path, vid, other = repo_dir
+    (path / "HEAD").unlink()
+    (path / "HEAD").mkdir()
+    with pytest.raises(CorruptionError, match="HEAD is a folder, not a ref; move it away"):
+        ckptrepo.open(str(path)).log()
+    shutil.rmtree(path / "HEAD")
+    ckptrepo.init(str(path), exist_ok=True)
+    assert ckptrepo.open(str(path)).log()[0].id == other
