@@ -152,8 +152,10 @@ def global_shape(spec: Spec, local: Sequence[int], tp: int, what: str = "tensor"
         return tuple(shape)
     if isinstance(spec, VocabSplit):
         if shape[d] * tp != spec.padded(tp):
+            hint = (f"; an unsharded load returns it unpadded: pad it with zero rows to {spec.padded(tp)} "
+                    f"before this snapshot" if shape[d] * tp == spec.size else "; check the rules")
             raise LayoutError(f"{what}: {shape[d]} local rows x tp={tp} is not the padded vocabulary "
-                              f"{spec.padded(tp)} (size {spec.size}, multiple {spec.multiple}); check the rules")
+                              f"{spec.padded(tp)} (size {spec.size}, multiple {spec.multiple}){hint}")
         shape[d] = spec.size
     else:
         shape[d] *= tp
