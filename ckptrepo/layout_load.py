@@ -33,7 +33,7 @@ from .binding import check_param_groups, fillable_array
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str,
                         _path_str, flatten, is_dtensor, is_stateful, own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
-from .rules import LocalParam, Rules
+from .rules import Fused, LocalParam, Rules
 from .sharding import Sharder
 from .skeleton import holds_tensors, key_value
 from .store import Store
@@ -209,6 +209,8 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
         target = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.zero, rules.for_pp(layout.pp))
     else:
         target = layout
+    if layout is not None and layout.rules is not None and rules is not None:
+        _warn_fused_changes(layout.rules, saved_rules(manifest), manifest)
     if target.rules is not None:
         check_layer_count(target.rules, manifest)
         target = ParallelLayout(target.tp, target.pp, target.dp, target.zero,
@@ -249,6 +251,34 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
         _merge_plain(tree, into)
         return into
     return _to_device(into, device) if device is not None else into
+
+
+def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: dict[str, Any]) -> None:
+    """Warn where the load's rules cut a fused tensor into other parts than the saved rules record: the
+    parts say how the global tensor is composed (grouped-query attention's q, k, v sizes), so other parts
+    give every rank the wrong slices of the same bytes, without an error (the local shape is the same)."""
+    if saved is None:
+        return
+    prefix = given.model_section + "/"
+    changed = []
+    for t in manifest["tensors"]:
+        if not t["name"].startswith(prefix):
+            continue
+        param = t["name"][len(prefix):]
+        mine, theirs = given.spec(param), saved.spec(param)
+        if isinstance(mine, Fused) and isinstance(theirs, Fused):
+            size = t["shape"][theirs.dim]
+            try:
+                differ = mine.dim != theirs.dim or mine.sizes(size) != theirs.sizes(size)
+            except LayoutError:
+                differ = True
+            if differ:
+                changed.append(f"{param} ({theirs.parts} saved, {mine.parts} given)")
+    if changed:
+        warnings.warn(f"the rules cut fused tensors into other parts than the version's rules: "
+                      f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; each rank gets other "
+                      f"slices than the model that saved them held; load without rules to use the saved ones",
+                      stacklevel=3)
 
 
 def _layout_str(manifest: dict[str, Any]) -> str:

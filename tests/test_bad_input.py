@@ -458,3 +458,19 @@ def test_an_unpadded_vocabulary_snapshotted_with_its_rules_is_told_to_pad() -> N
         global_shape(spec, (250, 4), 1)
     with pytest.raises(LayoutError, match="check the rules"):
         global_shape(spec, (100, 4), 1)
+
+
+def test_load_rules_that_cut_a_fused_tensor_into_other_parts_than_the_saved_ones_warn(tmp_path) -> None:
+    """Grouped-query QKV saved as parts (32, 8, 8), loaded with Fused(3): each rank got other rows of the
+    same bytes, with the same local shape, and no word."""
+    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.rules import Fused, Rules
+    repo = ckptrepo.init(str(tmp_path / "repo"))
+    repo.snapshot({"model": {"qkv": torch.randn(48, 4)}}, step=1,
+                  parallel_layout=ParallelLayout(rules=Rules([("qkv", Fused((32, 8, 8)))])))
+    with pytest.warns(UserWarning, match=r"qkv \(\(32, 8, 8\) saved, 3 given\)"):
+        repo.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=Rules([("qkv", Fused(3))])), rank=0)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the saved parts given again: no warning
+        repo.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=Rules([("qkv", Fused((32, 8, 8)))])), rank=0)
