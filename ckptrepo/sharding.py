@@ -229,7 +229,9 @@ class Sharder:
             self._check_known(name, rec.shape)
             if rec.numel:
                 out.pieces.append(Piece(name, rec.dtype, rec.shape, ((0,) * len(rec.shape), rec.shape), t))
-        if flat and self.layout.zero == 3:
+        # ZeRO-3 holds no per-parameter model tensors; a load into optimizer partitions alone neither: the
+        # rules (with the version's shapes) say which parameters the partitions cover, as a fresh build does
+        if flat and (self.layout.zero == 3 or (not params and self.gshape_of is not None)):
             params = self._zero3_params()
         for i, section in flat:
             out.pieces.extend(self._flat_pieces(section, records[i].tensor, params))
@@ -243,7 +245,7 @@ class Sharder:
         return model + self.rules.optimizer_sections
 
     def _zero3_params(self) -> list[tuple[str, tuple[int, ...], Spec, tuple[int, ...]]]:
-        """The parameters a ZeRO-3 rank's flat partitions cover, from the rules (checked against the version)."""
+        """The parameters a rank's flat partitions cover, from the rules (checked against the version)."""
         assert self.rules is not None
         lay, c = self.layout, self.coords
         out = []

@@ -474,3 +474,21 @@ def test_load_rules_that_cut_a_fused_tensor_into_other_parts_than_the_saved_ones
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # the saved parts given again: no warning
         repo.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=Rules([("qkv", Fused((32, 8, 8)))])), rank=0)
+
+
+def test_zero_optimizer_partitions_load_into_without_the_model_section(tmp_path) -> None:
+    """The parameters a flat partition covers came from `into`'s model section: without one, the partition
+    was refused as covering 0 parameter elements. They come from the rules and the version, as for a
+    fresh build."""
+    from ckptrepo.layout import ParallelLayout, zero_partition
+    from ckptrepo.rules import Rules
+    repo = ckptrepo.init(str(tmp_path / "repo"))
+    rules = Rules([], optimizer_sections=("optimizer/exp_avg",))
+    model = {"a": torch.randn(8, 4), "b": torch.randn(5)}
+    repo.snapshot({"model": model, "optimizer": {"exp_avg": {k: v * 10 for k, v in model.items()}}}, step=1,
+                  parallel_layout=ParallelLayout(rules=rules))
+    layout = ParallelLayout(dp=2, zero=1, rules=rules)
+    fresh = repo.load("HEAD", parallel_layout=layout, rank=1)["optimizer"]["exp_avg"]
+    into = {"optimizer": {"exp_avg": torch.zeros(zero_partition(37, 2, 1)[2])}}
+    repo.load("HEAD", parallel_layout=layout, rank=1, into=into)
+    assert torch.equal(into["optimizer"]["exp_avg"], fresh) and fresh.abs().sum() > 0
