@@ -83,7 +83,7 @@ class Committer:
         staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
         staging.publish_rank(self.rank, part)
         if self.rank != 0:
-            staging.wait_outcome()
+            staging.wait_outcome(lambda: self._on_branch(job.vid))
             return version_from_manifest(self.repo.manifest(job.vid), (self.branch,))
         try:
             version = self._publish_merged(job, staging.gather_ranks())
@@ -92,6 +92,15 @@ class Committer:
             raise
         staging.publish_outcome(None)
         return version
+
+    def _on_branch(self, vid: str, depth: int = 1000) -> bool:
+        """Whether ``vid`` is on this snapshotter's branch: its tip or one of its last ``depth`` first parents."""
+        tip = self.repo.refs.branch_tip(self.branch)
+        for _ in range(depth):
+            if tip is None or tip == vid:
+                return tip == vid
+            tip = next(iter(self.repo.header(tip)["parents"]), None)
+        return False
 
     def _publish_merged(self, job: SnapshotJob, ranks: list[dict[str, Any]]) -> Version:
         """Rank 0: merge and check every rank's part into the version manifest, then publish it."""

@@ -18,7 +18,7 @@ no version appears, and every rank gets the error.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .boxes import Box, check_coverage
 from .errors import LayoutError, SnapshotFailedError
@@ -108,9 +108,11 @@ class Staging:
     def publish_outcome(self, error: str | None) -> None:
         self.store.put(f"{self.prefix}outcome", seal({"error": error}))
 
-    def wait_outcome(self) -> None:
-        """Other ranks: wait for rank 0's verdict; raise its error, or at the timeout."""
-        deadline = time.monotonic() + self.timeout_s + 30.0
+    def wait_outcome(self, landed: Callable[[], bool]) -> None:
+        """Other ranks: wait for rank 0's verdict; raise its error, or at the timeout unless ``landed()``
+        says the version is on its branch (rank 0 died between moving the ref and publishing its verdict)."""
+        grace = min(30.0, max(5.0, self.timeout_s))   # rank 0 waits timeout_s for the ranks, then merges
+        deadline = time.monotonic() + self.timeout_s + grace
         key = f"{self.prefix}outcome"
         while True:
             raw = self.store.get(key)
@@ -120,8 +122,10 @@ class Staging:
                     raise SnapshotFailedError(err)
                 return
             if time.monotonic() > deadline:
-                raise SnapshotFailedError(f"rank 0 did not commit or abort within {self.timeout_s + 30:.0f} s; "
-                                          f"the version may not exist: check `ckptrepo log`")
+                if landed():
+                    return
+                raise SnapshotFailedError(f"rank 0 did not commit or abort within {self.timeout_s + grace:.0f} s, "
+                                          f"and the version is not on the branch; it was not committed")
             time.sleep(POLL_S)
 
 

@@ -69,14 +69,15 @@ def resume(rank: int, layout: ParallelLayout, url: str, cfg: GPTConfig, vid: str
 
 
 def snapshot_and_die(rank: int, layout: ParallelLayout, url: str, cfg: GPTConfig, victim: int,
-                     queue: Any) -> None:
-    """Snapshot once (committed), then again with rank ``victim`` killed after its first shard write."""
+                     queue: Any, point: str = "after_shard_write") -> None:
+    """Snapshot once (committed), then again with rank ``victim`` killed at fault point ``point`` (by
+    default after its first shard write)."""
     state = shard_full(cfg, layout, rank, init_full_params(cfg))
     repo = ckptrepo.open(url)
     lay = with_rules(cfg, layout)
     first = repo.snapshot(state, step=1, parallel_layout=lay)
     if rank == victim:
-        faults.set_hook("after_shard_write", lambda _name: os._exit(17))
+        faults.set_hook(point, lambda _name: os._exit(17))
     with torch.no_grad():
         for t in state["model"].values():
             t.add_(1.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -122,8 +123,9 @@ def test_training_continues_after_a_reshard_like_the_unchanged_layout(saved: dic
     assert losses[0] == pytest.approx(v["losses"], rel=1e-5, abs=1e-6)
 
 
-def test_a_rank_killed_during_a_distributed_snapshot_leaves_no_version(tmp_path) -> None:
-    url = str(tmp_path / "repo")
+def _kill_during_snapshot(url: str, victim: int, point: str) -> tuple[list[Any], dict[int, tuple[str, str]]]:
+    """Four ranks snapshot twice; ``victim`` dies at ``point`` in the second. The processes and what the
+    survivors reported: (first version id, outcome of the second)."""
     ckptrepo.init(url)
     lay = ParallelLayout(2, 1, 2)
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
@@ -131,7 +133,7 @@ def test_a_rank_killed_during_a_distributed_snapshot_leaves_no_version(tmp_path)
     ctx = mp_context()
     results, reports = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, lay, store.port, results, snapshot_and_die,
-                                               (url, CFG, 1, reports)), daemon=True) for r in range(4)]
+                                               (url, CFG, victim, reports, point)), daemon=True) for r in range(4)]
     for p in procs:
         p.start()
     got = {}
@@ -148,6 +150,12 @@ def test_a_rank_killed_during_a_distributed_snapshot_leaves_no_version(tmp_path)
             p.join(10)
             if p.is_alive():
                 p.kill()
+    return procs, got
+
+
+def test_a_rank_killed_during_a_distributed_snapshot_leaves_no_version(tmp_path) -> None:
+    url = str(tmp_path / "repo")
+    procs, got = _kill_during_snapshot(url, 1, "after_shard_write")
     assert procs[1].exitcode == 17, "the victim did not die where planned"
     assert sorted(got) == [0, 2, 3]
     first = got[0][0]
@@ -219,3 +227,13 @@ def test_one_name_held_by_two_pipeline_stages_is_refused_not_kept_once(tmp_path)
     assert all("model/decoder.layers.0.w: pipeline stages 0 and 1 both hold a tensor of this name" in r
                for r in results), results
     assert ckptrepo.open(url).log() == []
+
+
+def test_rank_0_killed_after_moving_the_ref_leaves_the_others_told_it_committed(tmp_path) -> None:
+    """Rank 0 died between moving the branch and publishing its verdict: the version was committed, yet the
+    other ranks waited out the timeout and were told it "may not exist". They now look at the branch."""
+    url = str(tmp_path / "repo")
+    procs, got = _kill_during_snapshot(url, 0, "after_ref")
+    assert procs[0].exitcode == 17, "rank 0 did not die where planned"
+    assert sorted(got) == [1, 2, 3] and all(outcome == "committed" for _, outcome in got.values()), got
+    assert [v.step for v in ckptrepo.open(url).log()] == [2, 1]
