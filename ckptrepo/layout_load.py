@@ -25,11 +25,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from .binding import check_param_groups, fillable_array
 from .boxes import volume
 from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
-from .binding import check_param_groups, fillable_array
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str,
                         _path_str, flatten, is_dtensor, is_stateful, own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
@@ -222,7 +222,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     fresh = into is None
     if fresh:
         into = _build(manifest, tree, leaf_names, target, rank, shapes)
-    if not fresh:
+    else:
         _check_arrays(into, ())
     _, records = flatten(into)
     if not fresh:
