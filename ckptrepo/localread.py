@@ -187,13 +187,15 @@ class DirectReader:
         ``ROW_SCRATCH_BYTES`` at a time, and copied out once verified, while still in cache: a few
         copies of a cache-sized buffer instead of a Python loop over every chunk and every target in it.
         """
-        fd = self._open(info, c0 // (info.shard_elems // info.inner_elems))
+        s = c0 // (info.shard_elems // info.inner_elems)
+        fd = self._open(info, s)
         try:
-            self._read_task(info, fd, c0, c1, pieces)
+            self._read_task(info, fd, self._shard(info, s, fd), c0, c1, pieces)
         finally:
             os.close(fd)
 
-    def _read_task(self, info: ArrayInfo, fd: int, c0: int, c1: int, pieces: list[tuple[int, int, Any]]) -> None:
+    def _read_task(self, info: ArrayInfo, fd: int, shard: "_Shard", c0: int, c1: int,
+                   pieces: list[tuple[int, int, Any]]) -> None:
         inner, item, chunk_bytes = info.inner_elems, info.itemsize, info.inner_bytes
         step = max(1, ROW_SCRATCH_BYTES // chunk_bytes)   # chunks per scratch batch: one, if a chunk is bigger
         c, p = c0, 0
@@ -206,7 +208,7 @@ class DirectReader:
                 stop = min(c1, stop_elem // inner)
                 if stop > c:   # whole chunks of one plain target: straight into it
                     first = (lo - start) * item
-                    self._read_into(info, fd, c, stop, buf[first:first + (stop - c) * chunk_bytes])
+                    self._read_into(info, fd, shard, c, stop, buf[first:first + (stop - c) * chunk_bytes])
                     c = stop
                     continue
             stop = min(c1, c + step)
@@ -219,7 +221,7 @@ class DirectReader:
                     break
             hi = stop * inner
             scratch = _thread_scratch(step * chunk_bytes)
-            self._read_into(info, fd, c, stop, scratch[:(stop - c) * chunk_bytes])
+            self._read_into(info, fd, shard, c, stop, scratch[:(stop - c) * chunk_bytes])
             for a, b, buf in pieces[p:]:
                 if a >= hi:
                     break
@@ -231,14 +233,12 @@ class DirectReader:
                     buf.scatter(region, a2, b2)
             c = stop
 
-    def _read_into(self, info: ArrayInfo, fd: int, c0: int, c1: int, dest: np.ndarray) -> None:
-        """Read inner chunks ``[c0, c1)`` of one shard (open as ``fd``) into ``dest`` (their bytes back to
-        back), verified."""
+    def _read_into(self, info: ArrayInfo, fd: int, shard: "_Shard", c0: int, c1: int, dest: np.ndarray) -> None:
+        """Read inner chunks ``[c0, c1)`` of one shard (open as ``fd``, its index ``shard``) into ``dest``
+        (their bytes back to back), verified."""
         per_shard = info.shard_elems // info.inner_elems
-        s = c0 // per_shard
         chunk_bytes, n = info.inner_bytes, c1 - c0
-        shard = self._shard(info, s, fd)
-        k0 = c0 - s * per_shard
+        k0 = c0 % per_shard
         rows = dest.reshape(n, chunk_bytes)
         crcs = np.empty(4 * n, dtype=np.uint8)
         nbytes, stride = chunk_bytes + 4, shard.stride
@@ -253,7 +253,7 @@ class DirectReader:
             entries = shard.index[k0:k0 + n]
             bad = np.flatnonzero((entries[:, 0] == MISSING_CHUNK) | (entries[:, 1] != nbytes))
             if len(bad):
-                raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + int(bad[0])}")
+                raise Unexpected(f"{info.shard_key(c0 // per_shard)}: inner chunk {c0 + int(bad[0])}")
             iov, file_off, expect, size = [], -1, -1, 0
             for k, off in enumerate(entries[:, 0].tolist()):
                 if expect < off <= expect + _MAX_GAP and iov:   # padding after the previous chunk: read past it
@@ -270,7 +270,7 @@ class DirectReader:
         stored = crcs.view("<u4").tolist()
         for k in range(n):
             if crc32c(rows[k]) != stored[k]:
-                raise Unexpected(f"{info.shard_key(s)}: inner chunk {c0 + k} checksum")
+                raise Unexpected(f"{info.shard_key(c0 // per_shard)}: inner chunk {c0 + k} checksum")
 
 
 class _Shard:
