@@ -121,7 +121,7 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport,
     except CkptRepoError as err:
         report.errors.append(str(err))
         return
-    if head.branch is not None and head.version is None and manifests and head_ref_blocked(repo, head.branch):
+    if manifests and head_ref_blocked(repo, head):
         report.errors.append(head_branch_lost(head.branch, len(manifests)))
     if head.branch is None and missing(head.version):
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")

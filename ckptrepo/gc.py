@@ -27,6 +27,7 @@ from .errors import CorruptionError, RetentionError
 from .manifest import (DATA_PREFIX, FAILURES_PREFIX, HEADS_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, is_version_id,
                        version_id_time)
 from .manifest_reads import missing_manifest
+from .refs import Head
 
 PRUNED_PREFIX = "pruned/"
 DEFAULT_GRACE_S = 3600.0
@@ -182,17 +183,20 @@ def _reachable(repo: Any, starts: Sequence[str], facts: dict[str, "VersionFacts"
     return seen
 
 
-def head_ref_blocked(repo: Any, branch: str) -> bool:
-    """Whether something that is not a ref sits where HEAD's branch ref should be (a folder or a broken
-    symbolic link on a local store, keys under it on an object store): the ref was replaced, not never
-    created, so the branch's history would look unreachable and be collected."""
-    root = repo.store.local_root()
-    path = os.path.join(root, HEADS_PREFIX + branch) if root is not None else None
+def head_ref_blocked(repo: Any, head: Head) -> bool:
+    """Whether HEAD is on a branch that reads as having no versions because something that is not a ref
+    sits where its ref should be (a folder or a broken symbolic link on a local store, keys under it on an
+    object store): the ref was replaced, not never created, so the branch's history would look unreachable
+    and be collected."""
+    if head.branch is None or head.version is not None:
+        return False
+    key = HEADS_PREFIX + head.branch
+    path = repo.store.local_path(key)
     if path is not None and (os.path.isdir(path) or (os.path.islink(path) and not os.path.exists(path))):
         return True
     if path is not None and os.path.exists(path):   # a file: the ref, readable or damaged (named elsewhere)
         return False
-    return bool(repo.store.list(HEADS_PREFIX + branch + "/"))
+    return bool(repo.store.list(key + "/"))
 
 
 def head_branch_lost(branch: str, versions: int) -> str:
@@ -249,7 +253,7 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     head = repo.refs.head()
     facts = _facts(repo, {} if known is None else known)
     already_pruned = pruned_ids(repo)
-    if head.branch is not None and head.version is None and facts and head_ref_blocked(repo, head.branch):
+    if facts and head_ref_blocked(repo, head):
         raise CorruptionError(f"gc stopped before deleting anything: {head_branch_lost(head.branch, len(facts))}")
     reachable = _reachable(repo, _targets(branches, tags, head), facts)
 

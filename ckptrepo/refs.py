@@ -82,8 +82,8 @@ class Refs:
         cheaper on a local store (see ``Store.get``), and most callers only look."""
         raw, gen = self.store.get_with_generation(HEAD_KEY) if for_update else (self.store.get(HEAD_KEY), b"")
         if raw is None:
-            root = self.store.local_root()
-            if root is not None and os.path.isdir(os.path.join(root, HEAD_KEY)):
+            path = self.store.local_path(HEAD_KEY)
+            if path is not None and os.path.isdir(path):
                 raise CorruptionError(f"{HEAD_KEY} is a folder, not a ref; move it away, then `ckptrepo init "
                                       f"--exist-ok` writes HEAD again")
             raise CorruptionError(f"{HEAD_KEY} is missing (an init interrupted before writing it?); "

@@ -191,7 +191,7 @@ class Repository:
         h = self.refs.head()
         if h.damage is not None:
             raise CorruptionError(h.damage)
-        if h.version is None and h.branch is not None and head_ref_blocked(self, h.branch):
+        if head_ref_blocked(self, h):
             raise CorruptionError(head_branch_lost(h.branch, len(self.store.list(VERSIONS_PREFIX))))
         return h.version
 

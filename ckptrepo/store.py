@@ -232,7 +232,7 @@ class Store:
         data through the direct path (localread) otherwise pays for two small objects (HEAD, the ref).
         Anything unusual goes through TensorStore, which reports it.
         """
-        path = self._local_path(key)
+        path = self.local_path(key)
         if path is not None:
             try:
                 with open(path, "rb") as f:
@@ -247,8 +247,8 @@ class Store:
         value, _ = self.get_with_generation(key)
         return value
 
-    def _local_path(self, key: str) -> str | None:
-        """The file holding ``key`` on a local store, for keys TensorStore's file driver maps plainly."""
+    def local_path(self, key: str) -> str | None:
+        """The file holding ``key`` on a local store, for keys TensorStore's file driver maps plainly; else None."""
         root = self.local_root()
         if root is None or not key or key.endswith(_TS_LOCK_SUFFIX) or "\0" in key:
             return None
