@@ -60,8 +60,7 @@ def full_rules(rules: Rules | None) -> Rules | None:
     """The rules of an unsharded load: the same sections, every parameter whole and unpadded."""
     if rules is None:
         return None
-    return Rules([], rules.sections, rules.optimizer_sections, rules.layer_prefix, rules.num_layers,
-                 None, rules.first_stage, rules.last_stage, rules.param_shapes)
+    return rules.replaced(params=[], stage_sizes=None)
 
 
 def with_version_shapes(rules: Rules, manifest: dict[str, Any]) -> Rules:

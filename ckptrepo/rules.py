@@ -216,18 +216,24 @@ class Rules:
         self.param_shapes: dict[str, tuple[int, ...]] | None = (
             None if items is None else {str(n): tuple(int(d) for d in shape) for n, shape in items})
 
+    def replaced(self, **changes: Any) -> "Rules":
+        """A copy with the constructor arguments in ``changes`` replaced (``stage_sizes=None``, ...)."""
+        args = {"params": self.params, "sections": self.sections, "optimizer_sections": self.optimizer_sections,
+                "layer_prefix": self.layer_prefix, "num_layers": self.num_layers, "stage_sizes": self.stage_sizes,
+                "first_stage": self.first_stage, "last_stage": self.last_stage, "param_shapes": self.param_shapes}
+        args.update(changes)
+        return Rules(**args)
+
     def with_param_shapes(self, param_shapes: ParamShapes) -> "Rules":
         """The same rules with ``param_shapes`` (a loader fills them in from a version's tensor table)."""
-        return Rules(self.params, self.sections, self.optimizer_sections, self.layer_prefix, self.num_layers,
-                     self.stage_sizes, self.first_stage, self.last_stage, param_shapes)
+        return self.replaced(param_shapes=param_shapes)
 
     def for_pp(self, pp: int) -> "Rules":
         """These rules for ``pp`` pipeline stages: explicit stage sizes made for another stage count (a
         version's saved rules, loaded under a new layout) give way to the even split."""
         if self.stage_sizes is None or len(self.stage_sizes) == pp:
             return self
-        return Rules(self.params, self.sections, self.optimizer_sections, self.layer_prefix, self.num_layers,
-                     None, self.first_stage, self.last_stage, self.param_shapes)
+        return self.replaced(stage_sizes=None)
 
     def local_params(self, tp: int, tp_rank: int, pp: int, pp_rank: int) -> list[LocalParam]:
         """The parameters a rank holds, in model order: the layout of its ZeRO flat partitions.
