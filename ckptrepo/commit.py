@@ -99,7 +99,7 @@ class Committer:
         for _ in range(depth):
             if tip is None or tip == vid:
                 return tip == vid
-            tip = next(iter(self.repo.header(tip)["parents"]), None)
+            tip = self.repo.first_parent(tip)
         return False
 
     def _publish_merged(self, job: SnapshotJob, ranks: list[dict[str, Any]]) -> Version:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
+from .boxes import volume
 from .errors import CkptRepoError, CorruptionError
 from .lru import LruCache
 from .manifest import BULKY_FIELDS, VERSIONS_PREFIX, is_version_id, unseal, unseal_header, version_id_time
@@ -66,9 +67,7 @@ def _table_problem(m: dict[str, Any]) -> str | None:
             for p in t["pieces"]:
                 a = arrays.get(p["array"])
                 offs, sizes = p["box"]
-                n = 1
-                for size in sizes:
-                    n *= size
+                n = volume(sizes)
                 if a is None:
                     return f"tensor {t['name']} points into array {p['array']}, which it does not list"
                 if a["dtype"] != t["dtype"]:
@@ -77,9 +76,7 @@ def _table_problem(m: dict[str, Any]) -> str | None:
                         or p["offset"] < 0 or p["offset"] + n > a["numel"]:
                     return f"a piece of tensor {t['name']} lies outside its box or array {p['array']}"
                 covered += n
-            total = 1
-            for size in t["shape"]:
-                total *= size
+            total = volume(t["shape"])
             if covered != total:
                 return f"the pieces of tensor {t['name']} hold {covered} of its {total} elements"
     except (KeyError, TypeError, ValueError, AttributeError) as err:
