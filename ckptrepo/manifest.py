@@ -59,6 +59,11 @@ def version_id_time(vid: str) -> float | None:
         return None
 
 
+def msgpack_int(v: int) -> bool:
+    """Whether msgpack (the manifest's encoding) stores ``v`` as an integer: int64 through uint64."""
+    return -(1 << 63) <= v < (1 << 64)
+
+
 def seal(payload: dict[str, Any]) -> bytes:
     """msgpack ``payload`` and append its crc32c."""
     body = msgpack.packb(payload, use_bin_type=True)
@@ -180,7 +185,7 @@ def plain_metrics(metrics: Any) -> dict[str, Any]:
             v = v.item()
         if not isinstance(v, (int, float, str, bool)) and v is not None:
             raise UnsupportedValueError(f"metric {k!r} must be a number or string, not {type(v).__name__}")
-        if isinstance(v, int) and not -(1 << 63) <= v < (1 << 64):
+        if isinstance(v, int) and not msgpack_int(v):
             raise UnsupportedValueError(f"metric {k!r} = {v} does not fit in 64 bits; store it as a float or a string")
         out[_text(str(k), f"metric name {k!r}")] = _text(v, f"metric {k!r}") if isinstance(v, str) else v
     return out

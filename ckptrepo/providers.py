@@ -18,11 +18,10 @@ import numpy as np
 import torch
 
 from .errors import UnsupportedValueError
-
+from .manifest import msgpack_int
 from .skeleton import (BIGINT, DICT, DTYPE, LIST, NDARRAY, NPGEN, NPSCALAR, ODICT, SCALAR, SIZE, STATEFUL,  # noqa: F401
                        TENSOR, TUPLE, bigint_text, bigint_value, key_value, numel)
 
-_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 # Containers nested deeper than this are refused at flatten, naming the path: the manifest's msgpack stops at
 # 511 levels (three a dict), which used to fail the commit after the data was written; a container that holds
 # itself used to end in a bare RecursionError.
@@ -170,7 +169,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             return [SCALAR, obj]
         if isinstance(obj, int):
             obj = int(obj)  # IntEnum and friends are stored as their value
-            return [SCALAR, obj] if _INT64_MIN <= obj <= _UINT64_MAX else [BIGINT, bigint_text(obj)]
+            return [SCALAR, obj] if msgpack_int(obj) else [BIGINT, bigint_text(obj)]
         if isinstance(obj, torch.Tensor):
             return [TENSOR, add_tensor(obj, path)]
         if isinstance(obj, np.ndarray):
