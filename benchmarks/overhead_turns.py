@@ -62,6 +62,7 @@ def run_turns(modes: list[str], every: int, args: argparse.Namespace,
                 mode.checkpoint(step_no, loss)
             step_no += 1
         mode.drain()
+        trainer.sync()
         return time.perf_counter() - t0
 
     try:
@@ -140,7 +141,7 @@ def print_turns(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     console = Console(width=200)
     table = Table(title=f"Checkpoint cost measured in turns: {meta['state_mb']:.0f} MB state "
                         f"({meta['params_m']:.1f} M params + AdamW moments), {meta['threads']} torch threads, "
-                        f"{meta['cpus']} CPUs",
+                        f"{meta['cpus']} CPUs, on {meta['device']}",
                   caption="One training loop; each round every mode (and the baseline) trains one turn, in rotating "
                           "order; a turn ends when its checkpoints are durable. overhead/ckpt: mean over rounds of "
                           "(mode's turn - baseline's turn in the same round) / checkpoints per turn, ± 95 % half-width. "

@@ -88,6 +88,11 @@ MB = 1e6
 
 # ---------------------------------------------------------------- model and loop
 
+def device_name(device: str) -> str:
+    """The device in words, for the table's header (a GPU's model name)."""
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
+
+
 def gpt_numel(n_layer: int, n_embd: int, vocab: int, block: int) -> int:
     """Parameters of TinyGPT (head tied to the token embedding)."""
     per_layer = 2 * 2 * n_embd + (3 * n_embd * n_embd + 3 * n_embd) + (n_embd * n_embd + n_embd) \
@@ -109,20 +114,26 @@ class Trainer:
         torch.manual_seed(args.seed)
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
-        self.model = TinyGPT(cfg)
+        self.device = torch.device(args.device)
+        self.model = TinyGPT(cfg).to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-        self.gen = torch.Generator().manual_seed(args.seed + 1)
+        self.gen = torch.Generator(device=self.device).manual_seed(args.seed + 1)
         self.args = args
 
     def step(self) -> torch.Tensor:
         a = self.args
-        x = torch.randint(0, a.vocab, (a.batch_size, a.block_size), generator=self.gen)
-        y = torch.randint(0, a.vocab, (a.batch_size, a.block_size), generator=self.gen)
+        x = torch.randint(0, a.vocab, (a.batch_size, a.block_size), generator=self.gen, device=self.device)
+        y = torch.randint(0, a.vocab, (a.batch_size, a.block_size), generator=self.gen, device=self.device)
         _, loss = self.model(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
         return loss
+
+    def sync(self) -> None:
+        """Wait for the GPU's queued steps, so that a host clock read after it counts them."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def state_dicts(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
@@ -397,12 +408,14 @@ def run_mode(mode_name: str, every: int, args: argparse.Namespace) -> dict[str, 
         for i in range(args.steps):
             ts = time.perf_counter()
             loss = trainer.step()
+            trainer.sync()
             step_times.append(time.perf_counter() - ts)
             if mode_name != "none" and i % every == 0:
                 mode.checkpoint(i, loss)
                 n_ckpt += 1
         t_loop = time.perf_counter() - t0
         mode.drain()
+        trainer.sync()
         wall = time.perf_counter() - t0
         cpu = cpu_time() - c0
         foreign = max(0.0, system_busy() - s0 - cpu)  # other processes, and kernel threads (writeback)
@@ -508,7 +521,7 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
     console = Console(width=200)
     table = Table(title=f"Training-loop cost of checkpointing: {meta['state_mb']:.0f} MB state "
                         f"({meta['params_m']:.1f} M params + AdamW moments), {meta['steps']} steps, "
-                        f"{meta['threads']} torch threads, {meta['cpus']} CPUs",
+                        f"{meta['threads']} torch threads, {meta['cpus']} CPUs, on {meta['device']}",
                   caption=f"baseline (no checkpoint): wall {summary['baseline_wall_s']:.2f} s (fastest of runs: "
                           + ", ".join(f"{w:.2f}" for w in summary["baseline_walls_s"])
                           + f"), median step {summary['baseline_step_s_median']:.3f} s. "
@@ -587,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=64, help="sequence length")
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu, or cuda (the GPU path: pinned "
+                   "staging, side-stream copies)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
     p.add_argument("--host-memory", default="8GiB", help="ckptrepo staging pool bound")
     p.add_argument("--dcp-cache-staged", action="store_true",
@@ -616,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"steps": args.steps, "every": args.every, "threads": args.threads, "cpus": os.cpu_count(),
             "params_m": numel / 1e6, "state_mb": state_b / MB, "n_layer": args.n_layer, "n_embd": args.n_embd,
             "n_head": args.n_head, "vocab": args.vocab, "block_size": args.block_size,
-            "batch_size": args.batch_size, "host_memory": args.host_memory, "torch": torch.__version__,
+            "batch_size": args.batch_size, "device": device_name(args.device), "host_memory": args.host_memory, "torch": torch.__version__,
             "ckptrepo": ckptrepo.__version__, "dir": args.dir, "warmup": args.warmup,
             "warmup_checkpoint": args.warmup_checkpoint, "dcp_cache_staged": args.dcp_cache_staged,
             "loadavg_start": os.getloadavg()}
@@ -626,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                 else f"{args.steps} steps")
         print(f"state {state_b / MB:.0f} MB ({numel / 1e6:.1f} M params, n_layer={args.n_layer}, "
               f"n_embd={args.n_embd}); {plan}, every {args.every}, {args.threads} threads; "
-              f"DCP process group: {meta['process_group']}; dir {args.dir}", flush=True)
+              f"on {meta['device']}; DCP process group: {meta['process_group']}; dir {args.dir}", flush=True)
         if args.rounds:
             summaries = []
             for every in args.every:
