@@ -473,6 +473,8 @@ class Snapshotter:
         cuda = bool(job.ready)
         if cuda and self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
+        if cuda and self.pool.pin:   # the buffers this capture would otherwise pin one by one on its way (see StagingPool)
+            self.pool.grow_in_background(len(plan.segments))
 
         def source(i: int) -> torch.Tensor:   # i: index in the plan (of the written records)
             t = flat.get(i)

@@ -159,6 +159,14 @@ class StagingPool:
     With ``align``, each buffer starts at a multiple of ``align`` bytes (it is
     allocated ``align`` bytes larger and sliced; pinned buffers too), so that
     it can be written with ``O_DIRECT`` as it is.
+
+    Pinning is slow: a 64 MiB pinned buffer costs 40-60 ms to allocate (about
+    1 GB/s on an H100 machine), against ~1.3 ms to fill it from the GPU. A pool
+    that grew only when ``take`` found none free kept allocating inside the
+    capture of snapshot after snapshot (the writes give buffers back, so each
+    capture ran short by a few): 4 GB captured at 6 GB/s on the third snapshot
+    instead of 50. ``grow_in_background`` allocates what one snapshot needs in a
+    thread of its own instead, once.
     """
 
     def __init__(self, buffer_bytes: int, max_buffers: int, pin: bool = False, align: int = 0) -> None:
@@ -169,6 +177,7 @@ class StagingPool:
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._cv = threading.Condition()
+        self._growing: threading.Thread | None = None
 
     def take(self) -> torch.Tensor:
         with self._cv:
@@ -177,21 +186,65 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._allocated += 1
-        return aligned_empty(self.buffer_bytes, self.align, pin=self.pin)
+        try:
+            return aligned_empty(self.buffer_bytes, self.align, pin=self.pin)
+        except BaseException:
+            with self._cv:
+                self._allocated -= 1
+                self._cv.notify()
+            raise
 
     def give(self, buf: torch.Tensor) -> None:
         with self._cv:
             self._free.append(buf)
             self._cv.notify()
 
+    def grow_in_background(self, buffers: int) -> None:
+        """Allocate buffers, in a daemon thread, until ``buffers`` (at most the bound) exist; no-op while a
+        growth is under way or when there are enough. A failed allocation (pinned memory runs out) stops the
+        growth quietly: ``take`` then allocates, or raises, where the capture needs the buffer."""
+        with self._cv:
+            if self._allocated >= min(buffers, self.max_buffers) or self._growing is not None:
+                return
+            self._growing = threading.Thread(target=self._grow, args=(buffers,), name="ckptrepo-pool", daemon=True)
+            self._growing.start()
+
+    def _grow(self, buffers: int) -> None:
+        try:
+            while True:
+                with self._cv:
+                    if self._allocated >= min(buffers, self.max_buffers):
+                        return
+                    self._allocated += 1
+                try:
+                    buf = aligned_empty(self.buffer_bytes, self.align, pin=self.pin)
+                except BaseException:  # noqa: BLE001 - take() meets the same failure where it matters
+                    with self._cv:
+                        self._allocated -= 1
+                        self._cv.notify()
+                    return
+                self.give(buf)
+        finally:
+            with self._cv:
+                self._growing = None
+
     @property
     def allocated_bytes(self) -> int:
-        return self._allocated * (self.buffer_bytes + self.align)
+        return self._allocated * (self.buffer_bytes + (0 if self.pin else self.align))
 
 
 def aligned_empty(nbytes: int, align: int, pin: bool = False) -> torch.Tensor:
-    """``nbytes`` uninitialised bytes starting at a multiple of ``align`` (0: anywhere): ``align`` bytes more
-    are allocated and sliced, which works for pinned memory too."""
+    """``nbytes`` uninitialised bytes starting at a multiple of ``align`` (0: anywhere).
+
+    Pageable memory is allocated ``align`` bytes larger and sliced. Pinned memory is page-aligned as it comes
+    (cudaHostAlloc), and is allocated at its exact size where that suffices: torch's pinned allocator rounds
+    every request up to a power of two, so 64 MiB and one page more would pin 128 MiB.
+    """
+    if pin and align:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if buf.data_ptr() % align == 0:
+            return buf
+        del buf
     buf = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
     skip = (-buf.data_ptr()) % align if align else 0
     return buf[skip:skip + nbytes]
@@ -358,9 +411,7 @@ def _byte_rows(tensor: torch.Tensor) -> np.ndarray | None:
     if tensor.dim() == 0 or tensor.stride(-1) != 1 or any(s < 0 for s in tensor.stride()):
         return None
     arr = tensor.view(torch.uint8).numpy()
-    view = arr.view()
     try:
-        view.shape = (-1, arr.shape[-1])   # raises rather than copy when the leading dims do not merge
-    except AttributeError:
+        return arr.reshape((-1, arr.shape[-1]), copy=False)   # raises rather than copy if the leading dims split
+    except ValueError:
         return None
-    return view

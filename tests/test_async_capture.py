@@ -127,6 +127,27 @@ def test_several_snapshots_in_flight_commit_in_order(repo):
     assert [h.result().id for h in handles] == [v.id for v in reversed(log)]
 
 
+def test_a_pool_grown_in_the_background_stays_within_its_bound():
+    """grow_in_background allocates up to what it is asked for and never past the pool's bound, alongside take()
+    allocating for itself; every buffer it makes is handed out once."""
+    from ckptrepo.writer import StagingPool
+    pool = StagingPool(1 << 16, 5, align=4096)
+    taken = [pool.take()]
+    pool.grow_in_background(3)
+    deadline = time.monotonic() + 30
+    while pool._growing is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool._allocated == 3 and len(pool._free) == 2
+    pool.grow_in_background(50)                     # bounded by max_buffers
+    while pool._growing is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    taken += [pool.take() for _ in range(4)]
+    assert pool._allocated == 5 and not pool._free
+    assert len({b.data_ptr() for b in taken}) == 5 and all(b.data_ptr() % 4096 == 0 for b in taken)
+    pool.grow_in_background(5)                      # enough exist: nothing starts
+    assert pool._growing is None
+
+
 def test_backpressure_with_a_pool_smaller_than_one_snapshot(repo):
     g = torch.Generator().manual_seed(1)
     state = {f"t{i}": torch.randn(1 << 20, generator=g) for i in range(8)}   # 32 MiB
