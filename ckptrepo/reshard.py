@@ -237,12 +237,10 @@ class _RowTarget:
             return None
         target = dest
         if nd > 2:
-            flat = target.view()
-            try:
-                flat.shape = (n_all, length * info.itemsize)   # only if the leading dims collapse: no copy
-            except AttributeError:
+            try:   # only if the leading dims collapse: no copy
+                target = target.reshape((n_all, length * info.itemsize), copy=False)
+            except ValueError:
                 return None
-            target = flat
         return cls(target[r0:r1], first + r0 * step, step, info.itemsize)
 
     def scatter(self, src: np.ndarray, a: int, b: int) -> None:
