@@ -61,6 +61,7 @@ from .localwrite import DirectWriter, LiveShard
 from .manifest import (DATA_PREFIX, Version, checked_message, checked_step, new_version_id, plain_metrics,
                        version_id_time)
 from .providers import TensorRecord, flatten, is_stateful
+from .replicas import fingerprints
 from .sharding import Piece, Sharder, ShardedState, column_blocks
 from .snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from .writer import (LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, fill_segment, live_residues,
@@ -215,7 +216,9 @@ class Snapshotter:
             vid, records, boxes, leaf_names, names = self._shard(records, local)
         handle = SnapshotHandle(vid, step)
         job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0,
-                   leaf_names=leaf_names, names=names, boxes=boxes, keys=keys)
+                   leaf_names=leaf_names, names=names, boxes=boxes, keys=keys,
+                   replicas=[] if local is None else [(p.name, p.box[0], p.view) for p in local[0].pieces
+                                                      if p.replicated])
         # a CPU state to a local store with O_DIRECT is written from where it is (not for CUDA tensors: their
         # bytes must come to the host anyway, and whole-segment DMAs into pinned staging are the cheap way)
         job.live = self._direct is not None and self._direct.direct_io and not any(r.tensor.is_cuda for r in records)
@@ -475,6 +478,12 @@ class Snapshotter:
             self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
         if cuda and self.pool.pin:   # the buffers this capture would otherwise pin one by one on its way (see StagingPool)
             self.pool.grow_in_background(len(plan.segments))
+        if job.replicas:   # read before the state may change again; a CUDA one once the training stream is done
+            with torch.cuda.stream(self._side_stream) if cuda else contextlib.nullcontext():
+                for ev in job.ready:
+                    self._side_stream.wait_event(ev)
+                job.fingerprints = fingerprints(job.replicas)
+            job.replicas = []
 
         def source(i: int) -> torch.Tensor:   # i: index in the plan (of the written records)
             t = flat.get(i)

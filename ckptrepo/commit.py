@@ -19,6 +19,7 @@ from . import faults
 from .arrays import ArrayInfo
 from .dedup import StoredTensor
 from .distributed import Staging, merge_rank_manifests
+from .replicas import check_replicas
 from .errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
 from .layout import ParallelLayout
 from .manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal, version_from_manifest
@@ -77,7 +78,7 @@ class Committer:
             "coords": vars(self.layout.coords(self.rank)) if self.layout is not None else None,
             "tensors": [{"name": r.name, "pieces": [{"box": box, "array": job.arrays[p.dtype].key, "offset": p.offset}]}
                         for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel],
-            "arrays": {a.key: a.to_json() for a in job.arrays.values()}}
+            "arrays": {a.key: a.to_json() for a in job.arrays.values()}, "fingerprints": job.fingerprints}
         if not self.distributed:
             return self._publish_merged(job, [part])
         staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
@@ -110,6 +111,7 @@ class Committer:
             raise SnapshotFailedError(f"the ranks disagree about the step: rank {self.rank} snapshots step "
                                       f"{job.handle.step}, rank {other} step {steps[other]}; pass every rank the "
                                       f"same step")
+        check_replicas(ranks)
         manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
         manifest.update(version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics))
         return self._publish(job, manifest)

@@ -31,7 +31,7 @@ from .boxes import Box, flat_boxes, intersect, slices, volume
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
 from .providers import DTYPE_NAMES, TensorRecord, is_dtensor
-from .rules import Region, Rules, Spec, global_shape, local_shape, regions
+from .rules import Region, Replicated, Rules, Spec, global_shape, local_shape, regions
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Piece:
     box: Box
     view: torch.Tensor
     cut_dim: int | None = None   # a dimension other layouts slice across rows (see column_blocks)
+    replicated: bool = False     # the rules replicate it over tensor-parallel ranks: fingerprinted (replicas.py)
 
 
 @dataclass
@@ -211,8 +212,10 @@ class Sharder:
                 if section == self.rules.model_section:
                     params.append((gparam, tuple(t.shape), spec, gshape))
                 regs = regions(spec, gshape, self.layout.tp, self.coords.tp)
+                replicated = isinstance(spec, Replicated) and self.layout.tp > 1
                 for lo, go, sz in regs:
-                    out.pieces.append(Piece(name, rec.dtype, gshape, (go, sz), t[slices(lo, sz)], _spec_cut_dim(spec)))
+                    out.pieces.append(Piece(name, rec.dtype, gshape, (go, sz), t[slices(lo, sz)], _spec_cut_dim(spec),
+                                            replicated))
                 if sum(volume(sz) for _, _, sz in regs) != t.numel():
                     out.partial.append(i)
                 continue

@@ -93,6 +93,10 @@ class SnapshotJob:
     names: list[list[Any]] = field(default_factory=list)    # sharded: [name, dtype, global shape] this rank holds
     boxes: list[Any] = field(default_factory=list)          # sharded: the global box of each record (piece)
     ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
+    # sharded: the pieces the rules replicate over tensor-parallel ranks, (name, box offsets, view), until the
+    # capture thread turns them into fingerprints that rank 0 compares across ranks (replicas.py)
+    replicas: list[Any] = field(default_factory=list)
+    fingerprints: list[Any] = field(default_factory=list)
     # dedup (single process, CPU tensors): see dedup.py
     keys: list[DedupKey | None] = field(default_factory=list)   # per record; None: never deduped nor hashed
     match: dict[int, StoredTensor] = field(default_factory=dict)      # record -> last committed tensor with its key

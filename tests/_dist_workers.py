@@ -114,6 +114,19 @@ def snapshot_split_state(rank: int, layout: ParallelLayout, url: str, seed: int)
     return ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay).id
 
 
+def snapshot_without_the_split_rule(rank: int, layout: ParallelLayout, url: str) -> str:
+    """This tensor-parallel rank's shards of ``split_state(0)`` under rules that know only the norm: the column-
+    parallel weight falls to the default (replicated). Returns the outcome on this rank."""
+    full = split_state(0)
+    local = {"col.weight": full["col.weight"].chunk(layout.tp)[rank].clone(), "norm.weight": full["norm.weight"]}
+    lay = ParallelLayout(tp=layout.tp, rules=Rules([("norm.weight", Replicated())]))
+    try:
+        ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay)
+    except ckptrepo.errors.CkptRepoError as err:
+        return f"{type(err).__name__}: {err}"
+    return "committed"
+
+
 UNEVEN_LAYERS = 4
 
 

@@ -190,6 +190,49 @@ def test_snapshots_the_ranks_disagree_about_fail_on_every_rank_and_leave_no_vers
     assert [v.step for v in repo.log()] == [0] and repo.fsck().ok
 
 
+def test_a_tensor_parallel_shard_the_rules_take_for_a_replica_is_refused_not_half_lost(tmp_path) -> None:
+    """A weight no rule matches is replicated by default; when the tensor-parallel ranks hold different shards
+    of it, only one copy was written and the version loaded half a weight, silently. The ranks' fingerprints
+    of their copies now disagree at the commit: no version, and every rank is told which tensor and why."""
+    from _dist_workers import snapshot_without_the_split_rule
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    results = launch(ParallelLayout(tp=2), snapshot_without_the_split_rule, url)
+    for out in results:
+        assert "model/col.weight: ranks 0 and 1 hold different values of it, but the layout's rules replicate it " \
+               "over tensor-parallel ranks" in out and "Split(0)" in out, results
+    repo = ckptrepo.open(url)
+    assert repo.log() == [] and repo.fsck().ok
+
+
+def test_replica_fingerprints_sample_any_size_and_dtype() -> None:
+    """Equal copies agree; a change at the start, the middle or the end of a big tensor, a different size, or
+    any change in a small one is told apart; bfloat16, bool and 0-d tensors are fingerprinted."""
+    from ckptrepo.replicas import WINDOW_ELEMS, check_replicas, fingerprint
+    from ckptrepo.errors import LayoutError
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(10 * WINDOW_ELEMS + 7, generator=g)
+    assert fingerprint(big) == fingerprint(big.clone())
+    n = big.numel()
+    for i in (0, (n - WINDOW_ELEMS) // 2 + 5, n - 1):
+        other = big.clone()
+        other[i] += 1
+        assert fingerprint(other) != fingerprint(big), i
+    assert fingerprint(big[:-1]) != fingerprint(big)
+    small = torch.randn(3, 5, generator=g).bfloat16()
+    changed = small.clone()
+    changed[1, 2] = 0
+    assert fingerprint(small) != fingerprint(changed)
+    assert fingerprint(small.t()) != fingerprint(small)        # the same bytes in another row-major order
+    for t in (torch.tensor(True), torch.zeros(0, 4), torch.tensor(2.5, dtype=torch.float64)):
+        assert isinstance(fingerprint(t), int)
+    check_replicas([{"rank": 0, "fingerprints": [["w", [0], 1]]}, {"rank": 1, "fingerprints": [["w", [0], 1]]},
+                    {"rank": 2}])
+    with pytest.raises(LayoutError, match=r"^w: ranks 0 and 2 hold different values"):
+        check_replicas([{"rank": 0, "fingerprints": [["w", [0], 1]]}, {"rank": 1, "fingerprints": [["v", [0], 2]]},
+                        {"rank": 2, "fingerprints": [["w", [0], 3]]}])
+
+
 def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
     """Equal total volume is not coverage: a stray piece must not make up for a missing one."""
     from ckptrepo.boxes import check_coverage
