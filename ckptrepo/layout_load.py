@@ -14,6 +14,9 @@ from the saved rank with the same number when the layout is unchanged; when it
 changed, from saved rank ``rank % saved_world_size``, with a warning naming
 them, because their meaning (whose random stream?) depends on the layout.
 An unsharded load (no layout given) takes saved rank 0's, without a warning.
+Per-rank state held only by saved ranks that no target rank takes from (a
+loss scaler on the last pipeline stage, loaded into one process) is dropped,
+with a warning either way.
 """
 from __future__ import annotations
 
@@ -101,6 +104,24 @@ def per_rank_values(manifest: dict[str, Any]) -> list[str]:
         return []
     paths = set().union(*trees)
     return sorted(p for p in paths if len({t.get(p) for t in trees}) > 1)
+
+
+def per_rank_paths(manifest: dict[str, Any], rank: int) -> set[str]:
+    """The paths of saved ``rank``'s per-rank state: its plain values and its tensors stored per rank."""
+    tree, leaf_names = rank_tree(manifest, rank)
+    return {p for p, _ in _values(tree, "")} | {n.rsplit("@rank", 1)[0] for n in leaf_names if "@rank" in n}
+
+
+def unloaded_state(manifest: dict[str, Any], target_world: int) -> tuple[list[int], list[str]]:
+    """The saved ranks no rank of a ``target_world``-rank load takes per-rank state from (rank r takes saved
+    rank ``r % saved world``), and the paths only they hold: state such a load drops, e.g. a loss scaler kept
+    on the last pipeline stage alone, loaded into fewer stages."""
+    world = saved_world(manifest)
+    if world < 2 or target_world >= world:
+        return [], []
+    used = set().union(*(per_rank_paths(manifest, r) for r in range(target_world)))
+    skipped = list(range(target_world, world))
+    return skipped, sorted(set().union(*(per_rank_paths(manifest, r) for r in skipped)) - used)
 
 
 def _values(node: Any, path: str) -> Iterator[tuple[str, str]]:
@@ -237,12 +258,18 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
         _check_dtypes(sharded.pieces, shapes)
     # an unsharded load (no layout) takes saved rank 0's, as documented; DTensors under a process group do not
     if changed and (layout is not None or target.world_size > 1):
-        moved = sorted({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n}
-                       | set(per_rank_values(manifest)))
+        moved = sorted(({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n}
+                        | set(per_rank_values(manifest))) & per_rank_paths(manifest, tmpl))
         if moved:
             warnings.warn(f"layout changed ({_layout_str(manifest)} -> {target}): per-rank state "
-                          f"{', '.join(moved[:4])}{' ...' if len(moved) > 4 else ''} of rank {rank} comes from saved "
-                          f"rank {tmpl}; re-seed it if it must differ per rank", stacklevel=3)
+                          f"{_some(moved)} of rank {rank} comes from saved rank {tmpl}; re-seed it if it must differ "
+                          f"per rank", stacklevel=3)
+    skipped, dropped = unloaded_state(manifest, target.world_size)
+    if dropped:   # not silent, an unsharded load's either
+        warnings.warn(f"saved rank{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))} of "
+                      f"{_layout_str(manifest)} hold{'' if len(skipped) > 1 else 's'} per-rank state {_some(dropped)} that no rank of {target} "
+                      f"loads (rank r takes saved rank r % {world}'s); load with the saved layout and rank= to get "
+                      f"it", stacklevel=3)
     for i in sharded.partial:          # padding rows and ZeRO tail padding load as zeros
         records[i].tensor.zero_()
     read_pieces(store, manifest, sharded.pieces, stats)
@@ -278,6 +305,10 @@ def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: dict[str, A
                       f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; each rank gets other "
                       f"slices than the model that saved them held; load without rules to use the saved ones",
                       stacklevel=3)
+
+
+def _some(paths: list[str], shown: int = 4) -> str:
+    return ", ".join(paths[:shown]) + (" ..." if len(paths) > shown else "")
 
 
 def _layout_str(manifest: dict[str, Any]) -> str:

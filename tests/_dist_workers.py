@@ -127,6 +127,15 @@ def snapshot_without_the_split_rule(rank: int, layout: ParallelLayout, url: str)
     return "committed"
 
 
+def snapshot_with_a_last_stage_scaler(rank: int, layout: ParallelLayout, url: str) -> str:
+    """Two pipeline stages; the last alone keeps a loss scaler (a float and a tensor); each has its own seed."""
+    rules = Rules([("*.w", Split(0))], num_layers=2)
+    state: dict[str, Any] = {"model": {"layers.0.w": torch.full((4, 4), float(rank))}, "seed": 100 + rank}
+    if rank == layout.pp - 1:
+        state["scaler"] = {"scale": 65536.0, "growth": torch.tensor([7])}
+    return ckptrepo.open(url).snapshot(state, step=1, parallel_layout=ParallelLayout(pp=layout.pp, rules=rules)).id
+
+
 UNEVEN_LAYERS = 4
 
 

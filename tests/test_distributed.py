@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -231,6 +232,31 @@ def test_replica_fingerprints_sample_any_size_and_dtype() -> None:
     with pytest.raises(LayoutError, match=r"^w: ranks 0 and 2 hold different values"):
         check_replicas([{"rank": 0, "fingerprints": [["w", [0], 1]]}, {"rank": 1, "fingerprints": [["v", [0], 2]]},
                         {"rank": 2, "fingerprints": [["w", [0], 3]]}])
+
+
+def test_per_rank_state_only_a_dropped_saved_rank_holds_is_warned_about_not_misnamed(tmp_path) -> None:
+    """A loss scaler on the last of two pipeline stages, loaded into one process: no rank of that load takes
+    saved rank 1's per-rank state, so the scaler is not loaded. The warning said it "comes from saved rank 0"
+    (which has none), and an unsharded load said nothing."""
+    from _dist_workers import snapshot_with_a_last_stage_scaler
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    launch(ParallelLayout(pp=2), snapshot_with_a_last_stage_scaler, url)
+    repo = ckptrepo.open(url)
+    dropped = "saved rank 1 of tp=1 pp=2 dp=1 zero=0 holds per-rank state scaler/growth, scaler/scale that no rank"
+    for kwargs in ({}, {"parallel_layout": ParallelLayout(pp=1)}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = repo.load("HEAD", **kwargs)
+        texts = [str(w.message) for w in caught]
+        assert "scaler" not in out and out["seed"] == 100
+        assert any(dropped in t for t in texts), texts
+        assert not any("scaler" in t and "comes from saved rank 0" in t for t in texts), texts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # the saved layout: every rank its own state, nothing to warn about
+        last = repo.load("HEAD", parallel_layout=ParallelLayout(pp=2), rank=1)
+    assert last["scaler"]["scale"] == 65536.0 and torch.equal(last["scaler"]["growth"], torch.tensor([7]))
+    assert last["seed"] == 101
 
 
 def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
