@@ -60,7 +60,7 @@ from .layout import ParallelLayout
 from .localwrite import DirectWriter, LiveShard
 from .manifest import (DATA_PREFIX, Version, checked_message, checked_step, new_version_id, plain_metrics,
                        version_id_time)
-from .providers import TensorRecord, flatten, is_stateful
+from .providers import TensorRecord, flatten, is_dtensor, is_stateful
 from .replicas import fingerprints
 from .sharding import Piece, Sharder, ShardedState, column_blocks
 from .snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
@@ -202,11 +202,15 @@ class Snapshotter:
             self._wait_for_room()
             step, message, metrics = checked_step(step), checked_message(message), plain_metrics(metrics)
             skeleton, records = flatten(state)
+            # DTensors in a single process (a mesh of one device) are pieces of global tensors all the same: the
+            # fill paths below cannot read a tensor subclass's memory, and the version must hold them by their
+            # global names and shapes, as a larger mesh would
+            sharded = self.sharded or any(is_dtensor(r.tensor) for r in records)
             # of the live tensors, before buffer copies
-            keys = [dedup_key(r) for r in records] if self._dedup is not None else []
+            keys = [dedup_key(r) for r in records] if self._dedup is not None and not sharded else []
             self._bare_versions = _copy_what_forward_may_change(state, records, self._step_owned(),
                                                                 self._bare_versions)
-            local = self._local_pieces(records) if self.sharded else None
+            local = self._local_pieces(records) if sharded else None
         except Exception as err:
             if self.distributed:   # the other ranks are entering the collective: tell them, or they wait forever
                 self._exchange_pieces(None, err)
@@ -215,14 +219,14 @@ class Snapshotter:
         if local is not None:
             vid, records, boxes, leaf_names, names = self._shard(records, local)
         handle = SnapshotHandle(vid, step)
-        job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0,
+        job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0, sharded=local is not None,
                    leaf_names=leaf_names, names=names, boxes=boxes, keys=keys,
                    replicas=[] if local is None else [(p.name, p.box[0], p.view) for p in local[0].pieces
                                                       if p.replicated])
         # a CPU state to a local store with O_DIRECT is written from where it is (not for CUDA tensors: their
         # bytes must come to the host anyway, and whole-segment DMAs into pinned staging are the cheap way)
         job.live = self._direct is not None and self._direct.direct_io and not any(r.tensor.is_cuda for r in records)
-        if self._dedup is None or not self._dedup.match(job):
+        if self._dedup is None or job.sharded or not self._dedup.match(job):
             self._plan(job, list(range(len(records))))   # nothing can be reused: plan here, as without dedup
         devices = {r.tensor.device for r in records if r.tensor.device.type == "cuda"}
         for dev in devices:
@@ -652,7 +656,7 @@ class Snapshotter:
         if self._dedup is not None and job.reused:
             self._dedup.check_reused(self.repo.store, job)
         version = self._committer.commit(job)
-        if self._dedup is not None:
+        if self._dedup is not None and not job.sharded:
             self._dedup.remember(job)
         return version
 

@@ -57,7 +57,7 @@ class Committer:
 
     def commit(self, job: SnapshotJob) -> Version:
         """Commit the job's version (its data is durable); raises if it cannot be, and then nothing is visible."""
-        if self.sharded:
+        if self.sharded or job.sharded:
             return self._commit_sharded(job)
         assert job.plan is not None
         manifest = build_manifest(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.records,

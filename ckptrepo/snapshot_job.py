@@ -89,6 +89,7 @@ class SnapshotJob:
     message: str
     metrics: dict[str, Any]
     started: float
+    sharded: bool = False            # its records are pieces of global tensors (a layout, ranks, or DTensors)
     leaf_names: list[str] = field(default_factory=list)     # distributed: the stored name of each state tensor
     names: list[list[Any]] = field(default_factory=list)    # sharded: [name, dtype, global shape] this rank holds
     boxes: list[Any] = field(default_factory=list)          # sharded: the global box of each record (piece)
