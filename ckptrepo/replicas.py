@@ -52,9 +52,9 @@ def fingerprint(view: torch.Tensor) -> int:
     return h.intdigest()
 
 
-def fingerprints(replicas: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> list[list[Any]]:
-    """``[name, box offsets, fingerprint]`` of each replicated piece ``(name, box offsets, view)``."""
-    return [[name, list(offsets), fingerprint(view)] for name, offsets, view in replicas]
+def fingerprints(replicas: Sequence[tuple[str, Any, torch.Tensor]]) -> list[list[Any]]:
+    """``[name, box, fingerprint]`` of each replicated piece ``(name, box, view)``; a box is (offsets, sizes)."""
+    return [[name, [list(box[0]), list(box[1])], fingerprint(view)] for name, box, view in replicas]
 
 
 def check_replicas(ranks: Sequence[dict[str, Any]]) -> None:
@@ -63,10 +63,11 @@ def check_replicas(ranks: Sequence[dict[str, Any]]) -> None:
     ``ranks`` are the ranks' manifest parts; each may carry ``fingerprints`` (see :func:`fingerprints`).
     Raises LayoutError for the first piece the ranks disagree about.
     """
-    seen: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}   # piece -> (first rank, its fingerprint)
+    seen: dict[tuple[Any, ...], tuple[int, int]] = {}   # piece -> (first rank, its fingerprint)
     for part in ranks:
-        for name, offsets, fp in part.get("fingerprints", ()):
-            key = (name, tuple(offsets))
+        # the same box on several ranks: ZeRO partitions may cut one tensor at other places on other ranks
+        for name, box, fp in part.get("fingerprints", ()):
+            key = (name, tuple(box[0]), tuple(box[1]))
             first = seen.setdefault(key, (part["rank"], fp))
             if first[1] != fp:
                 raise LayoutError(

@@ -306,6 +306,7 @@ class Sharder:
             lo, hi = max(start, base), min(stop, base + n)
             if lo < hi:
                 regs: list[Region] = regions(spec, gshape, lay.tp, c.tp)
+                replicated = isinstance(spec, Replicated) and lay.tp > 1
                 for fstart, box in flat_boxes(shape, lo - base, hi - base):
                     at = base + fstart - start
                     boxview = flat[at:at + volume(box[1])].view(box[1])
@@ -316,7 +317,7 @@ class Sharder:
                         rel = tuple(p - b for p, b in zip(part[0], box[0]))
                         gbox = (tuple(g + p - r for g, p, r in zip(rgo, part[0], rlo)), part[1])
                         out.append(Piece(f"{section}/{gparam}", dtype, gshape, gbox, boxview[slices(rel, part[1])],
-                                         _spec_cut_dim(spec)))
+                                         _spec_cut_dim(spec), replicated))
             base += n
         return out
 

@@ -114,14 +114,20 @@ def snapshot_split_state(rank: int, layout: ParallelLayout, url: str, seed: int)
     return ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay).id
 
 
-def snapshot_without_the_split_rule(rank: int, layout: ParallelLayout, url: str) -> str:
+def snapshot_without_the_split_rule(rank: int, layout: ParallelLayout, url: str, zero: int) -> str:
     """This tensor-parallel rank's shards of ``split_state(0)`` under rules that know only the norm: the column-
-    parallel weight falls to the default (replicated). Returns the outcome on this rank."""
+    parallel weight falls to the default (replicated). ``zero=3``: the same in a ZeRO-3 flat partition. Returns
+    the outcome on this rank."""
     full = split_state(0)
     local = {"col.weight": full["col.weight"].chunk(layout.tp)[rank].clone(), "norm.weight": full["norm.weight"]}
-    lay = ParallelLayout(tp=layout.tp, rules=Rules([("norm.weight", Replicated())]))
+    rules = Rules([("norm.weight", Replicated())])
+    state: dict[str, Any] = {"model": local}
+    if zero == 3:   # the rank's parameters as one flat partition; the shapes listed as the rank holds them
+        rules = rules.with_param_shapes([(n, tuple(t.shape)) for n, t in local.items()])
+        state = {"model": torch.cat([t.reshape(-1) for t in local.values()])}
+    lay = ParallelLayout(tp=layout.tp, zero=zero, rules=rules)
     try:
-        ckptrepo.open(url).snapshot({"model": local}, step=1, parallel_layout=lay)
+        ckptrepo.open(url).snapshot(state, step=1, parallel_layout=lay)
     except ckptrepo.errors.CkptRepoError as err:
         return f"{type(err).__name__}: {err}"
     return "committed"

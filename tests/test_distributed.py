@@ -191,14 +191,16 @@ def test_snapshots_the_ranks_disagree_about_fail_on_every_rank_and_leave_no_vers
     assert [v.step for v in repo.log()] == [0] and repo.fsck().ok
 
 
-def test_a_tensor_parallel_shard_the_rules_take_for_a_replica_is_refused_not_half_lost(tmp_path) -> None:
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_tensor_parallel_shard_the_rules_take_for_a_replica_is_refused_not_half_lost(tmp_path, zero) -> None:
     """A weight no rule matches is replicated by default; when the tensor-parallel ranks hold different shards
     of it, only one copy was written and the version loaded half a weight, silently. The ranks' fingerprints
-    of their copies now disagree at the commit: no version, and every rank is told which tensor and why."""
+    of their copies now disagree at the commit: no version, and every rank is told which tensor and why.
+    Under ZeRO-3 the weight sits in each rank's flat partition: fingerprinted there too (it was not)."""
     from _dist_workers import snapshot_without_the_split_rule
     url = str(tmp_path / "repo")
     ckptrepo.init(url)
-    results = launch(ParallelLayout(tp=2), snapshot_without_the_split_rule, url)
+    results = launch(ParallelLayout(tp=2), snapshot_without_the_split_rule, url, zero)
     for out in results:
         assert "model/col.weight: ranks 0 and 1 hold different values of it, but the layout's rules replicate it " \
                "over tensor-parallel ranks" in out and "Split(0)" in out, results
@@ -227,11 +229,12 @@ def test_replica_fingerprints_sample_any_size_and_dtype() -> None:
     assert fingerprint(small.t()) != fingerprint(small)        # the same bytes in another row-major order
     for t in (torch.tensor(True), torch.zeros(0, 4), torch.tensor(2.5, dtype=torch.float64)):
         assert isinstance(fingerprint(t), int)
-    check_replicas([{"rank": 0, "fingerprints": [["w", [0], 1]]}, {"rank": 1, "fingerprints": [["w", [0], 1]]},
-                    {"rank": 2}])
+    box, other = [[0], [8]], [[0], [4]]
+    check_replicas([{"rank": 0, "fingerprints": [["w", box, 1]]}, {"rank": 1, "fingerprints": [["w", box, 1]]},
+                    {"rank": 2, "fingerprints": [["w", other, 5]]}, {"rank": 3}])   # another box: not compared
     with pytest.raises(LayoutError, match=r"^w: ranks 0 and 2 hold different values"):
-        check_replicas([{"rank": 0, "fingerprints": [["w", [0], 1]]}, {"rank": 1, "fingerprints": [["v", [0], 2]]},
-                        {"rank": 2, "fingerprints": [["w", [0], 3]]}])
+        check_replicas([{"rank": 0, "fingerprints": [["w", box, 1]]}, {"rank": 1, "fingerprints": [["v", box, 2]]},
+                        {"rank": 2, "fingerprints": [["w", box, 3]]}])
 
 
 def test_per_rank_state_only_a_dropped_saved_rank_holds_is_warned_about_not_misnamed(tmp_path) -> None:
