@@ -236,6 +236,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
         target = ParallelLayout(target.tp, target.pp, target.dp, target.zero,
                                 with_version_shapes(target.rules, manifest))
     rank = default_rank(target) if rank is None else checked_rank(rank)
+    target.coords(rank)   # a rank outside the layout: its one-line error, before the saved trees are indexed
     tmpl, changed = template_rank(manifest, target, rank)
     tree, leaf_names = rank_tree(manifest, tmpl)
     shapes = {t["name"]: (tuple(t["shape"]), t["dtype"]) for t in manifest["tensors"]}

@@ -260,6 +260,8 @@ def test_per_rank_state_only_a_dropped_saved_rank_holds_is_warned_about_not_misn
         last = repo.load("HEAD", parallel_layout=ParallelLayout(pp=2), rank=1)
     assert last["scaler"]["scale"] == 65536.0 and torch.equal(last["scaler"]["growth"], torch.tensor([7]))
     assert last["seed"] == 101
+    with pytest.raises(ckptrepo.LayoutError, match=r"^rank 2 is outside this layout of 2 ranks .* between 0 and 1$"):
+        repo.load("HEAD", parallel_layout=ParallelLayout(pp=2), rank=2)   # was an IndexError from the saved trees
 
 
 def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
