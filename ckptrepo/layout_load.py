@@ -230,7 +230,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     else:
         target = layout
     if layout is not None and layout.rules is not None and rules is not None:
-        _warn_fused_changes(layout.rules, saved_rules(manifest), manifest)
+        _warn_fused_changes(layout.rules, saved_rules(manifest), manifest, layout.tp)
     if target.rules is not None:
         check_layer_count(target.rules, manifest)
         target = ParallelLayout(target.tp, target.pp, target.dp, target.zero,
@@ -280,12 +280,15 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     return _to_device(into, device) if device is not None else into
 
 
-def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: dict[str, Any]) -> None:
+def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: dict[str, Any], tp: int) -> None:
     """Warn where the load's rules cut a fused tensor into other parts than the saved rules record: the
     parts say how the global tensor is composed (grouped-query attention's q, k, v sizes), so other parts
-    give every rank the wrong slices of the same bytes, without an error (the local shape is the same)."""
+    give every rank the wrong slices of the same bytes, without an error (the local shape is the same).
+    A tensor fused on one side and not on the other is cut otherwise as soon as either side has several
+    tensor-parallel ranks (Fused(3) saved, Split(0) given at tp=2: rank 0 got q and half of k)."""
     if saved is None:
         return
+    cut = tp > 1 or manifest.get("layout", {}).get("tp", 1) > 1
     prefix = given.model_section + "/"
     changed = []
     for t in manifest["tensors"]:
@@ -301,11 +304,17 @@ def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: dict[str, A
                 differ = True
             if differ:
                 changed.append(f"{param} ({theirs.parts} saved, {mine.parts} given)")
+        elif cut and isinstance(mine, Fused) != isinstance(theirs, Fused):
+            changed.append(f"{param} ({_spec_str(theirs)} saved, {_spec_str(mine)} given)")
     if changed:
         warnings.warn(f"the rules cut fused tensors into other parts than the version's rules: "
                       f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; each rank gets other "
                       f"slices than the model that saved them held; load without rules to use the saved ones",
                       stacklevel=3)
+
+
+def _spec_str(spec: Any) -> str:
+    return f"{type(spec).__name__}({spec.parts})" if isinstance(spec, Fused) else type(spec).__name__
 
 
 def _some(paths: list[str], shown: int = 4) -> str:

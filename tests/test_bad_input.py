@@ -461,8 +461,8 @@ def test_an_unpadded_vocabulary_snapshotted_with_its_rules_is_told_to_pad() -> N
 
 
 def test_load_rules_that_cut_a_fused_tensor_into_other_parts_than_the_saved_ones_warn(tmp_path) -> None:
-    """Grouped-query QKV saved as parts (32, 8, 8), loaded with Fused(3): each rank got other rows of the
-    same bytes, with the same local shape, and no word."""
+    """Grouped-query QKV saved as parts (32, 8, 8), loaded with Fused(3) or with Split(0): each rank got other
+    rows of the same bytes, with the same local shape, and no word."""
     from ckptrepo.layout import ParallelLayout
     from ckptrepo.rules import Fused, Rules
     repo = ckptrepo.init(str(tmp_path / "repo"))
@@ -470,10 +470,15 @@ def test_load_rules_that_cut_a_fused_tensor_into_other_parts_than_the_saved_ones
                   parallel_layout=ParallelLayout(rules=Rules([("qkv", Fused((32, 8, 8)))])))
     with pytest.warns(UserWarning, match=r"qkv \(\(32, 8, 8\) saved, 3 given\)"):
         repo.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=Rules([("qkv", Fused(3))])), rank=0)
+    # fused on one side only: Split(0) at tp=2 gave rank 0 q and half of k, without a word
+    from ckptrepo.rules import Split
+    with pytest.warns(UserWarning, match=r"qkv \(Fused\(\(32, 8, 8\)\) saved, Split given\)"):
+        repo.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=Rules([("qkv", Split(0))])), rank=0)
     import warnings
     with warnings.catch_warnings():
-        warnings.simplefilter("error")   # the saved parts given again: no warning
+        warnings.simplefilter("error")   # the saved parts given again, or nothing cut on either side: no warning
         repo.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=Rules([("qkv", Fused((32, 8, 8)))])), rank=0)
+        repo.load("HEAD", parallel_layout=ParallelLayout(rules=Rules([("qkv", Split(0))])))
 
 
 def test_zero_optimizer_partitions_load_into_without_the_model_section(tmp_path) -> None:
