@@ -258,10 +258,16 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     if not fresh:
         _check_dtypes(sharded.pieces, shapes)
     # an unsharded load (no layout) takes saved rank 0's, as documented; DTensors under a process group do not
-    if changed and (layout is not None or target.world_size > 1):
+    pg_rank, pg_world = process_group_rank()
+    unsharded_elsewhere = layout is None and target.world_size == 1 and pg_rank > 0   # e.g. every torchrun rank
+    if changed and (layout is not None or target.world_size > 1 or unsharded_elsewhere):
         moved = sorted(({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n}
                         | set(per_rank_values(manifest))) & per_rank_paths(manifest, tmpl))
-        if moved:
+        if moved and unsharded_elsewhere:
+            warnings.warn(f"this process is rank {pg_rank} of {pg_world}, but a load without a layout gives every "
+                          f"process saved rank 0's per-rank state ({_some(moved)}); pass parallel_layout= (or "
+                          f"into= a state of DTensors) to get this rank's", stacklevel=3)
+        elif moved:
             warnings.warn(f"layout changed ({_layout_str(manifest)} -> {target}): per-rank state "
                           f"{_some(moved)} of rank {rank} comes from saved rank {tmpl}; re-seed it if it must differ "
                           f"per rank", stacklevel=3)

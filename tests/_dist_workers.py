@@ -142,6 +142,23 @@ def snapshot_with_a_last_stage_scaler(rank: int, layout: ParallelLayout, url: st
     return ckptrepo.open(url).snapshot(state, step=1, parallel_layout=ParallelLayout(pp=layout.pp, rules=rules)).id
 
 
+def unsharded_load_on_every_rank(rank: int, layout: ParallelLayout, url: str) -> list[str]:
+    """Snapshot tensor-parallel slices and a per-rank seed, then load the version without a layout on every
+    rank (as a torchrun script that wants the full weights does); the warnings this rank got."""
+    import warnings
+    full = split_state(1)
+    local = {"col.weight": full["col.weight"].chunk(layout.tp)[rank].clone(), "row.weight": full["row.weight"]
+             .chunk(layout.tp, dim=1)[rank].clone(), "norm.weight": full["norm.weight"]}
+    repo = ckptrepo.open(url)
+    vid = repo.snapshot({"model": local, "seed": 7 + rank}, step=1,
+                        parallel_layout=ParallelLayout(tp=layout.tp, rules=SPLIT_RULES)).id
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = repo.load(vid)
+    assert out["seed"] == 7 and torch.equal(out["model"]["col.weight"], full["col.weight"])
+    return [str(w.message) for w in caught]
+
+
 UNEVEN_LAYERS = 4
 
 

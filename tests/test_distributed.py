@@ -264,6 +264,19 @@ def test_per_rank_state_only_a_dropped_saved_rank_holds_is_warned_about_not_misn
         repo.load("HEAD", parallel_layout=ParallelLayout(pp=2), rank=2)   # was an IndexError from the saved trees
 
 
+def test_an_unsharded_load_on_a_rank_past_0_warns_that_it_gets_rank_0s_per_rank_state(tmp_path) -> None:
+    """Every rank of a process group loading without a layout gets the full tensors and saved rank 0's
+    per-rank state (documented); rank 1 got rank 0's seed without a word, so a resumed job ran every rank
+    on one random stream. Rank 0 loads its own: no warning there."""
+    from _dist_workers import unsharded_load_on_every_rank
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    got = launch(ParallelLayout(tp=2), unsharded_load_on_every_rank, url)
+    assert got[0] == [], got
+    assert any("this process is rank 1 of 2, but a load without a layout gives every process saved rank 0's "
+               "per-rank state (seed); pass parallel_layout=" in w for w in got[1]), got
+
+
 def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
     """Equal total volume is not coverage: a stray piece must not make up for a missing one."""
     from ckptrepo.boxes import check_coverage
