@@ -81,6 +81,11 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
     data_ids = data_version_ids(repo)
+    limbo = sorted(pruned & data_ids & set(manifests))
+    if limbo:
+        report.warnings.append(f"{len(limbo)} version(s) marked pruned still hold data ({', '.join(v[:12] for v in limbo[:3])}"
+                               f"{' ...' if len(limbo) > 3 else ''}): a gc was interrupted after marking them; they "
+                               f"do not load, and `ckptrepo gc` finishes deleting their data")
     referenced = {p for m in manifests.values() for p in m["parents"]} | set(starts)
     for vid in sorted(data_ids - set(manifests)):
         if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover

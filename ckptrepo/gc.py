@@ -286,7 +286,8 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
         return t is None or now - t < grace_period_s or \
             (protect_since is not None and (born is None or born >= protect_since))
 
-    live_arrays = {key for vid in keep for key in facts[vid].referenced}
+    # a version marked pruned has no loadable data, kept or not (a tag put on it since does not bring it back)
+    live_arrays = {key for vid in keep - already_pruned for key in facts[vid].referenced}
     for vid in sorted(reachable):
         if vid in keep:
             report.kept.append(vid)
@@ -300,8 +301,9 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     data_ids = data_version_ids(repo)
     for vid in sorted(data_ids - set(facts)):
         (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
-    # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now
-    unfinished = sorted(v for v in (already_pruned & data_ids & reachable) if v not in keep)
+    # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now, by any
+    # pass (a plain gc keeps every reachable version, and left such data on disk, unloadable, for good)
+    unfinished = sorted(already_pruned & data_ids & reachable)
 
     doomed_arrays = {key: nbytes for vid in report.pruned + report.collected + unfinished
                      for key, nbytes in facts[vid].arrays if key not in live_arrays}

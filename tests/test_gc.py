@@ -211,9 +211,12 @@ def test_diff_stats_and_trajectory_know_what_gc_pruned(repo):
     assert deltas == [(2, round(2 * 3 ** 0.5, 6)), (3, round(3 ** 0.5, 6))]
 
 
-def test_a_gc_killed_after_its_markers_is_finished_by_the_next_and_leaves_no_empty_folders(tmp_path, monkeypatch):
+@pytest.mark.parametrize("plain", [False, True], ids=["with rules", "plain"])
+def test_a_gc_killed_after_its_markers_is_finished_by_the_next_and_leaves_no_empty_folders(tmp_path, monkeypatch,
+                                                                                           plain):
     """The markers are written before any delete; the next pass skipped versions already marked, so the data a
-    killed pass had not deleted yet stayed for good (and fsck found nothing to say)."""
+    killed pass had not deleted yet stayed for good (and fsck found nothing to say). A plain gc (no rules: every
+    reachable version kept) left it too, unloadable; fsck now says so, and any pass finishes the deletes."""
     import os
     repo = ckptrepo.init(str(tmp_path / "r"))
     ids = [repo.snapshot({"w": torch.full((1000,), float(s))}, step=s).id for s in range(6)]
@@ -226,7 +229,11 @@ def test_a_gc_killed_after_its_markers_is_finished_by_the_next_and_leaves_no_emp
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path / "r" / "pruned")) == sorted(ids[:3])   # marked, no data deleted yet
     repo = ckptrepo.open(str(tmp_path / "r"))
-    report = repo.gc(keep_last=3, grace_period_s=0)
+    fsck = repo.fsck()
+    assert fsck.ok and any("3 version(s) marked pruned still hold data" in w and "`ckptrepo gc` finishes" in w
+                           for w in fsck.warnings), fsck.warnings
+    repo.tag("keepme", ids[0])   # a tag does not bring a pruned version back: its data goes too
+    report = repo.gc(grace_period_s=0) if plain else repo.gc(keep_last=3, grace_period_s=0)
     assert report.pruned == [] and report.bytes_freed == 3 * 4000
     assert sorted(os.listdir(tmp_path / "r" / "data")) == sorted(ids[3:])    # and no empty folders left
     assert all(repo.load(v)["w"][0] == s for s, v in enumerate(ids) if s >= 3)
