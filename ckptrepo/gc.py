@@ -42,7 +42,8 @@ class GcReport:
     collected: list[str] = field(default_factory=list)        # unreachable versions deleted entirely
     orphan_data: list[str] = field(default_factory=list)      # data/<id>/ without a manifest
     too_young: list[str] = field(default_factory=list)        # unreferenced, but inside the grace period
-    bytes_freed: int = 0
+    bytes_freed: int = 0          # tensor bytes of the arrays deleted
+    stored_bytes_freed: int = 0   # what they took in the store (chunk padding, checksums, indexes: see du)
     dry_run: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -91,15 +92,16 @@ class VersionFacts:
     parents: tuple[str, ...]
     step: int | None
     time: float | None
-    arrays: tuple[tuple[str, int], ...]   # (key, stored bytes) of every array the manifest lists
+    arrays: tuple[tuple[str, int, int], ...]   # (key, tensor bytes, its layout's bytes) of each array it lists
     referenced: tuple[str, ...]           # the arrays its tensors' pieces point into
     metrics: tuple[tuple[str, float], ...] = ()   # its numeric metrics (keep_best ranks by them)
 
     @classmethod
     def of(cls, manifest: dict[str, Any]) -> "VersionFacts":
-        from .arrays import ArrayInfo
+        from .arrays import ArrayInfo, layout_bytes
+        infos = [ArrayInfo.from_json(key, info) for key, info in manifest["arrays"].items()]
         return cls(tuple(manifest["parents"]), manifest["step"], manifest["time"],
-                   tuple((key, ArrayInfo.from_json(key, info).nbytes) for key, info in manifest["arrays"].items()),
+                   tuple((a.key, a.nbytes, layout_bytes(a)) for a in infos),
                    tuple({p["array"] for t in manifest["tensors"] for p in t["pieces"]}),
                    tuple((k, float(v)) for k, v in (manifest.get("metrics") or {}).items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)))
@@ -305,9 +307,11 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     # pass (a plain gc keeps every reachable version, and left such data on disk, unloadable, for good)
     unfinished = sorted(already_pruned & data_ids & reachable)
 
-    doomed_arrays = {key: nbytes for vid in report.pruned + report.collected + unfinished
-                     for key, nbytes in facts[vid].arrays if key not in live_arrays}
-    report.bytes_freed = sum(doomed_arrays.values())
+    doomed_arrays = {key: (nbytes, layout) for vid in report.pruned + report.collected + unfinished
+                     for key, nbytes, layout in facts[vid].arrays if key not in live_arrays}
+    from .arrays import stored_bytes
+    report.bytes_freed = sum(nbytes for nbytes, _ in doomed_arrays.values())
+    report.stored_bytes_freed = sum(stored_bytes(repo.store, key, layout) for key, (_, layout) in doomed_arrays.items())
     if dry_run:
         return report
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .arrays import ArrayInfo, itemsize
+from .arrays import ArrayInfo, itemsize, layout_bytes, stored_bytes
 from .errors import CorruptionError
 from .manifest import Version
 from .skeleton import numel
@@ -44,10 +44,12 @@ class DiskUsage:
     """``du``: one row per version reachable from a ref (newest first) and the bytes stored for all of them."""
 
     versions: list[VersionUsage]
-    total_bytes: int   # every array referenced by a listed version, counted once
+    total_bytes: int   # tensor bytes of every array referenced by a listed version, counted once
+    stored_bytes: int  # what those arrays take in the store: chunk padding, checksums, indexes (arrays.stored_bytes)
 
     def to_json(self) -> dict[str, Any]:
-        return {"versions": [u.to_json() for u in self.versions], "total_bytes": self.total_bytes}
+        return {"versions": [u.to_json() for u in self.versions], "total_bytes": self.total_bytes,
+                "stored_bytes": self.stored_bytes}
 
 
 def disk_usage(repo: Any) -> DiskUsage:
@@ -78,11 +80,13 @@ def disk_usage(repo: Any) -> DiskUsage:
                 shared += n
         rows.append(VersionUsage(v, unique, shared))
     total = sum(_array_bytes(repo, key, infos, extent[key]) for key in referrers)
-    return DiskUsage(rows, total)
+    stored = sum(stored_bytes(repo.store, key, layout_bytes(ArrayInfo.from_json(key, infos[key])) if key in infos
+                              else _array_bytes(repo, key, infos, extent[key])) for key in referrers)
+    return DiskUsage(rows, total, stored)
 
 
 def _array_bytes(repo: Any, key: str, infos: dict[str, dict[str, Any]], extent: int) -> int:
-    """Stored bytes of array ``key``: from a manifest that lists it (its own version's, even if that one is pruned
+    """Tensor bytes of array ``key``: from a manifest that lists it (its own version's, even if that one is pruned
     or unreachable), else at least up to the end of its last referenced piece."""
     info = infos.get(key)
     if info is None:

@@ -358,7 +358,8 @@ def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_b
         return
     verb = "would free" if dry_run else "freed"
     click.echo(f"kept {len(r.kept)} versions, pruned {len(r.pruned)}, collected {len(r.collected)} unreachable and "
-               f"{len(r.orphan_data)} leftover data sets; {verb} {_size(r.bytes_freed)}"
+               f"{len(r.orphan_data)} leftover data sets; {verb} {_size(r.stored_bytes_freed)} "
+               f"({_size(r.bytes_freed)} of tensors)"
                + (f"; {len(r.too_young)} unreferenced objects are younger than the grace period" if r.too_young else ""))
 
 
@@ -366,7 +367,8 @@ def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_b
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def du(ctx: click.Context, as_json: bool) -> None:
-    """Bytes of tensor data per version: unique to it, and shared with other versions (per stored array)."""
+    """Bytes of tensor data per version: unique to it, and shared with other versions (per stored array); the
+    total as stored, and as tensor bytes."""
     usage = _repo(ctx).du()
     if as_json:
         _emit_json(usage.to_json())
@@ -375,7 +377,8 @@ def du(ctx: click.Context, as_json: bool) -> None:
         v = u.version
         click.echo(f"{v.short_id}  step {v.step if v.step is not None else '-':>8}  unique {_size(u.unique_bytes):>10}"
                    f"  shared {_size(u.shared_bytes):>10}" + ("  pruned" if v.pruned else ""))
-    click.echo(f"total {_size(usage.total_bytes)} stored for {len(usage.versions)} versions (each array counted once)")
+    click.echo(f"total {_size(usage.stored_bytes)} stored ({_size(usage.total_bytes)} of tensors) for "
+               f"{len(usage.versions)} versions (each array counted once)")
 
 
 def _num(v: float | None) -> str:
