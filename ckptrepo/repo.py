@@ -391,6 +391,7 @@ class Repository:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
         head = self.refs.head(for_update=True)
         vid = self.resolve(rev)
+        rev = rev.strip()   # as resolve() reads it: " main" resolved to main's tip, then detached there
         if branch is not None:
             self.refs.create_branch(branch, vid)
             self.refs.set_head(branch, None, head.generation)

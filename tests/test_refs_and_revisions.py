@@ -85,6 +85,8 @@ def test_rollback_branches_and_keeps_history(repo):
     assert repo.resolve("@4") == new.id  # @STEP searches the current branch
     repo.checkout("main")
     assert repo.current_branch() == "main" and repo.resolve("@4") == ids[4]
+    repo.checkout(" retry ")   # read as resolve reads it: onto the branch, not detached at its tip
+    assert repo.current_branch() == "retry"
 
 
 def test_detached_head_refuses_snapshots(repo):
