@@ -631,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"steps": args.steps, "every": args.every, "threads": args.threads, "cpus": os.cpu_count(),
             "params_m": numel / 1e6, "state_mb": state_b / MB, "n_layer": args.n_layer, "n_embd": args.n_embd,
             "n_head": args.n_head, "vocab": args.vocab, "block_size": args.block_size,
-            "batch_size": args.batch_size, "device": device_name(args.device), "host_memory": args.host_memory, "torch": torch.__version__,
+            "batch_size": args.batch_size, "device": device_name(args.device), "host_memory": args.host_memory,
+            "torch": torch.__version__,
             "ckptrepo": ckptrepo.__version__, "dir": args.dir, "warmup": args.warmup,
             "warmup_checkpoint": args.warmup_checkpoint, "dcp_cache_staged": args.dcp_cache_staged,
             "loadavg_start": os.getloadavg()}

@@ -480,7 +480,7 @@ class Snapshotter:
         cuda = bool(job.ready)
         if cuda and self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
-        if cuda and self.pool.pin:   # the buffers this capture would otherwise pin one by one on its way (see StagingPool)
+        if cuda and self.pool.pin:   # the buffers this capture would otherwise pin one by one (see StagingPool)
             self.pool.grow_in_background(len(plan.segments))
         if job.replicas:   # read before the state may change again; a CUDA one once the training stream is done
             with torch.cuda.stream(self._side_stream) if cuda else contextlib.nullcontext():

@@ -83,9 +83,10 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
     data_ids = data_version_ids(repo)
     limbo = sorted(pruned & data_ids & set(manifests))
     if limbo:
-        report.warnings.append(f"{len(limbo)} version(s) marked pruned still hold data ({', '.join(v[:12] for v in limbo[:3])}"
-                               f"{' ...' if len(limbo) > 3 else ''}): a gc was interrupted after marking them; they "
-                               f"do not load, and `ckptrepo gc` finishes deleting their data")
+        shown = ", ".join(v[:12] for v in limbo[:3]) + (" ..." if len(limbo) > 3 else "")
+        report.warnings.append(f"{len(limbo)} version(s) marked pruned still hold data ({shown}): a gc was "
+                               f"interrupted after marking them; they do not load, and `ckptrepo gc` finishes "
+                               f"deleting their data")
     referenced = {p for m in manifests.values() for p in m["parents"]} | set(starts)
     for vid in sorted(data_ids - set(manifests)):
         if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover

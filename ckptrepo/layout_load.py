@@ -273,8 +273,9 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
                           f"per rank", stacklevel=3)
     skipped, dropped = unloaded_state(manifest, target.world_size)
     if dropped:   # not silent, an unsharded load's either
-        warnings.warn(f"saved rank{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))} of "
-                      f"{_layout_str(manifest)} hold{'' if len(skipped) > 1 else 's'} per-rank state {_some(dropped)} that no rank of {target} "
+        many = len(skipped) > 1
+        warnings.warn(f"saved rank{'s' if many else ''} {', '.join(map(str, skipped))} of {_layout_str(manifest)} "
+                      f"hold{'' if many else 's'} per-rank state {_some(dropped)} that no rank of {target} "
                       f"loads (rank r takes saved rank r % {world}'s); load with the saved layout and rank= to get "
                       f"it", stacklevel=3)
     for i in sharded.partial:          # padding rows and ZeRO tail padding load as zeros

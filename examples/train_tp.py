@@ -12,9 +12,10 @@ who writes each replica) and goes on training; the attached optimizer waits for
 the capture only before it changes the state.
 
 ``--resume REV`` rolls back on a new branch (``resume-<step>-<pid>``), builds the
-model for this run's mesh, loads the version into it in place (``ckptrepo.load(url, REV, into=state)``: each rank reads only the bytes
-of its own shards) and trains on. The losses (printed by rank 0 as JSON) follow
-the original run's: bit for bit on the same number of processes, within float
+model for this run's mesh, loads the version into it in place
+(``ckptrepo.load(url, REV, into=state)``: each rank reads only the bytes of its
+own shards) and trains on. The losses (printed by rank 0 as JSON) follow the
+original run's: bit for bit on the same number of processes, within float
 rounding on another (the row-parallel sum is reduced in another order).
 """
 from __future__ import annotations
