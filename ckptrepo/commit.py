@@ -19,11 +19,11 @@ from . import faults
 from .arrays import ArrayInfo
 from .dedup import StoredTensor
 from .distributed import Staging, merge_rank_manifests
-from .replicas import check_replicas
 from .errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
 from .layout import ParallelLayout
 from .manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal, version_from_manifest
 from .providers import TensorRecord
+from .replicas import check_replicas
 from .snapshot_job import SnapshotJob
 from .writer import WritePlan
 

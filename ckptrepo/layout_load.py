@@ -37,7 +37,7 @@ from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSO
                         _path_str, flatten, is_dtensor, is_stateful, own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import Fused, LocalParam, Rules
-from .sharding import Sharder
+from .sharding import Sharder, rank_path
 from .skeleton import holds_tensors, key_value
 from .store import Store
 
@@ -109,7 +109,11 @@ def per_rank_values(manifest: dict[str, Any]) -> list[str]:
 def per_rank_paths(manifest: dict[str, Any], rank: int) -> set[str]:
     """The paths of saved ``rank``'s per-rank state: its plain values and its tensors stored per rank."""
     tree, leaf_names = rank_tree(manifest, rank)
-    return {p for p, _ in _values(tree, "")} | {n.rsplit("@rank", 1)[0] for n in leaf_names if "@rank" in n}
+    return {p for p, _ in _values(tree, "")} | _per_rank_tensor_paths(leaf_names)
+
+
+def _per_rank_tensor_paths(leaf_names: list[str]) -> set[str]:
+    return {p for p in map(rank_path, leaf_names) if p is not None}
 
 
 def unloaded_state(manifest: dict[str, Any], target_world: int) -> tuple[list[int], list[str]]:
@@ -261,8 +265,8 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     pg_rank, pg_world = process_group_rank()
     unsharded_elsewhere = layout is None and target.world_size == 1 and pg_rank > 0   # e.g. every torchrun rank
     if changed and (layout is not None or target.world_size > 1 or unsharded_elsewhere):
-        moved = sorted(({n.rsplit("@rank", 1)[0] for n in sharded.leaf_names if "@rank" in n}
-                        | set(per_rank_values(manifest))) & per_rank_paths(manifest, tmpl))
+        moved = sorted((_per_rank_tensor_paths(sharded.leaf_names) | set(per_rank_values(manifest)))
+                       & per_rank_paths(manifest, tmpl))
         if moved and unsharded_elsewhere:
             warnings.warn(f"this process is rank {pg_rank} of {pg_world}, but a load without a layout gives every "
                           f"process saved rank 0's per-rank state ({_some(moved)}); pass parallel_layout= (or "
@@ -461,8 +465,8 @@ def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: P
     def tensor(i: int) -> torch.Tensor:
         name = leaf_names[i]
         if name not in shapes:
-            plain = name.rsplit("@rank", 1)[0]
-            if plain not in shapes:
+            plain = rank_path(name)
+            if plain is None or plain not in shapes:
                 raise StateMismatchError(f"{name}: not in the version's tensor table; run `ckptrepo fsck`")
             name = plain
         shape, dtype = shapes[name]

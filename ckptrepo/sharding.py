@@ -64,6 +64,11 @@ def rank_name(path: str, rank: int) -> str:
     return f"{path}@rank{rank}"
 
 
+def rank_path(name: str) -> str | None:
+    """The state path of a per-rank tensor's stored name (``rank_name``'s inverse); None for a global name."""
+    return name.rsplit("@rank", 1)[0] if "@rank" in name else None
+
+
 BLOCKS_PER_PIECE = 8            # a saved piece is cut into this many column blocks at most...
 MIN_BLOCK_BYTES = 64 << 10      # ...each at least this big...
 MIN_BLOCK_ROW_BYTES = 1 << 10   # ...with rows at least this long (see column_blocks)
@@ -322,4 +327,5 @@ class Sharder:
         return out
 
 
-__all__ = ["Piece", "ShardedState", "Sharder", "column_blocks", "dtensor_box", "is_dtensor", "rank_name"]
+__all__ = ["Piece", "ShardedState", "Sharder", "column_blocks", "dtensor_box", "is_dtensor", "rank_name",
+           "rank_path"]

@@ -79,15 +79,17 @@ def disk_usage(repo: Any) -> DiskUsage:
             else:
                 shared += n
         rows.append(VersionUsage(v, unique, shared))
-    total = sum(_array_bytes(repo, key, infos, extent[key]) for key in referrers)
-    stored = sum(stored_bytes(repo.store, key, layout_bytes(ArrayInfo.from_json(key, infos[key])) if key in infos
-                              else _array_bytes(repo, key, infos, extent[key])) for key in referrers)
+    total = stored = 0
+    for key in referrers:
+        info = _array_info(repo, key, infos)
+        total += info.nbytes if info is not None else extent[key]
+        stored += stored_bytes(repo.store, key, layout_bytes(info) if info is not None else extent[key])
     return DiskUsage(rows, total, stored)
 
 
-def _array_bytes(repo: Any, key: str, infos: dict[str, dict[str, Any]], extent: int) -> int:
-    """Tensor bytes of array ``key``: from a manifest that lists it (its own version's, even if that one is pruned
-    or unreachable), else at least up to the end of its last referenced piece."""
+def _array_info(repo: Any, key: str, infos: dict[str, dict[str, Any]]) -> ArrayInfo | None:
+    """Array ``key`` as a manifest that lists it records it (its own version's, even if that one is pruned or
+    unreachable); None when none does: it then counts up to the end of its last referenced piece."""
     info = infos.get(key)
     if info is None:
         owner = key.split("/")[1]
@@ -95,4 +97,4 @@ def _array_bytes(repo: Any, key: str, infos: dict[str, dict[str, Any]], extent: 
             info = repo.manifest(owner)["arrays"].get(key)
         except CorruptionError:   # the owner's manifest was collected; its array lives on through the pieces
             info = None
-    return ArrayInfo.from_json(key, info).nbytes if info is not None else extent
+    return ArrayInfo.from_json(key, info) if info is not None else None

@@ -186,6 +186,10 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._allocated += 1
+        return self._new_buffer()
+
+    def _new_buffer(self) -> torch.Tensor:
+        """A buffer for a slot already counted in ``_allocated``; the slot is given back if allocating fails."""
         try:
             return aligned_empty(self.buffer_bytes, self.align, pin=self.pin)
         except BaseException:
@@ -217,11 +221,8 @@ class StagingPool:
                         return
                     self._allocated += 1
                 try:
-                    buf = aligned_empty(self.buffer_bytes, self.align, pin=self.pin)
+                    buf = self._new_buffer()
                 except BaseException:  # noqa: BLE001 - take() meets the same failure where it matters
-                    with self._cv:
-                        self._allocated -= 1
-                        self._cv.notify()
                     return
                 self.give(buf)
         finally:
