@@ -243,12 +243,21 @@ class DirectReader:
         crcs = np.empty(4 * n, dtype=np.uint8)
         nbytes, stride = chunk_bytes + 4, shard.stride
         if k0 + n <= shard.regular:   # the usual layout, checked once per shard: no per-batch planning
-            if stride == nbytes:
-                iov = [x for k in range(n) for x in (rows[k], crcs[4 * k:4 * k + 4])]
-            else:
-                gap = _scratch(stride - nbytes)
-                iov = [x for k in range(n) for x in (rows[k], crcs[4 * k:4 * k + 4], gap)][:-1]
-            _preadv(fd, iov, shard.first + k0 * stride, n * nbytes + (n - 1) * (stride - nbytes))
+            # ROW_SCRATCH_BYTES at a time, each batch checked while it is still in cache: reading 243 MiB from
+            # the page cache on 2 threads took 23.6 ms as 16 MiB preadv calls each followed by its crc32c pass,
+            # 19.3 ms in 1 MiB batches (a warm 2-to-1 resharding load, 40-45 ms in all, ~1.5 ms less)
+            gap = _scratch(stride - nbytes) if stride != nbytes else None
+            batch = max(1, ROW_SCRATCH_BYTES // chunk_bytes)
+            for b0 in range(0, n, batch):
+                b1 = min(n, b0 + batch)
+                if gap is None:
+                    iov = [x for k in range(b0, b1) for x in (rows[k], crcs[4 * k:4 * k + 4])]
+                else:
+                    iov = [x for k in range(b0, b1) for x in (rows[k], crcs[4 * k:4 * k + 4], gap)][:-1]
+                m = b1 - b0
+                _preadv(fd, iov, shard.first + (k0 + b0) * stride, m * nbytes + (m - 1) * (stride - nbytes))
+                _verify(info, rows, crcs, b0, b1, c0, per_shard)
+            return
         else:   # chunks missing, resized or out of order somewhere in the shard: look at each
             entries = shard.index[k0:k0 + n]
             bad = np.flatnonzero((entries[:, 0] == MISSING_CHUNK) | (entries[:, 1] != nbytes))
@@ -267,10 +276,15 @@ class DirectReader:
                 size += nbytes
                 expect = off + nbytes
             _preadv(fd, iov, file_off, size)
-        stored = crcs.view("<u4").tolist()
-        for k in range(n):
-            if crc32c(rows[k]) != stored[k]:
-                raise Unexpected(f"{info.shard_key(c0 // per_shard)}: inner chunk {c0 + k} checksum")
+        _verify(info, rows, crcs, 0, n, c0, per_shard)
+
+
+def _verify(info: ArrayInfo, rows: np.ndarray, crcs: np.ndarray, k0: int, k1: int, c0: int, per_shard: int) -> None:
+    """Check chunks ``rows[k0:k1]`` (inner chunks ``c0 + k``) against their stored crc32c."""
+    stored = crcs[4 * k0:4 * k1].view("<u4").tolist()
+    for k, want in zip(range(k0, k1), stored):
+        if crc32c(rows[k]) != want:
+            raise Unexpected(f"{info.shard_key(c0 // per_shard)}: inner chunk {c0 + k} checksum")
 
 
 class _Shard:

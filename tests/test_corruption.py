@@ -100,6 +100,22 @@ def test_flipped_byte_in_shard(repo_dir, where):
     assert_same(ckptrepo.open(str(path)).load(other), _state(2))
 
 
+def test_a_flipped_byte_deep_inside_a_long_read_is_caught(tmp_path):
+    """The direct reader reads a run a megabyte at a time and checks each batch as it lands: damage in a
+    later batch of one read task (chunk 37 of a 2.5 MiB tensor) fails the load too, naming the tensor."""
+    path = tmp_path / "repo"
+    big = torch.arange(40 * INNER + 123, dtype=torch.float32)
+    vid = ckptrepo.init(str(path)).snapshot({"big": big, "small": torch.ones(3)}, step=1).id
+    file, key = _shard_file(path, vid)
+    blob = file.read_bytes()
+    meta = ckptrepo.open(str(path)).manifest(vid)["arrays"][f"data/{vid}/0/float32"]
+    per_shard = meta["shard_elems"] // meta["inner_elems"]
+    offset, nbytes = _chunk_extent(blob, per_shard, 37)
+    assert nbytes == INNER_BYTES + 4
+    _flip(file, offset + 1000)
+    _assert_load_fails_naming(path, vid, key, "big", "corrupt")
+
+
 def test_truncated_shard(repo_dir):
     path, vid, _ = repo_dir
     file, key = _shard_file(path, vid)
