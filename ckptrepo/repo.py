@@ -273,8 +273,11 @@ class Repository:
         ``into`` may then hold DTensors, whose placements say what to read. A
         version saved by several ranks loads unsharded when no layout is given.
         """
+        import torch
         target = load_device(device if device is not None else map_location)
-        with collection_paused():
+        # no_grad: a load builds no graph (filling parameters in place is not a step to differentiate), and a
+        # DTensor's to_local() is then its local tensor instead of an autograd Function call (~10 us each)
+        with collection_paused(), torch.no_grad():
             return self._load(rev, into, target, on_bytes, parallel_layout, rank, read_stats)
 
     def require_data(self, vid: str, manifest: dict[str, Any]) -> None:
