@@ -14,7 +14,7 @@ CPU comes out of the training loop. Here, per shard object:
   places big tensors at their address's offset within a page, so those chunks
   are page-aligned), the others from a staging buffer they were copied into.
   Each chunk's encoding starts on a device block (512 bytes, or 4096 where the
-  device refuses 512): the chunk, its crc32c (crc.py: the ``crc32c`` package,
+  device refuses 512): the chunk, its crc32c (crc.py: the ``fastcrc`` package,
   hardware CRC with the GIL released) and zeros up to the next block, which
   the index accounts for. No copy, no page-cache pages, no writeback; the
   snapshotter's pre-step hook copies whatever is not written yet when the
