@@ -256,7 +256,8 @@ def test_rules_with_another_layer_count_than_the_model_are_refused(repo):
         with pytest.raises(LayoutError, match=rf"the rules say num_layers={n} but this version's model has "
                                               rf"{cfg.layers} layers \(layers.0 to layers.{cfg.layers - 1}\)"):
             repo.load("HEAD", parallel_layout=ckptrepo.ParallelLayout(pp=pp, rules=rules(n)), rank=0)
-    out = repo.load("HEAD", parallel_layout=ckptrepo.ParallelLayout(pp=2, rules=rules(cfg.layers)), rank=1)
+    with pytest.warns(UserWarning, match="layout changed .* per-rank state rng"):   # one saved rank's RNG state
+        out = repo.load("HEAD", parallel_layout=ckptrepo.ParallelLayout(pp=2, rules=rules(cfg.layers)), rank=1)
     assert torch.equal(out["model"]["layers.0.mlp.fc1.weight"],
                        state["model"][f"layers.{cfg.layers // 2}.mlp.fc1.weight"])
 
