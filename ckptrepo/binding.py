@@ -15,7 +15,7 @@ import torch
 
 from .errors import StateMismatchError
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, SCALAR, STATEFUL, TENSOR, TUPLE, is_stateful,
-                        own_containers, torch_viewable)
+                        overlap_error, overlapping_elements, own_containers, torch_viewable)
 from .reader import TensorEntry
 from .skeleton import holds_tensors
 
@@ -117,9 +117,8 @@ class Binder:
         if DTYPE_NAMES.get(dest.dtype) != e.dtype:
             raise StateMismatchError(f"{_p(path)}: dtype {dest.dtype} in `into` but {e.dtype} in version "
                                      f"{self.version[:12]}; cast after loading, or load without into=")
-        if any(st == 0 and n > 1 for st, n in zip(dest.stride(), dest.shape)):
-            raise StateMismatchError(f"{_p(path)}: the tensor in `into` is an expanded view whose elements share "
-                                     f"memory; give it memory of its own (t.clone()), or load without into=")
+        if overlapping_elements(dest):
+            raise overlap_error(_p(path))
         # a parameter (requires_grad) is filled through a detached view of its storage: an in-place copy into the
         # leaf itself is refused by autograd, in the reader threads too (grad mode is per thread)
         self.destinations[node[1]] = dest.detach() if dest.requires_grad else dest

@@ -34,7 +34,8 @@ from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str,
-                        _path_str, flatten, is_dtensor, is_stateful, own_containers, unflatten)
+                        _path_str, flatten, is_dtensor, is_stateful, overlap_error, overlapping_elements, own_containers,
+                        unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import Fused, LocalParam, Rules
 from .sharding import Sharder, rank_path
@@ -406,10 +407,8 @@ def _check_into_tensors(manifest: dict[str, Any], tree: Any, leaf_names: list[st
                                  f"tensor there (an optimizer that has not stepped has no state yet); load "
                                  f"without into= and pass the result to load_state_dict, or give `into` that state")
     for r in records:
-        t = r.tensor
-        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
-            raise StateMismatchError(f"{r.name}: the tensor in `into` is an expanded view whose elements share "
-                                     f"memory; give it memory of its own (t.clone()), or load without into=")
+        if overlapping_elements(r.tensor.to_local() if is_dtensor(r.tensor) else r.tensor):
+            raise overlap_error(r.name)
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise StateMismatchError(f"{extra[0]}{more}: `into` has a tensor there that version {vid} does not hold "

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .errors import UnsupportedValueError
+from .errors import StateMismatchError, UnsupportedValueError
 from .manifest import msgpack_int
 from .skeleton import (BIGINT, DICT, DTYPE, LIST, NDARRAY, NPGEN, NPSCALAR, ODICT, SCALAR, SIZE, STATEFUL,  # noqa: F401
                        TENSOR, TUPLE, bigint_text, bigint_value, key_value, numel)
@@ -98,6 +98,28 @@ def _check_tensor_type(t: torch.Tensor, path: tuple[Any, ...]) -> None:
     raise UnsupportedValueError(f"{where}: a {type(t).__module__}.{type(t).__qualname__} (a tensor subclass) would "
                                 f"load as a plain tensor, without what the subclass adds; save its component "
                                 f"tensors, or t.as_subclass(torch.Tensor) if its data is all there is")
+
+
+def overlapping_elements(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements share memory (an expanded view, an overlapping ``as_strided``): a load
+    into it would leave whichever value landed last in each shared place, so ``into=`` refuses it.
+
+    Exact for the views indexing makes (slices, steps, transposes, permutes): each dimension, by increasing
+    stride, must step past all the elements the smaller ones reach. A hand-made ``as_strided`` whose dimensions
+    interleave without overlapping is refused too (t.clone() is the way out either way)."""
+    if t.numel() == 0:
+        return False
+    reach = 0   # the furthest element offset the dimensions seen so far reach
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def overlap_error(where: str) -> StateMismatchError:
+    return StateMismatchError(f"{where}: the tensor in `into` is a view whose elements share memory (expanded or "
+                              f"as_strided); give it memory of its own (t.clone()), or load without into=")
 
 
 def torch_viewable(arr: np.ndarray) -> np.ndarray:

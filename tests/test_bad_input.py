@@ -195,8 +195,10 @@ def test_into_problems_found_late_are_refused_before_anything_is_filled(repo):
     assert into["sched"] is sched and torch.equal(m.weight, model.weight)
     repo.snapshot({"a": torch.ones(3), "b": torch.ones(2, 3)}, step=2)
     a = torch.zeros(3)
-    with pytest.raises(StateMismatchError, match=r"\['b'\]: the tensor in `into` is an expanded view"):
-        repo.load("HEAD", into={"a": a, "b": torch.zeros(3).expand(2, 3)})
+    for b in (torch.zeros(3).expand(2, 3), torch.zeros(5).as_strided((2, 3), (2, 1))):   # b[0, 2] is b[1, 0]
+        with pytest.raises(StateMismatchError, match=r"\['b'\]: the tensor in `into` is a view whose elements "
+                                                     r"share memory"):
+            repo.load("HEAD", into={"a": a, "b": b})
     assert not a.any()
 
 
@@ -367,7 +369,7 @@ def _fresh(groups=None):
 
 
 @pytest.mark.parametrize("case", ["read-only array", "strided array", "unstepped optimizer", "module lacks a key",
-                                  "extra tensor", "expanded view", "other param groups"])
+                                  "extra tensor", "expanded view", "overlapping view", "other param groups"])
 def test_a_layout_load_into_refuses_what_the_plain_load_refuses_before_changing_anything(tmp_path, case) -> None:
     """The piece-wise path (every multi-rank version, any load with a layout) filled `into` with none of the
     plain load's checks: a read-only numpy array was written into (a segfault for a read-only memory map), a
@@ -391,6 +393,8 @@ def test_a_layout_load_into_refuses_what_the_plain_load_refuses_before_changing_
         m.register_buffer("extra", torch.zeros(3))
     elif case == "expanded view":
         m[0].weight = torch.nn.Parameter(torch.zeros(1, 4).expand(4, 4))
+    elif case == "overlapping view":
+        m[0].weight = torch.nn.Parameter(torch.zeros(10).as_strided((4, 4), (2, 1)))
     before = {k: v.clone() for k, v in m.state_dict().items()}
     arr_before = np.array(into["arr"])
     with pytest.raises(StateMismatchError) as err:
@@ -498,3 +502,25 @@ def test_zero_optimizer_partitions_load_into_without_the_model_section(tmp_path)
     into = {"optimizer": {"exp_avg": torch.zeros(zero_partition(37, 2, 1)[2])}}
     repo.load("HEAD", parallel_layout=layout, rank=1, into=into)
     assert torch.equal(into["optimizer"]["exp_avg"], fresh) and fresh.abs().sum() > 0
+
+
+def test_overlapping_elements_matches_brute_force_over_random_views() -> None:
+    """Every view indexing makes (slices with steps, transposes, permutes) has elements of its own; a random
+    as_strided layout whose element offsets collide (counted one by one) is always caught."""
+    from ckptrepo.providers import overlapping_elements
+    g = torch.Generator().manual_seed(0)
+    base = torch.zeros(2, 3, 4, 5)
+    for _ in range(300):
+        dims = torch.randperm(4, generator=g).tolist()
+        v = base.permute(dims)
+        for d in range(4):
+            n = v.shape[d]
+            lo = int(torch.randint(0, n, (1,), generator=g))
+            step = int(torch.randint(1, 3, (1,), generator=g))
+            v = v.narrow(d, lo, n - lo)[(slice(None),) * d + (slice(None, None, step),)]
+        assert not overlapping_elements(v), (v.shape, v.stride())
+        shape = [int(x) for x in torch.randint(1, 4, (3,), generator=g)]
+        strides = [int(x) for x in torch.randint(0, 7, (3,), generator=g)]
+        offsets = [sum(i * st for i, st in zip(idx, strides)) for idx in np.ndindex(*shape)]
+        if len(set(offsets)) < len(offsets):
+            assert overlapping_elements(torch.zeros(200).as_strided(shape, strides)), (shape, strides)
