@@ -221,7 +221,7 @@ class Snapshotter:
         handle = SnapshotHandle(vid, step)
         job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0, sharded=local is not None,
                    leaf_names=leaf_names, names=names, boxes=boxes, keys=keys,
-                   replicas=[] if local is None else [(p.name, p.box, p.view) for p in local[0].pieces
+                   replicas=[] if local is None else [(p.name, p.box, p.view, p.replicated) for p in local[0].pieces
                                                       if p.replicated])
         # a CPU state to a local store with O_DIRECT is written from where it is (not for CUDA tensors: their
         # bytes must come to the host anyway, and whole-segment DMAs into pinned staging are the cheap way)

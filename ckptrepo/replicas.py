@@ -8,8 +8,13 @@ matches, so a tensor-parallel weight whose name the rules do not know (a
 custom column-parallel layer, a renamed module) is saved as rank 0's shard
 alone. DCP has the same hole for DTensors whose local copies disagree.
 
+The same goes for a DTensor whose placements replicate it (``Replicate()`` on
+a mesh dimension of several ranks), e.g. a sequence-parallel LayerNorm whose
+gradients are not all-reduced: its copies drift apart, step by step.
+
 So each rank fingerprints its copy of every tensor the rules replicate over
-tensor-parallel ranks (explicitly or by default) and sends the fingerprints
+tensor-parallel ranks (explicitly or by default), and of every replicated
+DTensor, and sends the fingerprints
 with its part of the manifest; rank 0 compares them before it commits, and a
 disagreement fails the snapshot on every rank, naming the tensor and the
 ranks. A fingerprint hashes the tensor's size and three windows of its bytes
@@ -28,6 +33,10 @@ import xxhash
 from .errors import LayoutError
 
 WINDOW_ELEMS = 1024   # elements per sampled window; three windows per tensor
+
+# who replicates a piece (sharding.Piece.replicated), which says what to do when the copies differ
+RULES = "rules"            # the layout's rules, over tensor-parallel ranks
+PLACEMENT = "placement"    # a DTensor's Replicate() placement
 
 
 def sample(view: torch.Tensor) -> torch.Tensor:
@@ -52,9 +61,10 @@ def fingerprint(view: torch.Tensor) -> int:
     return h.intdigest()
 
 
-def fingerprints(replicas: Sequence[tuple[str, Any, torch.Tensor]]) -> list[list[Any]]:
-    """``[name, box, fingerprint]`` of each replicated piece ``(name, box, view)``; a box is (offsets, sizes)."""
-    return [[name, [list(box[0]), list(box[1])], fingerprint(view)] for name, box, view in replicas]
+def fingerprints(replicas: Sequence[tuple[str, Any, torch.Tensor, str]]) -> list[list[Any]]:
+    """``[name, box, fingerprint, by]`` of each replicated piece ``(name, box, view, by)``; a box is
+    (offsets, sizes), ``by`` RULES or PLACEMENT."""
+    return [[name, [list(box[0]), list(box[1])], fingerprint(view), by] for name, box, view, by in replicas]
 
 
 def check_replicas(ranks: Sequence[dict[str, Any]]) -> None:
@@ -66,9 +76,15 @@ def check_replicas(ranks: Sequence[dict[str, Any]]) -> None:
     seen: dict[tuple[Any, ...], tuple[int, int]] = {}   # piece -> (first rank, its fingerprint)
     for part in ranks:
         # the same box on several ranks: ZeRO partitions may cut one tensor at other places on other ranks
-        for name, box, fp in part.get("fingerprints", ()):
+        for name, box, fp, *by in part.get("fingerprints", ()):
             key = (name, tuple(box[0]), tuple(box[1]))
             first = seen.setdefault(key, (part["rank"], fp))
+            if first[1] != fp and by == [PLACEMENT]:
+                raise LayoutError(
+                    f"{name}: ranks {first[0]} and {part['rank']} hold different values of it, but it is a DTensor "
+                    f"whose placements replicate it (Replicate()), so one copy would be saved and the other lost; "
+                    f"make the copies equal (all-reduce what changes them, e.g. a sequence-parallel norm's "
+                    f"gradients), or shard it (Shard(d)) if each rank's part is its own")
             if first[1] != fp:
                 raise LayoutError(
                     f"{name}: ranks {first[0]} and {part['rank']} hold different values of it, but the layout's rules "

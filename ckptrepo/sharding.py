@@ -31,6 +31,7 @@ from .boxes import Box, flat_boxes, intersect, slices, volume
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
 from .providers import DTYPE_NAMES, TensorRecord, is_dtensor
+from .replicas import PLACEMENT, RULES
 from .rules import Region, Replicated, Rules, Spec, global_shape, local_shape, regions
 
 
@@ -44,7 +45,9 @@ class Piece:
     box: Box
     view: torch.Tensor
     cut_dim: int | None = None   # a dimension other layouts slice across rows (see column_blocks)
-    replicated: bool = False     # the rules replicate it over tensor-parallel ranks: fingerprinted (replicas.py)
+    # who replicates it over ranks, so that the ranks' copies are fingerprinted (replicas.py): RULES (the rules, over
+    # tensor-parallel ranks) or PLACEMENT (a DTensor's Replicate() over a mesh dimension of several ranks); "": nobody
+    replicated: str = ""
 
 
 @dataclass
@@ -165,6 +168,13 @@ def dtensor_box(t: Any, boxes: dict[Any, Any] | None = None) -> tuple[Box, torch
     return (tuple(offset), tuple(shape)), local
 
 
+def _replicated_over_ranks(t: Any) -> bool:
+    """Whether a DTensor's placements replicate its local tensor over several ranks (Replicate() on a mesh
+    dimension of more than one): the copies must agree, one is saved."""
+    from torch.distributed.tensor import Replicate
+    return any(type(p) is Replicate and t.device_mesh.size(d) > 1 for d, p in enumerate(t.placements))
+
+
 def _dtensor_cut_dim(t: Any) -> int | None:
     from torch.distributed.tensor import Shard
     return _cut_dim(max((p.dim for p in t.placements if isinstance(p, Shard)), default=None))
@@ -205,7 +215,8 @@ class Sharder:
                 out.gshapes[i] = tuple(t.shape)
                 self._check_known(rec.name, tuple(t.shape))
                 if volume(box[1]):
-                    out.pieces.append(Piece(rec.name, rec.dtype, tuple(t.shape), box, local, _dtensor_cut_dim(t)))
+                    out.pieces.append(Piece(rec.name, rec.dtype, tuple(t.shape), box, local, _dtensor_cut_dim(t),
+                                            PLACEMENT if _replicated_over_ranks(t) else ""))
                 continue
             where = self.rules.section_of(rec.name) if self.rules else None
             if where is not None:
@@ -217,7 +228,7 @@ class Sharder:
                 if section == self.rules.model_section:
                     params.append((gparam, tuple(t.shape), spec, gshape))
                 regs = regions(spec, gshape, self.layout.tp, self.coords.tp)
-                replicated = isinstance(spec, Replicated) and self.layout.tp > 1
+                replicated = RULES if isinstance(spec, Replicated) and self.layout.tp > 1 else ""
                 for lo, go, sz in regs:
                     out.pieces.append(Piece(name, rec.dtype, gshape, (go, sz), t[slices(lo, sz)], _spec_cut_dim(spec),
                                             replicated))
@@ -311,7 +322,7 @@ class Sharder:
             lo, hi = max(start, base), min(stop, base + n)
             if lo < hi:
                 regs: list[Region] = regions(spec, gshape, lay.tp, c.tp)
-                replicated = isinstance(spec, Replicated) and lay.tp > 1
+                replicated = RULES if isinstance(spec, Replicated) and lay.tp > 1 else ""
                 for fstart, box in flat_boxes(shape, lo - base, hi - base):
                     at = base + fstart - start
                     boxview = flat[at:at + volume(box[1])].view(box[1])

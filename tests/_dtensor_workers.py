@@ -198,3 +198,22 @@ def load_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> Non
         if rank == 0:
             torch.save(loaded, os.path.join(out_dir, "full-load.pt"))
     _guarded("load", rank, out_dir, body)
+
+
+def drifted_replica_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> None:
+    """Snapshot the model after rank 1's copy of the replicated norm weight drifted (a sequence-parallel norm
+    whose gradients were not all-reduced); write what the snapshot raised on this rank."""
+    def body() -> None:
+        import ckptrepo
+        mesh = _init(rank, world, port)
+        model, _, state = build(mesh, seed=0)
+        if rank == 1:
+            with torch.no_grad():
+                model["norm"].weight.to_local().add_(1e-3)
+        try:
+            ckptrepo.open(url).snapshot(state, step=1)
+            err = ""
+        except ckptrepo.CkptRepoError as e:
+            err = f"{type(e).__name__}: {e}"
+        _write_json(out_dir, f"rank-drift-{rank}.json", {"error": err})
+    _guarded("drift", rank, out_dir, body)

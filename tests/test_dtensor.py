@@ -140,3 +140,19 @@ def test_bytes_read_and_written(saved, loaded4):
     assert size == r0["global_dtensor_bytes"] + sum(r["plain_bytes"] for r in saved["ranks"])
     # replicas (down.bias, the LayerNorm, their Adam moments) were not written twice
     assert size < sum(r["local_bytes"] for r in saved["ranks"])
+
+
+def test_a_replicated_dtensor_whose_copies_drifted_is_refused_not_half_lost(tmp_path):
+    """A Replicate() DTensor was saved from one rank: when the ranks' copies differ (a sequence-parallel norm
+    whose gradients nobody all-reduced), the others were lost without a word. The copies' fingerprints now
+    disagree at the commit: no version appears, and every rank is told which tensor and what to do."""
+    from _dtensor_workers import drifted_replica_worker
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    run_ranks(drifted_replica_worker, SAVE_WORLD, url, str(tmp_path))
+    for r in range(SAVE_WORLD):
+        err = _json(str(tmp_path / f"rank-drift-{r}.json"))["error"]
+        assert "model/norm.weight: ranks 0 and 1 hold different values of it, but it is a DTensor whose " \
+               "placements replicate it (Replicate())" in err and "\n" not in err, err
+    repo = ckptrepo.open(url)
+    assert repo.log() == [] and repo.fsck().ok
