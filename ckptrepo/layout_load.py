@@ -34,8 +34,8 @@ from .distributed import process_group_rank
 from .errors import LayoutError, StateMismatchError
 from .layout import ParallelLayout, zero_partition
 from .providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str,
-                        _path_str, flatten, is_dtensor, is_stateful, overlap_error, overlapping_elements, own_containers,
-                        unflatten)
+                        _path_str, flatten, is_dtensor, is_stateful, overlap_error, overlapping_elements,
+                        own_containers, unflatten)
 from .reshard import ReadStats, read_pieces
 from .rules import Fused, LocalParam, Rules
 from .sharding import Sharder, rank_path
