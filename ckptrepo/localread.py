@@ -245,7 +245,7 @@ class DirectReader:
         if k0 + n <= shard.regular:   # the usual layout, checked once per shard: no per-batch planning
             # ROW_SCRATCH_BYTES at a time, each batch checked while it is still in cache: reading 243 MiB from
             # the page cache on 2 threads took 23.6 ms as 16 MiB preadv calls each followed by its crc32c pass,
-            # 19.3 ms in 1 MiB batches (a warm 2-to-1 resharding load, 40-45 ms in all, ~1.5 ms less)
+            # 19.3 ms in 1 MiB batches (in a warm 2-to-1 resharding load, 40-45 ms in all, ~1 ms: within noise)
             gap = _scratch(stride - nbytes) if stride != nbytes else None
             batch = max(1, ROW_SCRATCH_BYTES // chunk_bytes)
             for b0 in range(0, n, batch):

@@ -168,6 +168,12 @@ def dtensor_box(t: Any, boxes: dict[Any, Any] | None = None) -> tuple[Box, torch
     return (tuple(offset), tuple(shape)), local
 
 
+def _replicated_by_rules(spec: Spec, tp: int) -> str:
+    """``Piece.replicated`` of a piece of a rule section: RULES where the rules replicate it over several
+    tensor-parallel ranks (a parameter's or its ZeRO partition's part alike), else ""."""
+    return RULES if isinstance(spec, Replicated) and tp > 1 else ""
+
+
 def _replicated_over_ranks(t: Any) -> bool:
     """Whether a DTensor's placements replicate its local tensor over several ranks (Replicate() on a mesh
     dimension of more than one): the copies must agree, one is saved."""
@@ -228,7 +234,7 @@ class Sharder:
                 if section == self.rules.model_section:
                     params.append((gparam, tuple(t.shape), spec, gshape))
                 regs = regions(spec, gshape, self.layout.tp, self.coords.tp)
-                replicated = RULES if isinstance(spec, Replicated) and self.layout.tp > 1 else ""
+                replicated = _replicated_by_rules(spec, self.layout.tp)
                 for lo, go, sz in regs:
                     out.pieces.append(Piece(name, rec.dtype, gshape, (go, sz), t[slices(lo, sz)], _spec_cut_dim(spec),
                                             replicated))
@@ -322,7 +328,7 @@ class Sharder:
             lo, hi = max(start, base), min(stop, base + n)
             if lo < hi:
                 regs: list[Region] = regions(spec, gshape, lay.tp, c.tp)
-                replicated = RULES if isinstance(spec, Replicated) and lay.tp > 1 else ""
+                replicated = _replicated_by_rules(spec, lay.tp)
                 for fstart, box in flat_boxes(shape, lo - base, hi - base):
                     at = base + fstart - start
                     boxview = flat[at:at + volume(box[1])].view(box[1])

@@ -94,8 +94,8 @@ class SnapshotJob:
     names: list[list[Any]] = field(default_factory=list)    # sharded: [name, dtype, global shape] this rank holds
     boxes: list[Any] = field(default_factory=list)          # sharded: the global box of each record (piece)
     ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
-    # sharded: the pieces the rules replicate over tensor-parallel ranks, (name, box, view), until the
-    # capture thread turns them into fingerprints that rank 0 compares across ranks (replicas.py)
+    # sharded: the pieces replicated over ranks (by the rules or by a DTensor's placements), (name, box, view,
+    # by), until the capture thread turns them into fingerprints that rank 0 compares across ranks (replicas.py)
     replicas: list[Any] = field(default_factory=list)
     fingerprints: list[Any] = field(default_factory=list)
     # dedup (single process, CPU tensors): see dedup.py
