@@ -32,7 +32,7 @@ Measured, per method and layout change:
   i.e. every byte the process got from read()/pread()/preadv() system calls (all threads, page cache
   hits included; the few KB of DCP's collectives over gloo sockets included too). Both methods are
   counted this way. For ckptrepo also TensorStore's own kvstore counters
-  (``ckptrepo.reshard.kvstore_bytes_read()``), which count the same file reads from the inside.
+  (``ckptrepo.loading._reshard.kvstore_bytes_read()``), which count the same file reads from the inside.
 
 Every load is checked bit-exact against the expected values.
 
@@ -315,10 +315,10 @@ def load_worker(rank: int, world: int, port: int, work: str, src: int, method: s
         # ckptrepo imports its load machinery at the first load (so `import ckptrepo` stays light for the CLI);
         # import it here, as the line above imports DCP's, so that neither timed call pays for imports. Where
         # no .pyc can be cached (PYTHONDONTWRITEBYTECODE, as on our machines) that is 35-55 ms of compiling.
-        import ckptrepo.binding  # noqa: F401
-        import ckptrepo.layout_load  # noqa: F401
-        import ckptrepo.reader  # noqa: F401
-        from ckptrepo.reshard import ReadStats, kvstore_bytes_read
+        import ckptrepo.loading._binding  # noqa: F401
+        import ckptrepo.loading._layout_load  # noqa: F401
+        import ckptrepo.loading._reader  # noqa: F401
+        from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
         mesh = _init(rank, world, port)
         path = os.path.join(work, f"{method}-{src}")
         state = parallel_state(mesh, d, layers, fill=False) if world > 1 else plain_state(d, layers)
@@ -354,7 +354,7 @@ def load_worker(rank: int, world: int, port: int, work: str, src: int, method: s
 def _context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed.checkpoint", "torch.distributed.tensor.parallel",
-                                "ckptrepo", "ckptrepo.capture", "ckptrepo.layout_load"])
+                                "ckptrepo", "ckptrepo.saving._capture", "ckptrepo.loading._layout_load"])
     return ctx
 
 

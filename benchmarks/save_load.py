@@ -305,10 +305,10 @@ class CkptRepo(Method):
 class CkptRepoTensorStoreReads(CkptRepo):
     name = "ckptrepo, TS reads"
     key = "ckptrepo-ts"
-    note = "as ckptrepo, but loads through TensorStore only (ckptrepo.reader.DIRECT_READS = False)"
+    note = "as ckptrepo, but loads through TensorStore only (ckptrepo.loading._reader.DIRECT_READS = False)"
 
     def load(self, target: str, template: Any) -> Any:
-        from ckptrepo import reader
+        from ckptrepo.loading import _reader as reader
         saved, reader.DIRECT_READS = reader.DIRECT_READS, False
         try:
             return super().load(target, template)

@@ -4,14 +4,14 @@ Git for training state, built like an object store: every snapshot is an
 immutable version with its own manifest, stored in any TensorStore key-value
 store (local directory, memory, S3, GCS).
 """
-from . import rules
-from .errors import (CkptRepoError, ConflictError, CorruptionError, DetachedHeadError, FormatVersionError,
+from ckptrepo import rules
+from ckptrepo.errors import (CkptRepoError, ConflictError, CorruptionError, DetachedHeadError, FormatVersionError,
                      LayoutError, NotARepositoryError, RefError, RepositoryExistsError, RetentionError, RevisionError,
                      StateMismatchError, StorageError, UnsupportedValueError)
-from .gc import RetentionPolicy
-from .layout import ParallelLayout
-from .manifest import Version
-from .repo import Repository, VersionDetails, init, load, open
+from ckptrepo.maintenance._gc import RetentionPolicy
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.core._manifest import Version
+from ckptrepo.repository import Repository, VersionDetails, init, load, open
 
 __version__ = "0.1.0"
 

@@ -39,7 +39,7 @@ def mp_context() -> Any:
         if _ctx is None:
             ctx = multiprocessing.get_context("forkserver")
             # one forkserver serves every multi-process test: preload what all their workers import
-            ctx.set_forkserver_preload(["ckptrepo", "ckptrepo.capture", "ckptrepo.faults", "_ckpt_workers",
+            ctx.set_forkserver_preload(["ckptrepo", "ckptrepo.saving._capture", "ckptrepo.faults", "_ckpt_workers",
                                         "_dtensor_workers", "_dist_workers", "torch.distributed.tensor.parallel",
                                         "torch.distributed.checkpoint.state_dict"])
             _ctx = ctx

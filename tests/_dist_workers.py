@@ -12,7 +12,7 @@ import torch
 
 import ckptrepo
 from ckptrepo import faults
-from ckptrepo.layout import ParallelLayout
+from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.rules import Replicated, Rules, Split, megatron_gpt
 from megatron_ref import GPTConfig, Trainer, global_shapes, init_full_params, shard_full
 

@@ -52,7 +52,7 @@ def count_manifest_reads(monkeypatch: Any, store: Any,
     ``requests``, if given, counts the round trips too: "get" (one manifest), "get_many" (a batch) and
     "batched" (the manifests read in batches).
     """
-    from ckptrepo.manifest import VERSIONS_PREFIX
+    from ckptrepo.core._manifest import VERSIONS_PREFIX
     reads: collections.Counter = collections.Counter()
     round_trips = requests if requests is not None else collections.Counter()
     get, get_many = type(store).get, type(store).get_many

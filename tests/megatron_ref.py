@@ -4,7 +4,7 @@ It is the oracle of the resharding tests: state saved under one parallel
 layout (tp, pp, dp, ZeRO stage) and loaded under another must train on as if
 nothing happened. So this module shards and reassembles the state on its own
 (:func:`shard_full`, :func:`assemble`), never through ckptrepo's rules; it
-shares with ckptrepo only the conventions of :mod:`ckptrepo.layout` (rank
+shares with ckptrepo only the conventions of :mod:`ckptrepo.parallel.layout` (rank
 order, ZeRO flat partitions, pipeline stage sizes), and its parameter names
 are those :func:`ckptrepo.rules.megatron_gpt` describes.
 
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ckptrepo.layout import ParallelLayout, stage_layers, zero_partition
+from ckptrepo.parallel.layout import ParallelLayout, stage_layers, zero_partition
 
 from _ckpt_workers import mp_context
 

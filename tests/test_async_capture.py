@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import ckptrepo
-from ckptrepo import faults, localwrite
+from ckptrepo import faults
+from ckptrepo.storage import _localwrite as localwrite
 from ckptrepo.errors import SnapshotFailedError
 from helpers import assert_bit_exact
 
@@ -70,7 +71,7 @@ def test_module_buffers_copied_each_snapshot_do_not_make_a_new_plan(repo):
     assert repo.plans.misses == 1
     assert torch.equal(repo.load("@3")["model"]["mask"], model.mask / 2)
     # malloc gives big blocks a fixed offset within a page, but not reused heap memory: the copy fixes it
-    from ckptrepo.capture import _page_aligned_copy
+    from ckptrepo.saving._capture import _page_aligned_copy
     for shape, dtype in [((512, 512), torch.float32), ((70_001,), torch.bfloat16), ((3, 6000), torch.int64)]:
         t = torch.randn(shape).to(dtype)
         c = _page_aligned_copy(t)
@@ -130,7 +131,7 @@ def test_several_snapshots_in_flight_commit_in_order(repo):
 def test_a_pool_grown_in_the_background_stays_within_its_bound():
     """grow_in_background allocates up to what it is asked for and never past the pool's bound, alongside take()
     allocating for itself; every buffer it makes is handed out once."""
-    from ckptrepo.writer import StagingPool
+    from ckptrepo.saving._writer import StagingPool
     pool = StagingPool(1 << 16, 5, align=4096)
     taken = [pool.take()]
     pool.grow_in_background(3)
@@ -194,7 +195,7 @@ def test_a_committed_snapshot_is_not_kept_alive_by_the_threads(repo):
     its thousands of objects into its oldest generation, which brings on full collections of the training
     process (~0.2 s each with a model loaded)."""
     import gc
-    from ckptrepo.snapshot_job import SnapshotJob
+    from ckptrepo.saving._snapshot_job import SnapshotJob
     state = make_state(n=3)
     with repo.snapshotter(dedup=False) as snap:
         for step in range(2):
@@ -305,7 +306,7 @@ def test_snapshotter_refuses_a_detached_head(repo):
 
 def test_log_stats_in_the_cli(repo, capsys, monkeypatch):
     repo.snapshot(make_state(n=2), step=5)
-    from ckptrepo_cli.main import main
+    from ckptrepo.cli.main import main
     monkeypatch.setattr(sys, "argv", ["ckptrepo", "--repo", repo.url, "log", "--stats"])
     main()
     out = capsys.readouterr().out
@@ -336,9 +337,9 @@ def test_snapshots_leave_no_cyclic_garbage(repo):
     """A snapshot's records, tensor objects and job are freed by reference counting once it commits, not left
     to the cyclic collector: with a big model loaded a full collection costs ~0.2 s of the training loop."""
     import gc
-    from ckptrepo.snapshot_job import SnapshotJob
-    from ckptrepo.localwrite import LiveShard
-    from ckptrepo.providers import TensorRecord
+    from ckptrepo.saving._snapshot_job import SnapshotJob
+    from ckptrepo.storage._localwrite import LiveShard
+    from ckptrepo.state._providers import TensorRecord
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 256)).sum().backward()
@@ -504,7 +505,7 @@ def test_ctrl_c_inside_snapshot_or_the_pre_step_hook_leaves_nothing_hanging(repo
     """A Ctrl-C between queueing a job for capture and for commit left it in flight for good (wait(), close()
     and the exit hung), and one inside a live shard's release lost the job's hold (the next optimizer.step()
     hung). The interrupt is held until those steps are done, then raised."""
-    from ckptrepo.localwrite import LiveShard
+    from ckptrepo.storage._localwrite import LiveShard
     model = torch.nn.Linear(512, 512)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "opt": opt}
@@ -637,8 +638,8 @@ def test_frozen_weights_are_not_copied_at_snapshot_whether_module_or_bare(repo):
     (a `base.state_dict()` of 100 x 4 MiB held the loop 0.1-0.7 s a snapshot, review finding), it put the whole
     frozen model's bytes on the training thread. A module's parameters are never copied; a bare tensor is
     copied until a snapshot finds it unchanged since the previous one (address and version counter)."""
-    from ckptrepo.capture import _copy_what_forward_may_change
-    from ckptrepo.providers import flatten
+    from ckptrepo.saving._capture import _copy_what_forward_may_change
+    from ckptrepo.state._providers import flatten
     # statistics of 128 KiB: over EAGER_COPY_BYTES, so only the version rule tells them from frozen weights
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(32768), torch.nn.Linear(512, 8))
     for p in model[0].parameters():

@@ -124,7 +124,7 @@ def test_loading_into_meta_tensors_is_refused_not_silently_skipped(repo, path):
     """Copying into a meta tensor does nothing and raises nothing: a load into a model built on the meta device
     returned it untouched, as if restored."""
     from ckptrepo.errors import CkptRepoError
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
 
     layout = ParallelLayout() if path == "layout" else None
     repo.snapshot({"model": torch.nn.Linear(4, 3).state_dict()}, step=1, parallel_layout=layout)
@@ -139,7 +139,7 @@ def test_loading_into_meta_tensors_is_refused_not_silently_skipped(repo, path):
 def test_retention_counts_must_be_whole_numbers_of_at_least_one(repo):
     """`keep_last=-1` or `keep_every=0` switched retention on and pruned all but the branch heads."""
     from ckptrepo.errors import RetentionError
-    from ckptrepo.gc import RetentionPolicy
+    from ckptrepo.maintenance._gc import RetentionPolicy
 
     for step in range(3):
         repo.snapshot({"x": torch.full((2,), float(step))}, step=step)
@@ -224,7 +224,8 @@ def test_mismatches_found_only_by_load_state_dict_or_set_state_are_refused_befor
 @pytest.mark.parametrize("path", ["plain", "layout"])
 def test_an_unavailable_or_bogus_device_is_refused_before_any_read(repo, path, monkeypatch):
     """torch would fail only at the first .to(), after the reads, with an AssertionError on a CPU-only build."""
-    from ckptrepo import layout_load, reader
+    from ckptrepo.loading import _layout_load as layout_load
+    from ckptrepo.loading import _reader as reader
     layout = ckptrepo.ParallelLayout() if path == "layout" else None
     repo.snapshot({"w": torch.ones(3)}, step=1)
     reads = []
@@ -308,7 +309,7 @@ def test_header_fields_the_manifest_cannot_hold_are_refused_at_snapshot(repo, kw
 
 def test_the_commit_thread_outlives_a_failure_it_cannot_record(repo, monkeypatch):
     """An exception outside the library's own (here from the failure record itself) killed the commit thread."""
-    from ckptrepo import commit
+    from ckptrepo.saving import _commit as commit
     from ckptrepo.errors import SnapshotFailedError
 
     def broken_record(self, job, cause):
@@ -344,7 +345,7 @@ def test_a_nested_tensor_is_refused_naming_its_key(repo):
 def _layout_version(tmp_path):
     """A version that loads through the piece-wise path (a layout named at save), of a model, its Adam state
     after one step, and a numpy array."""
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.rules import Rules
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -417,7 +418,7 @@ def test_a_layout_load_into_a_plain_dict_may_take_only_some_tensors(tmp_path) ->
 def test_a_fresh_zero_build_of_mixed_dtypes_is_refused_not_cast(tmp_path) -> None:
     """A flat ZeRO partition has one dtype: built from bf16 and fp64 tensors it was cast to bf16, silently."""
     from ckptrepo.errors import LayoutError
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.rules import Rules
     repo = ckptrepo.init(str(tmp_path / "repo"))
     rules = Rules([], optimizer_sections=("optimizer/exp_avg",))
@@ -434,7 +435,7 @@ def test_a_fresh_zero_build_of_mixed_dtypes_is_refused_not_cast(tmp_path) -> Non
 
 def test_a_single_process_version_loaded_into_more_ranks_warns_about_its_per_rank_state(tmp_path) -> None:
     """Every rank of the new layout gets the one saved rank's RNG state: said, as for a multi-rank version."""
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.rules import Rules, Split
     repo = ckptrepo.init(str(tmp_path / "repo"))
     rules = Rules([("w", Split(0))])
@@ -468,7 +469,7 @@ def test_an_unpadded_vocabulary_snapshotted_with_its_rules_is_told_to_pad() -> N
 def test_load_rules_that_cut_a_fused_tensor_into_other_parts_than_the_saved_ones_warn(tmp_path) -> None:
     """Grouped-query QKV saved as parts (32, 8, 8), loaded with Fused(3) or with Split(0): each rank got other
     rows of the same bytes, with the same local shape, and no word."""
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.rules import Fused, Rules
     repo = ckptrepo.init(str(tmp_path / "repo"))
     repo.snapshot({"model": {"qkv": torch.randn(48, 4)}}, step=1,
@@ -490,7 +491,7 @@ def test_zero_optimizer_partitions_load_into_without_the_model_section(tmp_path)
     """The parameters a flat partition covers came from `into`'s model section: without one, the partition
     was refused as covering 0 parameter elements. They come from the rules and the version, as for a
     fresh build."""
-    from ckptrepo.layout import ParallelLayout, zero_partition
+    from ckptrepo.parallel.layout import ParallelLayout, zero_partition
     from ckptrepo.rules import Rules
     repo = ckptrepo.init(str(tmp_path / "repo"))
     rules = Rules([], optimizer_sections=("optimizer/exp_avg",))
@@ -507,7 +508,7 @@ def test_zero_optimizer_partitions_load_into_without_the_model_section(tmp_path)
 def test_overlapping_elements_matches_brute_force_over_random_views() -> None:
     """Every view indexing makes (slices with steps, transposes, permutes) has elements of its own; a random
     as_strided layout whose element offsets collide (counted one by one) is always caught."""
-    from ckptrepo.providers import overlapping_elements
+    from ckptrepo.state._providers import overlapping_elements
     g = torch.Generator().manual_seed(0)
     base = torch.zeros(2, 3, 4, 5)
     for _ in range(300):

@@ -21,7 +21,7 @@ class Result:
 
 def run(*args, repo=None, env_repo=None, cwd=None):
     """Run the CLI entry point in-process (fast), exactly as the console script does."""
-    from ckptrepo_cli.main import main
+    from ckptrepo.cli.main import main
     argv = ["ckptrepo"] + (["--repo", repo] if repo else []) + list(args)
     saved_argv, saved_cwd, saved_env = sys.argv, os.getcwd(), os.environ.get("CKPTREPO_REPO")
     out, err = io.StringIO(), io.StringIO()
@@ -224,7 +224,7 @@ def test_history_commands_do_not_import_torch(populated):
     `ckptrepo` process must not pay for importing torch (2-3 s on a small VM, most of a history command's time)."""
     url, _ = populated
     probe = ("import sys, runpy; sys.argv = ['ckptrepo', '--repo', sys.argv[1]] + sys.argv[2:]\n"
-             "try:\n    runpy.run_module('ckptrepo_cli.main', run_name='__main__')\n"
+             "try:\n    runpy.run_module('ckptrepo.cli.main', run_name='__main__')\n"
              "except SystemExit as e:\n    assert not e.code, e.code\n"
              "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
     for args in (["log"], ["log", "--all", "--graph"], ["log", "--stats"], ["show", "good"], ["tag"], ["branch"],
@@ -285,7 +285,7 @@ def test_cli_on_s3_prints_nothing_on_stderr(s3_url, tmp_path):
     command to the terminal's stderr (the whole default credential chain was built)."""
     ckptrepo.init(s3_url).snapshot({"w": torch.ones(2)}, step=1)
     env = dict(os.environ, HOME=str(tmp_path))   # no ~/.aws/config, no ~/.aws/credentials
-    out = subprocess.run([sys.executable, "-m", "cli.main", "--repo", s3_url, "log"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ckptrepo.cli", "--repo", s3_url, "log"], capture_output=True,
                          text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
     assert out.returncode == 0 and "step 1" in out.stdout, out
     assert out.stderr == "", out.stderr
@@ -300,7 +300,7 @@ def test_s3_credentials_from_the_shared_credentials_file(s3_url, tmp_path):
                                                    "aws_secret_access_key = testing\n")
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     env.update(HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true")
-    out = subprocess.run([sys.executable, "-m", "cli.main", "--repo", s3_url, "log"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ckptrepo.cli", "--repo", s3_url, "log"], capture_output=True,
                          text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
     assert out.returncode == 0 and "step 1" in out.stdout and out.stderr == "", out
 
@@ -308,7 +308,7 @@ def test_s3_credentials_from_the_shared_credentials_file(s3_url, tmp_path):
 def test_a_credentials_file_without_the_profile_leaves_the_default_chain(tmp_path, monkeypatch):
     """Named as a profile provider whenever the file existed, a file holding only other profiles stopped every
     S3 repository from opening on a machine whose credentials come from an instance role (review finding)."""
-    from ckptrepo.store import _aws_credentials
+    from ckptrepo.storage._tensorstore import _aws_credentials
     (tmp_path / "credentials").write_text("[other]\naws_access_key_id = a\naws_secret_access_key = b\n")
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)

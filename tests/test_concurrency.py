@@ -13,7 +13,7 @@ import queue
 import pytest
 
 import ckptrepo
-from ckptrepo.fsck import fsck
+from ckptrepo.maintenance._fsck import fsck
 
 from _ckpt_workers import BARRIER_TIMEOUT, assert_same, make_state, mp_context, race_writer, tag_racer
 
@@ -108,8 +108,8 @@ def test_gc_and_fsck_while_another_writer_commits_lose_and_report_nothing(tmp_pa
     like a dead end: its whole history was collected. fsck called the new tip missing."""
     import torch
 
-    from ckptrepo import gc as gc_module
-    from ckptrepo.repo import Repository
+    from ckptrepo.maintenance import _gc as gc_module
+    from ckptrepo.repository import Repository
     url = str(tmp_path / "r")
     repo = ckptrepo.init(url)
     for step in range(3):

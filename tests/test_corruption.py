@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import ckptrepo
-from ckptrepo.arrays import INNER_BYTES
+from ckptrepo.storage._arrays import INNER_BYTES
 from ckptrepo.errors import CorruptionError
-from ckptrepo.fsck import fsck
+from ckptrepo.maintenance._fsck import fsck
 
 from _ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
 
@@ -154,7 +154,7 @@ def test_a_resharding_load_names_the_damaged_object_and_its_tensors(tmp_path, da
     """The piece-wise path (a version saved with a layout, loaded into a tensor-parallel rank) reports damage
     with the same one-line error as whole-tensor loads, whether its direct reader or TensorStore meets it,
     and only that: the reader's tasks cancelled after the failure printed a traceback each to stderr."""
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
     from _dist_workers import SPLIT_RULES, split_state
 
     path = tmp_path / "repo"
@@ -231,7 +231,7 @@ def test_cli_fsck_reports_corruption(repo_dir):
     file, key = _shard_file(path, vid)
     offset, nbytes = _chunk_extent(file.read_bytes(), 3, 1)
     _flip(file, offset + nbytes // 2)
-    proc = subprocess.run([sys.executable, "-m", "ckptrepo_cli.main", "--repo", str(path), "fsck"],
+    proc = subprocess.run([sys.executable, "-m", "ckptrepo.cli.main", "--repo", str(path), "fsck"],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "CKPTREPO_DEBUG": "", "COLUMNS": "400"})
     output = proc.stdout + proc.stderr
@@ -339,7 +339,7 @@ def test_an_init_killed_before_head_is_finished_by_init_exist_ok(tmp_path):
 def test_a_failing_strided_load_with_reads_still_queued_prints_nothing_but_its_error(tmp_path, capfd, caplog):
     """Column slices of a plain version: every span is scattered once its tasks are done; after the first
     chunk fails its checksum the reader cancels the queued tasks, whose callbacks printed a traceback each."""
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.rules import Rules, Split
     path = tmp_path / "repo"
     repo = ckptrepo.init(str(path))
@@ -358,7 +358,7 @@ def test_a_resealed_manifest_whose_tensor_table_does_not_fit_its_arrays_is_refus
     """A manifest whose crc32c checks out can still disagree with itself (a writer's bug, a hand edit sealed
     again): a float32 array read as float64 loaded uninitialised memory on the direct path, a piece past
     its array's end an IndexError, and fsck said ok. Reading the manifest now checks its tensor table."""
-    from ckptrepo.manifest import seal, unseal
+    from ckptrepo.core._manifest import seal, unseal
     path = tmp_path / "repo"
     repo = ckptrepo.init(str(path))
     vid = repo.snapshot({"model": {"a": torch.randn(1000), "c": torch.randn(4000)}}, step=1).id

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import ckptrepo
-from ckptrepo.fsck import fsck
+from ckptrepo.maintenance._fsck import fsck
 
 from _ckpt_workers import assert_same, crash_writer, loop_writer, make_state, mp_context
 

@@ -128,7 +128,7 @@ def test_the_pinned_pool_grows_to_a_snapshots_need_once_and_pins_no_more_than_it
     """After the first capture the pool holds a buffer per segment of it (grown in the background), so later
     captures take buffers instead of pinning them one by one; each pinned buffer is allocated at its size,
     not rounded up to the next power of two by torch's pinned allocator."""
-    from ckptrepo.writer import aligned_empty
+    from ckptrepo.saving._writer import aligned_empty
     g = torch.Generator(device="cuda").manual_seed(6)
     state = {f"w{i}": torch.randn(3 << 20, device="cuda", generator=g) for i in range(6)}   # 72 MiB
     with repo.snapshotter(host_memory="256MiB") as snap:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import ckptrepo
-from ckptrepo.layout import ParallelLayout
-from ckptrepo.reshard import ReadStats, kvstore_bytes_read
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
 from _ckpt_workers import mp_context
 from _dist_workers import resume, snapshot_and_die, snapshot_disagreeing, train_and_snapshot, with_rules
 from helpers import assert_bit_exact
@@ -211,7 +211,7 @@ def test_a_tensor_parallel_shard_the_rules_take_for_a_replica_is_refused_not_hal
 def test_replica_fingerprints_sample_any_size_and_dtype() -> None:
     """Equal copies agree; a change at the start, the middle or the end of a big tensor, a different size, or
     any change in a small one is told apart; bfloat16, bool and 0-d tensors are fingerprinted."""
-    from ckptrepo.replicas import WINDOW_ELEMS, check_replicas, fingerprint
+    from ckptrepo.parallel._replicas import WINDOW_ELEMS, check_replicas, fingerprint
     from ckptrepo.errors import LayoutError
     g = torch.Generator().manual_seed(0)
     big = torch.randn(10 * WINDOW_ELEMS + 7, generator=g)
@@ -279,7 +279,7 @@ def test_an_unsharded_load_on_a_rank_past_0_warns_that_it_gets_rank_0s_per_rank_
 
 def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
     """Equal total volume is not coverage: a stray piece must not make up for a missing one."""
-    from ckptrepo.boxes import check_coverage
+    from ckptrepo.core._boxes import check_coverage
     from ckptrepo.errors import LayoutError
     check_coverage({"w": ((8, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4))])})
     with pytest.raises(LayoutError, match=r"w: a saved piece \[8:16, 0:2\] lies outside the tensor's shape \[8, 4\]"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import ckptrepo
-from ckptrepo.manifest import VERSIONS_PREFIX, seal
+from ckptrepo.core._manifest import VERSIONS_PREFIX, seal
 
 
 def test_unique_and_shared_bytes_follow_the_arrays(repo, tmp_path):
@@ -58,7 +58,7 @@ def test_du_and_gc_report_what_the_store_holds_not_only_the_tensor_bytes(tmp_pat
     of a repository whose data files held 1.61, and gc's "freed" undercounted the same way. The stored figures
     are the files' sizes on a local store; elsewhere the sharded layout's size."""
     import os
-    from ckptrepo.arrays import ArrayInfo, layout_bytes
+    from ckptrepo.storage._arrays import ArrayInfo, layout_bytes
     root = tmp_path / "r"
     repo = ckptrepo.init(str(root))
     g = torch.Generator().manual_seed(0)

@@ -170,7 +170,7 @@ def test_cli_export_and_import(repo, tmp_path):
 
 def test_a_torch_export_that_fails_midway_leaves_nothing_behind(repo, tmp_path, monkeypatch):
     """A full disk left a truncated file, with a cryptic error, which the next export refused to overwrite."""
-    from ckptrepo import exchange
+    from ckptrepo.tools import _exchange as exchange
     repo.snapshot({"w": torch.randn(1000)}, step=1)
     save = torch.save
 
@@ -193,7 +193,7 @@ def test_a_torch_export_that_fails_midway_leaves_nothing_behind(repo, tmp_path, 
 @pytest.mark.parametrize("fmt", ["dcp", "safetensors"])
 def test_a_directory_export_that_fails_midway_leaves_nothing_behind(repo, tmp_path, monkeypatch, fmt):
     """A full disk left a truncated DCP checkpoint (which blocked the retry) or an empty directory."""
-    from ckptrepo import exchange
+    from ckptrepo.tools import _exchange as exchange
     repo.snapshot({"w": torch.randn(1000)}, step=1)
     real = exchange._save_dcp if fmt == "dcp" else exchange._save_safetensors
 

@@ -91,7 +91,7 @@ def test_cli_gc(repo):
     import contextlib
     import io
     import sys
-    from ckptrepo_cli.main import main
+    from ckptrepo.cli.main import main
     out = io.StringIO()
     argv = sys.argv
     try:
@@ -180,7 +180,7 @@ def test_a_failing_background_retention_is_raised_at_the_next_call(repo, monkeyp
 def test_background_retention_reads_each_manifest_once_over_a_long_run(repo, monkeypatch):
     """Retention after every commit looks at every version each pass; it keeps what it needs of each manifest
     between passes, so a long run does not re-read (and decode) the whole history after every snapshot."""
-    from ckptrepo.manifest_reads import MANIFEST_CACHE_SIZE
+    from ckptrepo.core._manifest_reads import MANIFEST_CACHE_SIZE
     reads = count_manifest_reads(monkeypatch, repo.store)
     n = 2 * MANIFEST_CACHE_SIZE + 8          # more versions than the handle keeps manifests of
     policy = ckptrepo.RetentionPolicy(keep_last=3, keep_every=10, grace_period_s=0)
@@ -265,8 +265,8 @@ def test_a_load_or_fsck_that_races_a_pruning_gc_says_pruned_not_corrupt(tmp_path
     """An eval process loading a version while training's retention prunes it was told the repository is
     corrupt ("run ckptrepo fsck"), and an fsck running beside a pruning gc reported damage and exited 1; an fsck
     right after said ok. The gc runs between each one's check of the pruned/ marker and its reads."""
-    import ckptrepo.fsck as fsck_module
-    import ckptrepo.reader as reader
+    import ckptrepo.maintenance._fsck as fsck_module
+    import ckptrepo.loading._reader as reader
     url = str(tmp_path / "r")
     repo = ckptrepo.init(url)
     for i in range(3):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ckptrepo import inspect
+from ckptrepo.tools import _inspect as inspect
 
 
 def two_versions(repo):

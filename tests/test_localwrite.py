@@ -11,12 +11,15 @@ import pytest
 import torch
 
 import ckptrepo
-from ckptrepo import crc, faults, localread, localwrite
-from ckptrepo.arrays import ArrayInfo, choose_geometry, create_array
+from ckptrepo.storage import _crc as crc
+from ckptrepo import faults
+from ckptrepo.storage import _localread as localread
+from ckptrepo.storage import _localwrite as localwrite
+from ckptrepo.storage._arrays import ArrayInfo, choose_geometry, create_array
 from ckptrepo.errors import SnapshotFailedError
-from ckptrepo.fsck import fsck
-from ckptrepo.localwrite import DirectWriter
-from ckptrepo.store import Store
+from ckptrepo.maintenance._fsck import fsck
+from ckptrepo.storage._localwrite import DirectWriter
+from ckptrepo.storage._tensorstore import Store
 
 from _ckpt_workers import crash_writer, make_state, mp_context
 from helpers import assert_bit_exact
@@ -405,8 +408,8 @@ def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tm
     staging buffer, whose stale bytes must not leak; TensorStore decodes the objects (crc32c checked) to the
     same elements, and the hashers see each tensor's bytes in order."""
     import xxhash
-    from ckptrepo.providers import TORCH_DTYPES, TensorRecord
-    from ckptrepo.writer import StagingPool, fill_live, live_residues, make_plan
+    from ckptrepo.state._providers import TORCH_DTYPES, TensorRecord
+    from ckptrepo.saving._writer import StagingPool, fill_live, live_residues, make_plan
     item = ArrayInfo("x", dtype, 1, 1, 1).itemsize
     numel = max(1, int(chunks * INNER / item))
     data = torch.from_numpy(np.random.default_rng(int(chunks * 100)).integers(0, 256, numel * item, dtype=np.uint8))
@@ -422,7 +425,7 @@ def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tm
         parts[3] = wide[:, 1:1 + (cut[4] - cut[3]) // rows]
         assert not parts[3].is_contiguous() or parts[3].numel() <= 1
     records = [TensorRecord(f"t{i}", p, dtype, tuple(p.shape)) for i, p in enumerate(parts)]
-    monkeypatch.setattr("ckptrepo.writer.choose_geometry",
+    monkeypatch.setattr("ckptrepo.saving._writer.choose_geometry",
                         lambda d, n, shard_bytes: choose_geometry(d, n, shard_bytes=shard_bytes, inner_bytes=INNER))
     plan = make_plan(records, shard_bytes=SHARD, residues=live_residues(records, INNER))
     store = Store.open(str(tmp_path))
@@ -498,7 +501,7 @@ def test_one_byte_dtypes_load_through_the_direct_path(tmp_path):
              "u8": torch.randint(0, 255, (300_000,), generator=g, dtype=torch.uint8),
              "b": torch.rand(300_000, generator=g) > 0.5}
     repo.snapshot(state, step=0)
-    from ckptrepo.reshard import kvstore_bytes_read
+    from ckptrepo.loading._reshard import kvstore_bytes_read
     before, ts_before = localread.bytes_read(), kvstore_bytes_read()
     assert_bit_exact(state, ckptrepo.open(str(tmp_path / "r")).load("HEAD"))
     direct = localread.bytes_read() - before
@@ -573,7 +576,7 @@ def _rewrite_shard(path: str, n: int, order: list[int], gap: int) -> None:
 def test_a_shard_with_chunks_out_of_order_loads_through_the_direct_path(tmp_path, gap):
     """The direct reader plans each read from the index when the chunks are not at one stride from the first;
     such shards load bit-exact, without falling back to TensorStore, whole and in strided parts."""
-    from ckptrepo.reshard import kvstore_bytes_read
+    from ckptrepo.loading._reshard import kvstore_bytes_read
     from ckptrepo.rules import Rules, Split
     repo = ckptrepo.init(str(tmp_path / "r"))
     g = torch.Generator().manual_seed(9)
@@ -602,7 +605,7 @@ def test_a_load_of_more_shards_than_the_open_file_limit_reads_them_directly(tmp_
     """The direct reader held every shard of a load open until it ended: a version of more shards than the
     open-file limit (1024 by default: 64 GiB of 64 MiB shards) failed to load. It now holds one per task."""
     import resource
-    from ckptrepo.reshard import kvstore_bytes_read
+    from ckptrepo.loading._reshard import kvstore_bytes_read
     repo = ckptrepo.init(str(tmp_path / "r"))
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(3_000_000, generator=g)}
@@ -629,7 +632,7 @@ def test_a_zarr_json_the_direct_reader_does_not_understand_is_left_to_tensorstor
     """The direct reader compared only the fields it reads: a storage transformer or an extension TensorStore
     refuses loaded anyway on the direct path, while TensorStore, fsck and stats called the array corrupt."""
     import json
-    from ckptrepo.arrays import ArrayInfo, metadata_matches
+    from ckptrepo.storage._arrays import ArrayInfo, metadata_matches
     repo = ckptrepo.init(str(tmp_path / "r"))
     repo.snapshot({"w": torch.randn(100_000)}, step=1)
     (key, meta), = repo.manifest(repo.resolve("HEAD"))["arrays"].items()

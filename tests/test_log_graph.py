@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptrepo.graph import graph
-from ckptrepo.manifest import Version
+from ckptrepo.tools._graph import graph
+from ckptrepo.core._manifest import Version
 from test_cli import run
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptrepo.layout import ParallelLayout, zero_partition
+from ckptrepo.parallel.layout import ParallelLayout, zero_partition
 from ckptrepo.rules import local_shape, megatron_gpt
 
 from helpers import assert_bit_exact

@@ -56,7 +56,7 @@ def test_an_upper_case_id_prefix_names_its_version(repo):
 
 def test_ambiguous_prefix(repo, monkeypatch):
     fake = iter(["abcd" + "0" * 27 + str(i) for i in range(3)])
-    monkeypatch.setattr("ckptrepo.capture.new_version_id", lambda: next(fake))
+    monkeypatch.setattr("ckptrepo.saving._capture.new_version_id", lambda: next(fake))
     commit_steps(repo, range(3))
     with pytest.raises(RevisionError, match="'abcd' is ambiguous: 3 versions"):
         repo.resolve("abcd")
@@ -146,7 +146,7 @@ def test_a_config_of_json_that_is_not_an_object_is_named_as_damaged(tmp_path, te
 def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch):
     """`log -n N` stops after N versions, as `git log -n` does, and history walks never build a manifest's
     tensor table or tree: a run that snapshots every step has thousands of versions with big manifests."""
-    import ckptrepo.manifest_reads
+    import ckptrepo.core._manifest_reads
     from helpers import count_manifest_reads
     state = {f"layer{i}": torch.zeros(3) for i in range(50)}
     ids = []
@@ -157,7 +157,7 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     side = [repo.snapshot(state, step=s).id for s in (8, 9)]
 
     reads = count_manifest_reads(monkeypatch, repo.store)
-    monkeypatch.setattr(ckptrepo.manifest_reads, "unseal", lambda *a: pytest.fail("a history walk decoded a whole manifest"))
+    monkeypatch.setattr(ckptrepo.core._manifest_reads, "unseal", lambda *a: pytest.fail("a history walk decoded a whole manifest"))
     fresh = ckptrepo.open(repo.url)
     assert [v.id for v in fresh.log(limit=3)] == side[::-1] + [ids[7]]
     assert sum(reads.values()) <= 4, reads
@@ -184,7 +184,7 @@ def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatc
     assert [v.step for v in ckptrepo.open(s3_url).log(limit=5)] == [69, 68, 67, 66, 65]
     assert calls["get"] == 5 and calls["get_many"] == 0, calls   # short: no listing, the 5 it needs
     # first-parent walks (@STEP, HEAD~N, metrics) read a few headers alone, then in batches once they prove long
-    from ckptrepo.manifest_reads import WALK_SINGLE_READS
+    from ckptrepo.core._manifest_reads import WALK_SINGLE_READS
     long = (WALK_SINGLE_READS, 1)   # the first headers alone, then the rest in one batch
     for run, (singles, batches) in ((lambda r: r.resolve("@0") == ids[0], long),
                                     (lambda r: r.resolve("HEAD~69") == ids[0], long),
@@ -232,7 +232,7 @@ def test_deleting_a_branch_guards_its_versions_and_gc_then_collects_them(repo):
 
 def test_deleting_a_tag_and_a_branch_that_moved_meanwhile(repo, monkeypatch):
     from ckptrepo.errors import ConflictError
-    from ckptrepo.manifest import HEADS_PREFIX
+    from ckptrepo.core._manifest import HEADS_PREFIX
 
     first, second = commit_steps(repo, [1, 2])
     repo.tag("best", first)

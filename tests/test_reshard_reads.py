@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import ckptrepo
-from ckptrepo.arrays import INNER_BYTES
-from ckptrepo.layout import ParallelLayout
-from ckptrepo.reshard import ReadStats, kvstore_bytes_read
+from ckptrepo.storage._arrays import INNER_BYTES
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
 from _dist_workers import SPLIT_RULES, snapshot_split_state, split_state
 from megatron_ref import launch
 
@@ -99,7 +99,7 @@ def test_a_distributed_save_stores_row_parallel_pieces_as_column_blocks(tp2_repo
 def test_column_blocks_keep_rows_of_a_kilobyte_and_blocks_of_64_kib(shape, dtype, widths) -> None:
     """Loads into fewer tensor-parallel ranks copy every block row into wider rows: short rows make that copy
     per-row overhead (288-byte rows took twice as long as 1 KiB ones), so blocks trade tp growth for row length."""
-    from ckptrepo.sharding import Piece, column_blocks
+    from ckptrepo.parallel._sharding import Piece, column_blocks
     view = torch.zeros(shape, dtype=dtype)
     blocks = column_blocks([Piece("w", "x", shape, ((0, 0), shape), view, cut_dim=1)])
     assert [b.box[1][1] for b in blocks] == widths
@@ -178,7 +178,8 @@ def test_strided_targets_are_filled_row_by_row_from_verified_chunks(tmp_path, mo
     """Column blocks loaded into whole rows (and into narrower blocks) go through reshard._RowTarget: each
     reader task copies the rows its chunks hold, cutting rows at chunk and batch edges. With one inner chunk
     per batch, the long rows (100 KB) arrive in several pieces. Every load is bit-exact."""
-    from ckptrepo import localread, reshard
+    from ckptrepo.storage import _localread as localread
+    from ckptrepo.loading import _reshard as reshard
     from ckptrepo.rules import Rules, Split
     if batch is not None:
         monkeypatch.setattr(localread, "ROW_SCRATCH_BYTES", batch)
@@ -215,7 +216,7 @@ def test_direct_reads_equal_the_state_over_random_shapes_dtypes_and_layouts(tmp_
     buffer at its size or smaller than a chunk: every rank gets exactly its slice."""
     import random
 
-    from ckptrepo import localread
+    from ckptrepo.storage import _localread as localread
     from ckptrepo.rules import Rules, Split
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)

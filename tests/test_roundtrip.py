@@ -153,7 +153,7 @@ def test_in_place_tensors_and_map_location(repo):
 
 def test_large_multi_shard_state_round_trips(repo, monkeypatch):
     """Tensors spanning shard boundaries and several streams per dtype still round-trip."""
-    from ckptrepo import writer
+    from ckptrepo.saving import _writer as writer
     original = writer.make_plan
     monkeypatch.setattr(writer, "make_plan", lambda records, shard_bytes=None, residues=None:
                         original(records, shard_bytes=1 << 20, residues=residues))
@@ -218,7 +218,7 @@ def test_into_modules_and_optimizers_fills_them_in_place_however_they_were_saved
     buffers) and leaves them in the returned dict, whether the version holds the objects or their
     `state_dict()`s (DCP's habit), with or without a parallel layout. The layout path used to lose the learning
     rate and put a dict of Nones in the module's place; the plain path replaced a module with the saved dict."""
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
 
     model, opt = _trained_pair(lr=0.123)
     saved = {"model": model, "optim": opt} if saved_as == "objects" else \
@@ -276,7 +276,7 @@ def test_into_parameters_and_schedulers(repo, path):
     with its first scheduler, and came back wrong)."""
     from torch.optim.lr_scheduler import ExponentialLR, LinearLR, SequentialLR
 
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
 
     def pair():
         model = torch.nn.Linear(3, 2)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import ckptrepo
-import ckptrepo.arrays
-import ckptrepo.fsck
+import ckptrepo.storage._arrays
+import ckptrepo.maintenance._fsck
 from ckptrepo.errors import CorruptionError, StorageError
-from ckptrepo.store import DEFAULT_STORE_RETRIES, Store
+from ckptrepo.storage._tensorstore import DEFAULT_STORE_RETRIES, Store
 
 from test_cli import run
 
@@ -73,9 +73,9 @@ def test_an_endpoint_that_accepts_and_never_answers_is_given_up_on(tmp_path):
     env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
                AWS_ENDPOINT_URL=f"http://127.0.0.1:{server.getsockname()[1]}", CKPTREPO_STORE_RETRIES="1",
                HOME=str(tmp_path))
-    code = ("import sys, ckptrepo.store as s; s.STALLED_REQUEST_S = 2\n"
+    code = ("import sys, ckptrepo.storage._tensorstore as s; s.STALLED_REQUEST_S = 2\n"
             "sys.argv = ['ckptrepo', '--repo', 's3://bucket/r', 'log']\n"
-            "from ckptrepo_cli.main import main; main()")
+            "from ckptrepo.cli.main import main; main()")
     t0 = time.monotonic()
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
@@ -128,7 +128,7 @@ class VanishingS3:
             self.stopped = True
 
     def stop_at_first_open(self, before: bool) -> None:
-        original = ckptrepo.arrays.open_array
+        original = ckptrepo.storage._arrays.open_array
 
         def open_then_stop(store, info):
             if before:
@@ -137,8 +137,8 @@ class VanishingS3:
             self.stop()
             return handle
 
-        self.monkeypatch.setattr(ckptrepo.arrays, "open_array", open_then_stop)
-        self.monkeypatch.setattr(ckptrepo.fsck, "open_array", open_then_stop)
+        self.monkeypatch.setattr(ckptrepo.storage._arrays, "open_array", open_then_stop)
+        self.monkeypatch.setattr(ckptrepo.maintenance._fsck, "open_array", open_then_stop)
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ def _assert_a_storage_failure(err: BaseException) -> None:
 def test_a_load_whose_endpoint_goes_away_is_a_storage_error_not_corruption(vanishing_s3, path, stop_before):
     """Both read paths must say the store failed, naming nothing as damaged."""
     from _dist_workers import SPLIT_RULES, split_state
-    from ckptrepo.layout import ParallelLayout
+    from ckptrepo.parallel.layout import ParallelLayout
 
     repo = ckptrepo.init(vanishing_s3.url)
     if path == "whole":

@@ -1,0 +1,238 @@
+"""Refs: HEAD, branches and tags, moved only by compare-and-swap.
+
+HEAD holds ``ref: refs/heads/NAME`` (attached) or a version id (detached).
+Branch refs hold a version id and move by compare-and-swap on the storage
+generation; tag refs are written once, if absent. No locks, no renames.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from ckptrepo.errors import ConflictError, CorruptionError, RefError
+from ckptrepo.core._manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id
+from ckptrepo.storage._tensorstore import NO_VALUE, Store, remove_empty_parents
+
+_HEX_RE = re.compile(r"[0-9a-f]{4,32}")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
+
+
+def is_ref_name(name: str) -> bool:
+    """Whether ``name`` can be a branch or tag some ckptrepo made: not ambiguous in a revision (``~``, ``@``,
+    ``..``, ``HEAD``). Listings keep exactly these, so a stray ``.DS_Store`` or ``main~`` is no ref, while gc
+    and fsck still see every ref ever created (skipping one would let gc collect what only it reaches)."""
+    return bool(_NAME_RE.match(name)) and ".." not in name and not name.endswith(("/", ".")) \
+        and name != "HEAD" and "//" not in name
+
+
+def is_new_ref_name(name: str) -> bool:
+    """What a new branch or tag may be called: :func:`is_ref_name`, and neither a folder starting with '.' nor
+    a name ending in TensorStore's ``.__lock`` (its file store's lock files; such a ref failed as a storage
+    error)."""
+    return is_ref_name(name) and "/." not in name and not name.endswith(".__lock")
+
+
+def check_ref_name(name: str, kind: str) -> None:
+    """Refuse names :func:`is_new_ref_name` refuses, saying what a name may hold."""
+    if not is_new_ref_name(name):
+        raise RefError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-' and '/', "
+                       f"not starting with '-', '.' or '/', not ending in '.__lock', and not 'HEAD'")
+
+
+def ref_value(raw: bytes | None, key: str) -> str | None:
+    """The version id a branch or tag ref (or a detached HEAD) holds; None when the ref does not exist.
+
+    A ref that exists but holds no version id (empty, not text, garbage) is damage, named here: read as
+    "no ref", an empty branch ref made the next snapshot start a new root history, and a byte that is not
+    UTF-8 failed every command with a bare UnicodeDecodeError.
+    """
+    if raw is None:
+        return None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        text = None
+    if text is None or not is_version_id(text):
+        shown = "empty" if not raw.strip() else f"holds {raw[:40]!r}"
+        fix = f"write '{SYMREF_PREFIX}{HEADS_PREFIX}main' (or a version id) into it" if key == HEAD_KEY else \
+            f"write a version id into it (the names under {VERSIONS_PREFIX}) or delete it"
+        raise CorruptionError(f"ref {key} is damaged ({shown}, not a version id); {fix}")
+    return text
+
+
+@dataclass(frozen=True)
+class Head:
+    """What HEAD says: a branch (possibly without versions yet) or a detached version id."""
+
+    branch: str | None
+    version: str | None
+    generation: bytes
+    damage: str | None = None   # HEAD's branch ref is damaged: why (its version is then unknown, not None)
+
+
+class Refs:
+    """Reads and compare-and-swap updates of HEAD, branches and tags."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def head(self, for_update: bool = False) -> Head:
+        """What HEAD says; its storage generation (for ``set_head``) only ``for_update``: a plain read is
+        cheaper on a local store (see ``Store.get``), and most callers only look."""
+        raw, gen = self.store.get_with_generation(HEAD_KEY) if for_update else (self.store.get(HEAD_KEY), b"")
+        if raw is None:
+            path = self.store.local_path(HEAD_KEY)
+            if path is not None and os.path.isdir(path):
+                raise CorruptionError(f"{HEAD_KEY} is a folder, not a ref; move it away, then `ckptrepo init "
+                                      f"--exist-ok` writes HEAD again")
+            raise CorruptionError(f"{HEAD_KEY} is missing (an init interrupted before writing it?); "
+                                  f"`ckptrepo init --exist-ok` writes it again")
+        if raw.startswith(SYMREF_PREFIX.encode()):
+            target = raw.decode("utf-8", "replace").strip()[len(SYMREF_PREFIX):]
+            branch = target.removeprefix(HEADS_PREFIX)
+            if branch == target or not is_ref_name(branch):
+                raise CorruptionError(f"{HEAD_KEY} is damaged (it names {target!r}, not a branch); write "
+                                      f"'{SYMREF_PREFIX}{HEADS_PREFIX}main' (or another branch) into it")
+            try:
+                return Head(branch, self.branch_tip(branch), gen)
+            except CorruptionError as err:   # raised by what needs HEAD's version; checkout -b still works
+                return Head(branch, None, gen, str(err))
+        return Head(None, ref_value(raw, HEAD_KEY), gen)
+
+    def set_head(self, branch: str | None, version: str | None, expected: bytes) -> None:
+        value = f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}" if branch else str(version)
+        if self._swap(HEAD_KEY, value.encode(), expected) is None:
+            raise ConflictError("HEAD was changed by another process at the same time; run the command again")
+
+    def branch_tip(self, name: str) -> str | None:
+        return ref_value(self.store.get(HEADS_PREFIX + name), HEADS_PREFIX + name)
+
+    def branch_tip_with_generation(self, name: str) -> tuple[str | None, bytes]:
+        raw, gen = self.store.get_with_generation(HEADS_PREFIX + name)
+        return ref_value(raw, HEADS_PREFIX + name), gen
+
+    def move_branch(self, name: str, version: str, expected: bytes) -> bytes | None:
+        """Point branch ``name`` at ``version`` if it is still at ``expected``; the new generation, or None."""
+        return self._swap(HEADS_PREFIX + name, version.encode(), expected)
+
+    def _swap(self, key: str, value: bytes | None, expected: bytes) -> bytes | None:
+        """``store.compare_and_swap``, with a write whose reply was lost counted as done: an object store retries
+        the request, finds the ref already changed (by that very write) and reports the condition as failed.
+        Read back, a ref that holds exactly ``value`` (ids are unique) was written; the new generation."""
+        gen = self.store.compare_and_swap(key, value, expected)
+        if gen is None:
+            raw, now = self.store.get_with_generation(key)
+            if (raw.strip() if raw is not None else None) == value:
+                return now or b"deleted"
+        return gen
+
+    def _names(self, kind: str) -> set[str]:
+        """The names of every branch or tag (one listing; their targets are not read)."""
+        prefix = HEADS_PREFIX if kind == "branch" else TAGS_PREFIX
+        return {k[len(prefix):] for k in self.store.list(prefix) if is_ref_name(k[len(prefix):])}
+
+    def _check_no_clash(self, kind: str, name: str) -> None:
+        """git's rule: ``a`` and ``a/b`` cannot both exist (on a local store one would be a file, the other a
+        folder of the same name, and the write failed with a raw storage error)."""
+        names = self._names(kind)
+        parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
+        clash = next((n for n in names if n.startswith(name + "/")), None) \
+            or next((p for p in parents if p in names), None)
+        other = "tag" if kind == "branch" else "branch"
+        other_names = self._names(other)
+        if name in other_names:   # git warns "refname is ambiguous"; here the revision would name the branch only
+            raise RefError(f"cannot create {kind} {name!r}: a {other} of that name exists, and {name!r} as a revision "
+                           f"would name only the branch; pick another name")
+        if _HEX_RE.fullmatch(name) and self.store.list(VERSIONS_PREFIX + name):
+            raise RefError(f"cannot create {kind} {name!r}: it is the start of a version id, which it would hide "
+                           f"from revisions; pick another name")
+        if clash is not None:
+            plural = "branches" if kind == "branch" else "tags"
+            raise RefError(f"cannot create {kind} {name!r}: {kind} {clash!r} exists, and one name cannot be both a "
+                           f"{kind} and a folder of {plural}; pick another name")
+
+    def create_branch(self, name: str, version: str) -> None:
+        check_ref_name(name, "branch")
+        self._check_no_clash("branch", name)
+        if self._swap(HEADS_PREFIX + name, version.encode(), NO_VALUE) is None:
+            raise RefError(f"branch {name!r} already exists; pick another name or check it out")
+
+    def create_tag(self, name: str, version: str) -> None:
+        check_ref_name(name, "tag")
+        self._check_no_clash("tag", name)
+        if self._swap(TAGS_PREFIX + name, version.encode(), NO_VALUE) is None:
+            raise RefError(f"tag {name!r} already exists; tags never move, so pick another name")
+
+    def delete(self, kind: str, name: str, seen: tuple[str | None, bytes] | None = None) -> str:
+        """Delete branch or tag ``name`` (``kind``) unless it moved meanwhile; returns what it pointed at.
+
+        ``seen``: the value and generation the caller read (and judged safe to delete); default: read here.
+        """
+        key = (HEADS_PREFIX if kind == "branch" else TAGS_PREFIX) + name
+        if seen is None:
+            raw, gen = self.store.get_with_generation(key)
+            try:
+                seen = ref_value(raw, key), gen
+            except CorruptionError:   # a damaged ref points at nothing: deleting it is the repair it asks for
+                seen = "", gen
+        value, gen = seen
+        if value is None:
+            raise RefError(f"no {kind} named {name!r}; list them with `ckptrepo {kind}`")
+        if self._swap(key, None, gen) is None:
+            raise ConflictError(f"{kind} {name!r} moved while it was being deleted (a snapshot landed on it); "
+                                f"run the command again")
+        self._remove_empty_folders(key)
+        return value
+
+    def _remove_empty_folders(self, key: str) -> None:
+        """On a local store, the folders a deleted ``a/b`` leaves behind, which would make ``a`` unwritable."""
+        root = self.store.local_root()
+        if root is None:
+            return
+        top = os.path.join(root, (HEADS_PREFIX if key.startswith(HEADS_PREFIX) else TAGS_PREFIX).rstrip("/"))
+        remove_empty_parents(os.path.dirname(os.path.join(root, key)), top)
+
+    def tag_target(self, name: str) -> str | None:
+        raw = self.store.get(TAGS_PREFIX + name)
+        return ref_value(raw, TAGS_PREFIX + name)
+
+    def branches(self, strict: bool = True) -> dict[str, str]:
+        """Branch name -> version id (see :meth:`read_all`)."""
+        return self.read_all("branch", strict)[0]
+
+    def tags(self, strict: bool = True) -> dict[str, str]:
+        """Tag name -> version id (see :meth:`read_all`)."""
+        return self.read_all("tag", strict)[0]
+
+    def damaged(self, kind: str | None = None) -> list[str]:
+        """What is wrong with each damaged ref of ``kind`` ("branch", "tag"; None: both), one line each (what
+        ``strict=False`` leaves out)."""
+        return [line for k in ((kind,) if kind else ("branch", "tag")) for line in self.read_all(k, False)[1]]
+
+    def read_all(self, kind: str, strict: bool = True) -> tuple[dict[str, str], list[str]]:
+        """Every branch or tag ref (``kind``), read in one batch (one round trip on S3, not one per ref), and the
+        damage found. Files whose names no ref can have (``.DS_Store``) are not refs; a ref deleted since the
+        listing is left out. A damaged ref raises when ``strict`` (gc must not run past it), and is left out
+        otherwise (``log`` and ``show`` name versions with the refs that can be read; ``fsck`` names the
+        damage)."""
+        prefix = HEADS_PREFIX if kind == "branch" else TAGS_PREFIX
+        keys = [k for k in self.store.list(prefix) if is_ref_name(k[len(prefix):])]
+        out: dict[str, str] = {}
+        damage: list[str] = []
+        for key, raw in zip(keys, self.store.get_many(keys)):
+            try:
+                value = ref_value(raw, key)
+            except CorruptionError as err:
+                if strict:
+                    raise
+                damage.append(str(err))
+                continue
+            if value is not None:
+                out[key[len(prefix):]] = value
+        return out, damage
+
+
+def init_head(store: Store, branch: str = "main") -> None:
+    """Point HEAD at an unborn branch; used once by ``init``."""
+    store.compare_and_swap(HEAD_KEY, f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}".encode(), NO_VALUE)

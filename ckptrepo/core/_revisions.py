@@ -1,0 +1,90 @@
+"""Revision syntax: what a user may type to name a version.
+
+``HEAD``, a branch, a tag, a full id or a unique id prefix (4+ hex digits),
+``@STEP`` (the newest version with that step on the current branch), each
+optionally followed by ``~N`` (N first-parent generations back; ``~`` is ``~1``).
+"""
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+from ckptrepo.errors import RevisionError
+from ckptrepo.core._refs import is_ref_name
+
+_REV_RE = re.compile(r"^(?P<base>.+?)(?P<tildes>(?:~\d*)*)$")
+_HEX_RE = re.compile(r"^[0-9a-f]{4,32}$")
+
+
+class RevisionSource(Protocol):
+    def head_version(self) -> str | None: ...
+    def head_description(self) -> str: ...
+    def branch_tip(self, name: str) -> str | None: ...
+    def tag_target(self, name: str) -> str | None: ...
+    def ids_with_prefix(self, prefix: str) -> list[str]: ...
+    def first_parent(self, version: str) -> str | None: ...
+    def step_of(self, version: str) -> int | None: ...
+
+
+def parse(rev: str) -> tuple[str, int]:
+    """Split ``rev`` into its base and how many first-parent steps back to go."""
+    rev = rev.strip()
+    m = _REV_RE.match(rev)
+    if not rev or not m:
+        raise RevisionError(f"empty or malformed revision {rev!r}; use HEAD, a branch, a tag, an id, @STEP, or REV~N")
+    back = 0
+    for part in m.group("tildes").split("~")[1:]:
+        back += int(part) if part else 1
+    return m.group("base"), back
+
+
+def resolve(src: RevisionSource, rev: str) -> str:
+    """The full version id ``rev`` names; RevisionError saying why when it names none or several."""
+    base, back = parse(rev)
+    vid = _resolve_base(src, base, rev)
+    for i in range(back):
+        parent = src.first_parent(vid)
+        if parent is None:
+            raise RevisionError(f"{rev!r} goes back {back} versions but {base!r} has only {i} ancestors; "
+                                f"see `ckptrepo log`")
+        vid = parent
+    return vid
+
+
+def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
+    if base == "HEAD":
+        vid = src.head_version()
+        if vid is None:
+            raise RevisionError(f"HEAD ({src.head_description()}) has no versions yet; take a snapshot first")
+        return vid
+    if base.startswith("@"):
+        try:
+            step = int(base[1:])
+        except ValueError:
+            raise RevisionError(f"{rev!r}: after '@' comes a step number, e.g. @1000") from None
+        vid = src.head_version()
+        while vid is not None:
+            if src.step_of(vid) == step:
+                return vid
+            vid = src.first_parent(vid)
+        raise RevisionError(f"no version with step {step} on {src.head_description()}; see `ckptrepo log`")
+    if is_ref_name(base):   # `main/` or `../tags/v1` is no ref: looked up, it was a raw storage error
+        tip = src.branch_tip(base)
+        if tip is not None:
+            return tip
+        target = src.tag_target(base)
+        if target is not None:
+            return target
+    if _HEX_RE.match(base.lower()):   # ids are lower case; git takes an upper-case prefix too
+        matches = src.ids_with_prefix(base.lower())
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise RevisionError(f"revision {base!r} is ambiguous: {len(matches)} versions start with it "
+                                f"({', '.join(m[:12] for m in matches[:3])}…); type more digits")
+    if src.head_version() is None and src.head_description() == f"branch {base!r}":
+        raise RevisionError(f"branch {base!r} has no versions yet; take a snapshot first")
+    short = " (an id prefix needs at least 4 digits)" if re.fullmatch(r"[0-9a-fA-F]{1,3}", base) else ""
+    raise RevisionError(f"unknown revision {rev!r}{short}: not a branch, tag, version id or @STEP; "
+                        f"see `ckptrepo log`")
+

@@ -1,0 +1,372 @@
+"""Retention rules and garbage collection.
+
+Two kinds of deletion:
+
+* **Prune** a version that is still in the history but no retention rule keeps
+  (the newest N per branch, every K-th step, the best N by a metric, tags and
+  branch heads):
+  its tensor data is deleted, its small manifest stays (so ``log``, metrics and
+  parent links survive) and a ``pruned/<id>`` marker says the data is gone.
+* **Collect** what no ref reaches: manifests and data of abandoned or
+  interrupted snapshots, data without a manifest, old failure records.
+
+Safe against a concurrent writer: nothing younger than the grace period is
+collected (a writer in flight has objects no ref points to yet), branch heads
+and tagged versions are never pruned by default, and data still referenced by a
+kept version is never deleted.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from ckptrepo.errors import CorruptionError, RetentionError
+from ckptrepo.core._manifest import (DATA_PREFIX, FAILURES_PREFIX, HEADS_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, is_version_id,
+                       version_id_time)
+from ckptrepo.core._manifest_reads import missing_manifest
+from ckptrepo.core._refs import Head
+
+PRUNED_PREFIX = "pruned/"
+DEFAULT_GRACE_S = 3600.0
+
+
+@dataclass
+class GcReport:
+    """What gc kept, pruned and collected (or would, with ``dry_run``)."""
+
+    kept: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)           # data deleted, manifest kept
+    collected: list[str] = field(default_factory=list)        # unreachable versions deleted entirely
+    orphan_data: list[str] = field(default_factory=list)      # data/<id>/ without a manifest
+    too_young: list[str] = field(default_factory=list)        # unreferenced, but inside the grace period
+    bytes_freed: int = 0          # tensor bytes of the arrays deleted
+    stored_bytes_freed: int = 0   # what they took in the store (chunk padding, checksums, indexes: see du)
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Retention rules a snapshotter applies in the background, every ``every_commits`` commits.
+
+    The same rules as ``repo.gc(...)``; the grace period protects what a
+    concurrent writer (or this snapshotter's next snapshot) has in flight.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_tagged: bool = True
+    keep_branch_heads: bool = True
+    grace_period_s: float = DEFAULT_GRACE_S
+    every_commits: int = 1
+    keep_best: int | None = None      # the N versions with the best value of best_metric (Orbax's best_fn)
+    best_metric: str | None = None
+    best_mode: str = "min"            # "min" (a loss) or "max" (an accuracy)
+
+    def __post_init__(self) -> None:   # refused when the snapshotter is made, not in a background pass
+        check_rule_counts(self.keep_last, self.keep_every, self.keep_best, self.grace_period_s)
+        check_rule_counts(every_commits=self.every_commits)
+
+    def apply(self, repo: Any, protect_since: float | None = None,
+              known: dict[str, "VersionFacts"] | None = None) -> GcReport:
+        return collect(repo, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
+                       self.grace_period_s, protect_since=protect_since, known=known, keep_best=self.keep_best,
+                       best_metric=self.best_metric, best_mode=self.best_mode)
+
+
+@dataclass(frozen=True)
+class VersionFacts:
+    """The little of a manifest that gc needs.
+
+    A snapshotter that applies retention after every commit keeps these
+    between passes (``collect(known=...)``), so a pass decodes only the
+    manifests committed since the last one (~1 ms each for a 400-tensor state)
+    and holds a few objects per version instead of the whole manifest.
+    """
+
+    parents: tuple[str, ...]
+    step: int | None
+    time: float | None
+    arrays: tuple[tuple[str, int, int], ...]   # (key, tensor bytes, its layout's bytes) of each array it lists
+    referenced: tuple[str, ...]           # the arrays its tensors' pieces point into
+    metrics: tuple[tuple[str, float], ...] = ()   # its numeric metrics (keep_best ranks by them)
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any]) -> "VersionFacts":
+        from ckptrepo.storage._arrays import ArrayInfo, layout_bytes
+        infos = [ArrayInfo.from_json(key, info) for key, info in manifest["arrays"].items()]
+        return cls(tuple(manifest["parents"]), manifest["step"], manifest["time"],
+                   tuple((a.key, a.nbytes, layout_bytes(a)) for a in infos),
+                   tuple({p["array"] for t in manifest["tensors"] for p in t["pieces"]}),
+                   tuple((k, float(v)) for k, v in (manifest.get("metrics") or {}).items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)))
+
+
+def pruned_ids(repo: Any) -> set[str]:
+    """Versions whose data gc deleted."""
+    return {k[len(PRUNED_PREFIX):] for k in repo.store.list(PRUNED_PREFIX)}
+
+
+def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str]]) -> set[str]:
+    """Versions reachable from ``starts`` (ref targets) through parent links (``parents``: each known version's;
+    a walk stops at an unknown one)."""
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack:
+        vid = stack.pop()
+        if vid in seen or vid not in parents:
+            continue
+        seen.add(vid)
+        stack.extend(parents[vid])
+    return seen
+
+
+def data_version_ids(repo: Any) -> set[str]:
+    """The versions with a folder under ``data/`` (whether or not a manifest names them); a stray file there (a
+    Finder ``.DS_Store``) is no version."""
+    return {vid for k in repo.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
+            if is_version_id(vid)}
+
+
+def ref_targets(repo: Any) -> list[str]:
+    """The versions the branches, the tags and a detached HEAD point at."""
+    return _targets(repo.refs.branches(), repo.refs.tags(), repo.refs.head())
+
+
+def _targets(branches: Mapping[str, str], tags: Mapping[str, str], head: Any) -> list[str]:
+    return list(branches.values()) + list(tags.values()) + ([head.version] if head.version else [])
+
+
+def reaches(repo: Any, starts: Sequence[str], target: str) -> bool:
+    """Whether ``target`` is one of ``starts`` or an ancestor of one (manifest headers, read as the walk needs
+    them, and only until it is found)."""
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack:
+        vid = stack.pop()
+        if vid == target:
+            return True
+        if vid in seen:
+            continue
+        seen.add(vid)
+        stack.extend(repo.header(vid).get("parents", []))
+    return False
+
+
+def _reachable(repo: Any, starts: Sequence[str], facts: dict[str, "VersionFacts"]) -> set[str]:
+    """The versions reachable from ``starts`` through parent links; a version missing from ``facts`` is read
+    (and added to them) before the walk goes on, and gc stops before it deletes anything when its manifest is
+    gone.
+
+    Without the manifest that version's data would look like an interrupted
+    snapshot's and be collected: a repository that is already damaged would
+    lose the bytes a restored manifest could still use. An id missing only
+    from gc's listing (committed since, or listed late by an object store) is
+    walked through like any other: stopping the walk there would leave its
+    whole history unreached, and collected.
+    """
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack:
+        vid = stack.pop()
+        if vid in seen:
+            continue
+        if vid not in facts:
+            if not repo.store.exists(VERSIONS_PREFIX + vid):
+                raise CorruptionError(f"gc stopped before deleting anything: {missing_manifest(vid)}")
+            facts[vid] = VersionFacts.of(repo.manifest(vid))
+        seen.add(vid)
+        stack.extend(facts[vid].parents)
+    return seen
+
+
+def head_ref_blocked(repo: Any, head: Head) -> bool:
+    """Whether HEAD is on a branch that reads as having no versions because something that is not a ref
+    sits where its ref should be (a folder or a broken symbolic link on a local store, keys under it on an
+    object store): the ref was replaced, not never created, so the branch's history would look unreachable
+    and be collected."""
+    if head.branch is None or head.version is not None:
+        return False
+    key = HEADS_PREFIX + head.branch
+    path = repo.store.local_path(key)
+    if path is not None and (os.path.isdir(path) or (os.path.islink(path) and not os.path.exists(path))):
+        return True
+    if path is not None and os.path.exists(path):   # a file: the ref, readable or damaged (named elsewhere)
+        return False
+    return bool(repo.store.list(key + "/"))
+
+
+def head_branch_lost(branch: str, versions: int) -> str:
+    return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder or a broken link, and the repository "
+            f"has {versions} version(s); remove it and restore the ref (`ckptrepo branch {branch} ID`, an id from "
+            f"versions/), or check out another branch")
+
+
+def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: Any = None,
+                      grace_period_s: Any = 0.0, every_commits: Any = None) -> None:
+    """Refuse a count that is not a whole number of at least 1: ``keep_last=-1`` or ``keep_every=0`` used to
+    switch retention on and prune all but the branch heads."""
+    for name, value in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best),
+                        ("every_commits", every_commits)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RetentionError(f"{name} must be a whole number of at least 1, not {value!r}; leave it out to not "
+                                 f"use that rule")
+    if not isinstance(grace_period_s, (int, float)) or not grace_period_s >= 0:   # NaN too: it compared as 0
+        raise RetentionError(f"the grace period must be a number of seconds of at least 0, not {grace_period_s!r}")
+
+
+def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
+            keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
+            dry_run: bool = False, protect_since: float | None = None,
+            known: dict[str, VersionFacts] | None = None, keep_best: int | None = None,
+            best_metric: str | None = None, best_mode: str = "min") -> GcReport:
+    """Apply the retention rules and collect garbage; see the module docstring.
+
+    Without ``keep_last``/``keep_every`` every version in the history is kept
+    and only unreachable objects are collected. ``keep_last N`` keeps the N
+    newest versions of each branch's first-parent history, ``keep_every K``
+    the versions whose step is a multiple of K, ``keep_best B`` (with
+    ``best_metric`` and ``best_mode`` "min" or "max") the B versions of the
+    history whose metric is best among those that still have their data
+    (versions without it are not ranked). ``protect_since`` (unix
+    seconds): nothing created at or after it is collected, whatever the grace
+    period (a snapshotter protects the snapshots it has in flight this way).
+    ``known``: facts of earlier passes, brought up to date here (manifests never change).
+    """
+    check_rule_counts(keep_last, keep_every, keep_best, grace_period_s)
+    if best_metric is not None and keep_best is None:
+        raise RetentionError(f"a metric ({best_metric!r}) ranks versions only for keep_best; add --keep-best N "
+                             f"(keep_best=N), or leave the metric out")
+    if keep_best is not None and (best_metric is None or best_mode not in ("min", "max")):
+        raise RetentionError(f"keeping the best {keep_best} versions needs a metric and a mode of min or max "
+                             f"(got {best_metric!r}, {best_mode!r}); e.g. `ckptrepo gc --keep-best {keep_best} "
+                             f"--metric loss --mode min`")
+    now = time.time()
+    report = GcReport(dry_run=dry_run)
+    # the refs before the listing: a version committed after this read is young, and its ancestors are reached
+    # from these refs; read after, a new tip missing from the listing cut its whole history off from the walk
+    branches = repo.refs.branches()
+    tags = repo.refs.tags()
+    head = repo.refs.head()
+    facts = _facts(repo, {} if known is None else known)
+    already_pruned = pruned_ids(repo)
+    if facts and head_ref_blocked(repo, head):
+        raise CorruptionError(f"gc stopped before deleting anything: {head_branch_lost(head.branch, len(facts))}")
+    reachable = _reachable(repo, _targets(branches, tags, head), facts)
+
+    retention = keep_last is not None or keep_every is not None or keep_best is not None
+    keep: set[str] = set()
+    if not retention:
+        keep = set(reachable)
+    if keep_branch_heads:
+        keep.update(branches.values())
+        if head.version:
+            keep.add(head.version)
+    if keep_tagged:
+        keep.update(tags.values())
+    if keep_last is not None:
+        for tip in list(branches.values()) + ([head.version] if head.version else []):
+            vid, n = tip, 0
+            while vid in facts and n < keep_last:
+                keep.add(vid)
+                n += 1
+                parents = facts[vid].parents
+                vid = parents[0] if parents else None
+    if keep_every:
+        keep.update(v for v in reachable if facts[v].step is not None and facts[v].step % keep_every == 0)
+    if keep_best is not None:
+        keep.update(_best(facts, reachable - already_pruned, keep_best, str(best_metric), best_mode))
+    keep &= reachable
+
+    def young(vid: str, t: float | None) -> bool:
+        born = version_id_time(vid)
+        return t is None or now - t < grace_period_s or \
+            (protect_since is not None and (born is None or born >= protect_since))
+
+    # a version marked pruned has no loadable data, kept or not (a tag put on it since does not bring it back)
+    live_arrays = {key for vid in keep - already_pruned for key in facts[vid].referenced}
+    for vid in sorted(reachable):
+        if vid in keep:
+            report.kept.append(vid)
+        elif vid not in already_pruned:
+            report.pruned.append(vid)
+    for vid in sorted(set(facts) - reachable):
+        if young(vid, facts[vid].time):
+            report.too_young.append(vid)
+        else:
+            report.collected.append(vid)
+    data_ids = data_version_ids(repo)
+    for vid in sorted(data_ids - set(facts)):
+        (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
+    # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now, by any
+    # pass (a plain gc keeps every reachable version, and left such data on disk, unloadable, for good)
+    unfinished = sorted(already_pruned & data_ids & reachable)
+
+    doomed_arrays = {key: (nbytes, layout) for vid in report.pruned + report.collected + unfinished
+                     for key, nbytes, layout in facts[vid].arrays if key not in live_arrays}
+    from ckptrepo.storage._arrays import stored_bytes
+    report.bytes_freed = sum(nbytes for nbytes, _ in doomed_arrays.values())
+    report.stored_bytes_freed = sum(stored_bytes(repo.store, key, layout) for key, (_, layout) in doomed_arrays.items())
+    if dry_run:
+        return report
+
+    for vid in report.pruned:
+        # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
+        # marker with content failed, and gc, the way to free space, freed nothing
+        repo.store.put(PRUNED_PREFIX + vid, b"")
+    for vid in report.collected:
+        repo.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest
+        repo.store.delete(PRUNED_PREFIX + vid)
+    for key in sorted(doomed_arrays):
+        repo.store.delete_prefix(key + "/")
+    for vid in report.orphan_data:
+        repo.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
+    for key in repo.store.list(FAILURES_PREFIX):
+        vid = key[len(FAILURES_PREFIX):]
+        if vid not in facts and not young(vid, version_id_time(vid)):
+            repo.store.delete(key)
+    # the commit handshakes of distributed snapshots, once stale
+    for vid in sorted({k[len(STAGING_PREFIX):].split("/", 1)[0] for k in repo.store.list(STAGING_PREFIX)}):
+        if not young(vid, version_id_time(vid)):
+            repo.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
+    return report
+
+
+def _best(facts: dict[str, VersionFacts], candidates: set[str], n: int, metric: str, mode: str) -> list[str]:
+    """The ``n`` candidates with the lowest (``mode`` "min") or highest value of ``metric``; ties go to the newer.
+
+    A metric that no candidate records is an error rather than an empty rule: a misspelt name would
+    otherwise prune every version the other rules do not keep.
+    """
+    ranked = []
+    for vid in candidates:
+        value = dict(facts[vid].metrics).get(metric)
+        if value is not None:
+            ranked.append((value if mode == "min" else -value, -(version_id_time(vid) or 0.0), vid))
+    if not ranked:
+        recorded = sorted({k for vid in candidates for k, _ in facts[vid].metrics})
+        raise RetentionError(f"no version with data records metric {metric!r}; recorded: "
+                             f"{', '.join(recorded) or 'none'}; pick one of those")
+    return [vid for _, _, vid in sorted(ranked)[:n]]
+
+
+def _facts(repo: Any, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]:
+    """Every version's facts, from ``known`` where it has them; ``known`` is brought up to date (new versions
+    added, deleted ones dropped)."""
+    ids = repo.all_version_ids()
+    for vid in set(known) - set(ids):
+        del known[vid]
+    gone = set()
+    for vid, m in repo.iter_manifests([vid for vid in ids if vid not in known]):
+        if isinstance(m, dict):
+            known[vid] = VersionFacts.of(m)
+        elif repo.store.exists(VERSIONS_PREFIX + vid):
+            raise m
+        else:
+            gone.add(vid)      # deleted since the listing (another gc collected it): not damage
+    return {vid: known[vid] for vid in ids if vid not in gone}

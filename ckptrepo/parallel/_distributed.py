@@ -1,0 +1,210 @@
+"""Distributed snapshots: who writes which replica, and the two-phase commit through the store.
+
+At ``snapshot()`` time (on the training thread, a collective every rank makes
+in the same order) the ranks exchange only metadata: rank 0's new version id
+and each rank's list of pieces. Every rank then computes the same writer
+assignment, so each data-parallel replica is written once in total, spread
+over its holders by size, with no further communication.
+
+The commit needs no collective at all, so background threads never touch the
+process group the training loop uses: each rank writes its data and then its
+*rank manifest* ``staging/<id>/rank-<r>`` (or one carrying its error); rank 0
+waits for all of them, checks that the pieces cover every tensor exactly once,
+writes the version manifest, moves the ref, and publishes the outcome in
+``staging/<id>/outcome``, which the other ranks wait for. A rank that dies
+never writes its rank manifest: rank 0 gives up after the commit timeout, so
+no version appears, and every rank gets the error.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from ckptrepo.core._boxes import Box, check_coverage
+from ckptrepo.errors import LayoutError, SnapshotFailedError
+from ckptrepo.core._manifest import STAGING_PREFIX, seal, unseal
+from ckptrepo.state._providers import (DICT, LIST, NDARRAY, ODICT, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, numel,
+                        unflatten)
+from ckptrepo.storage._tensorstore import Store
+
+if TYPE_CHECKING:
+    from ckptrepo.parallel.layout import ParallelLayout
+
+POLL_S = 0.05
+
+
+def process_group_rank() -> tuple[int, int]:
+    """(rank, world size) of the default torch.distributed group; (0, 1) without one."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_gather(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (metadata only: ids, names, boxes)."""
+    import torch.distributed as dist
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def assign_writers(metas: Sequence[Sequence[tuple[str, Box, int]]]) -> list[list[bool]]:
+    """For each rank and each of its pieces ``(name, box, nbytes)``, whether that rank writes it.
+
+    A piece held identically by several ranks (a replica) is written by the
+    holder with the fewest bytes assigned so far, biggest pieces first; the
+    result depends only on ``metas``, so every rank computes the same one.
+    """
+    holders: dict[tuple[str, Box], list[tuple[int, int]]] = {}
+    sizes: dict[tuple[str, Box], int] = {}
+    for r, meta in enumerate(metas):
+        for j, (name, box, nbytes) in enumerate(meta):
+            key = (name, (tuple(box[0]), tuple(box[1])))
+            holders.setdefault(key, []).append((r, j))
+            sizes[key] = nbytes
+    load = [0] * len(metas)
+    writes = [[False] * len(m) for m in metas]
+    for key in sorted(holders, key=lambda k: (-sizes[k], k)):
+        r, j = min(holders[key], key=lambda h: (load[h[0]], h[0]))
+        writes[r][j] = True
+        load[r] += sizes[key]
+    return writes
+
+
+class Staging:
+    """The commit handshake of one distributed version, through objects under ``staging/<id>/``."""
+
+    def __init__(self, store: Store, vid: str, world_size: int, timeout_s: float) -> None:
+        self.store = store
+        self.prefix = f"{STAGING_PREFIX}{vid}/"
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+
+    def publish_rank(self, rank: int, record: dict[str, Any]) -> None:
+        self.store.put(f"{self.prefix}rank-{rank}", seal(record))
+
+    def gather_ranks(self) -> list[dict[str, Any]]:
+        """Rank 0: wait for every rank manifest; raise on a rank's error or at the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        found: dict[int, dict[str, Any]] = {}
+        while True:
+            for key in self.store.list(f"{self.prefix}rank-"):
+                r = int(key.rsplit("-", 1)[1])
+                if r not in found:
+                    raw = self.store.get(key)
+                    if raw is not None:
+                        found[r] = unseal(raw, key)
+                        if found[r].get("error"):
+                            raise SnapshotFailedError(f"rank {r} failed: {found[r]['error']}")
+            if len(found) == self.world_size:
+                return [found[r] for r in range(self.world_size)]
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if r not in found]
+                raise SnapshotFailedError(f"rank(s) {missing} did not finish their part within {self.timeout_s:.0f} s "
+                                          f"(a rank died or is stuck); nothing was committed")
+            time.sleep(POLL_S)
+
+    def publish_outcome(self, error: str | None) -> None:
+        self.store.put(f"{self.prefix}outcome", seal({"error": error}))
+
+    def wait_outcome(self, landed: Callable[[], bool]) -> None:
+        """Other ranks: wait for rank 0's verdict; raise its error, or at the timeout unless ``landed()``
+        says the version is on its branch (rank 0 died between moving the ref and publishing its verdict)."""
+        grace = min(30.0, max(5.0, self.timeout_s))   # rank 0 waits timeout_s for the ranks, then merges
+        deadline = time.monotonic() + self.timeout_s + grace
+        key = f"{self.prefix}outcome"
+        while True:
+            raw = self.store.get(key)
+            if raw is not None:
+                err = unseal(raw, key).get("error")
+                if err:
+                    raise SnapshotFailedError(err)
+                return
+            if time.monotonic() > deadline:
+                if landed():
+                    return
+                raise SnapshotFailedError(f"rank 0 did not commit or abort within {self.timeout_s + grace:.0f} s, "
+                                          f"and the version is not on the branch; it was not committed")
+            time.sleep(POLL_S)
+
+
+def merge_rank_manifests(ranks: list[dict[str, Any]], layout: "ParallelLayout | None",
+                         world_size: int) -> dict[str, Any]:
+    """Rank 0: the version manifest's layout, arrays, tensor table and tree, from every rank's part.
+
+    Tensors are listed in rank order (pipeline stages in order), each with
+    the pieces all ranks wrote; the pieces must cover each tensor exactly once.
+    The top-level ``tree`` is the unsharded view (rank 0's structure with each
+    parameter section holding every global tensor), which ``show`` and the
+    inspection tools read; every rank's own tree is kept under ``layout.ranks``.
+    """
+    entries: dict[str, dict[str, Any]] = {}
+    declared: dict[str, int] = {}   # name -> the first rank that listed it
+    stage_of = {p["rank"]: (p.get("coords") or {}).get("pp", 0) for p in ranks}
+    for part in ranks:
+        for name, dtype, shape in part["names"]:
+            e = entries.setdefault(name, {"name": name, "dtype": dtype, "shape": list(shape), "pieces": []})
+            first = declared.setdefault(name, part["rank"])
+            if stage_of[first] != stage_of[part["rank"]]:   # replicas live within a stage: one copy would be kept
+                raise LayoutError(f"{name}: pipeline stages {stage_of[first]} and {stage_of[part['rank']]} both hold "
+                                  f"a tensor of this name, and only one copy would be kept; name the layers with "
+                                  f"the rules' layer_prefix so that each stage's become global layer numbers, or "
+                                  f"give each stage's tensor a name of its own")
+            if (e["dtype"], e["shape"]) != (dtype, list(shape)):   # bytes of one dtype would load as another's
+                raise LayoutError(f"{name}: the ranks disagree about this tensor: rank {first} holds it as "
+                                  f"{e['dtype']} {e['shape']}, rank {part['rank']} as {dtype} {list(shape)}; "
+                                  f"give every rank the same dtype and rules")
+    arrays: dict[str, Any] = {}
+    for part in ranks:
+        arrays.update(part["arrays"])
+        for t in part["tensors"]:
+            entries[t["name"]]["pieces"].extend(t["pieces"])
+    check_coverage({n: (e["shape"], [(tuple(p["box"][0]), tuple(p["box"][1])) for p in e["pieces"]])
+                    for n, e in entries.items()})
+    tensors = list(entries.values())
+    index = {t["name"]: i for i, t in enumerate(tensors)}
+    sections = layout.rules.all_sections() if layout is not None and layout.rules is not None else ()
+    lay = layout.to_json() if layout is not None else {}
+    lay.update({"world_size": world_size, "ranks": [
+        {"rank": p["rank"], "coords": p["coords"], "tree": p["tree"], "leaf_names": p["leaf_names"]} for p in ranks]})
+    return {"layout": lay, "arrays": arrays, "tensors": tensors,
+            "size": sum(numel(p["box"][1]) * TORCH_DTYPES[t["dtype"]].itemsize for t in tensors for p in t["pieces"]),
+            "tree": full_tree(ranks[0]["tree"], ranks[0]["leaf_names"], tensors, index, sections)}
+
+
+def full_tree(tree: Any, leaf_names: list[str], tensors: list[dict[str, Any]], index: dict[str, int],
+              sections: Sequence[str]) -> Any:
+    """A rank's skeleton with tensor leaves pointing at global entries and sections holding every global tensor."""
+    def section(path: str) -> Any:
+        items = [[[SCALAR, t["name"][len(path) + 1:]], [TENSOR, i]] for i, t in enumerate(tensors)
+                 if t["name"].startswith(path + "/")]
+        return [DICT, items]
+
+    def walk(node: Any, path: str) -> Any:
+        if path in sections:
+            return section(path)
+        tag = node[0]
+        if tag in (DICT, ODICT):
+            out = []
+            for k, v in node[1]:
+                key = _key_str(unflatten(k, lambda i, n: None))
+                out.append([k, walk(v, f"{path}/{key}" if path else key)])
+            return [tag, out]
+        if tag in (LIST, TUPLE):
+            return [tag, [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node[1])]]
+        if tag == STATEFUL:
+            return [tag, node[1], walk(node[2], path)]
+        if tag in (TENSOR, NDARRAY):
+            name = leaf_names[node[1]]
+            return [tag, index[name]] if name in index else [SCALAR, None]
+        return node
+
+    try:
+        return walk(tree, "")
+    finally:
+        walk = None  # type: ignore[assignment]  # noqa: F841 - it calls itself through its closure cell: a cycle
+
+
+__all__ = ["Staging", "all_gather", "assign_writers", "full_tree",
+           "merge_rank_manifests", "process_group_rank"]

@@ -1,0 +1,570 @@
+"""The Repository: init/open, snapshot (commit), load, log, refs and revisions.
+
+Commit protocol (see docs/design.md): data arrays are written and made durable
+first, then the version manifest (write-if-absent), and only then is the
+branch ref moved by compare-and-swap. A crash before the ref moves leaves the
+repository exactly as it was, apart from unreferenced objects that ``gc``
+removes; a lost compare-and-swap is a ConflictError and commits nothing.
+"""
+from __future__ import annotations
+
+import heapq
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+from ckptrepo.core import _revisions as revisions
+from ckptrepo.storage._arrays import ArrayInfo, itemsize
+from ckptrepo.errors import (CkptRepoError, CorruptionError, NotARepositoryError, RefError, RepositoryExistsError,
+                     RevisionError, SnapshotFailedError, StorageError, first_line)
+from ckptrepo.core._manifest import (CONFIG_KEY, FAILURES_PREFIX, HEADS_PREFIX, VERSIONS_PREFIX, Version, decode_config,
+                       encode_config, is_version_id, unseal, version_from_manifest)
+from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
+from ckptrepo.core._refs import Refs, init_head
+from ckptrepo.maintenance._gc import PRUNED_PREFIX, head_branch_lost, head_ref_blocked
+from ckptrepo.core._gcpause import collection_paused
+from ckptrepo.state._skeleton import numel, plain_values, short_text
+from ckptrepo.storage._tensorstore import Store
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptrepo.saving._capture import Snapshotter
+    from ckptrepo.maintenance._gc import RetentionPolicy
+    from ckptrepo.parallel.layout import ParallelLayout
+    from ckptrepo.loading._reshard import ReadStats
+    from ckptrepo.saving._writer import PlanCache
+
+DEFAULT_BRANCH = "main"
+
+
+def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
+    """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
+    store = Store.open(url, options)
+    if not store.put_if_absent(CONFIG_KEY, encode_config({"created": time.time(), "default_branch": DEFAULT_BRANCH})):
+        if store.get(CONFIG_KEY) is None:
+            # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
+            # bucket that does not exist as a failed condition; listing says why (NoSuchBucket, ...)
+            try:
+                store.list()
+                reason = "the store did not take the write"
+            except StorageError as err:
+                reason = str(err)
+            raise StorageError(f"could not create a repository at {url} ({reason}); check that the bucket exists "
+                               f"and is writable")
+        if not exist_ok:
+            raise RepositoryExistsError(f"a repository already exists at {url}; open it with ckptrepo.open, "
+                                        f"or pass exist_ok=True")
+        init_head(store, DEFAULT_BRANCH)   # only if absent: an init killed before it wrote HEAD is finished
+        return Repository(store)
+    init_head(store, DEFAULT_BRANCH)
+    return Repository(store)
+
+
+def open(url: str, options: dict[str, Any] | None = None) -> "Repository":  # noqa: A001 - mirrors the public API
+    """Open the repository at ``url``; NotARepositoryError when there is none."""
+    return Repository(Store.open(url, options))
+
+
+def load_device(spec: Any) -> "torch.device | None":
+    """The device a load puts fresh tensors on (``None``: where they are read, the CPU), checked before any read.
+
+    Why here: torch only complains at the first ``.to()``, after the reads, and on a CPU-only build
+    with an ``AssertionError`` ("Torch not compiled with CUDA enabled").
+    """
+    if spec is None:
+        return None
+    import torch
+    try:
+        dev = torch.device(spec)
+    except (TypeError, RuntimeError, ValueError):
+        raise ValueError(f"device {spec!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a torch.device "
+                         f"(a map_location dict or function is not supported)") from None
+    try:
+        torch.empty(0, device=dev)
+    except (AssertionError, RuntimeError) as e:
+        raise ValueError(f"cannot load onto device {str(dev)!r} in this process ({first_line(e)}); "
+                         f"load with device='cpu' or pick an available device") from None
+    return dev
+
+
+def load(url: str, rev: str = "HEAD", parallel_layout: "ParallelLayout | None" = None, rank: int | None = None,
+         into: Any = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """``open(url).load(rev, ...)``: the rank defaults to this process's torch.distributed rank."""
+    return open(url, options).load(rev, into=into, parallel_layout=parallel_layout, rank=rank, **kwargs)
+
+
+class _WalkingSource:
+    """The repository as a revision source whose first-parent steps (``HEAD~N``, ``@STEP``) share one HeaderWalk."""
+
+    def __init__(self, repo: "Repository") -> None:
+        self._repo = repo
+        self._walk = HeaderWalk(repo.reads)
+
+    def __getattr__(self, name: str) -> Any:   # refs and ids: the repository's own
+        return getattr(self._repo, name)
+
+    def first_parent(self, vid: str) -> str | None:
+        parents = self._walk(vid)["parents"]
+        return parents[0] if parents else None
+
+    def step_of(self, vid: str) -> int | None:
+        return self._walk(vid)["step"]
+
+
+@dataclass
+class VersionDetails:
+    """Everything ``show`` prints: the header, each tensor and each plain value."""
+
+    version: Version
+    layout: dict[str, Any]
+    tensors: list[dict[str, Any]]
+    objects: list[tuple[str, str]]
+
+
+class Repository:
+    """A versioned checkpoint repository in a key-value store."""
+
+    def __init__(self, store: Store) -> None:
+        raw = store.get(CONFIG_KEY)
+        if raw is None:
+            raise NotARepositoryError(f"{store.url} is not a ckptrepo repository; create one with "
+                                      f"`ckptrepo init {store.url}` or pass --repo URL")
+        self.config = decode_config(raw, store.url)
+        self.store = store
+        self.url = store.url
+        self.refs = Refs(store)
+        self.reads = ManifestReads(store)
+        self._plans: Any = None
+        self.host_memory: int | str | None = None  # default staging bound of this handle's snapshots
+
+    def __repr__(self) -> str:
+        return f"Repository({self.url!r})"
+
+    @property
+    def plans(self) -> "PlanCache":
+        """Write plans of this handle's snapshots (made on the first one: the history tools never import torch)."""
+        if self._plans is None:
+            from ckptrepo.saving._writer import PlanCache
+            self._plans = PlanCache()
+        return self._plans
+
+    @plans.setter
+    def plans(self, cache: "PlanCache") -> None:
+        self._plans = cache
+
+    # ---- manifests (manifest_reads.py) ------------------------------------------
+    def manifest(self, vid: str) -> dict[str, Any]:
+        """The decoded manifest of version ``vid`` (cached: manifests never change)."""
+        return self.reads.manifest(vid)
+
+    def header(self, vid: str) -> dict[str, Any]:
+        """The small fields of version ``vid``'s manifest: all that history walks need (cached)."""
+        return self.reads.header(vid)
+
+    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | CkptRepoError]]:
+        """Each version's decoded manifest, or the error reading it gave, in order (batched on object stores)."""
+        return self.reads.iter_manifests(vids)
+
+    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Each version's decoded manifest in order; the first version that cannot be read raises."""
+        return self.reads.each_manifest(vids)
+
+    def remember_header(self, manifest: dict[str, Any]) -> None:
+        """Cache the header of a manifest this process just committed (see ManifestReads.remember_header)."""
+        self.reads.remember_header(manifest)
+
+    def version(self, rev: str = "HEAD") -> Version:
+        """The header of the version ``rev`` names."""
+        vid = self.resolve(rev)
+        return version_from_manifest(self.header(vid), self._ref_names().get(vid, ()))
+
+    # ---- revisions (the RevisionSource protocol) --------------------------
+    def resolve(self, rev: str) -> str:
+        """The full id of the version ``rev`` names (see ckptrepo.revisions for the syntax)."""
+        return revisions.resolve(_WalkingSource(self), rev)
+
+    def head_version(self) -> str | None:
+        """HEAD's version; None on a branch without versions, unless its ref was replaced (a folder, a broken
+        link: see ``gc.head_ref_blocked``), which is damage to name, not an empty branch to report."""
+        h = self.refs.head()
+        if h.damage is not None:
+            raise CorruptionError(h.damage)
+        if head_ref_blocked(self, h):
+            raise CorruptionError(head_branch_lost(h.branch, len(self.store.list(VERSIONS_PREFIX))))
+        return h.version
+
+    def head_description(self) -> str:
+        h = self.refs.head()
+        return f"branch {h.branch!r}" if h.branch else f"detached HEAD {str(h.version)[:12]}"
+
+    def branch_tip(self, name: str) -> str | None:
+        return self.refs.branch_tip(name)
+
+    def tag_target(self, name: str) -> str | None:
+        return self.refs.tag_target(name)
+
+    def ids_with_prefix(self, prefix: str) -> list[str]:
+        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)
+                if is_version_id(k[len(VERSIONS_PREFIX):])]
+
+    def first_parent(self, vid: str) -> str | None:
+        parents = self.header(vid)["parents"]
+        return parents[0] if parents else None
+
+    def step_of(self, vid: str) -> int | None:
+        return self.header(vid)["step"]
+
+    # ---- snapshot -------------------------------------------------------
+    def snapshot(self, state: Any, step: int | None = None, message: str = "",
+                 metrics: dict[str, Any] | None = None, parallel_layout: "ParallelLayout | None" = None) -> Version:
+        """Save ``state`` as a new version on the current branch and return it.
+
+        Synchronous: returns once the version is durable and the branch points
+        at it (the same pipeline as :meth:`snapshotter`, waited on). Raises
+        DetachedHeadError on a detached HEAD and ConflictError if another writer
+        moved the branch meanwhile (then nothing is committed).
+        """
+        from ckptrepo.saving._capture import Snapshotter
+        with Snapshotter(self, host_memory=self.host_memory, record_failures=False,
+                         parallel_layout=parallel_layout, dedup=False) as snap:  # no previous version to dedup against
+            handle = snap.snapshot(state, step=step, message=message, metrics=metrics)
+            try:
+                return handle.result()
+            except SnapshotFailedError as err:
+                raise (err.__cause__ if isinstance(err.__cause__, CkptRepoError) else err) from None
+
+    def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None,
+                    parallel_layout: "ParallelLayout | None" = None, group: Any = None,
+                    commit_timeout_s: float = 600.0, dedup: bool = True,
+                    retention: "RetentionPolicy | None" = None, max_in_flight: int = 4) -> "Snapshotter":
+        """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
+
+        ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
+        if set, else a quarter of the available memory, at most 8 GiB). Under
+        torch.distributed every rank makes the same ``snapshot`` calls; the
+        layout's rules (or the DTensors' placements) name what each rank holds.
+        ``dedup``: a CPU tensor whose bytes are unchanged since this snapshotter's
+        previous version is not written again (single process only).
+        ``retention``: a :class:`ckptrepo.gc.RetentionPolicy` applied in the
+        background after commits (what ``repo.gc(...)`` does by hand).
+        ``max_in_flight``: snapshots not yet committed, at most; one more waits in ``snapshot()`` for the oldest.
+        """
+        from ckptrepo.saving._capture import Snapshotter
+        return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
+                           parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
+                           dedup=dedup, retention=retention, max_in_flight=max_in_flight)
+
+    # ---- load -----------------------------------------------------------
+    def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,
+             on_bytes: Callable[[int], None] | None = None, parallel_layout: "ParallelLayout | None" = None,
+             rank: int | None = None, read_stats: "ReadStats | None" = None) -> Any:
+        """Load version ``rev``: a new state with the saved nesting, or in place ``into`` an existing one.
+
+        Tensors come back on the CPU unless ``map_location``/``device`` says
+        otherwise. With ``into``, shapes and dtypes are checked before anything
+        is changed; tensors are filled in place and Stateful objects get
+        ``load_state_dict``. Only the skeleton's own types are ever built: no pickle.
+
+        ``parallel_layout`` (and ``rank``, default: this process's rank in a process group of the layout's size) loads
+        the state one rank of that layout holds, whatever layout saved it,
+        reading only the bytes that rank needs (``read_stats`` counts them);
+        ``into`` may then hold DTensors, whose placements say what to read. A
+        version saved by several ranks loads unsharded when no layout is given.
+        """
+        import torch
+        target = load_device(device if device is not None else map_location)
+        # no_grad: a load builds no graph (filling parameters in place is not a step to differentiate), and a
+        # DTensor's to_local() is then its local tensor instead of an autograd Function call (~10 us each)
+        with collection_paused(), torch.no_grad():
+            return self._load(rev, into, target, on_bytes, parallel_layout, rank, read_stats)
+
+    def require_data(self, vid: str, manifest: dict[str, Any]) -> None:
+        """Refuse, in one line, to read the tensors of a version gc pruned (its history stays, its data is gone):
+        every reader (load, diff, stats) says so instead of failing on the first missing object."""
+        if any(t["pieces"] for t in manifest["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
+            raise RevisionError(f"version {vid[:12]} (step {manifest['step']}) was pruned by gc: its tensor data is "
+                                f"deleted; pick a kept version from `ckptrepo log`")
+
+    def _load(self, rev: str, into: Any, target_device: "torch.device | None", on_bytes: Callable[[int], None] | None,
+              parallel_layout: "ParallelLayout | None", rank: int | None, read_stats: "ReadStats | None") -> Any:
+        vid = self.resolve(rev)
+        m = self.manifest(vid)
+        self.require_data(vid, m)
+        try:
+            return self._load_data(vid, m, into, target_device, on_bytes, parallel_layout, rank, read_stats)
+        except CorruptionError:
+            self.require_data(vid, m)   # pruned by a gc while it was read: say so, not "corrupt; run fsck"
+            raise
+
+    def _load_data(self, vid: str, m: dict[str, Any], into: Any, target_device: "torch.device | None",
+                   on_bytes: Callable[[int], None] | None, parallel_layout: "ParallelLayout | None",
+                   rank: int | None, read_stats: "ReadStats | None") -> Any:
+        from ckptrepo.loading._binding import Binder
+        from ckptrepo.loading._layout_load import load_layout, needs_layout_load
+        from ckptrepo.state._providers import unflatten
+        from ckptrepo.loading._reader import TensorEntry, read_tensors
+        if needs_layout_load(m, parallel_layout, into):
+            return load_layout(self.store, m, parallel_layout, rank, into, target_device, read_stats)
+        entries = [TensorEntry.from_json(t) for t in m["tensors"]]
+        arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
+        fresh: dict[int, torch.Tensor] = {}
+
+        def get_tensor(i: int, as_numpy: bool) -> Any:
+            t = fresh[i]
+            if as_numpy:
+                return t.numpy()
+            return t.to(target_device) if target_device is not None else t
+
+        def build(node: Any) -> Any:
+            return unflatten(node, get_tensor)
+
+        if into is None:
+            fresh.update(read_tensors(self.store, arrays, entries, list(range(len(entries))), on_bytes=on_bytes))
+            return unflatten(m["tree"], get_tensor)
+        binder = Binder(entries, build, vid)
+        finalize = binder.bind(m["tree"], into)
+        wanted = list(range(len(entries)))
+        got = read_tensors(self.store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
+        fresh.update({i: t for i, t in got.items() if i not in binder.destinations})
+        return finalize()
+
+    # ---- history and refs -----------------------------------------------
+    def _ref_names(self) -> dict[str, tuple[str, ...]]:
+        names: dict[str, list[str]] = {}
+        head = self.refs.head()
+        for b, vid in self.refs.branches(strict=False).items():
+            names.setdefault(vid, []).append(f"HEAD -> {b}" if b == head.branch else b)
+        for t, vid in self.refs.tags(strict=False).items():
+            names.setdefault(vid, []).append(f"tag: {t}")
+        if head.branch is None and head.version:
+            names.setdefault(head.version, []).insert(0, "HEAD")
+        return {k: tuple(v) for k, v in names.items()}
+
+    def log(self, rev: str = "HEAD", all: bool = False, limit: int | None = None,  # noqa: A002
+            since: int | None = None, until: int | None = None) -> list[Version]:
+        """Versions reachable from ``rev`` (or from every ref with ``all``), newest first.
+
+        ``since``/``until`` keep only versions whose step lies in that range (inclusive).
+        """
+        starts: list[str] = []
+        if all:
+            # a damaged ref is left out, as git's "ignoring broken ref" (fsck names it; gc stops at it)
+            starts = list(self.refs.branches(strict=False).values()) + list(self.refs.tags(strict=False).values())
+            head = self.head_version()
+            if head:
+                starts.append(head)
+        else:
+            if rev == "HEAD" and self.head_version() is None:
+                return []
+            starts = [self.resolve(rev)]
+        # newest first, as git does: pop the newest version reached so far, then reach its parents; a
+        # version is never newer than its children, so the walk stops once `limit` versions are listed
+        seen: set[str] = set()
+        frontier: list[tuple[float, str, dict[str, Any]]] = []
+        found: list[dict[str, Any]] = []
+        # a long log reads its headers in batches from the start; a short one (`log -n 5`) never lists versions/
+        walk = HeaderWalk(self.reads, batch=limit is None or limit > HEADER_BATCH)
+
+        def reach(vid: str) -> None:
+            if vid not in seen:
+                seen.add(vid)
+                h = walk(vid)
+                heapq.heappush(frontier, (-h["time"], vid, h))
+        for vid in starts:
+            if vid:
+                reach(vid)
+        while frontier and (limit is None or len(found) < limit):
+            _, _, h = heapq.heappop(frontier)
+            step = h["step"]
+            if (since is None and until is None) or (step is not None and (since is None or step >= since)
+                                                     and (until is None or step <= until)):
+                found.append(h)
+                if limit is not None and len(found) >= limit:
+                    break   # its parents are not listed: do not read them
+            for p in h["parents"]:
+                reach(p)
+        names = self._ref_names()
+        from ckptrepo.maintenance._gc import pruned_ids
+        pruned = pruned_ids(self)
+        return [version_from_manifest(h, names.get(h["id"], ()), h["id"] in pruned) for h in found]
+
+    def checkout(self, rev: str, branch: str | None = None) -> Version:
+        """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
+        head = self.refs.head(for_update=True)
+        vid = self.resolve(rev)
+        rev = rev.strip()   # as resolve() reads it: " main" resolved to main's tip, then detached there
+        if branch is not None:
+            self.refs.create_branch(branch, vid)
+            self.refs.set_head(branch, None, head.generation)
+        elif rev == "HEAD" and head.branch is not None:
+            pass   # already there, on its branch: git's `checkout HEAD` is a no-op, not a detach
+        elif self.refs.branch_tip(rev) is not None:
+            self.refs.set_head(rev, None, head.generation)
+        else:
+            self.refs.set_head(None, vid, head.generation)
+        return self.version(vid)
+
+    def branch(self, name: str, rev: str = "HEAD") -> Version:
+        """Create branch ``name`` at ``rev`` (HEAD does not move)."""
+        vid = self.resolve(rev)
+        self.refs.create_branch(name, vid)
+        return self.version(vid)
+
+    def tag(self, name: str, rev: str = "HEAD") -> Version:
+        """Create tag ``name`` at ``rev``; tags never move."""
+        vid = self.resolve(rev)
+        self.refs.create_tag(name, vid)
+        return self.version(vid)
+
+    def delete_branch(self, name: str, force: bool = False) -> str:
+        """Delete branch ``name`` (``git branch -d``); returns the version it pointed at.
+
+        Refused for the branch HEAD is on, and, unless ``force``, when its tip is reachable from no other
+        branch, tag or a detached HEAD: its versions would then be left to gc. The versions themselves stay
+        until gc finds them unreferenced (and older than its grace period).
+        """
+        from ckptrepo.maintenance._gc import reaches
+        head = self.refs.head()
+        if head.branch == name:
+            raise RefError(f"branch {name!r} is checked out; check out another branch or version first")
+        try:
+            tip, gen = self.refs.branch_tip_with_generation(name)   # deleted only if still there after the check
+        except CorruptionError:
+            if not force:
+                raise
+            tip, gen = "", self.store.get_with_generation(HEADS_PREFIX + name)[1]   # damaged: -D is the repair
+        if tip and not force:
+            others = [v for b, v in self.refs.branches(strict=False).items() if b != name] + \
+                list(self.refs.tags(strict=False).values())
+            if head.version:
+                others.append(head.version)
+            if not reaches(self, others, tip):
+                raise RefError(f"no other branch, tag or HEAD reaches {name!r}'s tip {tip[:12]}, so gc would delete "
+                               f"the versions only it holds; tag it to keep them, or delete anyway (`branch -D`)")
+        return self.refs.delete("branch", name, seen=(tip, gen))
+
+    def delete_tag(self, name: str) -> str:
+        """Delete tag ``name`` (``git tag -d``); returns the version it pointed at, which gc may then collect."""
+        return self.refs.delete("tag", name)
+
+    def branches(self) -> dict[str, str]:
+        """Branch name -> version id; a damaged branch ref is left out (``damaged_refs`` says what is wrong)."""
+        return self.refs.branches(strict=False)
+
+    def tags(self) -> dict[str, str]:
+        """Tag name -> version id; a damaged tag ref is left out (``damaged_refs`` says what is wrong)."""
+        return self.refs.tags(strict=False)
+
+    def damaged_refs(self, kind: str | None = None) -> list[str]:
+        """One line per damaged ref of ``kind`` ("branch", "tag"; None: both), saying what to do (as git warns
+        "ignoring broken ref")."""
+        return self.refs.damaged(kind)
+
+    def current_branch(self) -> str | None:
+        """The branch HEAD is on, or None when detached."""
+        return self.refs.head().branch
+
+    # ---- inspection -----------------------------------------------------
+    def show(self, rev: str = "HEAD") -> VersionDetails:
+        """The version's header, tensors (name, dtype, shape, bytes) and plain values."""
+        vid = self.resolve(rev)
+        m = self.manifest(vid)
+        tensors = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
+                    "bytes": numel(t["shape"]) * itemsize(t["dtype"])} for t in m["tensors"]]
+        layout = {k: v for k, v in m.get("layout", {}).items() if k not in ("ranks", "rules")}  # summary only
+        from ckptrepo.maintenance._gc import pruned_ids
+        pruned = vid in pruned_ids(self)   # as log says: its data is gone (the table lists what was saved)
+        return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ()), pruned), layout,
+                              tensors, [(p, short_text(v, 80)) for p, v in plain_values(m["tree"], summarize_after=8)])
+
+    def diff(self, a: str, b: str, pattern: str | None = None,
+             on_bytes: Callable[[int], None] | None = None) -> Any:
+        """Per tensor: changed or not, ||B-A||, ||B-A||/||A||, max |B-A|, cosine; objects: what changed.
+
+        Streamed chunk by chunk (memory stays bounded); see ckptrepo.inspect.
+        """
+        from ckptrepo.tools._inspect import diff_versions
+        return diff_versions(self, a, b, pattern, on_bytes)
+
+    def stats(self, rev: str = "HEAD", pattern: str | None = None,
+                     on_bytes: Callable[[int], None] | None = None) -> Any:
+        """Per tensor: norm, mean, std, min, max, NaN and Inf counts (streamed)."""
+        from ckptrepo.tools._inspect import tensor_stats
+        return tensor_stats(self, rev, pattern, on_bytes)
+
+    def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
+                   until: int | None = None) -> Any:
+        """A metric (norm, delta, relative-change) of tensors matching ``pattern`` over the history of ``rev``."""
+        from ckptrepo.tools._inspect import trajectory
+        return trajectory(self, pattern, metric, rev, since, until)
+
+    def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
+        """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
+        rows = [{"version": vid, "step": h["step"], **h["metrics"]}
+                for vid, h in HeaderWalk(self.reads).chain(self.resolve(rev))]
+        return rows[::-1]
+
+    def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
+           keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,
+           keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min") -> Any:
+        """Apply retention rules and collect unreachable objects; returns a ckptrepo.gc.GcReport.
+
+        Versions no rule keeps are pruned (data deleted, manifest and history
+        kept); objects no ref reaches are deleted once older than the grace
+        period (default one hour), so a concurrent writer is never harmed.
+        ``keep_best=N, best_metric="loss", best_mode="min"`` also keeps the N
+        versions with the lowest loss (the metrics given to ``snapshot``).
+        """
+        from ckptrepo.maintenance._gc import DEFAULT_GRACE_S, collect
+        return collect(self, keep_last, keep_every, keep_tagged, keep_branch_heads,
+                       DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run,
+                       keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
+
+    def fsck(self, on_bytes: Callable[[int], None] | None = None,
+             on_total: Callable[[int], None] | None = None) -> Any:
+        """Read every object and verify every checksum and reference; returns a ckptrepo.fsck.FsckReport."""
+        from ckptrepo.maintenance._fsck import fsck
+        return fsck(self, on_bytes=on_bytes, on_total=on_total)
+
+    def failures(self) -> list[dict[str, Any]]:
+        """Records of background snapshots that failed (id, step, time, branch, message, error), newest first."""
+        out = []
+        for key in self.store.list(FAILURES_PREFIX):
+            raw = self.store.get(key)
+            if raw is not None:
+                try:
+                    out.append(unseal(raw, key))
+                except CkptRepoError as err:
+                    out.append({"id": key[len(FAILURES_PREFIX):], "step": None, "time": 0.0, "error": str(err)})
+        return sorted(out, key=lambda f: f.get("time", 0.0), reverse=True)
+
+    def capture_stats(self, rev: str = "HEAD") -> dict[str, Any]:
+        """The capture statistics recorded with a version (blocking, capture, flush, total seconds; bytes; GB/s)."""
+        return dict(self.manifest(self.resolve(rev)).get("stats", {}))
+
+    def all_version_ids(self) -> list[str]:
+        """Every version manifest in storage, reachable or not."""
+        return self.reads.all_version_ids()
+
+    def du(self) -> Any:
+        """Per reachable version (newest first) the bytes only it references and those it shares, and the total
+        stored with each array counted once; returns a ckptrepo.usage.DiskUsage."""
+        from ckptrepo.maintenance._usage import disk_usage
+        return disk_usage(self)
+
+    def export(self, rev: str, out: str | os.PathLike[str], format: str = "torch") -> Version:  # noqa: A002
+        """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors or dcp) to ``out``."""
+        from ckptrepo.tools._exchange import export_version
+        return export_version(self, rev, out, format)
+
+    def import_state(self, path: str | os.PathLike[str], trust: bool = False, step: int | None = None,
+                     message: str | None = None) -> Version:
+        """Commit a torch.save file, DCP checkpoint or safetensors export as a new version on the current branch.
+
+        Pickles (torch files that need more than the restricted unpickler, DCP
+        metadata) can run code, so they are refused unless ``trust`` is set.
+        """
+        from ckptrepo.tools._exchange import import_state
+        return import_state(self, path, trust, step, message)

@@ -1,0 +1,802 @@
+"""Lazy asynchronous capture: the snapshot hook of the training loop.
+
+``Snapshotter.snapshot`` only flattens the state (metadata, no tensor bytes)
+and queues a job; it returns at once. Three background threads then run the
+pipeline, each stage overlapping the others and the training loop:
+
+* capture: copies each segment's tensor slices into a staging buffer from a
+  bounded pool (pinned memory and a side stream ordered after the training
+  stream by an event on CUDA). A CPU state bound for a local store with
+  ``O_DIRECT`` is not copied: each segment becomes a ``LiveShard`` whose whole
+  inner chunks are written from the tensors' own memory, only the chunks at
+  tensor edges being copied (``writer.fill_live``); the pre-step hook copies
+  whatever the writers have not written yet. An empty pool makes capture wait
+  (backpressure), so host memory stays bounded.
+* flush: hands each filled buffer on as one whole shard write (to the direct
+  writer's threads for a local store, localwrite.py; to TensorStore
+  otherwise); the buffer returns to the pool when the write is durable.
+* commit: in snapshot order, once a version's data is durable, has it
+  committed (commit.py: the manifest, then the branch moved by
+  compare-and-swap; two phases under torch.distributed).
+
+The training loop waits only for *capture*, and only before it mutates the
+state: ``attach(optimizer)`` installs a pre-step hook that does so, or call
+``wait_captured()``. It never waits for storage (for live shards: at most for
+the one ``LIVE_BATCH`` write in flight per writer thread, ~4 MiB each). A failed write never raises
+inside training: the version is not committed, a failure record is written, and
+the error is raised by the next ``snapshot``/``wait``/``wait_captured``/``close``.
+
+Dedup: a tensor whose bytes did not change since the last version this
+snapshotter committed is not written again; its piece points at the stored
+bytes (dedup.py). What the threads share about one snapshot is its
+``SnapshotJob`` (snapshot_job.py).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import queue
+import re
+import signal
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+import xxhash
+
+from ckptrepo import faults
+from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
+from ckptrepo.core._boxes import volume
+from ckptrepo.saving._commit import Committer
+from ckptrepo.saving._dedup import DedupIndex, dedup_key
+from ckptrepo.parallel._distributed import all_gather, process_group_rank, assign_writers
+from ckptrepo.errors import CkptRepoError, ConflictError, LayoutError, SnapshotFailedError, StorageError, first_line
+from ckptrepo.maintenance._gc import RetentionPolicy, VersionFacts
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.storage._localwrite import DirectWriter, LiveShard
+from ckptrepo.core._manifest import (DATA_PREFIX, Version, checked_message, checked_step, new_version_id, plain_metrics,
+                       version_id_time)
+from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor, is_stateful
+from ckptrepo.parallel._replicas import fingerprints
+from ckptrepo.parallel._sharding import Piece, Sharder, ShardedState, column_blocks
+from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
+from ckptrepo.saving._writer import (LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, fill_segment, live_residues,
+                     written_from_memory)
+
+log = logging.getLogger("ckptrepo")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|[KMGT]|B)?\s*$", re.IGNORECASE)
+_UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+          "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1}
+
+
+def parse_size(size: int | str | None) -> int | None:
+    """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes; None for the default. Anything else (negative, zero,
+    "abc", a float) is refused in one line: "-1" used to give a pool of two 64 KiB buffers, "0" the default."""
+    if size is None:
+        return None
+    m = _SIZE_RE.match(size) if isinstance(size, str) else None
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    elif m is not None:
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"host_memory {size!r} is not a size; pass bytes (an int > 0) or a string like '8GiB'")
+    return n
+
+
+def default_host_memory() -> int:
+    """A quarter of the memory available now, at most 8 GiB and at least 256 MiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = 4 << 30
+    return max(256 << 20, min(8 << 30, avail // 4))
+
+
+class Snapshotter:
+    """Asynchronous snapshots of a training state onto the current branch.
+
+    The contract: after ``snapshot(state)`` returns, the tensors in ``state``
+    must not be modified in place until capture has finished, which the
+    attached optimizer's pre-step hook (or ``wait_captured()``) guarantees.
+    Reading them (forward, backward) is fine, and so is writing gradients.
+    Plain Python values and the structure are recorded during ``snapshot``
+    itself. Buffers of ``nn.Module``s in the state (BatchNorm running
+    statistics change in forward) are copied during ``snapshot``, those of
+    modules held by a Stateful object in it too, and so is every tensor that
+    is not a parameter or state of an attached optimizer, up to 16 MiB with an
+    optimizer attached and 64 KiB without: that covers the buffers of a
+    ``model.state_dict()`` (DCP's way), whose module the snapshot never sees.
+    A larger tensor that forward changes in place must come with its module,
+    or be copied by the caller: a change before its bytes are written is
+    saved as changed (only one while they are written fails the checksum).
+
+    With ``dedup`` (the default; single process only), a CPU tensor whose
+    bytes equal those of the same tensor in the last version this snapshotter
+    committed is not written again: its piece points at the stored bytes. The
+    training thread only compares (data_ptr, version counter, dtype, shape,
+    stride); the capture thread confirms with an xxh3-128 of the bytes.
+    """
+
+    def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None,
+                 record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
+                 group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
+                 retention: RetentionPolicy | None = None, max_in_flight: int = 4) -> None:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
+        # backpressure when storage is slower than the snapshots: with nothing bounding them, 300 snapshot()
+        # calls of a 16 MiB state left 4.7 GiB in flight, and a state of small tensors (copied at snapshot(),
+        # outside the staging pool) took ~900 MiB of memory with host_memory="1MiB"
+        self.max_in_flight = max_in_flight
+        self.rank, self.world_size = process_group_rank()
+        self.retention = retention
+        self._commits = 0
+        self._retention_idle = threading.Event()   # clear while a background gc pass is pending or running
+        self._retention_idle.set()
+        self._gc_facts: dict[str, VersionFacts] = {}   # what retention passes learnt of the manifests
+        if parallel_layout is not None and parallel_layout.world_size != self.world_size:
+            raise LayoutError(f"the layout ({parallel_layout}) has {parallel_layout.world_size} ranks but "
+                              f"torch.distributed has {self.world_size}; initialise the process group first "
+                              f"(torchrun) or pass the layout that matches it")
+        self.layout = parallel_layout
+        self.distributed = self.world_size > 1
+        # through the Sharder (global names, boxes, column blocks): every distributed snapshot, and a
+        # single process that names a layout (so a later tensor-parallel load reads whole column blocks)
+        self.sharded = self.distributed or parallel_layout is not None
+        self.group = group
+        self._dedup = DedupIndex() if dedup and not self.sharded else None   # sharded snapshots write everything
+        self.repo = repo
+        self.record_failures = record_failures  # False when the caller waits and gets the error itself
+        # reads HEAD: DetachedHeadError before anything starts
+        self._committer = Committer(repo, parallel_layout, self.rank, self.world_size, self.sharded, commit_timeout_s)
+        self.host_memory = parse_size(host_memory) or default_host_memory()
+        shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
+        self.shard_bytes = shard
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._direct = DirectWriter.for_store(repo.store)   # local store: shards written without TensorStore
+        # page-aligned buffers where the direct writer may write them with O_DIRECT as they are (fill_live)
+        self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin,
+                                align=LIVE_ALIGN if self._direct is not None and self._direct.direct_io else 0)
+        # TensorStore may reference a staging buffer instead of copying it; fine where the kvstore copies the
+        # bytes out before the write completes, but the memory kvstore would keep the buffer as the stored
+        # value, which the pool then reuses for another shard
+        self._store_copies = repo.store.spec.get("driver") != "memory"
+        self._capture_q: queue.Queue = queue.Queue()
+        self._flush_q: queue.Queue = queue.Queue()
+        self._commit_q: queue.Queue = queue.Queue()
+        self._inflight: list[SnapshotJob] = []
+        self._errors: list[SnapshotFailedError] = []
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._hooks: list[Any] = []
+        self._optimizers: list[weakref.ref] = []   # attached: what their step changes, capture may leave live
+        self._closed = False
+        self._pid = os.getpid()   # a forked child inherits this object but none of its threads
+        self._bare_versions: dict[str, tuple[int, int]] = {}   # see _copy_what_forward_may_change
+        self._side_stream: Any = None
+        ref = weakref.ref(self)
+        self._atexit = lambda: (s := ref()) is not None and s._close_at_exit()
+        atexit.register(self._atexit)
+
+    # ---- public API -------------------------------------------------------
+    def snapshot(self, state: Any, step: int | None = None, message: str = "",
+                 metrics: dict[str, Any] | None = None) -> SnapshotHandle:
+        """Start a snapshot of ``state`` and return its handle at once (see the class contract)."""
+        t0 = time.perf_counter()
+        try:
+            self._check_process()
+            self._raise_pending()
+            if self._closed:
+                raise CkptRepoError("this snapshotter is closed; create another with repo.snapshotter()")
+            if self._committer.conflict is not None:   # its data could never be committed: refused before written
+                raise ConflictError(self._committer.conflict)
+            self._wait_for_room()
+            step, message, metrics = checked_step(step), checked_message(message), plain_metrics(metrics)
+            skeleton, records = flatten(state)
+            # DTensors in a single process (a mesh of one device) are pieces of global tensors all the same: the
+            # fill paths below cannot read a tensor subclass's memory, and the version must hold them by their
+            # global names and shapes, as a larger mesh would
+            sharded = self.sharded or any(is_dtensor(r.tensor) for r in records)
+            # of the live tensors, before buffer copies
+            keys = [dedup_key(r) for r in records] if self._dedup is not None and not sharded else []
+            self._bare_versions = _copy_what_forward_may_change(state, records, self._step_owned(),
+                                                                self._bare_versions)
+            local = self._local_pieces(records) if sharded else None
+        except Exception as err:
+            if self.distributed:   # the other ranks are entering the collective: tell them, or they wait forever
+                self._exchange_pieces(None, err)
+            raise
+        vid, leaf_names, names, boxes = new_version_id(), [], [], []
+        if local is not None:
+            vid, records, boxes, leaf_names, names = self._shard(records, local)
+        handle = SnapshotHandle(vid, step)
+        job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0, sharded=local is not None,
+                   leaf_names=leaf_names, names=names, boxes=boxes, keys=keys,
+                   replicas=[] if local is None else [(p.name, p.box, p.view, p.replicated) for p in local[0].pieces
+                                                      if p.replicated])
+        # a CPU state to a local store with O_DIRECT is written from where it is (not for CUDA tensors: their
+        # bytes must come to the host anyway, and whole-segment DMAs into pinned staging are the cheap way)
+        job.live = self._direct is not None and self._direct.direct_io and not any(r.tensor.is_cuda for r in records)
+        if self._dedup is None or job.sharded or not self._dedup.match(job):
+            self._plan(job, list(range(len(records))))   # nothing can be reused: plan here, as without dedup
+        devices = {r.tensor.device for r in records if r.tensor.device.type == "cuda"}
+        for dev in devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            job.ready.append(ev)
+        # snapshot() from several threads: one set of threads, jobs queued in one order. A Ctrl-C landing between
+        # these steps left a job in flight that no thread would ever finish: wait(), close() and exit hung
+        with _interrupts_deferred(), self._lock:
+            self._start_threads()
+            self._inflight.append(job)
+            self._capture_q.put(job)   # unbounded queues: never blocks under the lock
+            self._commit_q.put(job)
+        handle.stats.blocking_s += time.perf_counter() - t0
+        return handle
+
+    def _plan(self, job: SnapshotJob, written: list[int]) -> None:
+        """Plan the records to write (all but the reused ones) and account for their segments.
+
+        Runs in ``snapshot()``, or in the capture thread once dedup has decided;
+        either way before any segment of the job is queued.
+        """
+        records = [job.records[i] for i in written]
+        residues = live_residues(records, INNER_BYTES) if job.live else None
+        plan = self.repo.plans.get(records, self.shard_bytes, residues)
+        job.written = written
+        job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
+                      for d, (n, s, i) in plan.streams.items()}
+        job.hashers = {pi: xxhash.xxh3_128() for pi, ri in enumerate(written) if ri in job.watch}
+        job.handle.stats.bytes = plan.nbytes
+        job.remaining = len(plan.segments)
+        job.plan = plan
+        if job.remaining == 0:
+            job.data_done.set()
+
+    def _local_pieces(self, records: list[TensorRecord]) -> tuple[ShardedState, list[Piece]]:
+        """This rank's pieces of the global tensors (raises here, before the collective, for a state that does
+        not fit the layout)."""
+        # without a layout (DTensor placements say what each rank holds) every rank is its own data-parallel slot
+        layout = self.layout or ParallelLayout(dp=self.world_size)
+        sharded = Sharder(layout, self.rank, self.rank).shard(records)
+        return sharded, column_blocks(sharded.pieces)
+
+    def _exchange_pieces(self, meta: list[tuple[str, Any, int]] | None, failure: Exception | None = None) -> list[Any]:
+        """The one collective of a distributed snapshot: every rank's (proposed version id, piece metadata).
+
+        A rank whose own checks failed (``failure``) still joins it, with its error in place of the metadata,
+        so that every rank raises at the same call instead of waiting in the collective until its timeout.
+        """
+        mine = (new_version_id(), meta) if failure is None else \
+            (None, f"{type(failure).__name__}: {first_line(failure)}")
+        gathered = all_gather(mine, self.group) if self.distributed else [mine]
+        refused = [(r, g[1]) for r, g in enumerate(gathered) if g[0] is None]
+        if refused and failure is None:
+            r, why = refused[0]
+            raise SnapshotFailedError(f"rank {r} refused this snapshot ({why}); no version was written, "
+                                      f"fix the state on that rank")
+        return gathered
+
+    def _shard(self, records: list[TensorRecord], local: tuple[ShardedState, list[Piece]]) -> \
+            tuple[str, list[TensorRecord], list[Any], list[str], list[list[Any]]]:
+        """Sharded: this rank's pieces, the agreed version id, and which pieces this rank writes."""
+        sharded, pieces = local
+        meta = [(p.name, p.box, volume(p.box[1]) * p.view.element_size()) for p in pieces]
+        gathered = self._exchange_pieces(meta)
+        writes = assign_writers([g[1] for g in gathered])[self.rank]
+        mine = [p for p, w in zip(pieces, writes) if w]
+        names: dict[str, list[Any]] = {}
+        for p in pieces:
+            names.setdefault(p.name, [p.name, p.dtype, list(p.gshape)])
+        for rec, name, gshape in zip(records, sharded.leaf_names, sharded.gshapes):
+            if rec.numel == 0 and gshape is not None:   # no pieces here: listed under its global name and shape
+                names.setdefault(name, [name, rec.dtype, list(gshape)])
+        return (gathered[0][0], [TensorRecord(p.name, p.view, p.dtype, p.box[1]) for p in mine],
+                [[list(p.box[0]), list(p.box[1])] for p in mine], sharded.leaf_names, list(names.values()))
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` first wait until every pending capture has finished."""
+        self._check_process()
+        if self._closed:
+            raise CkptRepoError("this snapshotter is closed; attach the optimizer to a new one (repo.snapshotter())")
+
+        def pre_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            if os.getpid() == self._pid:   # in a forked child this snapshotter has nothing in flight
+                self._wait_for_capture()
+        self._hooks.append(optimizer.register_step_pre_hook(pre_step))
+        self._optimizers.append(weakref.ref(optimizer))
+
+    def _step_owned(self) -> set[int]:
+        """Addresses of the tensors only an attached optimizer's step changes (its parameters and their state),
+        which capture may leave live however small: the step waits for capture."""
+        owned: set[int] = set()
+        for ref in self._optimizers:
+            opt = ref()
+            if opt is None:
+                continue
+            for group in opt.param_groups:
+                owned.update(p.data_ptr() for p in group["params"])
+            for st in opt.state.values():
+                owned.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        return owned
+
+    def wait_captured(self) -> None:
+        """Block until every snapshot taken so far is in staging memory: the state may be mutated again."""
+        self._check_process()
+        self._wait_for_capture()
+        self._raise_pending()
+
+    def wait(self, progress: bool | None = None) -> None:
+        """Block until every snapshot taken so far is committed (or failed); raise the first failure."""
+        self._check_process()
+        jobs = self._pending_jobs()
+        show = progress if progress is not None else _stderr_is_terminal()
+        if show and jobs:
+            _wait_with_progress(jobs)
+        for job in jobs:
+            job.handle._done.wait()
+        self._retention_idle.wait()   # a gc pass after the last commit: its failure is raised here too
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Finish every pending snapshot, stop the threads and detach hooks; raise a pending failure."""
+        self._check_process()
+        if self._closed:
+            self._raise_pending()
+            return
+        for job in self._pending_jobs():
+            job.handle._done.wait()
+        self._shutdown()
+        self._raise_pending()
+
+    def __enter__(self) -> "Snapshotter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except CkptRepoError as err:  # the exception in flight matters more
+                log.error("ckptrepo: %s", err)
+
+    # ---- internals ----------------------------------------------------------
+    def _check_process(self) -> None:
+        """Refuse use in a forked child: its snapshots would wait forever for threads that live in the parent."""
+        if os.getpid() != self._pid:
+            raise CkptRepoError(f"this snapshotter belongs to process {self._pid}, not to this forked child; "
+                                f"create one here with repo.snapshotter()")
+
+    def _wait_for_room(self) -> None:
+        """Hold ``snapshot()`` while ``max_in_flight`` snapshots are not committed yet (the oldest commits first)."""
+        while True:
+            with self._lock:
+                if len(self._inflight) < self.max_in_flight:
+                    return
+                oldest = self._inflight[0]
+            oldest.handle._done.wait()
+
+    def _pending_jobs(self) -> list[SnapshotJob]:
+        with self._lock:
+            return list(self._inflight)
+
+    def _wait_for_capture(self) -> None:
+        t0 = time.perf_counter()
+        jobs = [j for j in self._pending_jobs() if not j.handle.captured()]
+        for job in jobs:
+            if job.live:   # what the writers have not written yet is copied out of the state now
+                job.staged.wait()
+                with _interrupts_deferred():   # a Ctrl-C inside a release lost its hold: the next step hung
+                    copied = sum(shard.release() for shard in list(job.live_shards))
+                with job.lock:
+                    job.handle.stats.copied_bytes += copied
+            job.handle._captured.wait()
+        if jobs:
+            jobs[-1].handle.stats.blocking_s += time.perf_counter() - t0
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            first, rest = self._errors[0], len(self._errors) - 1
+            self._errors.clear()
+        if rest:
+            raise SnapshotFailedError(f"{first} (and {rest} more failed snapshot(s); see `ckptrepo log --all`)") \
+                from first.__cause__
+        raise first
+
+    def _start_threads(self) -> None:
+        """Start the capture, flush and commit threads, or whichever of them an interrupted start left unstarted."""
+        if not self._threads:
+            self._threads = [threading.Thread(target=target, name=f"ckptrepo-{name}", daemon=True)
+                             for name, target in (("capture", self._capture_loop), ("flush", self._flush_loop),
+                                                  ("commit", self._commit_loop))]
+        for t in self._threads:
+            if t.ident is None:
+                t.start()
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._capture_q.put(None)
+        self._commit_q.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads.clear()
+        if self._direct is not None:
+            self._direct.close()
+        atexit.unregister(self._atexit)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit: finish what is in flight so no snapshot is silently dropped."""
+        if self._closed or os.getpid() != self._pid:   # a forked child's exit: the parent's snapshots, not its own
+            return
+        try:
+            self.close()
+        except CkptRepoError as err:
+            log.error("ckptrepo: %s", err)
+
+    # capture thread
+    # Each loop lets go of its last item before it waits for the next (``del``): a job kept by a waiting thread
+    # lived on until the next snapshot, long enough for the cyclic GC to promote its thousands of objects
+    # (records, skeleton lists, tensor objects) to its oldest generation, which brings on full collections.
+    def _capture_loop(self) -> None:
+        while True:
+            job = self._capture_q.get()
+            if job is None:
+                self._flush_q.put(None)
+                return
+            try:
+                self._capture(job)
+            except BaseException as err:  # noqa: BLE001 - reported through the job
+                job.fail(err)
+            finally:
+                job.staged.set()
+                job.drop_hold()   # captured now, or once its live shards are written or released
+            del job
+
+    def _capture(self, job: SnapshotJob) -> None:
+        if job.plan is None:
+            try:
+                self._plan(job, DedupIndex.decide(job))
+            except BaseException:
+                job.data_done.set()   # no segment was queued; the commit thread sees the job's error
+                raise
+        plan = job.plan
+        assert plan is not None
+        flat: dict[int, torch.Tensor] = {}
+        cuda = bool(job.ready)
+        if cuda and self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
+        if cuda and self.pool.pin:   # the buffers this capture would otherwise pin one by one (see StagingPool)
+            self.pool.grow_in_background(len(plan.segments))
+        if job.replicas:   # read before the state may change again; a CUDA one once the training stream is done
+            with torch.cuda.stream(self._side_stream) if cuda else contextlib.nullcontext():
+                for ev in job.ready:
+                    self._side_stream.wait_event(ev)
+                job.fingerprints = fingerprints(job.replicas)
+            job.replicas = []
+
+        def source(i: int) -> torch.Tensor:   # i: index in the plan (of the written records)
+            t = flat.get(i)
+            if t is None:
+                t = job.records[job.written[i]].tensor.resolve_conj().resolve_neg()
+                if t.is_cuda:  # flattened once (a strided one copied on the device) and kept alive for the side stream
+                    t = t.reshape(-1)
+                    t.record_stream(self._side_stream)
+                flat[i] = t   # CPU: fill_segment copies strided tensors from where they are
+            return t
+
+        last_event = None
+        queued = 0
+        try:
+            for seg in plan.segments:
+                buf = self.pool.take()
+                if job.error is not None:
+                    self._flush_q.put((job, seg, buf, None, None))
+                    queued += 1
+                    continue
+                try:
+                    faults.point("before_capture")
+                    if job.live:
+                        # written from where it is: only the chunks that are not wholly in one aligned tensor
+                        # (edges, small and strided tensors) are copied into the buffer now; the rest stays in
+                        # the tensors until the writer has written it or the pre-step hook copies it
+                        cb = job.arrays[seg.dtype].inner_bytes
+                        chunks, live = fill_live(seg, source, buf, cb, job.hashers)
+                        keep = [source(p[0]).untyped_storage() for p in seg.parts]
+                        view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep)
+                        with job.lock:
+                            job.holds += 0 if view.released else 1   # a shard of copies only: captured now
+                            job.handle.stats.copied_bytes += cb * live.count(False)
+                        job.live_shards.append(view)
+                    elif cuda:
+                        with torch.cuda.stream(self._side_stream):
+                            for ev in job.ready:
+                                self._side_stream.wait_event(ev)
+                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.hashers)
+                            last_event = torch.cuda.Event()
+                            last_event.record(self._side_stream)
+                    else:
+                        view = fill_segment(seg, source, buf, hashers=job.hashers)
+                    if not job.live:
+                        job.handle.stats.copied_bytes += (seg.stop - seg.start) * job.arrays[seg.dtype].itemsize
+                except BaseException:
+                    self.pool.give(buf)
+                    raise
+                self._flush_q.put((job, seg, buf, view, last_event))
+                queued += 1
+            if last_event is not None:
+                last_event.synchronize()
+        except BaseException as err:  # noqa: BLE001 - the segments never queued are accounted as failed
+            for _ in range(len(plan.segments) - queued):
+                job.segment_done(err)
+            raise
+
+    # flush thread
+    def _flush_loop(self) -> None:
+        while True:
+            item = self._flush_q.get()
+            if item is None:
+                return
+            self._flush(*item)
+            del item
+
+    def _flush(self, job: SnapshotJob, seg: Segment, buf: torch.Tensor, view: Any, event: Any) -> None:
+        """Start one segment's write; its buffer goes back to the pool once the write is over."""
+        if job.error is not None or view is None:
+            self._segment_over(view, buf)
+            job.segment_done()
+            return
+        try:
+            if event is not None:
+                event.synchronize()
+            handle = job.handles.get(seg.dtype)
+            if handle is None:
+                handle = job.handles[seg.dtype] = create_array(self.repo.store, job.arrays[seg.dtype])
+            faults.point("before_shard_write")
+            if not job.first_write:
+                job.first_write = time.perf_counter()
+            # a local store: one whole shard object written directly (localwrite.py), durable once the future
+            # completes, like TensorStore's commit future; otherwise (or for an odd segment) through TensorStore
+            info = job.arrays[seg.dtype]
+            if isinstance(view, LiveShard):
+                fut = self._direct.submit_live(info, seg.start, view)
+            else:
+                fut = None if self._direct is None else self._direct.submit(info, seg.start, view)
+            if fut is None:
+                fut = handle[seg.start:seg.stop].write(
+                    view, can_reference_source_data_indefinitely=self._store_copies).commit
+        except BaseException as err:  # noqa: BLE001
+            self._segment_over(view, buf)
+            job.segment_done(_storage_error(job, seg, err))
+            return
+        fut.add_done_callback(lambda f, job=job, seg=seg, buf=buf, view=view: self._written(job, seg, buf, view, f))
+
+    def _segment_over(self, view: Any, buf: torch.Tensor) -> None:
+        """A segment's write is over (durable, failed or never started): its buffer goes back to the pool, and a
+        live shard lets go of the tensors (nothing reads their memory any more)."""
+        if isinstance(view, LiveShard):
+            view.finish()
+        self.pool.give(buf)
+
+    def _written(self, job: SnapshotJob, seg: Segment, buf: torch.Tensor, view: Any, fut: Any) -> None:
+        err = None
+        try:
+            fut.result()
+        except BaseException as e:  # noqa: BLE001
+            err = _storage_error(job, seg, e)
+        self._segment_over(view, buf)
+        if err is None:
+            faults.point("after_shard_write")
+        job.segment_done(err)
+
+    # commit thread
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._commit_q.get()
+            if job is None:
+                return
+            try:
+                retain = self._commit_in_turn(job)
+            except BaseException:  # noqa: BLE001 - this thread must outlive any job, or every later one hangs
+                log.exception("ckptrepo: the commit thread failed on snapshot %s", job.vid[:12])
+                retain = False
+            del job
+            if retain:
+                try:
+                    self._apply_retention()
+                finally:
+                    self._retention_idle.set()
+
+    def _commit_in_turn(self, job: SnapshotJob) -> bool:
+        """Commit the job once its data is durable (or record its failure); returns whether a retention pass is due."""
+        job.data_done.wait()
+        job.handle._captured.wait()
+        stats = job.handle.stats
+        retain = False
+        if job.first_write:
+            stats.flush_s = time.perf_counter() - job.first_write
+        try:
+            if job.error is not None:
+                raise job.error
+            faults.point("after_data")
+            version = self._commit(job)
+        except BaseException as err:  # noqa: BLE001
+            if self.distributed:
+                self._committer.publish_failure(job, err)
+            self._record_failure(job, err)
+        else:
+            stats.total_s = time.perf_counter() - job.started
+            job.handle._version = version
+            self._commits += 1
+            if self.retention is not None and self.rank == 0 \
+                    and self._commits % max(1, self.retention.every_commits) == 0:
+                retain = True
+                self._retention_idle.clear()   # before the job is done, so wait() also waits for this gc
+        finally:
+            with self._lock:
+                self._inflight.remove(job)
+            job.handle._done.set()
+        return retain
+
+    def _commit(self, job: SnapshotJob) -> Version:
+        if self._dedup is not None and job.reused:
+            self._dedup.check_reused(self.repo.store, job)
+        version = self._committer.commit(job)
+        if self._dedup is not None and not job.sharded:
+            self._dedup.remember(job)
+        return version
+
+    def _apply_retention(self) -> None:
+        """Background gc after a commit; a failure is logged and raised by the next call, like a failed snapshot."""
+        with self._lock:   # never collect what this snapshotter has in flight, or starts meanwhile
+            born = [version_id_time(j.vid) or 0.0 for j in self._inflight]
+        since = min(born + [time.time()]) - 1.0
+        try:
+            self.retention.apply(self.repo, protect_since=since, known=self._gc_facts)
+        except Exception as err:  # noqa: BLE001 - never kills the commit thread
+            failure = SnapshotFailedError(f"background retention (gc) failed: {first_line(err)}; "
+                                          f"run `ckptrepo gc` by hand")
+            failure.__cause__ = err
+            log.error("ckptrepo: %s", failure)
+            with self._lock:
+                self._errors.append(failure)
+
+    def _record_failure(self, job: SnapshotJob, err: BaseException) -> None:
+        step = "" if job.handle.step is None else f" at step {job.handle.step}"
+        cause = first_line(err)
+        failure = SnapshotFailedError(f"snapshot {job.vid[:12]}{step} was not committed: {cause}")
+        failure.__cause__ = err
+        job.handle._error = failure
+        if not self.record_failures:  # the caller waits on the handle and gets the error from it
+            return
+        with self._lock:
+            self._errors.append(failure)
+        log.error("ckptrepo: %s", failure)
+        self._committer.record_failure(job, cause)   # rank 0 records the failure of a distributed version
+
+
+def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException) -> BaseException:
+    if isinstance(err, CkptRepoError):
+        return err
+    reason = first_line(err)
+    return StorageError(f"writing {job.arrays[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: {reason}")
+
+
+EAGER_COPY_BYTES = 64 << 10   # tensors this small are copied at snapshot(): see the Snapshotter contract
+# with an optimizer attached, tensors it does not own are copied up to this size: the parameters are known, so
+# only buffers and frozen weights are left, and a BatchNorm of 32768 channels has 128 KiB statistics
+EAGER_COPY_BYTES_ATTACHED = 16 << 20
+
+
+def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_owned: set[int],
+                                  last: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Copy now the buffers of modules in ``state`` (forward changes BatchNorm statistics in place), also of modules
+    held by a Stateful object in it (DCP's ``AppState(model, optimizer)``), and every tensor no attached optimizer
+    owns (``step_owned``) of at most EAGER_COPY_BYTES (EAGER_COPY_BYTES_ATTACHED with an optimizer attached): a
+    ``model.state_dict()`` hands over the same buffers as bare tensors. Parameters and optimizer state stay live:
+    only the step changes them, and it waits for capture (copying the ~300 small ones of a GPT cost 12 ms a
+    snapshot). Parameters of the modules in the state are never copied (a frozen base is not the step's, but
+    forward does not change it either). Nor is a bare tensor over EAGER_COPY_BYTES whose address and version
+    counter are those it had at the previous snapshot (``last``, by name): nothing changed it in a whole step,
+    so it is frozen (a ``base.state_dict()`` of 400 MB was copied every snapshot), where BatchNorm statistics
+    change at every forward. Returns this snapshot's (address, version) of those tensors, for the next."""
+    ptrs: set[int] = set()
+    params: set[int] = set()   # forward never changes a parameter in place: a frozen base stays live too
+    stack, seen = [state], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            ptrs.update(b.data_ptr() for b in obj.buffers())
+            params.update(p.data_ptr() for p in obj.parameters())
+        elif isinstance(obj, dict):
+            stack.extend(v for v in obj.values() if not isinstance(v, (torch.Tensor, str, int, float)))
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(v for v in obj if not isinstance(v, (torch.Tensor, str, int, float)))
+        elif is_stateful(obj) and hasattr(obj, "__dict__"):
+            stack.extend(v for v in vars(obj).values() if isinstance(v, torch.nn.Module))
+    limit = EAGER_COPY_BYTES_ATTACHED if step_owned else EAGER_COPY_BYTES
+    versions: dict[str, tuple[int, int]] = {}
+    for r in records:
+        t = r.tensor
+        if not r.numel or type(t) is not torch.Tensor:   # a DTensor: its local shard is what a rank writes
+            continue
+        if ptrs and t.data_ptr() in ptrs:
+            r.tensor = _page_aligned_copy(t)
+            continue
+        nbytes = t.numel() * t.element_size()
+        if nbytes > limit or t.data_ptr() in step_owned or t.data_ptr() in params:
+            continue
+        if nbytes > EAGER_COPY_BYTES:
+            versions[r.name] = seen_as = (t.data_ptr(), t._version)
+            if last.get(r.name) == seen_as:
+                continue   # unchanged for a whole step: frozen, stays live
+        r.tensor = _page_aligned_copy(t)
+    return versions
+
+
+def _page_aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that starts on a page (CPU): a new address every snapshot, but always the same
+    offset within a page, so the write plan (``live_residues``) stays the same and is not made again.
+    A tensor too small to be written from its memory needs no page."""
+    if t.device.type != "cpu" or not written_from_memory(t.numel() * t.element_size(), INNER_BYTES):
+        return t.clone(memory_format=torch.contiguous_format)
+    out = aligned_empty(t.numel() * t.element_size(), LIVE_ALIGN).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return os.isatty(2)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Any:
+    """Hold a Ctrl-C (SIGINT with Python's default handler, in the main thread) until the block is done, then
+    raise it: for the few steps that must happen together or not at all. Elsewhere, a no-op."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            raise KeyboardInterrupt
+
+
+def _wait_with_progress(jobs: list[SnapshotJob]) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+    # on stderr, which is the terminal this was chosen for (rich's default console is stdout)
+    with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  transient=True, console=Console(stderr=True)) as progress:
+        task = progress.add_task("wait", total=len(jobs))
+        for job in jobs:
+            job.handle._done.wait()
+            progress.advance(task)
+
+
+__all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats", "parse_size"]   # the handle and stats: re-exported API

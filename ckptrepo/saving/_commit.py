@@ -1,0 +1,203 @@
+"""Committing snapshots: a version exists once its manifest is written and its branch moved onto it.
+
+The snapshotter's commit thread hands each job here, in snapshot order, once
+its data is durable. A single process writes the manifest and moves the
+branch by compare-and-swap (a branch moved by someone else meanwhile is a
+ConflictError and nothing is committed). A distributed snapshot commits in
+two phases (distributed.py): every rank publishes its part, rank 0 merges
+and checks them, writes the manifest, moves the branch and publishes the
+outcome the other ranks wait for; a failure on any rank reaches them all.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any
+
+from ckptrepo import faults
+from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.saving._dedup import StoredTensor
+from ckptrepo.parallel._distributed import Staging, merge_rank_manifests
+from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.core._manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal, version_from_manifest
+from ckptrepo.state._providers import TensorRecord
+from ckptrepo.parallel._replicas import check_replicas
+from ckptrepo.saving._snapshot_job import SnapshotJob
+from ckptrepo.saving._writer import WritePlan
+
+log = logging.getLogger("ckptrepo")
+
+
+class Committer:
+    """Commits one snapshotter's versions on the branch HEAD named when it was made, each on top of the last.
+
+    The branch tip and its generation are read once here and then only moved
+    by this committer: a snapshot is written on top of the tip it knew, and the
+    compare-and-swap fails if the branch moved in between.
+    """
+
+    def __init__(self, repo: Any, layout: ParallelLayout | None, rank: int, world_size: int, sharded: bool,
+                 commit_timeout_s: float) -> None:
+        head = repo.refs.head()
+        if head.branch is None:
+            raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
+                                    f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
+        self.repo = repo
+        self.layout = layout
+        self.rank, self.world_size = rank, world_size
+        self.distributed = world_size > 1
+        self.sharded = sharded
+        self.commit_timeout_s = commit_timeout_s
+        self.branch = head.branch
+        self.tip, self.generation = repo.refs.branch_tip_with_generation(head.branch)
+        self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
+        faults.point("after_read_head")
+
+    def commit(self, job: SnapshotJob) -> Version:
+        """Commit the job's version (its data is durable); raises if it cannot be, and then nothing is visible."""
+        if self.sharded or job.sharded:
+            return self._commit_sharded(job)
+        assert job.plan is not None
+        manifest = build_manifest(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.records,
+                                  job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused)
+        return self._publish(job, manifest)
+
+    def _commit_sharded(self, job: SnapshotJob) -> Version:
+        """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see distributed.py).
+
+        A single process (a layout named without torch.distributed) is the only
+        rank: its part is merged and checked the same way, without the handshake
+        objects in the store.
+        """
+        assert job.plan is not None
+        part = {
+            "rank": self.rank, "step": job.handle.step, "tree": job.skeleton, "leaf_names": job.leaf_names,
+            "names": job.names,
+            "coords": vars(self.layout.coords(self.rank)) if self.layout is not None else None,
+            "tensors": [{"name": r.name, "pieces": [{"box": box, "array": job.arrays[p.dtype].key, "offset": p.offset}]}
+                        for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel],
+            "arrays": {a.key: a.to_json() for a in job.arrays.values()}, "fingerprints": job.fingerprints}
+        if not self.distributed:
+            return self._publish_merged(job, [part])
+        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
+        staging.publish_rank(self.rank, part)
+        if self.rank != 0:
+            staging.wait_outcome(lambda: self._on_branch(job.vid))
+            return version_from_manifest(self.repo.manifest(job.vid), (self.branch,))
+        try:
+            version = self._publish_merged(job, staging.gather_ranks())
+        except BaseException as err:
+            staging.publish_outcome(first_line(err))
+            raise
+        staging.publish_outcome(None)
+        return version
+
+    def _on_branch(self, vid: str, depth: int = 1000) -> bool:
+        """Whether ``vid`` is on this snapshotter's branch: its tip or one of its last ``depth`` first parents."""
+        tip = self.repo.refs.branch_tip(self.branch)
+        for _ in range(depth):
+            if tip is None or tip == vid:
+                return tip == vid
+            tip = self.repo.first_parent(tip)
+        return False
+
+    def _publish_merged(self, job: SnapshotJob, ranks: list[dict[str, Any]]) -> Version:
+        """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
+        steps = {p["rank"]: p.get("step", job.handle.step) for p in ranks}
+        other = next((r for r, s in steps.items() if s != job.handle.step), None)
+        if other is not None:   # the version would record rank 0's step for every rank's state
+            raise SnapshotFailedError(f"the ranks disagree about the step: rank {self.rank} snapshots step "
+                                      f"{job.handle.step}, rank {other} step {steps[other]}; pass every rank the "
+                                      f"same step")
+        check_replicas(ranks)
+        manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
+        manifest.update(version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics))
+        return self._publish(job, manifest)
+
+    def _publish(self, job: SnapshotJob, manifest: dict[str, Any]) -> Version:
+        """Write the manifest, then move the branch: the version exists once the ref moved."""
+        if self.conflict is not None:
+            raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
+        job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
+        manifest["stats"] = job.handle.stats.to_json()
+        self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, seal(manifest))
+        faults.point("after_manifest")
+        gen = self.repo.refs.move_branch(self.branch, job.vid, self.generation)
+        if gen is None:
+            now = self.repo.refs.branch_tip(self.branch)
+            base = f"version {self.tip[:12]}" if self.tip else "an empty branch"
+            # every later snapshot of this snapshotter was taken from the diverged state too (those in flight
+            # already): none may go on top of the other writer's version, so none is committed
+            self.conflict = (f"branch {self.branch!r} moved to {str(now)[:12]} (another writer) while this "
+                             f"snapshotter wrote on top of {base}, so it commits nothing more to it: load the branch "
+                             f"tip and snapshot with a new snapshotter, or give each writer a branch of its own")
+            raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
+        self.tip, self.generation = job.vid, gen
+        faults.point("after_ref")
+        self.repo.remember_header(manifest)
+        return version_from_manifest(manifest, (self.branch,))
+
+    def publish_failure(self, job: SnapshotJob, err: BaseException) -> None:
+        """Distributed: let the other ranks know at once (rank 0 aborts the version; the others stop waiting)."""
+        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
+        try:
+            if self.rank == 0:
+                staging.publish_outcome(first_line(err))
+            else:
+                staging.publish_rank(self.rank, {"rank": self.rank, "error": first_line(err)})
+        except CkptRepoError as publish_err:
+            log.error("ckptrepo: could not publish the failure of %s: %s", job.vid[:12], publish_err)
+
+    def record_failure(self, job: SnapshotJob, cause: str) -> None:
+        """Write the failure record that `ckptrepo log --all` and fsck show (rank 0 only, best effort)."""
+        if self.rank != 0:
+            return
+        try:
+            self.repo.store.put(FAILURES_PREFIX + job.vid, seal({
+                "id": job.vid, "step": job.handle.step, "time": time.time(), "branch": self.branch,
+                "message": job.message, "error": cause}))
+        except Exception as record_err:  # noqa: BLE001 - storage may be what failed; the caller's log line remains
+            log.error("ckptrepo: could not record the failure of %s: %s", job.vid[:12], record_err)
+
+
+def version_header(vid: str, parent: str | None, step: int | None, message: str,
+                   metrics: dict[str, Any]) -> dict[str, Any]:
+    """The fields every version manifest starts with, single-process or merged from ranks (docs/format.md)."""
+    return {"format_version": FORMAT_VERSION, "id": vid, "parents": [parent] if parent else [], "step": step,
+            "time": time.time(), "message": message, "metrics": metrics, "host": socket.gethostname()}
+
+
+def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
+                   records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
+                   skeleton: Any, written: list[int] | None = None,
+                   reused: dict[int, StoredTensor] | None = None) -> dict[str, Any]:
+    """The version manifest for a single-process snapshot (see docs/format.md).
+
+    ``plan`` covers the ``written`` records (default: all); a ``reused`` record's
+    piece points at bytes an earlier version stored, and that array is listed
+    in ``arrays`` too. ``size`` counts only the bytes this version wrote.
+    """
+    reused = reused or {}
+    placement = dict(zip(range(len(records)) if written is None else written, plan.placements))
+    listed = {a.key: a.to_json() for a in arrays.values()}
+    for s in reused.values():
+        listed.setdefault(s.array, s.info)
+
+    def pieces(i: int, r: TensorRecord) -> list[dict[str, Any]]:
+        box = [[0] * len(r.shape), list(r.shape)]
+        if i in reused:
+            return [{"box": box, "array": reused[i].array, "offset": reused[i].offset}]
+        p = placement[i]
+        return [{"box": box, "array": arrays[p.dtype].key, "offset": p.offset}] if p.numel else []
+
+    return {
+        **version_header(vid, parent, step, message, metrics),
+        "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
+        "size": plan.nbytes,
+        "arrays": listed,
+        "tensors": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "pieces": pieces(i, r)}
+                    for i, r in enumerate(records)],
+        "tree": skeleton,
+    }

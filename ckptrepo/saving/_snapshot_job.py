@@ -1,0 +1,146 @@
+"""The state of one asynchronous snapshot as it moves through the pipeline, and the handle its caller holds.
+
+``SnapshotHandle`` and ``SnapshotStats`` are what the training loop sees;
+``SnapshotJob`` is what the capture, flush and commit threads share about
+the snapshot (capture.py runs them, commit.py commits the job).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.saving._dedup import DedupKey, StoredTensor
+from ckptrepo.storage._localwrite import LiveShard
+from ckptrepo.core._manifest import Version
+from ckptrepo.state._providers import TensorRecord
+from ckptrepo.saving._writer import WritePlan
+
+
+@dataclass
+class SnapshotStats:
+    """Timings of one snapshot, in seconds, and its size."""
+
+    blocking_s: float = 0.0   # the training loop was held: the snapshot() call plus pre-step waits
+    capture_s: float = 0.0    # snapshot() until the state was free to change (copied to staging, or written)
+    flush_s: float = 0.0      # first shard write until the data was durable
+    total_s: float = 0.0      # snapshot() until committed
+    bytes: int = 0
+    copied_bytes: int = 0     # bytes copied out of the state into staging (all of them, unless written in place)
+
+    @property
+    def gbps(self) -> float:
+        """Throughput from snapshot() to commit, in GB/s."""
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return {"blocking_s": self.blocking_s, "capture_s": self.capture_s, "flush_s": self.flush_s,
+                "total_s": self.total_s, "bytes": self.bytes, "copied_bytes": self.copied_bytes, "gbps": self.gbps}
+
+
+class SnapshotHandle:
+    """The future of one asynchronous snapshot."""
+
+    def __init__(self, vid: str, step: int | None) -> None:
+        self.id = vid
+        self.step = step
+        self.stats = SnapshotStats()
+        self._captured = threading.Event()
+        self._done = threading.Event()
+        self._version: Version | None = None
+        self._error: BaseException | None = None
+
+    def captured(self) -> bool:
+        """Whether the state may be mutated again as far as this snapshot is concerned."""
+        return self._captured.is_set()
+
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        return self._captured.wait(timeout)
+
+    def done(self) -> bool:
+        """Whether the snapshot is committed or has failed."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Version:
+        """The committed Version; raises the snapshot's error if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"snapshot {self.id[:12]} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._version is not None
+        return self._version
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "committed" if self.done() else "captured" if self.captured() else "capturing"
+        return f"SnapshotHandle({self.id[:12]}, step={self.step}, {state})"
+
+
+@dataclass
+class SnapshotJob:
+    """One snapshot on its way through the pipeline: what ``snapshot()`` recorded, what the capture thread
+    planned and queued, and how far its writes got; the commit thread turns it into a version."""
+
+    handle: SnapshotHandle
+    skeleton: Any
+    records: list[TensorRecord]
+    plan: WritePlan | None          # None until the capture thread has decided what to write (dedup)
+    message: str
+    metrics: dict[str, Any]
+    started: float
+    sharded: bool = False            # its records are pieces of global tensors (a layout, ranks, or DTensors)
+    leaf_names: list[str] = field(default_factory=list)     # distributed: the stored name of each state tensor
+    names: list[list[Any]] = field(default_factory=list)    # sharded: [name, dtype, global shape] this rank holds
+    boxes: list[Any] = field(default_factory=list)          # sharded: the global box of each record (piece)
+    ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
+    # sharded: the pieces replicated over ranks (by the rules or by a DTensor's placements), (name, box, view,
+    # by), until the capture thread turns them into fingerprints that rank 0 compares across ranks (replicas.py)
+    replicas: list[Any] = field(default_factory=list)
+    fingerprints: list[Any] = field(default_factory=list)
+    # dedup (single process, CPU tensors): see dedup.py
+    keys: list[DedupKey | None] = field(default_factory=list)   # per record; None: never deduped nor hashed
+    match: dict[int, StoredTensor] = field(default_factory=dict)      # record -> last committed tensor with its key
+    reused: dict[int, StoredTensor] = field(default_factory=dict)     # record -> stored bytes it points at instead
+    written: list[int] = field(default_factory=list)            # records written, in plan order
+    watch: set[int] = field(default_factory=set)                # records to hash if written (maybe frozen)
+    hashers: dict[int, Any] = field(default_factory=dict)        # plan index -> xxh3-128 of its staged bytes
+    arrays: dict[str, ArrayInfo] = field(default_factory=dict)
+    handles: dict[str, Any] = field(default_factory=dict)
+    remaining: int = 0
+    # written from the tensors' memory (a CPU state, a local store with O_DIRECT): see Snapshotter._capture
+    live: bool = False
+    live_shards: list[LiveShard] = field(default_factory=list)
+    holds: int = 1                  # the capture thread's, plus one per live shard not yet released
+    staged: threading.Event = field(default_factory=threading.Event)   # the capture thread is done with the job
+    error: BaseException | None = None
+    first_write: float = 0.0
+    data_done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def vid(self) -> str:
+        return self.handle.id
+
+    def fail(self, err: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = err
+
+    def drop_hold(self) -> None:
+        """One hold on the state's memory is gone; with the last, the state may be mutated again."""
+        with self.lock:
+            self.holds -= 1
+            last = self.holds == 0
+        if last:
+            self.handle.stats.capture_s = time.perf_counter() - self.started
+            self.handle._captured.set()
+
+    def segment_done(self, err: BaseException | None = None) -> None:
+        if err is not None:
+            self.fail(err)
+        with self.lock:
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.data_done.set()

@@ -1,0 +1,6 @@
+"""Storage: the Store protocol, the TensorStore store behind every URL, zarr array geometry, and direct local I/O.
+
+The lowest layer: it knows keys, bytes and arrays, nothing of versions or tensors.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,384 @@
+"""Key-value access to a repository's storage through TensorStore.
+
+A repository is a prefix in any TensorStore key-value store. This module turns
+a URL into a kvstore spec and wraps the handful of operations the repository
+needs: get, put, conditional put (compare-and-swap), byte-range read, list and
+delete. Nothing here depends on POSIX rename, append or locks beyond what the
+TensorStore driver itself does, so the same code runs on S3 and GCS.
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+from urllib.parse import unquote
+
+import tensorstore as ts
+
+from ckptrepo.errors import StorageError, first_line, storage_failure_hint
+
+NO_VALUE = b"\x02"  # TensorStore's StorageGeneration::NoValue(): "key is absent"
+
+_memory_lock = threading.Lock()
+_memory_context: ts.Context | None = None
+
+
+def _shared_memory_context() -> ts.Context:
+    """One context for every ``memory://`` store, so they share one in-process memory."""
+    global _memory_context
+    with _memory_lock:
+        if _memory_context is None:
+            _memory_context = ts.Context()
+        return _memory_context
+
+
+# How often one S3 or GCS request is tried, with exponential backoff from 0.5 s up to 8 s between tries.
+# TensorStore's own default (32 tries, up to 32 s apart) kept a request to an unreachable endpoint (a
+# misspelt AWS_ENDPOINT_URL, a stopped server) going for about 15 minutes, so `ckptrepo log` or a load
+# seemed to hang; 8 tries give up after ~40 s with the cause, while riding out a short outage or a burst
+# of throttling. CKPTREPO_STORE_RETRIES sets the count; a URL's ``options`` can carry a whole
+# ``s3_request_retries``/``gcs_request_retries`` object instead (it overrides this one).
+DEFAULT_STORE_RETRIES = 8
+
+
+def request_retries() -> dict[str, Any]:
+    """The retry policy of every S3 and GCS request this process makes (see DEFAULT_STORE_RETRIES)."""
+    raw = os.environ.get("CKPTREPO_STORE_RETRIES", "")
+    try:
+        tries = int(raw) if raw else DEFAULT_STORE_RETRIES
+    except ValueError:
+        raise StorageError(f"CKPTREPO_STORE_RETRIES={raw!r} is not a whole number; set a count such as "
+                           f"{DEFAULT_STORE_RETRIES}, or unset it") from None
+    if tries < 1:
+        raise StorageError(f"CKPTREPO_STORE_RETRIES={raw!r} must be at least 1")
+    return {"max_retries": tries, "initial_delay": "0.5s", "max_delay": "8s"}
+
+
+STALLED_REQUEST_S = 15
+
+
+def _detect_stalled_requests() -> None:
+    """A request that gets no byte for ``STALLED_REQUEST_S`` seconds is given up (and retried), unless the
+    environment says otherwise: curl's own threshold let an endpoint that accepts connections and never
+    answers hold ``ckptrepo log`` for ~10 minutes (60 s a try). TensorStore reads these when its HTTP
+    transport starts, at the first request of the process, which no S3 or GCS store has made before this."""
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(STALLED_REQUEST_S))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+
+
+def _local_file_path(url: str, rest: str) -> str:
+    """The path of a file URL after ``file://``: ``/data/run``, or with the host ``localhost`` (RFC 8089), which
+    used to make the repository ``./localhost/data/run``. Another host, or none before a relative path, is
+    refused: the store is this machine's file system."""
+    if rest.startswith("/"):
+        return rest
+    host, _, path = rest.partition("/")
+    if host == "localhost" and path:
+        return "/" + path
+    raise StorageError(f"{url!r} names host {host!r} and no path on this machine; write file:///ABSOLUTE/PATH, "
+                       f"or the path itself")
+
+
+def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the TensorStore kvstore spec (JSON) for a repository URL.
+
+    Accepted: a plain path or ``file://PATH`` (local directory), ``memory://NAME``,
+    ``s3://BUCKET/PREFIX`` (endpoint and region from the usual AWS variables
+    ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` and ``AWS_REGION``/``AWS_DEFAULT_REGION``;
+    credentials through the AWS default chain) and ``gs://BUCKET/PREFIX``.
+    ``options`` are merged into the spec last (e.g. ``{"endpoint": ...}``).
+    """
+    options = dict(options or {})
+    if url.startswith("file:") and not url.startswith("file://"):
+        url = "file://" + url[len("file:"):]   # file:/data/run, RFC 8089's form without an authority
+    if "://" not in url:
+        spec: dict[str, Any] = {"driver": "file", "path": _dir(os.path.abspath(url))}
+    else:
+        scheme, rest = url.split("://", 1)
+        if scheme == "file":   # a URL: percent-encoded (file:///data/my%20runs is /data/my runs)
+            spec = {"driver": "file", "path": _dir(os.path.abspath(unquote(_local_file_path(url, rest))))}
+        elif scheme == "memory":
+            spec = {"driver": "memory", "path": _dir(rest) if rest else ""}
+        elif scheme in ("s3", "gs"):
+            bucket, _, prefix = rest.partition("/")
+            if not bucket:
+                raise StorageError(f"{url!r} names no bucket; use {scheme}://BUCKET/PREFIX")
+            if {".", ".."} & set(prefix.split("/")):
+                # object keys are not paths: reads and writes went to the normalised key, listings did not
+                # (a repository that saw none of its own versions, and an fsck that said ok)
+                clean = posixpath.normpath("/" + prefix).lstrip("/")
+                raise StorageError(f"{url!r}: '.' and '..' are not allowed in an object store prefix; write it "
+                                   f"out: {scheme}://{bucket}/{clean}")
+            spec = {"driver": "s3" if scheme == "s3" else "gcs", "bucket": bucket,
+                    "path": _dir(prefix) if prefix else ""}
+            if scheme == "s3":
+                endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+                if endpoint:
+                    spec["endpoint"] = endpoint
+                if region:
+                    spec["aws_region"] = region
+                credentials = _aws_credentials()
+                if credentials is not None:
+                    spec["aws_credentials"] = credentials
+        else:
+            raise StorageError(f"unsupported repository URL scheme {scheme!r}; use a path, file://, memory://, s3:// or gs://")
+    spec.update(options)
+    return spec
+
+
+def _aws_credentials() -> dict[str, Any] | None:
+    """The first source of the AWS default chain that is there: the environment, then the shared credentials file
+    (``aws configure``'s ``~/.aws/credentials``, profile ``AWS_PROFILE`` or default), named to TensorStore; None
+    leaves TensorStore's own chain (instance roles). Its chain, built whole, logged ~5 lines to stderr per process
+    when the files are absent, and did not find the default profile in ``~/.aws/credentials`` at all."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return {"type": "environment"}
+    files = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
+    profile = os.environ.get("AWS_PROFILE") or "default"
+    if not _has_profile(files, profile):   # instance roles, web identity: TensorStore's chain finds them
+        return None
+    spec: dict[str, Any] = {"type": "profile", "profile": profile, "credentials_file": files}
+    config = os.environ.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
+    # the provider fails to start without a config file to read; an empty one is what no file means
+    spec["config_file"] = config if os.path.isfile(config) else os.devnull
+    return spec
+
+
+def _has_profile(path: str, profile: str) -> bool:
+    """Whether the shared credentials file at ``path`` has a ``[profile]`` section."""
+    import configparser
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(path)
+    except (OSError, configparser.Error):
+        return False
+    return parser.has_section(profile)
+
+
+def _dir(path: str) -> str:
+    return path if path.endswith("/") else path + "/"
+
+
+def _wrap(err: Exception, what: str) -> StorageError:
+    cause = first_line(err)
+    return StorageError(f"storage error while {what}: {cause}{storage_failure_hint(cause)}")
+
+
+class ByteCounter:
+    """A running total of bytes, safe across threads: what a direct local I/O path (localread,
+    localwrite) moved, the counterpart of TensorStore's own kvstore metrics."""
+
+    def __init__(self) -> None:
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._total += n
+
+    def total(self) -> int:
+        return self._total
+
+
+_local_reads = ByteCounter()
+_TS_LOCK_SUFFIX = ".__lock"   # TensorStore's file driver keeps its lock files under such keys
+
+
+def local_bytes_read() -> int:
+    """Bytes this process has read from local stores' small objects with plain reads (see ``Store.get``)."""
+    return _local_reads.total()
+
+
+@dataclass
+class Store:
+    """A repository's key-value store: every key is relative to the repository root."""
+
+    url: str
+    spec: dict[str, Any]
+    context: ts.Context = field(repr=False)
+    kv: ts.KvStore = field(repr=False)
+
+    @classmethod
+    def open(cls, url: str, options: dict[str, Any] | None = None) -> "Store":
+        """Open (without touching storage) the store named by ``url``."""
+        spec = kvstore_spec_from_url(url, options)
+        if spec["driver"] == "memory":
+            context = _shared_memory_context()
+        else:
+            resources: dict[str, Any] = {
+                "cache_pool": {"total_bytes_limit": 0},
+                "file_io_concurrency": {"limit": 32},
+                "s3_request_concurrency": {"limit": 32},
+            }
+            if spec["driver"] in ("s3", "gcs"):
+                resources[f"{spec['driver']}_request_retries"] = request_retries()
+                _detect_stalled_requests()
+            context = ts.Context(resources)
+        try:
+            kv = ts.KvStore.open(spec, context=context).result()
+        except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
+            raise _wrap(err, f"opening {url}") from err
+        return cls(url=url, spec=spec, context=context, kv=kv)
+
+    # ---- plain objects -------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        """The value at ``key``, or None when absent.
+
+        On a local ``file`` store a plain key is read with one ``open``: TensorStore's first read in a
+        process starts its I/O threads (~3 ms on the reference machine), which a load that reads its
+        data through the direct path (localread) otherwise pays for two small objects (HEAD, the ref).
+        Anything unusual goes through TensorStore, which reports it.
+        """
+        path = self.local_path(key)
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return None
+            except OSError:
+                pass
+            else:
+                _local_reads.add(len(data))
+                return data
+        value, _ = self.get_with_generation(key)
+        return value
+
+    def local_path(self, key: str) -> str | None:
+        """The file holding ``key`` on a local store, for keys TensorStore's file driver maps plainly; else None."""
+        root = self.local_root()
+        if root is None or not key or key.endswith(_TS_LOCK_SUFFIX) or "\0" in key:
+            return None
+        if any(part in ("", ".", "..") for part in key.split("/")):
+            return None
+        return os.path.join(root, key)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values at ``keys`` (None where absent), all requested at once: on S3 or GCS one round trip's
+        latency instead of one per key."""
+        futures = [self.kv.read(key) for key in keys]
+        out: list[bytes | None] = []
+        for key, fut in zip(keys, futures):
+            try:
+                r = fut.result()
+            except Exception as err:  # noqa: BLE001
+                raise _wrap(err, f"reading {key}") from err
+            out.append(bytes(r.value) if r.state == "value" else None)
+        return out
+
+    def get_with_generation(self, key: str) -> tuple[bytes | None, bytes]:
+        """The value and its storage generation (the token for compare-and-swap)."""
+        try:
+            r = self.kv.read(key).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"reading {key}") from err
+        if r.state != "value":
+            return None, NO_VALUE
+        return bytes(r.value), r.stamp.generation
+
+    def put(self, key: str, value: bytes) -> None:
+        """Write ``value`` durably (to the extent the driver guarantees)."""
+        try:
+            self.kv.write(key, value).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"writing {key}") from err
+
+    def compare_and_swap(self, key: str, value: bytes | None, expected_generation: bytes) -> bytes | None:
+        """Write (or delete, with None) only if ``key`` is still at ``expected_generation``.
+
+        ``NO_VALUE`` as the expected generation means "only if absent". Returns
+        the new generation when the write happened, None when the condition failed.
+        """
+        try:
+            stamp = self.kv.write(key, value, if_equal=expected_generation).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"writing {key}") from err
+        return stamp.generation or None
+
+    def put_if_absent(self, key: str, value: bytes) -> bool:
+        """Create ``key`` unless it exists; returns whether this call created it."""
+        return self.compare_and_swap(key, value, NO_VALUE) is not None
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds a value."""
+        try:
+            r = self.kv.read(key, byte_range=slice(0, 0)).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"reading {key}") from err
+        return r.state == "value"
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix`` (relative to the repository root), sorted."""
+        rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix)) if prefix else None
+        try:
+            keys = self.kv.list(rng).result() if rng is not None else self.kv.list().result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"listing {prefix or '/'}") from err
+        return sorted(k.decode() for k in keys if not k.endswith(b".__lock"))
+
+    def delete(self, key: str) -> None:
+        """Delete ``key`` (no error when absent)."""
+        try:
+            self.kv.write(key, None).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"deleting {key}") from err
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix``; on a local store also the folders that leaves empty (up to the
+        prefix's top-level folder, which stays): gc would otherwise leave a tree of empty folders per version."""
+        try:
+            self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix))).result()
+        except Exception as err:  # noqa: BLE001
+            raise _wrap(err, f"deleting {prefix}") from err
+        root = self.local_root()
+        if root is not None and "/" in prefix.rstrip("/"):
+            _remove_empty_folders(root, prefix)
+
+    def local_root(self) -> str | None:
+        """The directory of a local ``file`` store (keys are paths under it); None for other drivers."""
+        if self.spec.get("driver") != "file" or set(self.spec) - {"driver", "path"}:
+            return None
+        return self.spec["path"]
+
+    def child_spec(self, key_prefix: str) -> dict[str, Any]:
+        """The kvstore spec for a sub-directory, for TensorStore drivers such as zarr3."""
+        spec = dict(self.spec)
+        spec["path"] = spec.get("path", "") + _dir(key_prefix)
+        return spec
+
+
+def _prefix_end(prefix: str) -> str:
+    """The smallest key greater than every key that starts with ``prefix``."""
+    b = prefix.encode()
+    while b and b[-1] == 0xFF:
+        b = b[:-1]
+    if not b:
+        return ""
+    return (b[:-1] + bytes([b[-1] + 1])).decode("latin-1")
+
+
+def _remove_empty_folders(root: str, prefix: str) -> None:
+    """The empty folders under ``prefix`` (a folder when it ends in "/"), then its parents while they are empty,
+    stopping below its top-level folder (``data/``, ``staging/``)."""
+    path = os.path.join(root, prefix.rstrip("/"))
+    folder = path if prefix.endswith("/") else os.path.dirname(path)
+    for sub, _, _ in os.walk(folder, topdown=False):
+        try:
+            os.rmdir(sub)   # only when empty
+        except OSError:
+            pass
+    remove_empty_parents(os.path.dirname(folder), os.path.join(root, prefix.split("/", 1)[0]))
+
+
+def remove_empty_parents(folder: str, top: str) -> None:
+    """Remove ``folder``, then its parents, while they are empty, stopping below ``top`` (a local store's
+    folders: a deleted key's leftovers)."""
+    while folder.startswith(top + os.sep):
+        try:
+            os.rmdir(folder)   # only when empty
+        except OSError:
+            return
+        folder = os.path.dirname(folder)

@@ -1,0 +1,315 @@
+"""Export a version as a plain checkpoint (torch.save, safetensors, DCP) and import one as a new version.
+
+Export goes through ``Repository.load``, so it writes the full, unsharded state
+whatever layout it was saved from. Import reads one of those formats and commits
+it with ``Repository.snapshot``, so an imported version is an ordinary one.
+
+Trust: a ``torch.save`` file is a pickle and a DCP checkpoint's ``.metadata`` (and
+its non-tensor values) are pickles, and unpickling can run arbitrary code.
+torch files are therefore read with torch's restricted unpickler
+(``weights_only=True``) unless the caller passes ``trust=True``, and DCP
+checkpoints are refused without it. The safetensors export (``model.safetensors``
+plus ``objects.json``, see docs/format.md) contains no pickle and needs no trust:
+its objects are rebuilt from the same skeleton types a version stores.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line
+from ckptrepo.core._manifest import Version
+from ckptrepo.state._providers import flatten, unflatten
+
+FORMATS = ("torch", "safetensors", "dcp")
+SAFETENSORS_FILE = "model.safetensors"
+OBJECTS_FILE = "objects.json"
+OBJECTS_FORMAT = "ckptrepo-objects"
+OBJECTS_FORMAT_VERSION = 1
+DCP_METADATA = ".metadata"
+_SAFETENSORS_UNSUPPORTED = ("complex128",)   # safetensors has no 128-bit complex type
+_NO_PG_WARNING = "torch.distributed is disabled"   # DCP's notice that it runs in one process, which we intend
+
+
+def export_version(repo: Any, rev: str, out: str | os.PathLike[str], format: str = "torch") -> Version:  # noqa: A002
+    """Write the full state of ``rev`` to ``out`` as ``format``; return the version exported.
+
+    ``torch``: ``out`` is a file (``torch.save``). ``safetensors`` and ``dcp``:
+    ``out`` is a directory, created if missing. Nothing is overwritten: an
+    existing file, or a non-empty directory, is an error.
+    """
+    if format not in FORMATS:
+        raise ExchangeError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
+    path = _local_path(out, "export to")
+    _check_free(path, directory=format != "torch")
+    vid = repo.resolve(rev)
+    state = repo.load(vid)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:   # a file where a folder of the path should be, no permission, ...
+        raise ExchangeError(f"cannot make the folder {path.parent} ({first_line(err)}); export to another "
+                            f"path") from None
+    if format == "torch":
+        _write_then_rename(path, lambda tmp: torch.save(state, tmp))
+    elif format == "safetensors":
+        _write_then_rename(path, lambda tmp: _save_safetensors(state, tmp, vid))
+    else:
+        _write_then_rename(path, lambda tmp: _save_dcp(state, tmp))
+    return repo.version(vid)
+
+
+def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a file or directory under a temporary name beside ``path``, renamed into place once complete;
+    on failure the temporary is removed and the error says so. A full disk used to leave a truncated
+    torch file, or a DCP checkpoint directory, at ``path``, which the next export then refused to overwrite."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+    def discard() -> None:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+    try:
+        write(tmp)
+        if path.is_dir():
+            path.rmdir()          # an empty directory, which _check_free allowed
+        os.replace(tmp, path)
+    except ExchangeError:         # refused before anything was written (a dtype safetensors lacks, ...)
+        discard()
+        raise
+    except BaseException as err:  # DCP's CheckpointException derives from BaseException, over many lines
+        discard()
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        hint = " (is the disk full?)" if isinstance(err, OSError) else ""
+        raise ExchangeError(f"could not write {path}: {_dcp_cause(err)}; nothing was left there{hint}") from None
+
+
+def import_state(repo: Any, path: str | os.PathLike[str], trust: bool = False, step: int | None = None,
+                 message: str | None = None) -> Version:
+    """Commit the checkpoint at ``path`` as a new version on the current branch and return it.
+
+    The format is detected from the path (see :func:`detect_format`). Nothing
+    is committed when reading fails or is refused for lack of ``trust``.
+    """
+    p = _local_path(path, "import from")
+    kind = detect_format(p)
+    if kind == "torch":
+        state = _load_torch(p, trust)
+    elif kind == "dcp":
+        state = _load_dcp(p, trust)
+    else:
+        state = _load_safetensors(p)
+    return repo.snapshot(state, step=step, message=f"imported from {p} ({kind})" if message is None else message)
+
+
+def detect_format(path: Path) -> str:
+    """The format at ``path``: ``dcp`` (a directory with ``.metadata``), ``safetensors`` (a directory with
+    ``model.safetensors``) or ``torch`` (a file)."""
+    if path.is_dir():
+        if (path / DCP_METADATA).is_file():
+            return "dcp"
+        if (path / SAFETENSORS_FILE).is_file():
+            return "safetensors"
+        raise ExchangeError(f"{path} is a directory but neither a DCP checkpoint (no {DCP_METADATA}) nor a safetensors "
+                            f"export (no {SAFETENSORS_FILE})")
+    if path.is_file():
+        return "torch"
+    raise ExchangeError(f"{path} does not exist; import a torch.save file, a DCP checkpoint directory or a "
+                        f"safetensors export directory")
+
+
+def _local_path(where: str | os.PathLike[str], doing: str) -> Path:
+    """``where`` as a local path; a URL is refused (``s3://bucket/x`` was written to ``./s3:/bucket/x``, and the
+    export reported success)."""
+    text = os.fspath(where)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+        raise ExchangeError(f"cannot {doing} {text}: exports and imports are local files and folders; write it "
+                            f"to a local path, and copy it from there (or keep it as a version, which any store "
+                            f"holds)")
+    return Path(text)
+
+
+def _check_free(path: Path, directory: bool) -> None:
+    if not path.exists() or (directory and path.is_dir() and not any(path.iterdir())):
+        return
+    raise ExchangeError(f"{path} already exists; export to a new path (nothing is overwritten)")
+
+
+# ---- torch.save --------------------------------------------------------------------------------------------------
+def _load_torch(path: Path, trust: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError as err:
+        unsafe = [] if trust else _unsafe_globals(path, err)
+        if unsafe:
+            named = ", ".join(unsafe[:3]) + (", ..." if len(unsafe) > 3 else "")
+            raise TrustRequiredError(
+                f"{path} can only be loaded with full pickle (it names {named}), which can run arbitrary code; "
+                f"import it with --trust (trust=True) only if you trust where it came from") from None
+        # torch's restricted-unpickler message is a wall of advice about trusting the file; it is not the problem here
+        detail = f": {first_line(err)}" if trust else ""
+        raise ExchangeError(f"cannot read {path} as a torch.save file (it is not one, or it is damaged){detail}") \
+            from None
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a file that is not a checkpoint
+        raise ExchangeError(f"cannot read {path} as a torch.save file: {type(err).__name__}: {first_line(err)}") \
+            from None
+
+
+def _unsafe_globals(path: Path, err: pickle.UnpicklingError) -> list[str]:
+    """The globals the restricted unpickler refuses: torch lists them all for zip-format files; for older files
+    its error names the first one."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 - not a zip-format checkpoint
+        return re.findall(r"GLOBAL ([\w.]+)", str(err))
+
+
+# ---- DCP ---------------------------------------------------------------------------------------------------------
+def _save_dcp(state: Any, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    if not isinstance(state, dict):
+        raise ExchangeError(f"DCP stores a dict at the top of the state, not {type(state).__name__}; "
+                            f"export with --format torch or safetensors")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)   # its failures: see _write_then_rename
+
+
+def _dcp_cause(err: BaseException) -> str:
+    """The first rank's own error inside DCP's CheckpointException (whose message is only "ranks:[0]")."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))
+        if isinstance(err, tuple):   # some versions keep (exception, traceback) per rank
+            err = err[0]
+    return f"{type(err).__name__}: {first_line(err)}"
+
+
+def _load_dcp(path: Path, trust: bool) -> dict[str, Any]:
+    """Read every value of a DCP checkpoint without a target state.
+
+    This is what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
+    does, minus the detour through a second file on disk.
+    """
+    if not trust:
+        raise TrustRequiredError(f"{path} is a DCP checkpoint: its {DCP_METADATA} file and non-tensor values are "
+                                 f"pickles, and loading them can run arbitrary code; import it with --trust "
+                                 f"(trust=True) only if you trust where it came from")
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state: dict[str, Any] = {}
+    # DCP's loader logs each failed metadata read with its whole traceback, on the root logger; the cause is
+    # raised below in one line, so while it runs those records are dropped (only records from DCP's own files)
+    quiet = _DropRecordsFrom("torch/distributed/checkpoint/")
+    logging.getLogger().addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+            _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                             no_dist=True)
+    except BaseException as err:   # DCP wraps per-rank failures in CheckpointException, a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ExchangeError(f"cannot read DCP checkpoint {path}: {_dcp_cause(err)}") from None
+    finally:
+        logging.getLogger().removeFilter(quiet)
+    return state
+
+
+class _DropRecordsFrom(logging.Filter):
+    def __init__(self, path_part: str) -> None:
+        super().__init__()
+        self.path_part = path_part
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.path_part not in record.pathname.replace(os.sep, "/")
+
+
+# ---- safetensors export ------------------------------------------------------------------------------------------
+def _save_safetensors(state: Any, path: Path, vid: str) -> None:
+    """``model.safetensors`` with every tensor under its logical name, ``objects.json`` with the skeleton.
+
+    The skeleton is the one a version stores (providers.flatten), so loading
+    needs no code from the export: only the skeleton's own types are rebuilt.
+    """
+    from safetensors.torch import save_file
+    skeleton, records = flatten(state)
+    for r in records:
+        if r.name == "__metadata__":   # the header's reserved key: every reader would refuse the file
+            raise ExchangeError("safetensors reserves the name '__metadata__', which this state uses for a tensor; "
+                                "export with --format torch or dcp")
+        if r.dtype in _SAFETENSORS_UNSUPPORTED:
+            raise ExchangeError(f"safetensors cannot store tensor {r.name!r} of dtype {r.dtype}; "
+                                f"export with --format torch or dcp")
+    path.mkdir(parents=True)
+    save_file({r.name: r.tensor.contiguous() for r in records}, str(path / SAFETENSORS_FILE), metadata={"format": "pt"})
+    objects = {"format": OBJECTS_FORMAT, "format_version": OBJECTS_FORMAT_VERSION, "version": vid,
+               "tensors": [r.name for r in records], "tree": _to_json(skeleton)}
+    (path / OBJECTS_FILE).write_text(json.dumps(objects, allow_nan=False))
+
+
+def _load_safetensors(path: Path) -> Any:
+    """The state of a safetensors export; without ``objects.json``, a flat dict of the file's tensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        tensors = load_file(str(path / SAFETENSORS_FILE), device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise ExchangeError(f"cannot read {path / SAFETENSORS_FILE}: {first_line(err)}") from None
+    objects_path = path / OBJECTS_FILE
+    if not objects_path.is_file():
+        return tensors
+    try:
+        doc = json.loads(objects_path.read_text())
+        if doc.get("format") != OBJECTS_FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}, not {OBJECTS_FORMAT!r}")
+        if doc.get("format_version", 0) > OBJECTS_FORMAT_VERSION:
+            raise ValueError(f"format_version {doc['format_version']} is newer than this ckptrepo reads; upgrade")
+        names = doc["tensors"]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"tensor {missing[0]!r} is not in {SAFETENSORS_FILE}")
+
+        def get_tensor(i: int, as_numpy: bool) -> Any:
+            t = tensors[names[i]]
+            return t.numpy() if as_numpy else t
+
+        return unflatten(_from_json(doc["tree"]), get_tensor)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+        raise ExchangeError(f"{objects_path} is not a valid ckptrepo objects file: {first_line(err)}") from None
+
+
+def _to_json(node: Any) -> Any:
+    """A skeleton node as JSON: bytes become {"bytes": base64}, non-finite floats {"float": "nan"|"inf"|"-inf"}."""
+    if isinstance(node, list):
+        return [_to_json(x) for x in node]
+    if isinstance(node, bytes):
+        return {"bytes": base64.b64encode(node).decode("ascii")}
+    if isinstance(node, float) and not math.isfinite(node):
+        return {"float": repr(node)}
+    return node
+
+
+def _from_json(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_from_json(x) for x in node]
+    if isinstance(node, dict):
+        if set(node) == {"bytes"}:
+            return base64.b64decode(node["bytes"], validate=True)
+        if set(node) == {"float"} and node["float"] in ("nan", "inf", "-inf"):
+            return float(node["float"])
+        raise ValueError(f"unknown encoded value {node!r}")
+    return node
