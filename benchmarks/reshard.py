@@ -65,7 +65,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-
 from bench_common import report  # noqa: E402 - run as a script from benchmarks/
 
 MiB = 1 << 20
@@ -312,6 +311,7 @@ def load_worker(rank: int, world: int, port: int, work: str, src: int, method: s
         import torch.distributed.checkpoint as dcp
 
         import ckptrepo
+
         # ckptrepo imports its load machinery at the first load (so `import ckptrepo` stays light for the CLI);
         # import it here, as the line above imports DCP's, so that neither timed call pays for imports. Where
         # no .pyc can be cached (PYTHONDONTWRITEBYTECODE, as on our machines) that is 35-55 ms of compiling.

@@ -5,12 +5,25 @@ immutable version with its own manifest, stored in any TensorStore key-value
 store (local directory, memory, S3, GCS).
 """
 from ckptrepo import rules
-from ckptrepo.errors import (CkptRepoError, ConflictError, CorruptionError, DetachedHeadError, FormatVersionError,
-                     LayoutError, NotARepositoryError, RefError, RepositoryExistsError, RetentionError, RevisionError,
-                     StateMismatchError, StorageError, UnsupportedValueError)
+from ckptrepo.core._manifest import Version
+from ckptrepo.errors import (
+                     CkptRepoError,
+                     ConflictError,
+                     CorruptionError,
+                     DetachedHeadError,
+                     FormatVersionError,
+                     LayoutError,
+                     NotARepositoryError,
+                     RefError,
+                     RepositoryExistsError,
+                     RetentionError,
+                     RevisionError,
+                     StateMismatchError,
+                     StorageError,
+                     UnsupportedValueError,
+)
 from ckptrepo.maintenance._gc import RetentionPolicy
 from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.core._manifest import Version
 from ckptrepo.repository import Repository, VersionDetails, init, load, open
 
 __version__ = "0.1.0"

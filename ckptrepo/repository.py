@@ -15,25 +15,44 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ckptrepo.core import _revisions as revisions
-from ckptrepo.storage._arrays import ArrayInfo, itemsize
-from ckptrepo.errors import (CkptRepoError, CorruptionError, NotARepositoryError, RefError, RepositoryExistsError,
-                     RevisionError, SnapshotFailedError, StorageError, first_line)
-from ckptrepo.core._manifest import (CONFIG_KEY, FAILURES_PREFIX, HEADS_PREFIX, VERSIONS_PREFIX, Version, decode_config,
-                       encode_config, is_version_id, unseal, version_from_manifest)
+from ckptrepo.core._gcpause import collection_paused
+from ckptrepo.core._manifest import (
+    CONFIG_KEY,
+    FAILURES_PREFIX,
+    HEADS_PREFIX,
+    VERSIONS_PREFIX,
+    Version,
+    decode_config,
+    encode_config,
+    is_version_id,
+    unseal,
+    version_from_manifest,
+)
 from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
 from ckptrepo.core._refs import Refs, init_head
+from ckptrepo.errors import (
+    CkptRepoError,
+    CorruptionError,
+    NotARepositoryError,
+    RefError,
+    RepositoryExistsError,
+    RevisionError,
+    SnapshotFailedError,
+    StorageError,
+    first_line,
+)
 from ckptrepo.maintenance._gc import PRUNED_PREFIX, head_branch_lost, head_ref_blocked
-from ckptrepo.core._gcpause import collection_paused
 from ckptrepo.state._skeleton import numel, plain_values, short_text
+from ckptrepo.storage._arrays import ArrayInfo, itemsize
 from ckptrepo.storage._tensorstore import Store
 
 if TYPE_CHECKING:
     import torch
 
-    from ckptrepo.saving._capture import Snapshotter
+    from ckptrepo.loading._reshard import ReadStats
     from ckptrepo.maintenance._gc import RetentionPolicy
     from ckptrepo.parallel.layout import ParallelLayout
-    from ckptrepo.loading._reshard import ReadStats
+    from ckptrepo.saving._capture import Snapshotter
     from ckptrepo.saving._writer import PlanCache
 
 DEFAULT_BRANCH = "main"
@@ -303,8 +322,8 @@ class Repository:
                    rank: int | None, read_stats: "ReadStats | None") -> Any:
         from ckptrepo.loading._binding import Binder
         from ckptrepo.loading._layout_load import load_layout, needs_layout_load
-        from ckptrepo.state._providers import unflatten
         from ckptrepo.loading._reader import TensorEntry, read_tensors
+        from ckptrepo.state._providers import unflatten
         if needs_layout_load(m, parallel_layout, into):
             return load_layout(self.store, m, parallel_layout, rank, into, target_device, read_stats)
         entries = [TensorEntry.from_json(t) for t in m["tensors"]]

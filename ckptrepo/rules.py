@@ -2,8 +2,21 @@
 
 The rules live in :mod:`ckptrepo.parallel.rules`; this module keeps ``ckptrepo.rules`` the place users name.
 """
-from ckptrepo.parallel.rules import (Fused, LocalParam, ParamShapes, Region, Replicated, Rules, Spec, Split,
-                                     VocabSplit, global_shape, local_shape, megatron_gpt, regions)
+from ckptrepo.parallel.rules import (
+                                     Fused,
+                                     LocalParam,
+                                     ParamShapes,
+                                     Region,
+                                     Replicated,
+                                     Rules,
+                                     Spec,
+                                     Split,
+                                     VocabSplit,
+                                     global_shape,
+                                     local_shape,
+                                     megatron_gpt,
+                                     regions,
+)
 
 __all__ = ["Fused", "LocalParam", "ParamShapes", "Region", "Replicated", "Rules", "Spec", "Split", "VocabSplit",
            "global_shape", "local_shape", "megatron_gpt", "regions"]

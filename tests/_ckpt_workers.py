@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from helpers import assert_bit_exact as assert_same  # noqa: F401 - re-exported for the tests
 
 # Shards are 64 MiB by default, and the shard size follows the snapshotter's staging

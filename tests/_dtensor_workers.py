@@ -24,9 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from _ckpt_workers import mp_context
 from torch import nn
 
-from _ckpt_workers import mp_context
 
 def free_port() -> int:
     with socket.socket() as s:

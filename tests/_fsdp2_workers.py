@@ -14,9 +14,8 @@ import os
 from typing import Any
 
 import torch
-from torch import nn
-
 from _dtensor_workers import _guarded, _init, _write_json, full
+from torch import nn
 
 D_IN, D_HID, D_OUT = 16, 33, 5
 CONTINUE_STEPS = 3

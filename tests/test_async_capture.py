@@ -10,12 +10,11 @@ import time
 
 import pytest
 import torch
+from helpers import assert_bit_exact
 
 import ckptrepo
 from ckptrepo import faults
-from ckptrepo.storage import _localwrite as localwrite
 from ckptrepo.errors import SnapshotFailedError
-from helpers import assert_bit_exact
 
 
 @pytest.fixture(autouse=True)
@@ -195,6 +194,7 @@ def test_a_committed_snapshot_is_not_kept_alive_by_the_threads(repo):
     its thousands of objects into its oldest generation, which brings on full collections of the training
     process (~0.2 s each with a model loaded)."""
     import gc
+
     from ckptrepo.saving._snapshot_job import SnapshotJob
     state = make_state(n=3)
     with repo.snapshotter(dedup=False) as snap:
@@ -337,9 +337,10 @@ def test_snapshots_leave_no_cyclic_garbage(repo):
     """A snapshot's records, tensor objects and job are freed by reference counting once it commits, not left
     to the cyclic collector: with a big model loaded a full collection costs ~0.2 s of the training loop."""
     import gc
+
     from ckptrepo.saving._snapshot_job import SnapshotJob
-    from ckptrepo.storage._localwrite import LiveShard
     from ckptrepo.state._providers import TensorRecord
+    from ckptrepo.storage._localwrite import LiveShard
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 256)).sum().backward()
@@ -544,6 +545,7 @@ def test_after_a_conflict_the_snapshotter_says_so_and_commits_nothing_more(repo)
     flight included. Now the error says this snapshotter commits nothing more, later snapshot() calls are
     refused before writing anything, and a new snapshotter commits."""
     import threading
+
     from ckptrepo import faults
     snap = repo.snapshotter()
     go, calls = threading.Event(), []

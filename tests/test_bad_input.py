@@ -244,9 +244,10 @@ def test_an_unavailable_or_bogus_device_is_refused_before_any_read(repo, path, m
 def test_rules_with_another_layer_count_than_the_model_are_refused(repo):
     """Loading with num_layers below the saved model's dropped its last layers without a word; above it, layers
     went to the wrong pipeline stages. Saving with too few layers in the rules is refused too."""
+    from megatron_ref import GPTConfig, init_full_params, shard_full
+
     from ckptrepo.errors import LayoutError
     from ckptrepo.rules import megatron_gpt
-    from megatron_ref import GPTConfig, init_full_params, shard_full
     cfg = GPTConfig()
     state = shard_full(cfg, ckptrepo.ParallelLayout(), 0, init_full_params(cfg))
 
@@ -268,8 +269,9 @@ def test_rules_with_another_layer_count_than_the_model_are_refused(repo):
 def test_a_multi_rank_layout_needs_a_rank_that_is_an_int(repo):
     """Without rank= and without a process group of the layout's size, a load silently gave rank 0's slice
     (or this process's rank of a smaller group), leaving the rest of the layout unloaded."""
-    from ckptrepo.errors import LayoutError
     from _dist_workers import SPLIT_RULES
+
+    from ckptrepo.errors import LayoutError
     state = {"col.weight": torch.randn(8, 4), "row.weight": torch.randn(4, 8), "norm.weight": torch.randn(4)}
     repo.snapshot({"model": state}, step=1, parallel_layout=ckptrepo.ParallelLayout(rules=SPLIT_RULES))
     lay = ckptrepo.ParallelLayout(tp=2, rules=SPLIT_RULES)
@@ -309,8 +311,8 @@ def test_header_fields_the_manifest_cannot_hold_are_refused_at_snapshot(repo, kw
 
 def test_the_commit_thread_outlives_a_failure_it_cannot_record(repo, monkeypatch):
     """An exception outside the library's own (here from the failure record itself) killed the commit thread."""
-    from ckptrepo.saving import _commit as commit
     from ckptrepo.errors import SnapshotFailedError
+    from ckptrepo.saving import _commit as commit
 
     def broken_record(self, job, cause):
         raise TypeError("cannot serialise")

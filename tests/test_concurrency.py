@@ -11,11 +11,10 @@ from __future__ import annotations
 import queue
 
 import pytest
+from _ckpt_workers import BARRIER_TIMEOUT, assert_same, make_state, mp_context, race_writer, tag_racer
 
 import ckptrepo
 from ckptrepo.maintenance._fsck import fsck
-
-from _ckpt_workers import BARRIER_TIMEOUT, assert_same, make_state, mp_context, race_writer, tag_racer
 
 ROUNDS = 5
 

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
 
 import ckptrepo
-from ckptrepo.storage._arrays import INNER_BYTES
 from ckptrepo.errors import CorruptionError
 from ckptrepo.maintenance._fsck import fsck
-
-from _ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
+from ckptrepo.storage._arrays import INNER_BYTES
 
 INNER = INNER_BYTES // 4  # float32 elements per inner chunk
 
@@ -154,8 +153,9 @@ def test_a_resharding_load_names_the_damaged_object_and_its_tensors(tmp_path, da
     """The piece-wise path (a version saved with a layout, loaded into a tensor-parallel rank) reports damage
     with the same one-line error as whole-tensor loads, whether its direct reader or TensorStore meets it,
     and only that: the reader's tasks cancelled after the failure printed a traceback each to stderr."""
-    from ckptrepo.parallel.layout import ParallelLayout
     from _dist_workers import SPLIT_RULES, split_state
+
+    from ckptrepo.parallel.layout import ParallelLayout
 
     path = tmp_path / "repo"
     repo = ckptrepo.init(str(path))

@@ -15,11 +15,10 @@ import signal
 import time
 
 import pytest
+from _ckpt_workers import assert_same, crash_writer, loop_writer, make_state, mp_context
 
 import ckptrepo
 from ckptrepo.maintenance._fsck import fsck
-
-from _ckpt_workers import assert_same, crash_writer, loop_writer, make_state, mp_context
 
 COMMITS = 3
 JOIN_TIMEOUT = 60

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 import torch
+from helpers import assert_bit_exact
 
 from ckptrepo import faults
 from ckptrepo.errors import SnapshotFailedError
-from helpers import assert_bit_exact
 
 
 @pytest.fixture(autouse=True)

@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
-import ckptrepo
-from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
 from _ckpt_workers import mp_context
 from _dist_workers import resume, snapshot_and_die, snapshot_disagreeing, train_and_snapshot, with_rules
 from helpers import assert_bit_exact
 from megatron_ref import GPTConfig, _worker, assemble, launch
+
+import ckptrepo
+from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
+from ckptrepo.parallel.layout import ParallelLayout
 
 CFG = GPTConfig()
 BEFORE, AFTER = 2, 2
@@ -211,8 +211,8 @@ def test_a_tensor_parallel_shard_the_rules_take_for_a_replica_is_refused_not_hal
 def test_replica_fingerprints_sample_any_size_and_dtype() -> None:
     """Equal copies agree; a change at the start, the middle or the end of a big tensor, a different size, or
     any change in a small one is told apart; bfloat16, bool and 0-d tensors are fingerprinted."""
-    from ckptrepo.parallel._replicas import WINDOW_ELEMS, check_replicas, fingerprint
     from ckptrepo.errors import LayoutError
+    from ckptrepo.parallel._replicas import WINDOW_ELEMS, check_replicas, fingerprint
     g = torch.Generator().manual_seed(0)
     big = torch.randn(10 * WINDOW_ELEMS + 7, generator=g)
     assert fingerprint(big) == fingerprint(big.clone())

@@ -15,11 +15,10 @@ import json
 
 import pytest
 import torch
-
-import ckptrepo
-
 from _dtensor_workers import load_worker, run_ranks, save_worker, tensors
 from helpers import assert_bit_exact
+
+import ckptrepo
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")

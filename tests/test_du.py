@@ -58,6 +58,7 @@ def test_du_and_gc_report_what_the_store_holds_not_only_the_tensor_bytes(tmp_pat
     of a repository whose data files held 1.61, and gc's "freed" undercounted the same way. The stored figures
     are the files' sizes on a local store; elsewhere the sharded layout's size."""
     import os
+
     from ckptrepo.storage._arrays import ArrayInfo, layout_bytes
     root = tmp_path / "r"
     repo = ckptrepo.init(str(root))

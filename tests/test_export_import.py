@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import assert_bit_exact
 from safetensors.torch import load_file
+from test_cli import run
 
 from ckptrepo.errors import ExchangeError, TrustRequiredError
-from helpers import assert_bit_exact
-from test_cli import run
 
 
 class Counter:

@@ -12,12 +12,11 @@ import json
 
 import pytest
 import torch
-
-import ckptrepo
-
 from _dtensor_workers import run_ranks
 from _fsdp2_workers import load_worker, save_worker
 from helpers import assert_bit_exact
+
+import ckptrepo
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")

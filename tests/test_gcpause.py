@@ -31,7 +31,7 @@ def test_pause_keeps_a_disabled_collector_disabled() -> None:
 
 
 def test_load_pauses_collection_and_restores_it_even_on_error(tmp_path, monkeypatch) -> None:
-    import ckptrepo.loading._reader as reader_mod   # Repository.load imports read_tensors from here at each call
+    import ckptrepo.loading._reader as reader_mod  # Repository.load imports read_tensors from here at each call
     repo = ckptrepo.init(str(tmp_path / "r"))
     repo.snapshot({"w": torch.arange(10.0)}, step=1)
     during = []
@@ -54,8 +54,9 @@ def test_loads_leave_no_reference_cycles(tmp_path) -> None:
     """Whatever a load allocates is freed by reference counting when it returns: nothing for the cyclic collector,
     whose full collections walk every object of a process with torch and a model loaded. (unflatten's recursive
     nested function was a cycle per call: ~1000 objects per resharding load of the benchmark state.)"""
-    from ckptrepo.parallel.layout import ParallelLayout
     from _dist_workers import SPLIT_RULES, split_state
+
+    from ckptrepo.parallel.layout import ParallelLayout
 
     repo = ckptrepo.init(str(tmp_path / "r"))
     state = {"model": split_state(1), "optim": {"step": 3, "lr": [0.1, 0.2], "nested": {"a": (1, 2)}}}

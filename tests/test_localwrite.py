@@ -9,20 +9,19 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from _ckpt_workers import crash_writer, make_state, mp_context
+from helpers import assert_bit_exact
 
 import ckptrepo
-from ckptrepo.storage import _crc as crc
 from ckptrepo import faults
+from ckptrepo.errors import SnapshotFailedError
+from ckptrepo.maintenance._fsck import fsck
+from ckptrepo.storage import _crc as crc
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage import _localwrite as localwrite
 from ckptrepo.storage._arrays import ArrayInfo, choose_geometry, create_array
-from ckptrepo.errors import SnapshotFailedError
-from ckptrepo.maintenance._fsck import fsck
 from ckptrepo.storage._localwrite import DirectWriter
 from ckptrepo.storage._tensorstore import Store
-
-from _ckpt_workers import crash_writer, make_state, mp_context
-from helpers import assert_bit_exact
 
 INNER = 4096            # small geometry: many inner chunks and shards from a few KiB
 SHARD = 4 * INNER
@@ -408,8 +407,9 @@ def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tm
     staging buffer, whose stale bytes must not leak; TensorStore decodes the objects (crc32c checked) to the
     same elements, and the hashers see each tensor's bytes in order."""
     import xxhash
-    from ckptrepo.state._providers import TORCH_DTYPES, TensorRecord
+
     from ckptrepo.saving._writer import StagingPool, fill_live, live_residues, make_plan
+    from ckptrepo.state._providers import TORCH_DTYPES, TensorRecord
     item = ArrayInfo("x", dtype, 1, 1, 1).itemsize
     numel = max(1, int(chunks * INNER / item))
     data = torch.from_numpy(np.random.default_rng(int(chunks * 100)).integers(0, 256, numel * item, dtype=np.uint8))
@@ -605,6 +605,7 @@ def test_a_load_of_more_shards_than_the_open_file_limit_reads_them_directly(tmp_
     """The direct reader held every shard of a load open until it ended: a version of more shards than the
     open-file limit (1024 by default: 64 GiB of 64 MiB shards) failed to load. It now holds one per task."""
     import resource
+
     from ckptrepo.loading._reshard import kvstore_bytes_read
     repo = ckptrepo.init(str(tmp_path / "r"))
     g = torch.Generator().manual_seed(0)
@@ -632,6 +633,7 @@ def test_a_zarr_json_the_direct_reader_does_not_understand_is_left_to_tensorstor
     """The direct reader compared only the fields it reads: a storage transformer or an extension TensorStore
     refuses loaded anyway on the direct path, while TensorStore, fsck and stats called the array corrupt."""
     import json
+
     from ckptrepo.storage._arrays import ArrayInfo, metadata_matches
     repo = ckptrepo.init(str(tmp_path / "r"))
     repo.snapshot({"w": torch.randn(100_000)}, step=1)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from ckptrepo.tools._graph import graph
-from ckptrepo.core._manifest import Version
 from test_cli import run
+
+from ckptrepo.core._manifest import Version
+from ckptrepo.tools._graph import graph
 
 
 def version(vid: str, *parents: str) -> Version:

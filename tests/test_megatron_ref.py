@@ -13,13 +13,22 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_bit_exact
+from megatron_ref import (
+    GPTConfig,
+    assemble,
+    assert_params_close,
+    global_shapes,
+    init_full_params,
+    launch,
+    local_shapes,
+    run_training,
+    shard_full,
+    stage_params,
+)
 
 from ckptrepo.parallel.layout import ParallelLayout, zero_partition
 from ckptrepo.rules import local_shape, megatron_gpt
-
-from helpers import assert_bit_exact
-from megatron_ref import (GPTConfig, assemble, assert_params_close, global_shapes, init_full_params, launch,
-                          local_shapes, run_training, shard_full, stage_params)
 
 CFG = GPTConfig()
 LAYOUTS = [(2, 2, 2, 0), (1, 1, 4, 0), (4, 1, 1, 0), (2, 1, 2, 1), (1, 2, 2, 0), (2, 2, 2, 3)]

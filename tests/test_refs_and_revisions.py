@@ -146,8 +146,9 @@ def test_a_config_of_json_that_is_not_an_object_is_named_as_damaged(tmp_path, te
 def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch):
     """`log -n N` stops after N versions, as `git log -n` does, and history walks never build a manifest's
     tensor table or tree: a run that snapshots every step has thousands of versions with big manifests."""
-    import ckptrepo.core._manifest_reads
     from helpers import count_manifest_reads
+
+    import ckptrepo.core._manifest_reads
     state = {f"layer{i}": torch.zeros(3) for i in range(50)}
     ids = []
     for step in range(20):
@@ -231,8 +232,8 @@ def test_deleting_a_branch_guards_its_versions_and_gc_then_collects_them(repo):
 
 
 def test_deleting_a_tag_and_a_branch_that_moved_meanwhile(repo, monkeypatch):
-    from ckptrepo.errors import ConflictError
     from ckptrepo.core._manifest import HEADS_PREFIX
+    from ckptrepo.errors import ConflictError
 
     first, second = commit_steps(repo, [1, 2])
     repo.tag("best", first)

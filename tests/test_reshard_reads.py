@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import ckptrepo
-from ckptrepo.storage._arrays import INNER_BYTES
-from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
 from _dist_workers import SPLIT_RULES, snapshot_split_state, split_state
 from megatron_ref import launch
+
+import ckptrepo
+from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.storage._arrays import INNER_BYTES
 
 RULES = SPLIT_RULES   # col.weight: Split(0), row.weight: Split(1), norm.weight: Replicated
 INDEX_BYTES = 64 << 10   # shard indexes: 16 bytes per inner chunk, read once per shard
@@ -178,9 +178,9 @@ def test_strided_targets_are_filled_row_by_row_from_verified_chunks(tmp_path, mo
     """Column blocks loaded into whole rows (and into narrower blocks) go through reshard._RowTarget: each
     reader task copies the rows its chunks hold, cutting rows at chunk and batch edges. With one inner chunk
     per batch, the long rows (100 KB) arrive in several pieces. Every load is bit-exact."""
-    from ckptrepo.storage import _localread as localread
     from ckptrepo.loading import _reshard as reshard
     from ckptrepo.rules import Rules, Split
+    from ckptrepo.storage import _localread as localread
     if batch is not None:
         monkeypatch.setattr(localread, "ROW_SCRATCH_BYTES", batch)
     calls = []
@@ -216,8 +216,8 @@ def test_direct_reads_equal_the_state_over_random_shapes_dtypes_and_layouts(tmp_
     buffer at its size or smaller than a chunk: every rank gets exactly its slice."""
     import random
 
-    from ckptrepo.storage import _localread as localread
     from ckptrepo.rules import Rules, Split
+    from ckptrepo.storage import _localread as localread
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     if seed == 2:

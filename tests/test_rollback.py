@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_bit_exact
 
 import ckptrepo
-from helpers import assert_bit_exact
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_gpt.py"

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import assert_bit_exact
 
 import ckptrepo
-from helpers import assert_bit_exact
 
 ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
               torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,

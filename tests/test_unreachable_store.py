@@ -10,14 +10,13 @@ import uuid
 
 import pytest
 import torch
+from test_cli import run
 
 import ckptrepo
-import ckptrepo.storage._arrays
 import ckptrepo.maintenance._fsck
+import ckptrepo.storage._arrays
 from ckptrepo.errors import CorruptionError, StorageError
 from ckptrepo.storage._tensorstore import DEFAULT_STORE_RETRIES, Store
-
-from test_cli import run
 
 
 def _closed_port() -> int:
@@ -163,6 +162,7 @@ def _assert_a_storage_failure(err: BaseException) -> None:
 def test_a_load_whose_endpoint_goes_away_is_a_storage_error_not_corruption(vanishing_s3, path, stop_before):
     """Both read paths must say the store failed, naming nothing as damaged."""
     from _dist_workers import SPLIT_RULES, split_state
+
     from ckptrepo.parallel.layout import ParallelLayout
 
     repo = ckptrepo.init(vanishing_s3.url)

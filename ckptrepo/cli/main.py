@@ -12,14 +12,15 @@ from typing import Any, Iterable, Sequence
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.text import Text
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 import ckptrepo
-from ckptrepo.tools import _plot as plot
 from ckptrepo.errors import CkptRepoError
-from ckptrepo.tools._graph import GraphRow, graph as graph_rows
+from ckptrepo.tools import _plot as plot
+from ckptrepo.tools._graph import GraphRow
+from ckptrepo.tools._graph import graph as graph_rows
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

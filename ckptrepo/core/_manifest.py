@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import msgpack
 import numpy as np
 
-from ckptrepo.storage._crc import crc32c
 from ckptrepo.errors import CorruptionError, FormatVersionError, UnsupportedValueError
+from ckptrepo.storage._crc import crc32c
 
 FORMAT_VERSION = 1
 CONFIG_KEY = "ckptrepo.json"

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 from ckptrepo.core._boxes import volume
-from ckptrepo.errors import CkptRepoError, CorruptionError
 from ckptrepo.core._lru import LruCache
 from ckptrepo.core._manifest import BULKY_FIELDS, VERSIONS_PREFIX, is_version_id, unseal, unseal_header, version_id_time
+from ckptrepo.errors import CkptRepoError, CorruptionError
 from ckptrepo.storage._tensorstore import Store
 
 # Decoded manifests a handle keeps: enough for `diff`/`load`/`show`. A handle that cached every manifest it

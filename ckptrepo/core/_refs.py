@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from ckptrepo.errors import ConflictError, CorruptionError, RefError
 from ckptrepo.core._manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id
+from ckptrepo.errors import ConflictError, CorruptionError, RefError
 from ckptrepo.storage._tensorstore import NO_VALUE, Store, remove_empty_parents
 
 _HEX_RE = re.compile(r"[0-9a-f]{4,32}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from ckptrepo.errors import RevisionError
 from ckptrepo.core._refs import is_ref_name
+from ckptrepo.errors import RevisionError
 
 _REV_RE = re.compile(r"^(?P<base>.+?)(?P<tildes>(?:~\d*)*)$")
 _HEX_RE = re.compile(r"^[0-9a-f]{4,32}$")

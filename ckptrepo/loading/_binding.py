@@ -14,9 +14,24 @@ import numpy as np
 import torch
 
 from ckptrepo.errors import StateMismatchError
-from ckptrepo.state._providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, NPGEN, ODICT, SCALAR, STATEFUL, TENSOR, TUPLE, is_stateful,
-                        overlap_error, overlapping_elements, own_containers, torch_viewable)
 from ckptrepo.loading._reader import TensorEntry
+from ckptrepo.state._providers import (
+    DICT,
+    DTYPE_NAMES,
+    LIST,
+    NDARRAY,
+    NPGEN,
+    ODICT,
+    SCALAR,
+    STATEFUL,
+    TENSOR,
+    TUPLE,
+    is_stateful,
+    overlap_error,
+    overlapping_elements,
+    own_containers,
+    torch_viewable,
+)
 from ckptrepo.state._skeleton import holds_tensors
 
 Finalizer = Callable[[], Any]

@@ -28,17 +28,34 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ckptrepo.loading._binding import check_param_groups, fillable_array
 from ckptrepo.core._boxes import volume
-from ckptrepo.parallel._distributed import process_group_rank
 from ckptrepo.errors import LayoutError, StateMismatchError
-from ckptrepo.parallel.layout import ParallelLayout, zero_partition
-from ckptrepo.state._providers import (DICT, DTYPE_NAMES, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str,
-                        _path_str, flatten, is_dtensor, is_stateful, overlap_error, overlapping_elements,
-                        own_containers, unflatten)
+from ckptrepo.loading._binding import check_param_groups, fillable_array
 from ckptrepo.loading._reshard import ReadStats, read_pieces
-from ckptrepo.parallel.rules import Fused, LocalParam, Rules
+from ckptrepo.parallel._distributed import process_group_rank
 from ckptrepo.parallel._sharding import Sharder, rank_path
+from ckptrepo.parallel.layout import ParallelLayout, zero_partition
+from ckptrepo.parallel.rules import Fused, LocalParam, Rules
+from ckptrepo.state._providers import (
+    DICT,
+    DTYPE_NAMES,
+    LIST,
+    NDARRAY,
+    ODICT,
+    STATEFUL,
+    TENSOR,
+    TORCH_DTYPES,
+    TUPLE,
+    _key_str,
+    _path_str,
+    flatten,
+    is_dtensor,
+    is_stateful,
+    overlap_error,
+    overlapping_elements,
+    own_containers,
+    unflatten,
+)
 from ckptrepo.state._skeleton import holds_tensors, key_value
 from ckptrepo.storage._tensorstore import Store
 

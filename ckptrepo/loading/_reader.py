@@ -25,9 +25,9 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from ckptrepo.storage._arrays import ArrayHandles, ArrayInfo, open_array
 from ckptrepo.errors import damaged_object_error, first_line, is_storage_failure, storage_failure
 from ckptrepo.state._providers import TORCH_DTYPES, numel
+from ckptrepo.storage._arrays import ArrayHandles, ArrayInfo, open_array
 from ckptrepo.storage._localread import DirectReader
 from ckptrepo.storage._tensorstore import Store
 

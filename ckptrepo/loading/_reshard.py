@@ -34,14 +34,14 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from ckptrepo.loading import _reader as reader
-from ckptrepo.storage._arrays import ArrayHandles, ArrayInfo
 from ckptrepo.core._boxes import Box, intersect, row_major_strides, runs, slices, volume
 from ckptrepo.errors import CorruptionError, damaged_object_error, first_line, looks_damaged, storage_failure
-from ckptrepo.storage import _localread as localread
-from ckptrepo.storage._localread import DirectReader
-from ckptrepo.state._providers import TORCH_DTYPES
+from ckptrepo.loading import _reader as reader
 from ckptrepo.parallel._sharding import Piece
+from ckptrepo.state._providers import TORCH_DTYPES
+from ckptrepo.storage import _localread as localread
+from ckptrepo.storage._arrays import ArrayHandles, ArrayInfo
+from ckptrepo.storage._localread import DirectReader
 from ckptrepo.storage._tensorstore import Store, local_bytes_read
 
 INFLIGHT_BYTES = 512 << 20

@@ -9,13 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ckptrepo.storage._arrays import ArrayInfo, open_array
 from ckptrepo.core._boxes import check_coverage, volume
-from ckptrepo.errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
-from ckptrepo.maintenance._gc import (PRUNED_PREFIX, data_version_ids, head_branch_lost, head_ref_blocked, pruned_ids,
-                 reachable_versions, ref_targets)
 from ckptrepo.core._manifest import DATA_PREFIX, VERSIONS_PREFIX
+from ckptrepo.errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
+from ckptrepo.maintenance._gc import (
+    PRUNED_PREFIX,
+    data_version_ids,
+    head_branch_lost,
+    head_ref_blocked,
+    pruned_ids,
+    reachable_versions,
+    ref_targets,
+)
 from ckptrepo.repository import Repository
+from ckptrepo.storage._arrays import ArrayInfo, open_array
 
 
 @dataclass

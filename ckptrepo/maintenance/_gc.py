@@ -23,11 +23,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ckptrepo.errors import CorruptionError, RetentionError
-from ckptrepo.core._manifest import (DATA_PREFIX, FAILURES_PREFIX, HEADS_PREFIX, STAGING_PREFIX, VERSIONS_PREFIX, is_version_id,
-                       version_id_time)
+from ckptrepo.core._manifest import (
+    DATA_PREFIX,
+    FAILURES_PREFIX,
+    HEADS_PREFIX,
+    STAGING_PREFIX,
+    VERSIONS_PREFIX,
+    is_version_id,
+    version_id_time,
+)
 from ckptrepo.core._manifest_reads import missing_manifest
 from ckptrepo.core._refs import Head
+from ckptrepo.errors import CorruptionError, RetentionError
 
 PRUNED_PREFIX = "pruned/"
 DEFAULT_GRACE_S = 3600.0

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckptrepo.storage._arrays import ArrayInfo, itemsize, layout_bytes, stored_bytes
-from ckptrepo.errors import CorruptionError
 from ckptrepo.core._manifest import Version
+from ckptrepo.errors import CorruptionError
 from ckptrepo.state._skeleton import numel
+from ckptrepo.storage._arrays import ArrayInfo, itemsize, layout_bytes, stored_bytes
 
 
 @dataclass(frozen=True)

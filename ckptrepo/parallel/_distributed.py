@@ -21,10 +21,22 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ckptrepo.core._boxes import Box, check_coverage
-from ckptrepo.errors import LayoutError, SnapshotFailedError
 from ckptrepo.core._manifest import STAGING_PREFIX, seal, unseal
-from ckptrepo.state._providers import (DICT, LIST, NDARRAY, ODICT, SCALAR, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, _key_str, numel,
-                        unflatten)
+from ckptrepo.errors import LayoutError, SnapshotFailedError
+from ckptrepo.state._providers import (
+    DICT,
+    LIST,
+    NDARRAY,
+    ODICT,
+    SCALAR,
+    STATEFUL,
+    TENSOR,
+    TORCH_DTYPES,
+    TUPLE,
+    _key_str,
+    numel,
+    unflatten,
+)
 from ckptrepo.storage._tensorstore import Store
 
 if TYPE_CHECKING:

@@ -29,10 +29,10 @@ import torch
 
 from ckptrepo.core._boxes import Box, flat_boxes, intersect, slices, volume
 from ckptrepo.errors import LayoutError, StateMismatchError
-from ckptrepo.parallel.layout import ParallelLayout, zero_partition
-from ckptrepo.state._providers import DTYPE_NAMES, TensorRecord, is_dtensor
 from ckptrepo.parallel._replicas import PLACEMENT, RULES
+from ckptrepo.parallel.layout import ParallelLayout, zero_partition
 from ckptrepo.parallel.rules import Region, Replicated, Rules, Spec, global_shape, local_shape, regions
+from ckptrepo.state._providers import DTYPE_NAMES, TensorRecord, is_dtensor
 
 
 @dataclass

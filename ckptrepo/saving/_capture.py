@@ -49,23 +49,38 @@ import torch
 import xxhash
 
 from ckptrepo import faults
-from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
 from ckptrepo.core._boxes import volume
-from ckptrepo.saving._commit import Committer
-from ckptrepo.saving._dedup import DedupIndex, dedup_key
-from ckptrepo.parallel._distributed import all_gather, process_group_rank, assign_writers
+from ckptrepo.core._manifest import (
+    DATA_PREFIX,
+    Version,
+    checked_message,
+    checked_step,
+    new_version_id,
+    plain_metrics,
+    version_id_time,
+)
 from ckptrepo.errors import CkptRepoError, ConflictError, LayoutError, SnapshotFailedError, StorageError, first_line
 from ckptrepo.maintenance._gc import RetentionPolicy, VersionFacts
-from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.storage._localwrite import DirectWriter, LiveShard
-from ckptrepo.core._manifest import (DATA_PREFIX, Version, checked_message, checked_step, new_version_id, plain_metrics,
-                       version_id_time)
-from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor, is_stateful
+from ckptrepo.parallel._distributed import all_gather, assign_writers, process_group_rank
 from ckptrepo.parallel._replicas import fingerprints
-from ckptrepo.parallel._sharding import Piece, Sharder, ShardedState, column_blocks
+from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blocks
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.saving._commit import Committer
+from ckptrepo.saving._dedup import DedupIndex, dedup_key
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
-from ckptrepo.saving._writer import (LIVE_ALIGN, Segment, StagingPool, aligned_empty, fill_live, fill_segment, live_residues,
-                     written_from_memory)
+from ckptrepo.saving._writer import (
+    LIVE_ALIGN,
+    Segment,
+    StagingPool,
+    aligned_empty,
+    fill_live,
+    fill_segment,
+    live_residues,
+    written_from_memory,
+)
+from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor, is_stateful
+from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
+from ckptrepo.storage._localwrite import DirectWriter, LiveShard
 
 log = logging.getLogger("ckptrepo")
 

@@ -16,16 +16,23 @@ import time
 from typing import Any
 
 from ckptrepo import faults
-from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.saving._dedup import StoredTensor
-from ckptrepo.parallel._distributed import Staging, merge_rank_manifests
+from ckptrepo.core._manifest import (
+    FAILURES_PREFIX,
+    FORMAT_VERSION,
+    VERSIONS_PREFIX,
+    Version,
+    seal,
+    version_from_manifest,
+)
 from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
-from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.core._manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal, version_from_manifest
-from ckptrepo.state._providers import TensorRecord
+from ckptrepo.parallel._distributed import Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.saving._dedup import StoredTensor
 from ckptrepo.saving._snapshot_job import SnapshotJob
 from ckptrepo.saving._writer import WritePlan
+from ckptrepo.state._providers import TensorRecord
+from ckptrepo.storage._arrays import ArrayInfo
 
 log = logging.getLogger("ckptrepo")
 

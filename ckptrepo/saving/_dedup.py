@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import xxhash
 
-from ckptrepo.storage._arrays import ArrayInfo
 from ckptrepo.errors import StorageError
 from ckptrepo.state._providers import TensorRecord
+from ckptrepo.storage._arrays import ArrayInfo
 from ckptrepo.storage._tensorstore import Store
 
 if TYPE_CHECKING:

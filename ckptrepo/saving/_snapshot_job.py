@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.saving._dedup import DedupKey, StoredTensor
-from ckptrepo.storage._localwrite import LiveShard
 from ckptrepo.core._manifest import Version
-from ckptrepo.state._providers import TensorRecord
+from ckptrepo.saving._dedup import DedupKey, StoredTensor
 from ckptrepo.saving._writer import WritePlan
+from ckptrepo.state._providers import TensorRecord
+from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage._localwrite import LiveShard
 
 
 @dataclass

@@ -17,10 +17,27 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ckptrepo.errors import StateMismatchError, UnsupportedValueError
 from ckptrepo.core._manifest import msgpack_int
-from ckptrepo.state._skeleton import (BIGINT, DICT, DTYPE, LIST, NDARRAY, NPGEN, NPSCALAR, ODICT, SCALAR, SIZE, STATEFUL,  # noqa: F401
-                       TENSOR, TUPLE, bigint_text, bigint_value, key_value, numel)
+from ckptrepo.errors import StateMismatchError, UnsupportedValueError
+from ckptrepo.state._skeleton import (  # noqa: F401
+    BIGINT,
+    DICT,
+    DTYPE,
+    LIST,
+    NDARRAY,
+    NPGEN,
+    NPSCALAR,
+    ODICT,
+    SCALAR,
+    SIZE,
+    STATEFUL,
+    TENSOR,
+    TUPLE,
+    bigint_text,
+    bigint_value,
+    key_value,
+    numel,
+)
 
 # Containers nested deeper than this are refused at flatten, naming the path: the manifest's msgpack stops at
 # 511 levels (three a dict), which used to fail the commit after the data was written; a container that holds

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from ckptrepo.core._boxes import volume as numel   # elements of a tensor of a given shape (1 for a zero-dim tensor)
+from ckptrepo.core._boxes import volume as numel  # elements of a tensor of a given shape (1 for a zero-dim tensor)
 from ckptrepo.errors import UnsupportedValueError
 
 # Skeleton tags (the first element of every node).

@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line
 from ckptrepo.core._manifest import Version
+from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line
 from ckptrepo.state._providers import flatten, unflatten
 
 FORMATS = ("torch", "safetensors", "dcp")

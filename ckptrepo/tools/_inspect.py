@@ -17,13 +17,13 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from ckptrepo.storage._arrays import ArrayInfo, open_array
 from ckptrepo.core._boxes import flat_boxes, volume
 from ckptrepo.errors import damaged_object_error, first_line, is_storage_failure, storage_failure
-from ckptrepo.state._providers import TORCH_DTYPES, numel
-from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.loading._reshard import VersionReader
 from ckptrepo.parallel._sharding import Piece
+from ckptrepo.state._providers import TORCH_DTYPES, numel
+from ckptrepo.state._skeleton import plain_values, short_text
+from ckptrepo.storage._arrays import ArrayInfo, open_array
 
 CHUNK_BYTES = 2 << 20  # per side, as float64; a few such temporaries are alive at once
 
