@@ -30,6 +30,7 @@ VERSIONS_PREFIX = "versions/"
 DATA_PREFIX = "data/"
 STAGING_PREFIX = "staging/"   # rank manifests of a distributed snapshot until rank 0 commits it
 FAILURES_PREFIX = "failures/"   # a record per background snapshot that failed (log --all, fsck)
+PRUNED_PREFIX = "pruned/"   # an empty marker per version whose data gc deleted (its manifest stays)
 SYMREF_PREFIX = "ref: "
 
 
