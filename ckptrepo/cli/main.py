@@ -308,16 +308,15 @@ tag = _ref_command("tag", "List tags, create tag NAME at REV (default HEAD; tags
 @click.pass_context
 def fsck(ctx: click.Context, as_json: bool) -> None:
     """Read every object and verify every checksum and reference; exit 1 if anything is broken."""
-    from ckptrepo.maintenance._fsck import fsck as run_fsck
     repo = _repo(ctx)
     progress = _progress()
     if progress is not None:
         with progress:
             task = progress.add_task("fsck", total=None)   # sized once fsck has read the manifests
-            report = run_fsck(repo, on_bytes=lambda n: progress.advance(task, n),
-                              on_total=lambda n: progress.update(task, total=n))
+            report = repo.fsck(on_bytes=lambda n: progress.advance(task, n),
+                               on_total=lambda n: progress.update(task, total=n))
     else:
-        report = run_fsck(repo)
+        report = repo.fsck()
     if as_json:
         _emit_json(report.to_json())
     else:

@@ -18,6 +18,7 @@ import tensorstore as ts
 import torch
 
 from ckptrepo.core._boxes import flat_boxes, volume
+from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import damaged_object_error, first_line, is_storage_failure, storage_failure
 from ckptrepo.loading._reshard import VersionReader
 from ckptrepo.parallel._sharding import Piece
@@ -114,7 +115,7 @@ class TensorStats:
 class _Chunks:
     """Bounded reads of tensors of one version, as float64 (or complex128) chunks."""
 
-    def __init__(self, repo: Any, manifest: dict[str, Any]) -> None:
+    def __init__(self, repo: Plumbing, manifest: dict[str, Any]) -> None:
         self.repo = repo
         self.manifest = manifest
         self.arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
@@ -175,7 +176,7 @@ def _spans(n: int, step: int) -> Iterator[tuple[int, int]]:
         yield s, min(n, s + step)
 
 
-def diff_versions(repo: Any, a: str, b: str, pattern: str | None = None,
+def diff_versions(repo: Plumbing, a: str, b: str, pattern: str | None = None,
                   on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
     """Compare versions ``a`` and ``b`` tensor by tensor (streamed) and object by object."""
     va, vb = repo.resolve(a), repo.resolve(b)
@@ -290,7 +291,7 @@ def _same_value(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
-def tensor_stats(repo: Any, rev: str, pattern: str | None = None,
+def tensor_stats(repo: Plumbing, rev: str, pattern: str | None = None,
                  on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
     """Norm, mean, std, min/max and NaN/Inf counts of every tensor of ``rev`` (streamed)."""
     vid = repo.resolve(rev)
@@ -356,7 +357,7 @@ class TrajectoryPoint:
 METRICS = ("norm", "delta", "relative-change")
 
 
-def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
+def trajectory(repo: Plumbing, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                until: int | None = None) -> list[TrajectoryPoint]:
     """``metric`` of every tensor matching ``pattern`` along the first-parent history of ``rev``, oldest first.
 
