@@ -142,7 +142,8 @@ def _check_version_data(repo: Plumbing, vid: str, m: dict[str, Any], report: Fsc
         for piece in t["pieces"]:
             info = arrays.get(piece["array"])
             if info is None or piece["offset"] + volume(piece["box"][1]) > info.numel:
-                report.errors.append(f"version {vid[:12]}: tensor {t['name']} points outside its array {piece['array']}")
+                report.errors.append(f"version {vid[:12]}: tensor {t['name']} points outside its array "
+                                     f"{piece['array']}")
     try:
         check_coverage({t["name"]: (t["shape"], [(tuple(p["box"][0]), tuple(p["box"][1])) for p in t["pieces"]])
                         for t in m["tensors"]})

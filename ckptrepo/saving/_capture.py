@@ -811,8 +811,9 @@ def _wait_with_progress(jobs: list[SnapshotJob]) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn
     # on stderr, which is the terminal this was chosen for (rich's default console is stdout)
-    with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  transient=True, console=Console(stderr=True)) as progress:
+    with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), transient=True,
+                  console=Console(stderr=True)) as progress:
         task = progress.add_task("wait", total=len(jobs))
         for job in jobs:
             job.handle._done.wait()

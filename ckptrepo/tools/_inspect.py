@@ -153,7 +153,8 @@ class _Chunks:
         else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
             shape = tuple(entry["shape"])
             t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry["dtype"]])
-            targets = [Piece(entry["name"], entry["dtype"], shape, box, t[f - start:f - start + volume(box[1])].view(box[1]))
+            targets = [Piece(entry["name"], entry["dtype"], shape, box,
+                             t[f - start:f - start + volume(box[1])].view(box[1]))
                        for f, box in flat_boxes(shape, start, stop)]
             self.pieces.read(targets)
         return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
