@@ -250,6 +250,7 @@ def head_ref_blocked(store: Store, head: Head) -> bool:
 
 
 def head_branch_lost(branch: str, versions: int) -> str:
+    """What to say of a HEAD branch whose ref ``head_ref_blocked`` found replaced, and how to restore it."""
     return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder or a broken link, and the repository "
             f"has {versions} version(s); remove it and restore the ref (`ckptrepo branch {branch} ID`, an id from "
             f"versions/), or check out another branch")
