@@ -5,6 +5,10 @@ first, then the version manifest (write-if-absent), and only then is the
 branch ref moved by compare-and-swap. A crash before the ref moves leaves the
 repository exactly as it was, apart from unreferenced objects that ``gc``
 removes; a lost compare-and-swap is a ConflictError and commits nothing.
+
+``Repository`` is the porcelain: the commands users call. A handle's internals
+(store, refs, manifest reads and caches) are a ``core._plumbing.Plumbing``,
+which the layers below work with so that none of them imports this module.
 """
 from __future__ import annotations
 
@@ -12,36 +16,28 @@ import heapq
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
-from ckptrepo.core import _revisions as revisions
 from ckptrepo.core._gcpause import collection_paused
 from ckptrepo.core._manifest import (
     CONFIG_KEY,
-    FAILURES_PREFIX,
     HEADS_PREFIX,
-    VERSIONS_PREFIX,
     Version,
-    decode_config,
     encode_config,
-    is_version_id,
-    unseal,
     version_from_manifest,
 )
-from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
-from ckptrepo.core._refs import Refs, init_head
+from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk
+from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._refs import init_head
 from ckptrepo.errors import (
     CkptRepoError,
     CorruptionError,
-    NotARepositoryError,
     RefError,
     RepositoryExistsError,
-    RevisionError,
     SnapshotFailedError,
     StorageError,
     first_line,
 )
-from ckptrepo.maintenance._gc import PRUNED_PREFIX, head_branch_lost, head_ref_blocked
 from ckptrepo.state._skeleton import numel, plain_values, short_text
 from ckptrepo.storage._arrays import ArrayInfo, itemsize
 from ckptrepo.storage._tensorstore import Store
@@ -53,7 +49,6 @@ if TYPE_CHECKING:
     from ckptrepo.maintenance._gc import RetentionPolicy
     from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.saving._capture import Snapshotter
-    from ckptrepo.saving._writer import PlanCache
 
 DEFAULT_BRANCH = "main"
 
@@ -114,24 +109,6 @@ def load(url: str, rev: str = "HEAD", parallel_layout: "ParallelLayout | None" =
     return open(url, options).load(rev, into=into, parallel_layout=parallel_layout, rank=rank, **kwargs)
 
 
-class _WalkingSource:
-    """The repository as a revision source whose first-parent steps (``HEAD~N``, ``@STEP``) share one HeaderWalk."""
-
-    def __init__(self, repo: "Repository") -> None:
-        self._repo = repo
-        self._walk = HeaderWalk(repo.reads)
-
-    def __getattr__(self, name: str) -> Any:   # refs and ids: the repository's own
-        return getattr(self._repo, name)
-
-    def first_parent(self, vid: str) -> str | None:
-        parents = self._walk(vid)["parents"]
-        return parents[0] if parents else None
-
-    def step_of(self, vid: str) -> int | None:
-        return self._walk(vid)["step"]
-
-
 @dataclass
 class VersionDetails:
     """Everything ``show`` prints: the header, each tensor and each plain value."""
@@ -146,94 +123,30 @@ class Repository:
     """A versioned checkpoint repository in a key-value store."""
 
     def __init__(self, store: Store) -> None:
-        raw = store.get(CONFIG_KEY)
-        if raw is None:
-            raise NotARepositoryError(f"{store.url} is not a ckptrepo repository; create one with "
-                                      f"`ckptrepo init {store.url}` or pass --repo URL")
-        self.config = decode_config(raw, store.url)
-        self.store = store
+        self._plumbing = Plumbing(store)   # NotARepositoryError when the store holds no repository
         self.url = store.url
-        self.refs = Refs(store)
-        self.reads = ManifestReads(store)
-        self._plans: Any = None
         self.host_memory: int | str | None = None  # default staging bound of this handle's snapshots
 
     def __repr__(self) -> str:
         return f"Repository({self.url!r})"
 
     @property
-    def plans(self) -> "PlanCache":
-        """Write plans of this handle's snapshots (made on the first one: the history tools never import torch)."""
-        if self._plans is None:
-            from ckptrepo.saving._writer import PlanCache
-            self._plans = PlanCache()
-        return self._plans
+    def plumbing(self) -> Plumbing:
+        """This handle's internals: its store, refs, manifest reads and caches (see ckptrepo.core._plumbing).
 
-    @plans.setter
-    def plans(self, cache: "PlanCache") -> None:
-        self._plans = cache
-
-    # ---- manifests (manifest_reads.py) ------------------------------------------
-    def manifest(self, vid: str) -> dict[str, Any]:
-        """The decoded manifest of version ``vid`` (cached: manifests never change)."""
-        return self.reads.manifest(vid)
-
-    def header(self, vid: str) -> dict[str, Any]:
-        """The small fields of version ``vid``'s manifest: all that history walks need (cached)."""
-        return self.reads.header(vid)
-
-    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | CkptRepoError]]:
-        """Each version's decoded manifest, or the error reading it gave, in order (batched on object stores)."""
-        return self.reads.iter_manifests(vids)
-
-    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Each version's decoded manifest in order; the first version that cannot be read raises."""
-        return self.reads.each_manifest(vids)
-
-    def remember_header(self, manifest: dict[str, Any]) -> None:
-        """Cache the header of a manifest this process just committed (see ManifestReads.remember_header)."""
-        self.reads.remember_header(manifest)
+        For the library's own layers, tests and tools that need a version's raw manifest; not a stable API.
+        """
+        return self._plumbing
 
     def version(self, rev: str = "HEAD") -> Version:
         """The header of the version ``rev`` names."""
-        vid = self.resolve(rev)
-        return version_from_manifest(self.header(vid), self._ref_names().get(vid, ()))
+        p = self._plumbing
+        vid = p.resolve(rev)
+        return version_from_manifest(p.header(vid), p.ref_names().get(vid, ()))
 
-    # ---- revisions (the RevisionSource protocol) --------------------------
     def resolve(self, rev: str) -> str:
-        """The full id of the version ``rev`` names (see ckptrepo.revisions for the syntax)."""
-        return revisions.resolve(_WalkingSource(self), rev)
-
-    def head_version(self) -> str | None:
-        """HEAD's version; None on a branch without versions, unless its ref was replaced (a folder, a broken
-        link: see ``gc.head_ref_blocked``), which is damage to name, not an empty branch to report."""
-        h = self.refs.head()
-        if h.damage is not None:
-            raise CorruptionError(h.damage)
-        if head_ref_blocked(self, h):
-            raise CorruptionError(head_branch_lost(h.branch, len(self.store.list(VERSIONS_PREFIX))))
-        return h.version
-
-    def head_description(self) -> str:
-        h = self.refs.head()
-        return f"branch {h.branch!r}" if h.branch else f"detached HEAD {str(h.version)[:12]}"
-
-    def branch_tip(self, name: str) -> str | None:
-        return self.refs.branch_tip(name)
-
-    def tag_target(self, name: str) -> str | None:
-        return self.refs.tag_target(name)
-
-    def ids_with_prefix(self, prefix: str) -> list[str]:
-        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)
-                if is_version_id(k[len(VERSIONS_PREFIX):])]
-
-    def first_parent(self, vid: str) -> str | None:
-        parents = self.header(vid)["parents"]
-        return parents[0] if parents else None
-
-    def step_of(self, vid: str) -> int | None:
-        return self.header(vid)["step"]
+        """The full id of the version ``rev`` names (see ckptrepo.core._revisions for the syntax)."""
+        return self._plumbing.resolve(rev)
 
     # ---- snapshot -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
@@ -246,7 +159,7 @@ class Repository:
         moved the branch meanwhile (then nothing is committed).
         """
         from ckptrepo.saving._capture import Snapshotter
-        with Snapshotter(self, host_memory=self.host_memory, record_failures=False,
+        with Snapshotter(self._plumbing, host_memory=self.host_memory, record_failures=False,
                          parallel_layout=parallel_layout, dedup=False) as snap:  # no previous version to dedup against
             handle = snap.snapshot(state, step=step, message=message, metrics=metrics)
             try:
@@ -271,7 +184,7 @@ class Repository:
         ``max_in_flight``: snapshots not yet committed, at most; one more waits in ``snapshot()`` for the oldest.
         """
         from ckptrepo.saving._capture import Snapshotter
-        return Snapshotter(self, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
+        return Snapshotter(self._plumbing, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
                            parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
                            dedup=dedup, retention=retention, max_in_flight=max_in_flight)
 
@@ -299,22 +212,16 @@ class Repository:
         with collection_paused(), torch.no_grad():
             return self._load(rev, into, target, on_bytes, parallel_layout, rank, read_stats)
 
-    def require_data(self, vid: str, manifest: dict[str, Any]) -> None:
-        """Refuse, in one line, to read the tensors of a version gc pruned (its history stays, its data is gone):
-        every reader (load, diff, stats) says so instead of failing on the first missing object."""
-        if any(t["pieces"] for t in manifest["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
-            raise RevisionError(f"version {vid[:12]} (step {manifest['step']}) was pruned by gc: its tensor data is "
-                                f"deleted; pick a kept version from `ckptrepo log`")
-
     def _load(self, rev: str, into: Any, target_device: "torch.device | None", on_bytes: Callable[[int], None] | None,
               parallel_layout: "ParallelLayout | None", rank: int | None, read_stats: "ReadStats | None") -> Any:
         vid = self.resolve(rev)
-        m = self.manifest(vid)
-        self.require_data(vid, m)
+        m = self._plumbing.manifest(vid)
+        self._plumbing.require_data(vid, m)
         try:
             return self._load_data(vid, m, into, target_device, on_bytes, parallel_layout, rank, read_stats)
         except CorruptionError:
-            self.require_data(vid, m)   # pruned by a gc while it was read: say so, not "corrupt; run fsck"
+            # pruned by a gc while it was read: say so, not "corrupt; run fsck"
+            self._plumbing.require_data(vid, m)
             raise
 
     def _load_data(self, vid: str, m: dict[str, Any], into: Any, target_device: "torch.device | None",
@@ -324,8 +231,9 @@ class Repository:
         from ckptrepo.loading._layout_load import load_layout, needs_layout_load
         from ckptrepo.loading._reader import TensorEntry, read_tensors
         from ckptrepo.state._providers import unflatten
+        store = self._plumbing.store
         if needs_layout_load(m, parallel_layout, into):
-            return load_layout(self.store, m, parallel_layout, rank, into, target_device, read_stats)
+            return load_layout(store, m, parallel_layout, rank, into, target_device, read_stats)
         entries = [TensorEntry.from_json(t) for t in m["tensors"]]
         arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
         fresh: dict[int, torch.Tensor] = {}
@@ -340,27 +248,16 @@ class Repository:
             return unflatten(node, get_tensor)
 
         if into is None:
-            fresh.update(read_tensors(self.store, arrays, entries, list(range(len(entries))), on_bytes=on_bytes))
+            fresh.update(read_tensors(store, arrays, entries, list(range(len(entries))), on_bytes=on_bytes))
             return unflatten(m["tree"], get_tensor)
         binder = Binder(entries, build, vid)
         finalize = binder.bind(m["tree"], into)
         wanted = list(range(len(entries)))
-        got = read_tensors(self.store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
+        got = read_tensors(store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
         fresh.update({i: t for i, t in got.items() if i not in binder.destinations})
         return finalize()
 
     # ---- history and refs -----------------------------------------------
-    def _ref_names(self) -> dict[str, tuple[str, ...]]:
-        names: dict[str, list[str]] = {}
-        head = self.refs.head()
-        for b, vid in self.refs.branches(strict=False).items():
-            names.setdefault(vid, []).append(f"HEAD -> {b}" if b == head.branch else b)
-        for t, vid in self.refs.tags(strict=False).items():
-            names.setdefault(vid, []).append(f"tag: {t}")
-        if head.branch is None and head.version:
-            names.setdefault(head.version, []).insert(0, "HEAD")
-        return {k: tuple(v) for k, v in names.items()}
-
     def log(self, rev: str = "HEAD", all: bool = False, limit: int | None = None,  # noqa: A002
             since: int | None = None, until: int | None = None) -> list[Version]:
         """Versions reachable from ``rev`` (or from every ref with ``all``), newest first.
@@ -370,12 +267,13 @@ class Repository:
         starts: list[str] = []
         if all:
             # a damaged ref is left out, as git's "ignoring broken ref" (fsck names it; gc stops at it)
-            starts = list(self.refs.branches(strict=False).values()) + list(self.refs.tags(strict=False).values())
-            head = self.head_version()
+            refs = self._plumbing.refs
+            starts = list(refs.branches(strict=False).values()) + list(refs.tags(strict=False).values())
+            head = self._plumbing.head_version()
             if head:
                 starts.append(head)
         else:
-            if rev == "HEAD" and self.head_version() is None:
+            if rev == "HEAD" and self._plumbing.head_version() is None:
                 return []
             starts = [self.resolve(rev)]
         # newest first, as git does: pop the newest version reached so far, then reach its parents; a
@@ -384,7 +282,7 @@ class Repository:
         frontier: list[tuple[float, str, dict[str, Any]]] = []
         found: list[dict[str, Any]] = []
         # a long log reads its headers in batches from the start; a short one (`log -n 5`) never lists versions/
-        walk = HeaderWalk(self.reads, batch=limit is None or limit > HEADER_BATCH)
+        walk = HeaderWalk(self._plumbing.reads, batch=limit is None or limit > HEADER_BATCH)
 
         def reach(vid: str) -> None:
             if vid not in seen:
@@ -404,37 +302,38 @@ class Repository:
                     break   # its parents are not listed: do not read them
             for p in h["parents"]:
                 reach(p)
-        names = self._ref_names()
+        names = self._plumbing.ref_names()
         from ckptrepo.maintenance._gc import pruned_ids
-        pruned = pruned_ids(self)
+        pruned = pruned_ids(self._plumbing)
         return [version_from_manifest(h, names.get(h["id"], ()), h["id"] in pruned) for h in found]
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
-        head = self.refs.head(for_update=True)
+        refs = self._plumbing.refs
+        head = refs.head(for_update=True)
         vid = self.resolve(rev)
         rev = rev.strip()   # as resolve() reads it: " main" resolved to main's tip, then detached there
         if branch is not None:
-            self.refs.create_branch(branch, vid)
-            self.refs.set_head(branch, None, head.generation)
+            refs.create_branch(branch, vid)
+            refs.set_head(branch, None, head.generation)
         elif rev == "HEAD" and head.branch is not None:
             pass   # already there, on its branch: git's `checkout HEAD` is a no-op, not a detach
-        elif self.refs.branch_tip(rev) is not None:
-            self.refs.set_head(rev, None, head.generation)
+        elif refs.branch_tip(rev) is not None:
+            refs.set_head(rev, None, head.generation)
         else:
-            self.refs.set_head(None, vid, head.generation)
+            refs.set_head(None, vid, head.generation)
         return self.version(vid)
 
     def branch(self, name: str, rev: str = "HEAD") -> Version:
         """Create branch ``name`` at ``rev`` (HEAD does not move)."""
         vid = self.resolve(rev)
-        self.refs.create_branch(name, vid)
+        self._plumbing.refs.create_branch(name, vid)
         return self.version(vid)
 
     def tag(self, name: str, rev: str = "HEAD") -> Version:
         """Create tag ``name`` at ``rev``; tags never move."""
         vid = self.resolve(rev)
-        self.refs.create_tag(name, vid)
+        self._plumbing.refs.create_tag(name, vid)
         return self.version(vid)
 
     def delete_branch(self, name: str, force: bool = False) -> str:
@@ -445,57 +344,59 @@ class Repository:
         until gc finds them unreferenced (and older than its grace period).
         """
         from ckptrepo.maintenance._gc import reaches
-        head = self.refs.head()
+        refs, store = self._plumbing.refs, self._plumbing.store
+        head = refs.head()
         if head.branch == name:
             raise RefError(f"branch {name!r} is checked out; check out another branch or version first")
         try:
-            tip, gen = self.refs.branch_tip_with_generation(name)   # deleted only if still there after the check
+            tip, gen = refs.branch_tip_with_generation(name)   # deleted only if still there after the check
         except CorruptionError:
             if not force:
                 raise
-            tip, gen = "", self.store.get_with_generation(HEADS_PREFIX + name)[1]   # damaged: -D is the repair
+            tip, gen = "", store.get_with_generation(HEADS_PREFIX + name)[1]   # damaged: -D is the repair
         if tip and not force:
-            others = [v for b, v in self.refs.branches(strict=False).items() if b != name] + \
-                list(self.refs.tags(strict=False).values())
+            others = [v for b, v in refs.branches(strict=False).items() if b != name] + \
+                list(refs.tags(strict=False).values())
             if head.version:
                 others.append(head.version)
-            if not reaches(self, others, tip):
+            if not reaches(self._plumbing, others, tip):
                 raise RefError(f"no other branch, tag or HEAD reaches {name!r}'s tip {tip[:12]}, so gc would delete "
                                f"the versions only it holds; tag it to keep them, or delete anyway (`branch -D`)")
-        return self.refs.delete("branch", name, seen=(tip, gen))
+        return refs.delete("branch", name, seen=(tip, gen))
 
     def delete_tag(self, name: str) -> str:
         """Delete tag ``name`` (``git tag -d``); returns the version it pointed at, which gc may then collect."""
-        return self.refs.delete("tag", name)
+        return self._plumbing.refs.delete("tag", name)
 
     def branches(self) -> dict[str, str]:
         """Branch name -> version id; a damaged branch ref is left out (``damaged_refs`` says what is wrong)."""
-        return self.refs.branches(strict=False)
+        return self._plumbing.refs.branches(strict=False)
 
     def tags(self) -> dict[str, str]:
         """Tag name -> version id; a damaged tag ref is left out (``damaged_refs`` says what is wrong)."""
-        return self.refs.tags(strict=False)
+        return self._plumbing.refs.tags(strict=False)
 
     def damaged_refs(self, kind: str | None = None) -> list[str]:
         """One line per damaged ref of ``kind`` ("branch", "tag"; None: both), saying what to do (as git warns
         "ignoring broken ref")."""
-        return self.refs.damaged(kind)
+        return self._plumbing.refs.damaged(kind)
 
     def current_branch(self) -> str | None:
         """The branch HEAD is on, or None when detached."""
-        return self.refs.head().branch
+        return self._plumbing.refs.head().branch
 
     # ---- inspection -----------------------------------------------------
     def show(self, rev: str = "HEAD") -> VersionDetails:
         """The version's header, tensors (name, dtype, shape, bytes) and plain values."""
         vid = self.resolve(rev)
-        m = self.manifest(vid)
+        m = self._plumbing.manifest(vid)
         tensors = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
                     "bytes": numel(t["shape"]) * itemsize(t["dtype"])} for t in m["tensors"]]
         layout = {k: v for k, v in m.get("layout", {}).items() if k not in ("ranks", "rules")}  # summary only
         from ckptrepo.maintenance._gc import pruned_ids
-        pruned = vid in pruned_ids(self)   # as log says: its data is gone (the table lists what was saved)
-        return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ()), pruned), layout,
+        # as log says: its data is gone (the table lists what was saved)
+        pruned = vid in pruned_ids(self._plumbing)
+        return VersionDetails(version_from_manifest(m, self._plumbing.ref_names().get(vid, ()), pruned), layout,
                               tensors, [(p, short_text(v, 80)) for p, v in plain_values(m["tree"], summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,
@@ -505,24 +406,24 @@ class Repository:
         Streamed chunk by chunk (memory stays bounded); see ckptrepo.inspect.
         """
         from ckptrepo.tools._inspect import diff_versions
-        return diff_versions(self, a, b, pattern, on_bytes)
+        return diff_versions(self._plumbing, a, b, pattern, on_bytes)
 
     def stats(self, rev: str = "HEAD", pattern: str | None = None,
                      on_bytes: Callable[[int], None] | None = None) -> Any:
         """Per tensor: norm, mean, std, min, max, NaN and Inf counts (streamed)."""
         from ckptrepo.tools._inspect import tensor_stats
-        return tensor_stats(self, rev, pattern, on_bytes)
+        return tensor_stats(self._plumbing, rev, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                    until: int | None = None) -> Any:
         """A metric (norm, delta, relative-change) of tensors matching ``pattern`` over the history of ``rev``."""
         from ckptrepo.tools._inspect import trajectory
-        return trajectory(self, pattern, metric, rev, since, until)
+        return trajectory(self._plumbing, pattern, metric, rev, since, until)
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
         rows = [{"version": vid, "step": h["step"], **h["metrics"]}
-                for vid, h in HeaderWalk(self.reads).chain(self.resolve(rev))]
+                for vid, h in HeaderWalk(self._plumbing.reads).chain(self.resolve(rev))]
         return rows[::-1]
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
@@ -537,7 +438,7 @@ class Repository:
         versions with the lowest loss (the metrics given to ``snapshot``).
         """
         from ckptrepo.maintenance._gc import DEFAULT_GRACE_S, collect
-        return collect(self, keep_last, keep_every, keep_tagged, keep_branch_heads,
+        return collect(self._plumbing, keep_last, keep_every, keep_tagged, keep_branch_heads,
                        DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run,
                        keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
 
@@ -545,38 +446,29 @@ class Repository:
              on_total: Callable[[int], None] | None = None) -> Any:
         """Read every object and verify every checksum and reference; returns a ckptrepo.fsck.FsckReport."""
         from ckptrepo.maintenance._fsck import fsck
-        return fsck(self, on_bytes=on_bytes, on_total=on_total)
+        return fsck(self._plumbing, on_bytes=on_bytes, on_total=on_total)
 
     def failures(self) -> list[dict[str, Any]]:
         """Records of background snapshots that failed (id, step, time, branch, message, error), newest first."""
-        out = []
-        for key in self.store.list(FAILURES_PREFIX):
-            raw = self.store.get(key)
-            if raw is not None:
-                try:
-                    out.append(unseal(raw, key))
-                except CkptRepoError as err:
-                    out.append({"id": key[len(FAILURES_PREFIX):], "step": None, "time": 0.0, "error": str(err)})
-        return sorted(out, key=lambda f: f.get("time", 0.0), reverse=True)
+        return self._plumbing.failures()
 
     def capture_stats(self, rev: str = "HEAD") -> dict[str, Any]:
         """The capture statistics recorded with a version (blocking, capture, flush, total seconds; bytes; GB/s)."""
-        return dict(self.manifest(self.resolve(rev)).get("stats", {}))
-
-    def all_version_ids(self) -> list[str]:
-        """Every version manifest in storage, reachable or not."""
-        return self.reads.all_version_ids()
+        return dict(self._plumbing.manifest(self.resolve(rev)).get("stats", {}))
 
     def du(self) -> Any:
         """Per reachable version (newest first) the bytes only it references and those it shares, and the total
         stored with each array counted once; returns a ckptrepo.usage.DiskUsage."""
         from ckptrepo.maintenance._usage import disk_usage
-        return disk_usage(self)
+        return disk_usage(self._plumbing, self.log(all=True))
 
     def export(self, rev: str, out: str | os.PathLike[str], format: str = "torch") -> Version:  # noqa: A002
         """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors or dcp) to ``out``."""
-        from ckptrepo.tools._exchange import export_version
-        return export_version(self, rev, out, format)
+        from ckptrepo.tools._exchange import export_target, write_export
+        path = export_target(out, format)   # refused before the version is resolved and loaded
+        vid = self.resolve(rev)
+        write_export(self.load(vid), vid, path, format)
+        return self.version(vid)
 
     def import_state(self, path: str | os.PathLike[str], trust: bool = False, step: int | None = None,
                      message: str | None = None) -> Version:
@@ -585,5 +477,6 @@ class Repository:
         Pickles (torch files that need more than the restricted unpickler, DCP
         metadata) can run code, so they are refused unless ``trust`` is set.
         """
-        from ckptrepo.tools._exchange import import_state
-        return import_state(self, path, trust, step, message)
+        from ckptrepo.tools._exchange import read_checkpoint
+        state, source = read_checkpoint(path, trust)
+        return self.snapshot(state, step=step, message=f"imported from {source}" if message is None else message)

@@ -103,7 +103,7 @@ def loop_writer(url: str, ready: Any, started: Any, committed: Any) -> None:
     import ckptrepo
     repo = ckptrepo.open(url)
     use_small_shards(repo)
-    step = repo.version().step + 1 if repo.head_version() else 0
+    step = repo.version().step + 1 if repo.plumbing.head_version() else 0
     while True:
         started.value = step
         repo.snapshot(make_state(step), step=step, message=f"loop {step}")
@@ -123,7 +123,7 @@ def race_writer(url: str, who: int, rounds: int, start: Any, after_read: Any, re
     try:
         for r in range(rounds):
             start.wait(BARRIER_TIMEOUT)
-            parent = repo.head_version()
+            parent = repo.plumbing.head_version()
             try:
                 v = repo.snapshot(make_state(100 * r + who, big=False), step=r, message=f"writer {who}")
             except ConflictError as err:

@@ -50,7 +50,7 @@ def test_every_version_equals_the_state_at_its_step_despite_mutation(repo):
     for step, truth in expected.items():
         assert_bit_exact(truth, repo.load(f"@{step}"))
     assert h.done() and h.result().step == 7
-    assert repo.plans.misses == 1, "the plan is computed once for an unchanged structure"
+    assert repo.plumbing.plans.misses == 1, "the plan is computed once for an unchanged structure"
 
 
 def test_module_buffers_copied_each_snapshot_do_not_make_a_new_plan(repo):
@@ -67,7 +67,7 @@ def test_module_buffers_copied_each_snapshot_do_not_make_a_new_plan(repo):
                 model.bias.add_(1)   # (an unchanged one would be deduplicated: a second plan, for the rest)
                 model.mask.mul_(2)
         snap.wait()
-    assert repo.plans.misses == 1
+    assert repo.plumbing.plans.misses == 1
     assert torch.equal(repo.load("@3")["model"]["mask"], model.mask / 2)
     # malloc gives big blocks a fixed offset within a page, but not reused heap memory: the copy fixes it
     from ckptrepo.saving._capture import _page_aligned_copy
@@ -162,7 +162,7 @@ def test_backpressure_with_a_pool_smaller_than_one_snapshot(repo):
         assert snap.pool.allocated_bytes <= (4 << 20) + 2 * 4096   # two buffers, each page-aligned
     assert h.stats.bytes == 32 << 20
     assert_bit_exact(truth, repo.load("HEAD"))
-    m = repo.manifest(repo.resolve("HEAD"))
+    m = repo.plumbing.manifest(repo.resolve("HEAD"))
     assert m["arrays"][f"data/{m['id']}/0/float32"]["shard_elems"] * 4 == 2 << 20
 
 
@@ -204,7 +204,8 @@ def test_a_committed_snapshot_is_not_kept_alive_by_the_threads(repo):
         gc.collect()
         alive = [o for o in gc.get_objects() if type(o) is SnapshotJob]
         assert not alive, f"{len(alive)} committed snapshot job(s) still reachable"
-    assert repo.header(repo.resolve("HEAD"))["step"] == 1 and "tensors" not in repo.header(repo.resolve("HEAD"))
+    header = repo.plumbing.header(repo.resolve("HEAD"))
+    assert header["step"] == 1 and "tensors" not in header
 
 
 def test_a_failing_write_never_stops_training_and_surfaces_at_the_next_call(repo):

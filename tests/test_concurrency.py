@@ -14,7 +14,6 @@ import pytest
 from _ckpt_workers import BARRIER_TIMEOUT, assert_same, make_state, mp_context, race_writer, tag_racer
 
 import ckptrepo
-from ckptrepo.maintenance._fsck import fsck
 
 ROUNDS = 5
 
@@ -74,12 +73,12 @@ def test_two_writers_race_on_one_branch(tmp_path):
         assert v.parents == ((log[r - 1].id,) if r else ())
         assert_same(repo.load(v.id), make_state(100 * r + who, big=False))
 
-    report = fsck(repo)
+    report = repo.fsck()
     assert report.ok, report.errors
     # Each loser wrote a complete manifest that no ref reaches: harmless, reported as a warning.
     unreachable = [w for w in report.warnings if "not reachable" in w]
     assert len(unreachable) == ROUNDS, report.warnings
-    assert len(repo.all_version_ids()) == 2 * ROUNDS
+    assert len(repo.plumbing.all_version_ids()) == 2 * ROUNDS
 
 
 def test_two_processes_create_the_same_tag(tmp_path):
@@ -98,7 +97,7 @@ def test_two_processes_create_the_same_tag(tmp_path):
         assert tags[f"race-{r}"] == outcome[0][3]      # the tag names the winner's target, intact
         assert repo.resolve(f"race-{r}") == outcome[0][3]
     assert len(tags) == ROUNDS
-    report = fsck(repo)
+    report = repo.fsck()
     assert report.ok and not report.warnings, (report.errors, report.warnings)
 
 
@@ -107,8 +106,8 @@ def test_gc_and_fsck_while_another_writer_commits_lose_and_report_nothing(tmp_pa
     like a dead end: its whole history was collected. fsck called the new tip missing."""
     import torch
 
+    from ckptrepo.core._plumbing import Plumbing
     from ckptrepo.maintenance import _gc as gc_module
-    from ckptrepo.repository import Repository
     url = str(tmp_path / "r")
     repo = ckptrepo.init(url)
     for step in range(3):
@@ -127,14 +126,14 @@ def test_gc_and_fsck_while_another_writer_commits_lose_and_report_nothing(tmp_pa
     assert [v.step for v in fresh.log()] == [3, 2, 1, 0]
     assert all(fresh.load(f"@{s}")["w"][0] == s for s in range(4))
 
-    ids = Repository.all_version_ids
+    ids = Plumbing.all_version_ids
 
     def ids_then_a_commit(self):
         out = ids(self)
         ckptrepo.open(url).snapshot({"w": torch.full((4,), 4.0)}, step=4)
         return out
-    monkeypatch.setattr(Repository, "all_version_ids", ids_then_a_commit)
-    report = fsck(ckptrepo.open(url))
+    monkeypatch.setattr(Plumbing, "all_version_ids", ids_then_a_commit)
+    report = ckptrepo.open(url).fsck()
     monkeypatch.undo()
     assert report.ok and report.versions == 5, report.errors
     assert not [w for w in report.warnings if "not reachable" in w], report.warnings

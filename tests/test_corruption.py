@@ -18,7 +18,6 @@ from _ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
 
 import ckptrepo
 from ckptrepo.errors import CorruptionError
-from ckptrepo.maintenance._fsck import fsck
 from ckptrepo.storage._arrays import INNER_BYTES
 
 INNER = INNER_BYTES // 4  # float32 elements per inner chunk
@@ -74,7 +73,7 @@ def _assert_load_fails_naming(path: Path, vid: str, key: str, tensor: str, kind:
 
 
 def _assert_fsck_names(path: Path, *needles: str) -> list[str]:
-    report = fsck(ckptrepo.open(str(path)))
+    report = ckptrepo.open(str(path)).fsck()
     assert not report.ok
     hits = [e for e in report.errors if all(n in e for n in needles)]
     assert hits, report.errors
@@ -107,7 +106,7 @@ def test_a_flipped_byte_deep_inside_a_long_read_is_caught(tmp_path):
     vid = ckptrepo.init(str(path)).snapshot({"big": big, "small": torch.ones(3)}, step=1).id
     file, key = _shard_file(path, vid)
     blob = file.read_bytes()
-    meta = ckptrepo.open(str(path)).manifest(vid)["arrays"][f"data/{vid}/0/float32"]
+    meta = ckptrepo.open(str(path)).plumbing.manifest(vid)["arrays"][f"data/{vid}/0/float32"]
     per_shard = meta["shard_elems"] // meta["inner_elems"]
     offset, nbytes = _chunk_extent(blob, per_shard, 37)
     assert nbytes == INNER_BYTES + 4
@@ -139,7 +138,7 @@ def test_deleted_middle_shard_of_multi_shard_array(tmp_path):
     repo = ckptrepo.init(str(path))
     with repo.snapshotter(host_memory=SMALL_HOST_MEMORY) as snap:   # 512 KiB shards
         vid = snap.snapshot(make_state(7), step=7).result().id
-    info = repo.manifest(vid)["arrays"][f"data/{vid}/0/float32"]
+    info = repo.plumbing.manifest(vid)["arrays"][f"data/{vid}/0/float32"]
     assert info["numel"] > 3 * info["shard_elems"]
     file, key = _shard_file(path, vid, 1)   # model/w1 fills the first 2 MiB of the float32 array
     file.unlink()
@@ -206,7 +205,7 @@ def test_damaged_manifest(repo_dir, damage):
     assert sorted(p for p in path.rglob("*") if p.is_file()) == files
     _assert_fsck_names(path, key)
     if damage == "delete":   # its data is not an interrupted snapshot's leftover that gc would remove
-        notes = " ".join(fsck(ckptrepo.open(str(path))).warnings)
+        notes = " ".join(ckptrepo.open(str(path)).fsck().warnings)
         assert f"data/{vid}/ is the data of version {vid[:12]}, whose manifest is missing" in notes, notes
         assert "interrupted snapshot" not in notes and "gc will remove" not in notes, notes
 
@@ -282,7 +281,7 @@ def test_a_damaged_ref_is_named_not_taken_for_an_absent_one(repo_dir, ref, conte
         with pytest.raises(CorruptionError, match=rf"(ref )?{ref} is damaged") as info:
             call(ckptrepo.open(str(path)))
         assert "\n" not in str(info.value)
-    report = fsck(ckptrepo.open(str(path)))
+    report = ckptrepo.open(str(path)).fsck()
     assert [e for e in report.errors if f"{ref} is damaged" in e], report.errors
     assert sorted(p.name for p in (path / "versions").iterdir()) == sorted([vid, other])   # nothing new, nothing lost
 
@@ -298,7 +297,7 @@ def test_stray_files_and_damaged_refs_block_only_what_needs_them(repo_dir):
         (path / folder / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
     assert [v.id for v in repo.log()] == [other, vid] and "tag: t" in repo.version(vid).refs
     assert set(repo.branches()) == {"main"} and set(repo.tags()) == {"t"}
-    assert fsck(repo).ok
+    assert repo.fsck().ok
     report = repo.gc(grace_period_s=0)
     assert report.collected == [] and report.orphan_data == []
     assert (path / "data" / ".DS_Store").exists()          # not ours to delete
@@ -313,7 +312,7 @@ def test_stray_files_and_damaged_refs_block_only_what_needs_them(repo_dir):
     with pytest.raises(CorruptionError, match="refs/heads/junk is damaged"):
         repo.delete_branch("junk")                          # -d cannot tell what it would leave to gc
     assert repo.delete_branch("junk", force=True) == "" and repo.delete_tag("bad") == ""
-    assert repo.damaged_refs() == [] and fsck(repo).ok
+    assert repo.damaged_refs() == [] and repo.fsck().ok
     # a name earlier versions allowed (a folder starting with '.'), refused for new refs, is still a ref:
     # skipped as a stray file, gc collected the history only it reached
     hidden = repo.snapshot({"w": torch.ones(1)}, step=9)
@@ -322,7 +321,7 @@ def test_stray_files_and_damaged_refs_block_only_what_needs_them(repo_dir):
     with pytest.raises(ckptrepo.errors.RefError, match="invalid branch name"):
         repo.branch("exp/.other", vid)
     assert repo.branches()["exp/.hidden"] == hidden.id
-    assert hidden.id not in repo.gc(grace_period_s=0).collected and fsck(repo).ok
+    assert hidden.id not in repo.gc(grace_period_s=0).collected and repo.fsck().ok
     assert torch.equal(repo.load("exp/.hidden")["w"], torch.ones(1))
 
 
@@ -393,7 +392,7 @@ def test_a_damaged_ref_of_heads_branch_blocks_only_what_reads_heads_version(repo
     assert "tag: good" in repo.version(vid).refs and [v.id for v in repo.log("good")] == [vid]
     assert repo.load("good") is not None
     repo.checkout("good", branch="fix")
-    assert repo.delete_branch("main", force=True) == "" and fsck(repo).ok
+    assert repo.delete_branch("main", force=True) == "" and repo.fsck().ok
     assert [v.id for v in repo.log()] == [vid]
 
 

@@ -18,7 +18,6 @@ import pytest
 from _ckpt_workers import assert_same, crash_writer, loop_writer, make_state, mp_context
 
 import ckptrepo
-from ckptrepo.maintenance._fsck import fsck
 
 COMMITS = 3
 JOIN_TIMEOUT = 60
@@ -38,7 +37,7 @@ def _run_to_death(target, *args) -> None:
 def _check(url: str, steps: list[int]) -> tuple[ckptrepo.Repository, list]:
     """fsck is clean and the branch holds exactly ``steps`` (oldest first), each loading bit-exact."""
     repo = ckptrepo.open(url)
-    report = fsck(repo)
+    report = repo.fsck()
     assert report.ok, report.errors
     log = repo.log()
     assert [v.step for v in reversed(log)] == steps
@@ -73,21 +72,21 @@ def test_kill_at_fault_point(tmp_path, point, nth):
         assert len(orphans) == 1 and not unreachable, warnings
     elif point == "after_manifest":
         assert len(unreachable) == 1 and not orphans, warnings
-        (vid,) = set(repo.all_version_ids()) - {v.id for v in repo.log()}
+        (vid,) = set(repo.plumbing.all_version_ids()) - {v.id for v in repo.log()}
         assert repo.version(vid).message == "interrupted"
         assert_same(repo.load(vid), make_state(COMMITS))  # complete, just never committed
     else:
         assert not warnings, warnings
-    arrays = repo.manifest(repo.head_version())["arrays"]
+    arrays = repo.plumbing.manifest(repo.plumbing.head_version())["arrays"]
     assert max(len(range(0, a["numel"], a["shard_elems"])) for a in arrays.values()) >= 5, \
         "the state should span several shards"
 
     # The repository keeps working: the next snapshot commits on top of the last committed one.
-    head = repo.head_version()
+    head = repo.plumbing.head_version()
     v = repo.snapshot(make_state(99), step=99)
     assert v.parents == (head,)
     assert_same(repo.load(), make_state(99))
-    assert fsck(ckptrepo.open(url)).ok
+    assert ckptrepo.open(url).fsck().ok
 
 
 def test_kill_at_random_times(tmp_path):
@@ -114,7 +113,7 @@ def test_kill_at_random_times(tmp_path):
         assert p.exitcode == -signal.SIGKILL
 
         repo = ckptrepo.open(url)
-        head = repo.version().step if repo.head_version() else -1
+        head = repo.version().step if repo.plumbing.head_version() else -1
         # Everything the worker saw committed is there; nothing past the step it had begun.
         assert committed.value <= head <= started.value
         assert head >= last

@@ -72,10 +72,10 @@ def test_lora_fine_tune_writes_only_adapters_and_optimizer_state(repo):
     usage = repo.du()
     # the frozen base is stored once (arrays also hold the few KiB of zeros that page-align big tensors)
     assert sum(sizes.values()) <= usage.total_bytes <= 1.01 * sum(sizes.values())
-    assert repo.plans.misses == 2, "one plan for the full state, one for the changing part"
+    assert repo.plumbing.plans.misses == 2, "one plan for the full state, one for the changing part"
     for step, truth in truths.items():
         assert_bit_exact(truth, repo.load(f"@{step}"))
-    m = repo.manifest(repo.resolve("HEAD"))
+    m = repo.plumbing.manifest(repo.resolve("HEAD"))
     first = repo.resolve("@0")
     base = next(t for t in m["tensors"] if t["name"] == "model/0.base.weight")
     assert base["pieces"][0]["array"].startswith(f"data/{first}/"), "the base points at the first version's bytes"
@@ -142,7 +142,7 @@ def test_gc_keeps_arrays_that_kept_versions_reuse(repo):
         r = repo.gc(keep_last=1, grace_period_s=0)
         assert len(r.pruned) == 3
         assert r.bytes_freed == 2 * nbytes(x), "the first version's array is still used by the kept one"
-        assert repo.store.list(f"data/{first}/"), "the reused array survives the pruning of its version"
+        assert repo.plumbing.store.list(f"data/{first}/"), "the reused array survives the pruning of its version"
         assert_bit_exact({"frozen": frozen, "x": torch.full((1000,), 3.0)}, repo.load("HEAD"))
         assert repo.fsck().ok
 
@@ -160,7 +160,7 @@ def test_gc_keeps_arrays_that_kept_versions_reuse(repo):
         snap.snapshot(state, step=5)
         snap.wait()
         repo.gc(keep_last=1, grace_period_s=0)
-        assert repo.store.list(f"data/{first}/") == []
+        assert repo.plumbing.store.list(f"data/{first}/") == []
         assert_bit_exact(state, repo.load("HEAD"))
         assert repo.fsck().ok
 

@@ -55,7 +55,7 @@ def test_each_layout_commits_one_version_with_every_replica_written_once(saved: 
     repo = ckptrepo.open(saved["url"])
     assert len(repo.log()) == len(MATRIX)
     for v in saved["versions"].values():
-        m = repo.manifest(v["vid"])
+        m = repo.plumbing.manifest(v["vid"])
         lay = v["layout"]
         assert (m["layout"]["tp"], m["layout"]["pp"], m["layout"]["dp"], m["layout"]["zero"]) == \
             (lay.tp, lay.pp, lay.dp, lay.zero)

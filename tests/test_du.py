@@ -13,13 +13,13 @@ def test_unique_and_shared_bytes_follow_the_arrays(repo, tmp_path):
     frozen = torch.randn(10, dtype=torch.float64)                    # 80 B
     v1 = repo.snapshot({"w": torch.randn(6), "frozen": frozen}, step=1)   # w: 24 B of float32
     v2 = repo.snapshot({"w": torch.randn(6), "frozen": frozen}, step=2)
-    m1, m2 = repo.manifest(v1.id), repo.manifest(v2.id)
+    m1, m2 = repo.plumbing.manifest(v1.id), repo.plumbing.manifest(v2.id)
     shared_key = f"data/{v1.id}/0/float64"
     m2["tensors"][1]["pieces"] = m1["tensors"][1]["pieces"]
     m2["arrays"] = {k: v for k, v in m2["arrays"].items() if not k.endswith("float64")}
     m2["arrays"][shared_key] = m1["arrays"][shared_key]
-    repo.store.put(VERSIONS_PREFIX + v2.id, seal(m2))
-    repo.store.delete_prefix(f"data/{v2.id}/0/float64/")
+    repo.plumbing.store.put(VERSIONS_PREFIX + v2.id, seal(m2))
+    repo.plumbing.store.delete_prefix(f"data/{v2.id}/0/float64/")
 
     usage = ckptrepo.open(url).du()
     rows = {u.version.id: u for u in usage.versions}
@@ -77,6 +77,6 @@ def test_du_and_gc_report_what_the_store_holds_not_only_the_tensor_bytes(tmp_pat
     assert dry.stored_bytes_freed == on_disk(*ids[1:]) and dry.bytes_freed < dry.stored_bytes_freed
     mem = ckptrepo.init("memory://du-layout")
     mem.snapshot({"e": torch.randn(64, 1000).bfloat16()}, step=0)
-    arrays = mem.manifest(mem.resolve("HEAD"))["arrays"]
+    arrays = mem.plumbing.manifest(mem.resolve("HEAD"))["arrays"]
     assert mem.du().stored_bytes == sum(layout_bytes(ArrayInfo.from_json(k, a)) for k, a in arrays.items())
     assert mem.du().stored_bytes == (-(-64000 // (32 << 10)) * ((64 << 10) + 4) + 2 * 16 + 4)

@@ -41,7 +41,7 @@ def test_retention_rules_keep_exactly_what_they_say(repo):
     assert {v.step for v in log if v.pruned} == set(range(10)) - kept and all(v.size == 0 for v in log if v.pruned)
     report = repo.fsck()
     assert report.ok, report.errors
-    assert not any(f"data/{ids[5]}" in k for k in repo.store.list("data/"))
+    assert not any(f"data/{ids[5]}" in k for k in repo.plumbing.store.list("data/"))
     again = repo.gc(keep_last=2, keep_every=4, grace_period_s=0)
     assert again.pruned == [] and again.bytes_freed == 0
 
@@ -56,14 +56,14 @@ def test_without_rules_only_unreachable_objects_go_and_the_grace_period_protects
     with pytest.raises(ckptrepo.CkptRepoError, match="interrupted"):
         repo.snapshot(state_at(3), step=3)
     faults.clear()
-    dangling = set(repo.all_version_ids()) - {v.id for v in repo.log(all=True)}
+    dangling = set(repo.plumbing.all_version_ids()) - {v.id for v in repo.log(all=True)}
     assert len(dangling) == 1
     young = repo.gc()                                  # default grace: one hour
     assert young.too_young == sorted(dangling) and young.collected == [] and young.pruned == []
-    assert set(repo.all_version_ids()) >= dangling
+    assert set(repo.plumbing.all_version_ids()) >= dangling
     r = repo.gc(grace_period_s=0)
     assert r.collected == sorted(dangling) and r.pruned == []
-    assert set(repo.all_version_ids()) == {v.id for v in repo.log(all=True)}
+    assert set(repo.plumbing.all_version_ids()) == {v.id for v in repo.log(all=True)}
     assert repo.version("side").id == side and len(repo.log("main")) == 3
     assert repo.fsck().ok and not repo.fsck().warnings
 
@@ -80,10 +80,10 @@ def test_branch_heads_and_tags_are_protected(repo):
 
 def test_dry_run_deletes_nothing(repo, tmp_path):
     commit(repo, range(4))
-    before = sorted(repo.store.list(""))
+    before = sorted(repo.plumbing.store.list(""))
     r = repo.gc(keep_last=1, grace_period_s=0, dry_run=True)
     assert len(r.pruned) == 3 and r.dry_run
-    assert sorted(repo.store.list("")) == before
+    assert sorted(repo.plumbing.store.list("")) == before
 
 
 def test_cli_gc(repo):
@@ -134,11 +134,11 @@ def test_keep_best_keeps_the_best_versions_by_a_metric(repo):
 def test_keep_best_refuses_what_it_cannot_rank_and_deletes_nothing(repo, kwargs, fragment):
     for s, loss in enumerate(LOSSES[:3]):
         repo.snapshot(state_at(s), step=s, metrics={"loss": loss, "acc": -loss})
-    before = sorted(repo.store.list(""))
+    before = sorted(repo.plumbing.store.list(""))
     with pytest.raises(ckptrepo.RetentionError) as info:
         repo.gc(grace_period_s=0, **kwargs)
     assert fragment in str(info.value) and "\n" not in str(info.value)
-    assert sorted(repo.store.list("")) == before
+    assert sorted(repo.plumbing.store.list("")) == before
 
 
 def test_a_snapshotter_keeps_the_best_versions_in_the_background(repo):
@@ -182,7 +182,7 @@ def test_background_retention_reads_each_manifest_once_over_a_long_run(repo, mon
     """Retention after every commit looks at every version each pass; it keeps what it needs of each manifest
     between passes, so a long run does not re-read (and decode) the whole history after every snapshot."""
     from ckptrepo.core._manifest_reads import MANIFEST_CACHE_SIZE
-    reads = count_manifest_reads(monkeypatch, repo.store)
+    reads = count_manifest_reads(monkeypatch, repo.plumbing.store)
     n = 2 * MANIFEST_CACHE_SIZE + 8          # more versions than the handle keeps manifests of
     policy = ckptrepo.RetentionPolicy(keep_last=3, keep_every=10, grace_period_s=0)
     with repo.snapshotter(retention=policy) as snap:
@@ -224,7 +224,7 @@ def test_a_gc_killed_after_its_markers_is_finished_by_the_next_and_leaves_no_emp
 
     def killed(prefix):
         raise KeyboardInterrupt("killed")
-    monkeypatch.setattr(repo.store, "delete_prefix", killed)
+    monkeypatch.setattr(repo.plumbing.store, "delete_prefix", killed)
     with pytest.raises(KeyboardInterrupt):
         repo.gc(keep_last=3, grace_period_s=0)
     monkeypatch.undo()
@@ -304,13 +304,13 @@ def test_gc_frees_space_on_a_full_disk(tmp_path, monkeypatch):
     for step in range(3):
         repo.snapshot({"w": torch.full((1000,), float(step))}, step=step)
     repo = ckptrepo.open(url)
-    real_put = repo.store.put
+    real_put = repo.plumbing.store.put
 
     def full_disk_put(key, value):
         if len(value):
             raise StorageError(f"writing {key} failed: RESOURCE_EXHAUSTED: No space left on device")
         return real_put(key, value)
-    monkeypatch.setattr(repo.store, "put", full_disk_put)
+    monkeypatch.setattr(repo.plumbing.store, "put", full_disk_put)
     report = repo.gc(keep_last=1, grace_period_s=0)
     assert len(report.pruned) == 2 and report.bytes_freed > 0
     assert [v.pruned for v in ckptrepo.open(url).log()] == [False, True, True]

@@ -15,7 +15,6 @@ from helpers import assert_bit_exact
 import ckptrepo
 from ckptrepo import faults
 from ckptrepo.errors import SnapshotFailedError
-from ckptrepo.maintenance._fsck import fsck
 from ckptrepo.storage import _crc as crc
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage import _localwrite as localwrite
@@ -125,11 +124,11 @@ def test_a_snapshot_goes_through_the_direct_path_and_loads_bit_exact(tmp_path, m
     written = localwrite.bytes_written() - before
     assert written > v.size > 0   # every byte of data plus the crc32cs and indexes
     assert_bit_exact(state, ckptrepo.open(root).load("HEAD"))
-    assert fsck(ckptrepo.open(root)).ok
+    assert ckptrepo.open(root).fsck().ok
     assert not [f for _, _, files in os.walk(root) for f in files if f.endswith(localwrite.LOCK_SUFFIX)]
 
     if direct_io:   # written from the tensors' memory: every chunk's encoding starts on a device block
-        m = repo.manifest(repo.resolve("@1"))
+        m = repo.plumbing.manifest(repo.resolve("@1"))
         for key, info in m["arrays"].items():
             info = ArrayInfo.from_json(key, info)
             for s in info.shards():
@@ -149,8 +148,8 @@ def test_a_snapshot_goes_through_the_direct_path_and_loads_bit_exact(tmp_path, m
         assert snap._direct is None
         snap.snapshot(state, step=2).result()
     assert localwrite.bytes_written() - before == written
-    ts_objects = _arrays_bytes(root, repo.manifest(repo.resolve("@2")))
-    direct_objects = _arrays_bytes(root, repo.manifest(repo.resolve("@1")))
+    ts_objects = _arrays_bytes(root, repo.plumbing.manifest(repo.resolve("@2")))
+    direct_objects = _arrays_bytes(root, repo.plumbing.manifest(repo.resolve("@1")))
     assert ts_objects == direct_objects
     assert max(len(objs) for objs in direct_objects.values()) >= 3, "the state should span several shards"
 
@@ -169,7 +168,7 @@ def test_a_buffer_returns_to_the_pool_only_once_its_shard_is_durable(tmp_path):
     snap.pool.give = checked_give
     with snap:
         v = snap.snapshot(state, step=0).result(timeout=60)
-    (info,) = [ArrayInfo.from_json(k, a) for k, a in repo.manifest(v.id)["arrays"].items()]
+    (info,) = [ArrayInfo.from_json(k, a) for k, a in repo.plumbing.manifest(v.id)["arrays"].items()]
     assert len(seen) == len(info.shards()) >= 8
     late = [(i + 1, n) for i, n in enumerate(seen) if n < i + 1]
     assert not late, f"buffers came back before their shards were renamed into place (nth give, shards): {late}"
@@ -232,7 +231,7 @@ def test_a_failing_direct_write_commits_nothing_and_leaves_no_object(tmp_path, m
     for f in files:   # every object under a final name is whole and valid
         if os.path.basename(os.path.dirname(f)) == "c":
             _assert_valid_shard(f)
-    report = fsck(repo)
+    report = repo.fsck()
     assert report.ok, report.errors
     assert_bit_exact(state, repo.load("@2"))
 
@@ -271,7 +270,7 @@ def test_a_kill_before_the_rename_leaves_only_a_hidden_temporary_file(tmp_path):
         pytest.fail("the worker neither finished nor died")
     assert p.exitcode == -signal.SIGKILL
     repo = ckptrepo.open(url)
-    report = fsck(repo)
+    report = repo.fsck()
     assert report.ok, report.errors
     assert [v.step for v in reversed(repo.log())] == [0, 1]
     for v in repo.log():
@@ -287,8 +286,8 @@ def test_a_kill_before_the_rename_leaves_only_a_hidden_temporary_file(tmp_path):
     for f in files:
         if os.path.basename(os.path.dirname(f)) == "c" and f not in locks:
             _assert_valid_shard(f)
-    assert not [k for k in repo.store.list("data/") if k.endswith(localwrite.LOCK_SUFFIX)]
-    head = repo.head_version()
+    assert not [k for k in repo.plumbing.store.list("data/") if k.endswith(localwrite.LOCK_SUFFIX)]
+    head = repo.plumbing.head_version()
     assert repo.snapshot(make_state(9), step=9).parents == (head,)
     assert_bit_exact(repo.load("HEAD"), make_state(9))
     repo.gc(grace_period_s=0)
@@ -352,7 +351,7 @@ def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(tmp_path, 
         assert snap._direct.direct_io is False
     assert tried[0] == 512 and 4096 in tried   # (several writer threads may try 512 before the first refusal)
     assert_bit_exact(state, ckptrepo.open(root).load("HEAD"))
-    assert fsck(ckptrepo.open(root)).ok
+    assert ckptrepo.open(root).fsck().ok
 
 
 def test_o_direct_refused_midway_through_a_shard_is_retried_while_the_state_is_unchanged(tmp_path, monkeypatch):
@@ -375,7 +374,7 @@ def test_o_direct_refused_midway_through_a_shard_is_retried_while_the_state_is_u
         assert snap._direct.block == 4096 and snap._direct.direct_io
     assert calls["n"] > 8
     assert_bit_exact(state, repo.load(v.id))
-    assert fsck(repo).ok
+    assert repo.fsck().ok
 
 
 def test_a_device_of_4k_blocks_that_takes_the_chunks_and_refuses_the_index(tmp_path, monkeypatch):
@@ -396,7 +395,7 @@ def test_a_device_of_4k_blocks_that_takes_the_chunks_and_refuses_the_index(tmp_p
     state = {"w": torch.randn(1 << 24)}   # 64 MiB: a whole shard, 16 batches of 64 chunks of 4 KiB blocks each
     v = repo.snapshot(state, step=0)
     assert_bit_exact(state, repo.load(v.id))
-    assert fsck(repo).ok
+    assert repo.fsck().ok
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64", "complex128", "bool"])
@@ -553,7 +552,7 @@ def test_short_writes_are_resumed_and_the_snapshot_reads_back(tmp_path, monkeypa
     assert shorts["n"] > 0 and localwrite.bytes_written() > 0
     assert bool(live) == direct_io   # from the tensors' memory (batches of chunks and crc32c blocks) with O_DIRECT
     assert_bit_exact(state, repo.load(v.id))
-    assert fsck(repo).ok
+    assert repo.fsck().ok
 
 
 def _rewrite_shard(path: str, n: int, order: list[int], gap: int) -> None:
@@ -582,7 +581,7 @@ def test_a_shard_with_chunks_out_of_order_loads_through_the_direct_path(tmp_path
     g = torch.Generator().manual_seed(9)
     state = {"model": {"w": torch.randn(64, 16_383, generator=g)}}   # 4 MiB: 64 KiB inner chunks, one shard
     repo.snapshot(state, step=0)
-    m = repo.manifest(repo.resolve("HEAD"))
+    m = repo.plumbing.manifest(repo.resolve("HEAD"))
     (key, meta), = m["arrays"].items()
     info = ArrayInfo.from_json(key, meta)
     n = info.shard_elems // info.inner_elems
@@ -637,7 +636,7 @@ def test_a_zarr_json_the_direct_reader_does_not_understand_is_left_to_tensorstor
     from ckptrepo.storage._arrays import ArrayInfo, metadata_matches
     repo = ckptrepo.init(str(tmp_path / "r"))
     repo.snapshot({"w": torch.randn(100_000)}, step=1)
-    (key, meta), = repo.manifest(repo.resolve("HEAD"))["arrays"].items()
+    (key, meta), = repo.plumbing.manifest(repo.resolve("HEAD"))["arrays"].items()
     path = tmp_path / "r" / key / "zarr.json"
     stored = json.loads(path.read_text())
     assert metadata_matches(ArrayInfo.from_json(key, meta), stored)

@@ -50,7 +50,7 @@ def test_bad_revisions_are_one_line_errors(repo, rev, fragment):
 
 def test_an_upper_case_id_prefix_names_its_version(repo):
     commit_steps(repo, range(2))
-    vid = repo.head_version()
+    vid = repo.plumbing.head_version()
     assert repo.resolve(vid[:8].upper()) == vid and repo.resolve(vid.upper() + "~1") == repo.log()[1].id
 
 
@@ -157,7 +157,7 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     repo.checkout("@7", branch="side")
     side = [repo.snapshot(state, step=s).id for s in (8, 9)]
 
-    reads = count_manifest_reads(monkeypatch, repo.store)
+    reads = count_manifest_reads(monkeypatch, repo.plumbing.store)
     monkeypatch.setattr(ckptrepo.core._manifest_reads, "unseal", lambda *a: pytest.fail("a history walk decoded a whole manifest"))
     fresh = ckptrepo.open(repo.url)
     assert [v.id for v in fresh.log(limit=3)] == side[::-1] + [ids[7]]
@@ -177,7 +177,7 @@ def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatc
     repo = ckptrepo.init(s3_url)
     ids = [repo.snapshot({"w": torch.full((4,), float(s))}, step=s).id for s in range(70)]
     calls: collections.Counter = collections.Counter()
-    count_manifest_reads(monkeypatch, repo.store, calls)
+    count_manifest_reads(monkeypatch, repo.plumbing.store, calls)
     fresh = ckptrepo.open(s3_url)
     assert [v.id for v in fresh.log()] == ids[::-1]
     assert calls["get"] == 0 and calls["get_many"] == 2 and calls["batched"] == 70, calls
@@ -242,7 +242,7 @@ def test_deleting_a_tag_and_a_branch_that_moved_meanwhile(repo, monkeypatch):
         repo.delete_tag("best")
     # a snapshot lands on the branch between the read of its tip and the delete: the delete must not win
     repo.branch("exp", first)
-    store = repo.store
+    store = repo.plumbing.store
     read = store.get_with_generation
 
     def read_then_move(key):
@@ -292,13 +292,13 @@ def test_a_ref_write_whose_reply_was_lost_counts_as_done(repo, monkeypatch):
     """An object store retries a conditional write whose reply was lost, finds the ref changed by that very
     write and reports the condition as failed: the committed version was called a conflict, and a snapshotter
     kept the old generation, so every later snapshot failed too. Tags, branches and deletes likewise."""
-    swap = type(repo.store).compare_and_swap
+    swap = type(repo.plumbing.store).compare_and_swap
 
     def reply_lost(self, key, value, expected):
         swap(self, key, value, expected)   # the write lands ...
         return None                         # ... and the retry reports the condition as failed
     ids = commit_steps(repo, range(1))
-    monkeypatch.setattr(type(repo.store), "compare_and_swap", reply_lost)
+    monkeypatch.setattr(type(repo.plumbing.store), "compare_and_swap", reply_lost)
     with repo.snapshotter() as snap:
         for step in (1, 2, 3):
             snap.snapshot({"w": torch.full((3,), float(step))}, step=step)

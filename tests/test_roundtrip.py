@@ -157,12 +157,12 @@ def test_large_multi_shard_state_round_trips(repo, monkeypatch):
     original = writer.make_plan
     monkeypatch.setattr(writer, "make_plan", lambda records, shard_bytes=None, residues=None:
                         original(records, shard_bytes=1 << 20, residues=residues))
-    repo.plans = writer.PlanCache()
+    repo.plumbing.plans = writer.PlanCache()
     g = torch.Generator().manual_seed(3)
     state = {f"t{i}": torch.randn(int(1000 + 37_000 * (i % 5)), generator=g) for i in range(20)}
     state["bf"] = torch.randn(700_000, generator=g).to(torch.bfloat16)
     repo.snapshot(state, step=1)
-    m = repo.manifest(repo.resolve("HEAD"))
+    m = repo.plumbing.manifest(repo.resolve("HEAD"))
     assert len(m["arrays"]) == 2
     assert any(a["numel"] > a["shard_elems"] for a in m["arrays"].values()), "the test must span several shards"
     assert_bit_exact(state, repo.load("HEAD"))
@@ -174,9 +174,9 @@ def test_data_is_a_few_large_zarr_v3_arrays_readable_by_zarr_python(repo, tmp_pa
     state["embed"] = torch.randn(100, 64).to(torch.float16)
     repo.snapshot(state, step=1)
     vid = repo.resolve("HEAD")
-    m = repo.manifest(vid)
+    m = repo.plumbing.manifest(vid)
     assert sorted(m["arrays"]) == [f"data/{vid}/0/float16", f"data/{vid}/0/float32"]
-    keys = repo.store.list(f"data/{vid}/")
+    keys = repo.plumbing.store.list(f"data/{vid}/")
     assert len(keys) == 4, keys  # two zarr.json + one shard each: not one object per tensor
     arr = zarr.open_array(str(tmp_path / "repo" / "data" / vid / "0" / "float32"), mode="r")
     flat = torch.cat([state[f"layer{i}.weight"].reshape(-1) for i in range(50)])
@@ -188,7 +188,7 @@ def test_plan_is_reused_for_the_same_structure(repo):
     for step in range(3):
         state["a"] += 1
         repo.snapshot(state, step=step)
-    assert repo.plans.misses == 1
+    assert repo.plumbing.plans.misses == 1
     assert_bit_exact(state, repo.load("HEAD"))
 
 

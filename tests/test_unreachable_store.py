@@ -175,7 +175,7 @@ def test_a_load_whose_endpoint_goes_away_is_a_storage_error_not_corruption(vanis
         into = {"model": {"col.weight": torch.empty(4096, 256)}}
         load = lambda: repo.load(vid, parallel_layout=ParallelLayout(tp=2, rules=SPLIT_RULES),  # noqa: E731
                                  rank=0, into=into)
-    repo.manifest(vid)   # resolved while the server is up: what fails is the data
+    repo.plumbing.manifest(vid)   # resolved while the server is up: what fails is the data
     vanishing_s3.stop_at_first_open(before=stop_before == "open")
     with pytest.raises(StorageError) as info:
         load()

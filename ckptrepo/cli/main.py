@@ -236,7 +236,8 @@ def show(ctx: click.Context, rev: str, as_json: bool) -> None:
     if v.message:
         click.echo("\n" + "\n".join(f"    {line}" for line in printable(v.message).splitlines()) + "\n")
     _print_table(f"{len(d.tensors)} tensors", ("tensor", "dtype", "shape", "bytes"),
-                 ((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", _size(t["bytes"])) for t in d.tensors))
+                 ((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", _size(t["bytes"]))
+                  for t in d.tensors))
     if d.objects:
         _print_table(f"{len(d.objects)} objects", ("object", "value"), d.objects, fold=2)
 
@@ -308,16 +309,15 @@ tag = _ref_command("tag", "List tags, create tag NAME at REV (default HEAD; tags
 @click.pass_context
 def fsck(ctx: click.Context, as_json: bool) -> None:
     """Read every object and verify every checksum and reference; exit 1 if anything is broken."""
-    from ckptrepo.maintenance._fsck import fsck as run_fsck
     repo = _repo(ctx)
     progress = _progress()
     if progress is not None:
         with progress:
             task = progress.add_task("fsck", total=None)   # sized once fsck has read the manifests
-            report = run_fsck(repo, on_bytes=lambda n: progress.advance(task, n),
-                              on_total=lambda n: progress.update(task, total=n))
+            report = repo.fsck(on_bytes=lambda n: progress.advance(task, n),
+                               on_total=lambda n: progress.update(task, total=n))
     else:
-        report = run_fsck(repo)
+        report = repo.fsck()
     if as_json:
         _emit_json(report.to_json())
     else:
@@ -326,7 +326,8 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
         for e in report.errors:
             click.echo(f"error: {e}")
         status = "ok" if report.ok else f"{len(report.errors)} problem(s) found"
-        click.echo(f"checked {report.versions} versions, {report.objects} data objects, {_size(report.bytes)}: {status}")
+        click.echo(f"checked {report.versions} versions, {report.objects} data objects, {_size(report.bytes)}: "
+                   f"{status}")
     if not report.ok:
         sys.exit(1)
 
@@ -361,7 +362,8 @@ def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_b
     click.echo(f"kept {len(r.kept)} versions, pruned {len(r.pruned)}, collected {len(r.collected)} unreachable and "
                f"{len(r.orphan_data)} leftover data sets; {verb} {_size(r.stored_bytes_freed)} "
                f"({_size(r.bytes_freed)} of tensors)"
-               + (f"; {len(r.too_young)} unreferenced objects are younger than the grace period" if r.too_young else ""))
+               + (f"; {len(r.too_young)} unreferenced objects are younger than the grace period"
+                  if r.too_young else ""))
 
 
 @cli.command()

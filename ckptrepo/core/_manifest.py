@@ -30,6 +30,7 @@ VERSIONS_PREFIX = "versions/"
 DATA_PREFIX = "data/"
 STAGING_PREFIX = "staging/"   # rank manifests of a distributed snapshot until rank 0 commits it
 FAILURES_PREFIX = "failures/"   # a record per background snapshot that failed (log --all, fsck)
+PRUNED_PREFIX = "pruned/"   # an empty marker per version whose data gc deleted (its manifest stays)
 SYMREF_PREFIX = "ref: "
 
 
@@ -153,7 +154,8 @@ def decode_config(blob: bytes, url: str) -> dict[str, Any]:
     try:
         cfg = json.loads(blob)
     except ValueError as err:
-        raise CorruptionError(f"{url}: {CONFIG_KEY} is not valid JSON ({err}); the repository config is damaged") from err
+        raise CorruptionError(f"{url}: {CONFIG_KEY} is not valid JSON ({err}); the repository config is "
+                              f"damaged") from err
     version = cfg.get("format_version") if isinstance(cfg, dict) else None
     if version is None or cfg.get("format") != "ckptrepo" or not isinstance(version, int):
         raise CorruptionError(f"{url}: {CONFIG_KEY} is not a ckptrepo config")

@@ -233,6 +233,29 @@ class Refs:
         return out, damage
 
 
+def head_ref_blocked(store: Store, head: Head) -> bool:
+    """Whether HEAD is on a branch that reads as having no versions because something that is not a ref
+    sits where its ref should be (a folder or a broken symbolic link on a local store, keys under it on an
+    object store): the ref was replaced, not never created, so the branch's history would look unreachable
+    and be collected."""
+    if head.branch is None or head.version is not None:
+        return False
+    key = HEADS_PREFIX + head.branch
+    path = store.local_path(key)
+    if path is not None and (os.path.isdir(path) or (os.path.islink(path) and not os.path.exists(path))):
+        return True
+    if path is not None and os.path.exists(path):   # a file: the ref, readable or damaged (named elsewhere)
+        return False
+    return bool(store.list(key + "/"))
+
+
+def head_branch_lost(branch: str, versions: int) -> str:
+    """What to say of a HEAD branch whose ref ``head_ref_blocked`` found replaced, and how to restore it."""
+    return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder or a broken link, and the repository "
+            f"has {versions} version(s); remove it and restore the ref (`ckptrepo branch {branch} ID`, an id from "
+            f"versions/), or check out another branch")
+
+
 def init_head(store: Store, branch: str = "main") -> None:
     """Point HEAD at an unborn branch; used once by ``init``."""
     store.compare_and_swap(HEAD_KEY, f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}".encode(), NO_VALUE)

@@ -10,18 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptrepo.core._boxes import check_coverage, volume
-from ckptrepo.core._manifest import DATA_PREFIX, VERSIONS_PREFIX
+from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
+from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._refs import head_branch_lost, head_ref_blocked
 from ckptrepo.errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
-from ckptrepo.maintenance._gc import (
-    PRUNED_PREFIX,
-    data_version_ids,
-    head_branch_lost,
-    head_ref_blocked,
-    pruned_ids,
-    reachable_versions,
-    ref_targets,
-)
-from ckptrepo.repository import Repository
+from ckptrepo.maintenance._gc import data_version_ids, pruned_ids, reachable_versions, ref_targets
 from ckptrepo.storage._arrays import ArrayInfo, open_array
 
 
@@ -44,7 +37,7 @@ class FsckReport:
                 "objects": self.objects, "bytes": self.bytes}
 
 
-def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
+def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
          on_total: Callable[[int], None] | None = None) -> FsckReport:
     """Check the whole repository; never raises for damage, reports it instead.
 
@@ -105,7 +98,7 @@ def fsck(repo: Repository, on_bytes: Callable[[int], None] | None = None,
     return report
 
 
-def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport, starts: list[str]) -> None:
+def _check_refs(repo: Plumbing, manifests: dict[str, Any], report: FsckReport, starts: list[str]) -> None:
     """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
     ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``."""
     def missing(vid: str | None) -> bool:
@@ -134,7 +127,7 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport,
     except CkptRepoError as err:
         report.errors.append(str(err))
         return
-    if manifests and head_ref_blocked(repo, head):
+    if manifests and head.branch is not None and head_ref_blocked(repo.store, head):
         report.errors.append(head_branch_lost(head.branch, len(manifests)))
     if head.branch is None and missing(head.version):
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
@@ -142,14 +135,15 @@ def _check_refs(repo: Repository, manifests: dict[str, Any], report: FsckReport,
         starts.append(head.version)
 
 
-def _check_version_data(repo: Repository, vid: str, m: dict[str, Any], report: FsckReport,
+def _check_version_data(repo: Plumbing, vid: str, m: dict[str, Any], report: FsckReport,
                         on_bytes: Callable[[int], None] | None) -> None:
     arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
     for t in m["tensors"]:
         for piece in t["pieces"]:
             info = arrays.get(piece["array"])
             if info is None or piece["offset"] + volume(piece["box"][1]) > info.numel:
-                report.errors.append(f"version {vid[:12]}: tensor {t['name']} points outside its array {piece['array']}")
+                report.errors.append(f"version {vid[:12]}: tensor {t['name']} points outside its array "
+                                     f"{piece['array']}")
     try:
         check_coverage({t["name"]: (t["shape"], [(tuple(p["box"][0]), tuple(p["box"][1])) for p in t["pieces"]])
                         for t in m["tensors"]})

@@ -18,7 +18,6 @@ kept version is never deleted.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -26,17 +25,17 @@ from typing import Any, Mapping, Sequence
 from ckptrepo.core._manifest import (
     DATA_PREFIX,
     FAILURES_PREFIX,
-    HEADS_PREFIX,
+    PRUNED_PREFIX,
     STAGING_PREFIX,
     VERSIONS_PREFIX,
     is_version_id,
     version_id_time,
 )
 from ckptrepo.core._manifest_reads import missing_manifest
-from ckptrepo.core._refs import Head
+from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._refs import Head, head_branch_lost, head_ref_blocked
 from ckptrepo.errors import CorruptionError, RetentionError
 
-PRUNED_PREFIX = "pruned/"
 DEFAULT_GRACE_S = 3600.0
 
 
@@ -79,7 +78,7 @@ class RetentionPolicy:
         check_rule_counts(self.keep_last, self.keep_every, self.keep_best, self.grace_period_s)
         check_rule_counts(every_commits=self.every_commits)
 
-    def apply(self, repo: Any, protect_since: float | None = None,
+    def apply(self, repo: Plumbing, protect_since: float | None = None,
               known: dict[str, "VersionFacts"] | None = None) -> GcReport:
         return collect(repo, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
                        self.grace_period_s, protect_since=protect_since, known=known, keep_best=self.keep_best,
@@ -114,7 +113,7 @@ class VersionFacts:
                          if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)))
 
 
-def pruned_ids(repo: Any) -> set[str]:
+def pruned_ids(repo: Plumbing) -> set[str]:
     """Versions whose data gc deleted."""
     return {k[len(PRUNED_PREFIX):] for k in repo.store.list(PRUNED_PREFIX)}
 
@@ -133,23 +132,23 @@ def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str
     return seen
 
 
-def data_version_ids(repo: Any) -> set[str]:
+def data_version_ids(repo: Plumbing) -> set[str]:
     """The versions with a folder under ``data/`` (whether or not a manifest names them); a stray file there (a
     Finder ``.DS_Store``) is no version."""
     return {vid for k in repo.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
             if is_version_id(vid)}
 
 
-def ref_targets(repo: Any) -> list[str]:
+def ref_targets(repo: Plumbing) -> list[str]:
     """The versions the branches, the tags and a detached HEAD point at."""
     return _targets(repo.refs.branches(), repo.refs.tags(), repo.refs.head())
 
 
-def _targets(branches: Mapping[str, str], tags: Mapping[str, str], head: Any) -> list[str]:
+def _targets(branches: Mapping[str, str], tags: Mapping[str, str], head: Head) -> list[str]:
     return list(branches.values()) + list(tags.values()) + ([head.version] if head.version else [])
 
 
-def reaches(repo: Any, starts: Sequence[str], target: str) -> bool:
+def reaches(repo: Plumbing, starts: Sequence[str], target: str) -> bool:
     """Whether ``target`` is one of ``starts`` or an ancestor of one (manifest headers, read as the walk needs
     them, and only until it is found)."""
     seen: set[str] = set()
@@ -165,7 +164,7 @@ def reaches(repo: Any, starts: Sequence[str], target: str) -> bool:
     return False
 
 
-def _reachable(repo: Any, starts: Sequence[str], facts: dict[str, "VersionFacts"]) -> set[str]:
+def _reachable(repo: Plumbing, starts: Sequence[str], facts: dict[str, "VersionFacts"]) -> set[str]:
     """The versions reachable from ``starts`` through parent links; a version missing from ``facts`` is read
     (and added to them) before the walk goes on, and gc stops before it deletes anything when its manifest is
     gone.
@@ -192,28 +191,6 @@ def _reachable(repo: Any, starts: Sequence[str], facts: dict[str, "VersionFacts"
     return seen
 
 
-def head_ref_blocked(repo: Any, head: Head) -> bool:
-    """Whether HEAD is on a branch that reads as having no versions because something that is not a ref
-    sits where its ref should be (a folder or a broken symbolic link on a local store, keys under it on an
-    object store): the ref was replaced, not never created, so the branch's history would look unreachable
-    and be collected."""
-    if head.branch is None or head.version is not None:
-        return False
-    key = HEADS_PREFIX + head.branch
-    path = repo.store.local_path(key)
-    if path is not None and (os.path.isdir(path) or (os.path.islink(path) and not os.path.exists(path))):
-        return True
-    if path is not None and os.path.exists(path):   # a file: the ref, readable or damaged (named elsewhere)
-        return False
-    return bool(repo.store.list(key + "/"))
-
-
-def head_branch_lost(branch: str, versions: int) -> str:
-    return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder or a broken link, and the repository "
-            f"has {versions} version(s); remove it and restore the ref (`ckptrepo branch {branch} ID`, an id from "
-            f"versions/), or check out another branch")
-
-
 def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: Any = None,
                       grace_period_s: Any = 0.0, every_commits: Any = None) -> None:
     """Refuse a count that is not a whole number of at least 1: ``keep_last=-1`` or ``keep_every=0`` used to
@@ -227,7 +204,7 @@ def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: 
         raise RetentionError(f"the grace period must be a number of seconds of at least 0, not {grace_period_s!r}")
 
 
-def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
+def collect(repo: Plumbing, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
             keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
             dry_run: bool = False, protect_since: float | None = None,
             known: dict[str, VersionFacts] | None = None, keep_best: int | None = None,
@@ -262,7 +239,7 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
     head = repo.refs.head()
     facts = _facts(repo, {} if known is None else known)
     already_pruned = pruned_ids(repo)
-    if facts and head_ref_blocked(repo, head):
+    if facts and head.branch is not None and head_ref_blocked(repo.store, head):
         raise CorruptionError(f"gc stopped before deleting anything: {head_branch_lost(head.branch, len(facts))}")
     reachable = _reachable(repo, _targets(branches, tags, head), facts)
 
@@ -278,8 +255,9 @@ def collect(repo: Any, keep_last: int | None = None, keep_every: int | None = No
         keep.update(tags.values())
     if keep_last is not None:
         for tip in list(branches.values()) + ([head.version] if head.version else []):
-            vid, n = tip, 0
-            while vid in facts and n < keep_last:
+            vid: str | None = tip
+            n = 0
+            while vid is not None and vid in facts and n < keep_last:
                 keep.add(vid)
                 n += 1
                 parents = facts[vid].parents
@@ -362,7 +340,7 @@ def _best(facts: dict[str, VersionFacts], candidates: set[str], n: int, metric: 
     return [vid for _, _, vid in sorted(ranked)[:n]]
 
 
-def _facts(repo: Any, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]:
+def _facts(repo: Plumbing, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]:
     """Every version's facts, from ``known`` where it has them; ``known`` is brought up to date (new versions
     added, deleted ones dropped)."""
     ids = repo.all_version_ids()

@@ -12,9 +12,10 @@ Pruned versions store nothing and reference nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ckptrepo.core._manifest import Version
+from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import CorruptionError
 from ckptrepo.state._skeleton import numel
 from ckptrepo.storage._arrays import ArrayInfo, itemsize, layout_bytes, stored_bytes
@@ -52,9 +53,9 @@ class DiskUsage:
                 "stored_bytes": self.stored_bytes}
 
 
-def disk_usage(repo: Any) -> DiskUsage:
-    """Unique and shared bytes of every version reachable from a ref, and the total stored once."""
-    versions = repo.log(all=True)
+def disk_usage(repo: Plumbing, versions: Sequence[Version]) -> DiskUsage:
+    """Unique and shared bytes of each of ``versions`` (those reachable from a ref, newest first, as ``log``
+    lists them), and the total stored once."""
     referrers: dict[str, set[str]] = {}            # array key -> versions with a piece in it
     pieces: dict[str, list[tuple[str, int]]] = {}  # version -> (array key, bytes) of each piece
     extent: dict[str, int] = {}                    # array key -> bytes up to the end of its last referenced piece
@@ -87,7 +88,7 @@ def disk_usage(repo: Any) -> DiskUsage:
     return DiskUsage(rows, total, stored)
 
 
-def _array_info(repo: Any, key: str, infos: dict[str, dict[str, Any]]) -> ArrayInfo | None:
+def _array_info(repo: Plumbing, key: str, infos: dict[str, dict[str, Any]]) -> ArrayInfo | None:
     """Array ``key`` as a manifest that lists it records it (its own version's, even if that one is pruned or
     unreachable); None when none does: it then counts up to the end of its last referenced piece."""
     info = infos.get(key)

@@ -59,6 +59,7 @@ from ckptrepo.core._manifest import (
     plain_metrics,
     version_id_time,
 )
+from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import CkptRepoError, ConflictError, LayoutError, SnapshotFailedError, StorageError, first_line
 from ckptrepo.maintenance._gc import RetentionPolicy, VersionFacts
 from ckptrepo.parallel._distributed import all_gather, assign_writers, process_group_rank
@@ -70,6 +71,7 @@ from ckptrepo.saving._dedup import DedupIndex, dedup_key
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from ckptrepo.saving._writer import (
     LIVE_ALIGN,
+    PlanCache,
     Segment,
     StagingPool,
     aligned_empty,
@@ -142,7 +144,7 @@ class Snapshotter:
     stride); the capture thread confirms with an xxh3-128 of the bytes.
     """
 
-    def __init__(self, repo: Any, host_memory: int | str | None = None, pin_memory: bool | None = None,
+    def __init__(self, repo: Plumbing, host_memory: int | str | None = None, pin_memory: bool | None = None,
                  record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
                  retention: RetentionPolicy | None = None, max_in_flight: int = 4) -> None:
@@ -170,6 +172,9 @@ class Snapshotter:
         self.group = group
         self._dedup = DedupIndex() if dedup and not self.sharded else None   # sharded snapshots write everything
         self.repo = repo
+        if repo.plans is None:   # the handle's first snapshotter: the next ones reuse its plans
+            repo.plans = PlanCache()
+        self.plans = repo.plans
         self.record_failures = record_failures  # False when the caller waits and gets the error itself
         # reads HEAD: DetachedHeadError before anything starts
         self._committer = Committer(repo, parallel_layout, self.rank, self.world_size, self.sharded, commit_timeout_s)
@@ -266,7 +271,7 @@ class Snapshotter:
         """
         records = [job.records[i] for i in written]
         residues = live_residues(records, INNER_BYTES) if job.live else None
-        plan = self.repo.plans.get(records, self.shard_bytes, residues)
+        plan = self.plans.get(records, self.shard_bytes, residues)
         job.written = written
         job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
                       for d, (n, s, i) in plan.streams.items()}
@@ -806,8 +811,9 @@ def _wait_with_progress(jobs: list[SnapshotJob]) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn
     # on stderr, which is the terminal this was chosen for (rich's default console is stdout)
-    with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  transient=True, console=Console(stderr=True)) as progress:
+    with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), transient=True,
+                  console=Console(stderr=True)) as progress:
         task = progress.add_task("wait", total=len(jobs))
         for job in jobs:
             job.handle._done.wait()

@@ -24,6 +24,7 @@ from ckptrepo.core._manifest import (
     seal,
     version_from_manifest,
 )
+from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
 from ckptrepo.parallel._distributed import Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
@@ -45,7 +46,7 @@ class Committer:
     compare-and-swap fails if the branch moved in between.
     """
 
-    def __init__(self, repo: Any, layout: ParallelLayout | None, rank: int, world_size: int, sharded: bool,
+    def __init__(self, repo: Plumbing, layout: ParallelLayout | None, rank: int, world_size: int, sharded: bool,
                  commit_timeout_s: float) -> None:
         head = repo.refs.head()
         if head.branch is None:

@@ -1,8 +1,11 @@
 """Export a version as a plain checkpoint (torch.save, safetensors, DCP) and import one as a new version.
 
-Export goes through ``Repository.load``, so it writes the full, unsharded state
-whatever layout it was saved from. Import reads one of those formats and commits
-it with ``Repository.snapshot``, so an imported version is an ordinary one.
+``Repository.export`` loads through ``Repository.load`` and hands the state to
+``write_export``, so it writes the full, unsharded state whatever layout it was
+saved from. ``Repository.import_state`` reads one of those formats with
+``read_checkpoint`` and commits it with ``Repository.snapshot``, so an imported
+version is an ordinary one. This module only reads and writes files: it never
+sees a repository.
 
 Trust: a ``torch.save`` file is a pickle and a DCP checkpoint's ``.metadata`` (and
 its non-tensor values) are pickles, and unpickling can run arbitrary code.
@@ -28,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 
-from ckptrepo.core._manifest import Version
 from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line
 from ckptrepo.state._providers import flatten, unflatten
 
@@ -42,19 +44,19 @@ _SAFETENSORS_UNSUPPORTED = ("complex128",)   # safetensors has no 128-bit comple
 _NO_PG_WARNING = "torch.distributed is disabled"   # DCP's notice that it runs in one process, which we intend
 
 
-def export_version(repo: Any, rev: str, out: str | os.PathLike[str], format: str = "torch") -> Version:  # noqa: A002
-    """Write the full state of ``rev`` to ``out`` as ``format``; return the version exported.
-
-    ``torch``: ``out`` is a file (``torch.save``). ``safetensors`` and ``dcp``:
-    ``out`` is a directory, created if missing. Nothing is overwritten: an
-    existing file, or a non-empty directory, is an error.
-    """
+def export_target(out: str | os.PathLike[str], format: str) -> Path:  # noqa: A002
+    """The local path an export of ``format`` writes, checked before the version is loaded: ``torch`` writes a
+    file, ``safetensors`` and ``dcp`` a directory, created if missing. Nothing is overwritten: an existing
+    file, or a non-empty directory, is an error."""
     if format not in FORMATS:
         raise ExchangeError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
     path = _local_path(out, "export to")
     _check_free(path, directory=format != "torch")
-    vid = repo.resolve(rev)
-    state = repo.load(vid)
+    return path
+
+
+def write_export(state: Any, vid: str, path: Path, format: str) -> None:  # noqa: A002
+    """Write ``state``, the full state of version ``vid``, to ``path`` (from ``export_target``) as ``format``."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:   # a file where a folder of the path should be, no permission, ...
@@ -66,7 +68,6 @@ def export_version(repo: Any, rev: str, out: str | os.PathLike[str], format: str
         _write_then_rename(path, lambda tmp: _save_safetensors(state, tmp, vid))
     else:
         _write_then_rename(path, lambda tmp: _save_dcp(state, tmp))
-    return repo.version(vid)
 
 
 def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
@@ -96,13 +97,10 @@ def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
         raise ExchangeError(f"could not write {path}: {_dcp_cause(err)}; nothing was left there{hint}") from None
 
 
-def import_state(repo: Any, path: str | os.PathLike[str], trust: bool = False, step: int | None = None,
-                 message: str | None = None) -> Version:
-    """Commit the checkpoint at ``path`` as a new version on the current branch and return it.
-
-    The format is detected from the path (see :func:`detect_format`). Nothing
-    is committed when reading fails or is refused for lack of ``trust``.
-    """
+def read_checkpoint(path: str | os.PathLike[str], trust: bool = False) -> tuple[Any, str]:
+    """The state in the checkpoint at ``path`` and where it came from ("PATH (FORMAT)", for the version's
+    message). The format is detected from the path (see :func:`detect_format`); a read that fails, or is
+    refused for lack of ``trust``, raises before anything is committed."""
     p = _local_path(path, "import from")
     kind = detect_format(p)
     if kind == "torch":
@@ -111,7 +109,7 @@ def import_state(repo: Any, path: str | os.PathLike[str], trust: bool = False, s
         state = _load_dcp(p, trust)
     else:
         state = _load_safetensors(p)
-    return repo.snapshot(state, step=step, message=f"imported from {p} ({kind})" if message is None else message)
+    return state, f"{p} ({kind})"
 
 
 def detect_format(path: Path) -> str:

@@ -18,6 +18,7 @@ import tensorstore as ts
 import torch
 
 from ckptrepo.core._boxes import flat_boxes, volume
+from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import damaged_object_error, first_line, is_storage_failure, storage_failure
 from ckptrepo.loading._reshard import VersionReader
 from ckptrepo.parallel._sharding import Piece
@@ -114,7 +115,7 @@ class TensorStats:
 class _Chunks:
     """Bounded reads of tensors of one version, as float64 (or complex128) chunks."""
 
-    def __init__(self, repo: Any, manifest: dict[str, Any]) -> None:
+    def __init__(self, repo: Plumbing, manifest: dict[str, Any]) -> None:
         self.repo = repo
         self.manifest = manifest
         self.arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
@@ -152,7 +153,8 @@ class _Chunks:
         else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
             shape = tuple(entry["shape"])
             t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry["dtype"]])
-            targets = [Piece(entry["name"], entry["dtype"], shape, box, t[f - start:f - start + volume(box[1])].view(box[1]))
+            targets = [Piece(entry["name"], entry["dtype"], shape, box,
+                             t[f - start:f - start + volume(box[1])].view(box[1]))
                        for f, box in flat_boxes(shape, start, stop)]
             self.pieces.read(targets)
         return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
@@ -175,7 +177,7 @@ def _spans(n: int, step: int) -> Iterator[tuple[int, int]]:
         yield s, min(n, s + step)
 
 
-def diff_versions(repo: Any, a: str, b: str, pattern: str | None = None,
+def diff_versions(repo: Plumbing, a: str, b: str, pattern: str | None = None,
                   on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
     """Compare versions ``a`` and ``b`` tensor by tensor (streamed) and object by object."""
     va, vb = repo.resolve(a), repo.resolve(b)
@@ -290,7 +292,7 @@ def _same_value(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
-def tensor_stats(repo: Any, rev: str, pattern: str | None = None,
+def tensor_stats(repo: Plumbing, rev: str, pattern: str | None = None,
                  on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
     """Norm, mean, std, min/max and NaN/Inf counts of every tensor of ``rev`` (streamed)."""
     vid = repo.resolve(rev)
@@ -356,7 +358,7 @@ class TrajectoryPoint:
 METRICS = ("norm", "delta", "relative-change")
 
 
-def trajectory(repo: Any, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
+def trajectory(repo: Plumbing, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                until: int | None = None) -> list[TrajectoryPoint]:
     """``metric`` of every tensor matching ``pattern`` along the first-parent history of ``rev``, oldest first.
 

@@ -1,0 +1,183 @@
+"""One repository handle's internals: its store, refs, config, manifest reads and their caches.
+
+``Repository`` (the porcelain users call) holds one ``Plumbing`` and keeps to
+commands; the layers below it (saving, maintenance, tools) work with this
+object instead, so none of them imports the porcelain and each sees only the
+typed operations it uses. ``Plumbing`` is also the revision source
+(:class:`ckptrepo.core._revisions.RevisionSource`) that ``resolve`` walks.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from ckptrepo.core import _revisions as revisions
+from ckptrepo.core._manifest import (
+    CONFIG_KEY,
+    FAILURES_PREFIX,
+    PRUNED_PREFIX,
+    VERSIONS_PREFIX,
+    decode_config,
+    is_version_id,
+    unseal,
+)
+from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
+from ckptrepo.core._refs import Refs, head_branch_lost, head_ref_blocked
+from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError
+from ckptrepo.storage._tensorstore import Store
+
+if TYPE_CHECKING:   # the saving layer makes the cache; this handle only keeps it between snapshotters
+    from ckptrepo.saving._writer import PlanCache
+
+
+class Plumbing:
+    """The store, refs and manifest reads of one open repository, and the operations the library builds on.
+
+    Not a stable API: ``Repository`` is. Manifests never change, so what this
+    handle decodes is cached for as long as it lives (see ``ManifestReads``).
+    """
+
+    def __init__(self, store: Store) -> None:
+        raw = store.get(CONFIG_KEY)
+        if raw is None:
+            raise NotARepositoryError(f"{store.url} is not a ckptrepo repository; create one with "
+                                      f"`ckptrepo init {store.url}` or pass --repo URL")
+        self.config = decode_config(raw, store.url)
+        self.store = store
+        self.url = store.url
+        self.refs = Refs(store)
+        self.reads = ManifestReads(store)
+        # write plans of this handle's snapshots, made by the first snapshotter (history tools never import
+        # torch, which the saving layer needs) and shared by the next ones, so an unchanged state plans once
+        self.plans: PlanCache | None = None
+
+    def __repr__(self) -> str:
+        return f"Plumbing({self.url!r})"
+
+    # ---- manifests ---------------------------------------------------------
+    def manifest(self, vid: str) -> dict[str, Any]:
+        """The decoded manifest of version ``vid`` (cached: manifests never change)."""
+        return self.reads.manifest(vid)
+
+    def header(self, vid: str) -> dict[str, Any]:
+        """The small fields of version ``vid``'s manifest: all that history walks need (cached)."""
+        return self.reads.header(vid)
+
+    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | CkptRepoError]]:
+        """Each version's decoded manifest, or the error reading it gave, in order (batched on object stores)."""
+        return self.reads.iter_manifests(vids)
+
+    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Each version's decoded manifest in order; the first version that cannot be read raises."""
+        return self.reads.each_manifest(vids)
+
+    def remember_header(self, manifest: dict[str, Any]) -> None:
+        """Cache the header of a manifest this process just committed (see ManifestReads.remember_header)."""
+        self.reads.remember_header(manifest)
+
+    def all_version_ids(self) -> list[str]:
+        """Every version manifest in storage, reachable or not."""
+        return self.reads.all_version_ids()
+
+    def require_data(self, vid: str, manifest: dict[str, Any]) -> None:
+        """Refuse, in one line, to read the tensors of a version gc pruned (its history stays, its data is gone):
+        every reader (load, diff, stats) says so instead of failing on the first missing object."""
+        if any(t["pieces"] for t in manifest["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
+            raise RevisionError(f"version {vid[:12]} (step {manifest['step']}) was pruned by gc: its tensor data is "
+                                f"deleted; pick a kept version from `ckptrepo log`")
+
+    def failures(self) -> list[dict[str, Any]]:
+        """Records of background snapshots that failed (id, step, time, branch, message, error), newest first."""
+        out = []
+        for key in self.store.list(FAILURES_PREFIX):
+            raw = self.store.get(key)
+            if raw is not None:
+                try:
+                    out.append(unseal(raw, key))
+                except CkptRepoError as err:
+                    out.append({"id": key[len(FAILURES_PREFIX):], "step": None, "time": 0.0, "error": str(err)})
+        return sorted(out, key=lambda f: f.get("time", 0.0), reverse=True)
+
+    # ---- refs and revisions (the RevisionSource protocol) --------------------
+    def resolve(self, rev: str) -> str:
+        """The full id of the version ``rev`` names (see ckptrepo.core._revisions for the syntax)."""
+        return revisions.resolve(_WalkingSource(self), rev)
+
+    def ref_names(self) -> dict[str, tuple[str, ...]]:
+        """Version id -> the names ``log`` shows beside it ("HEAD -> main", "tag: best", a detached "HEAD")."""
+        names: dict[str, list[str]] = {}
+        head = self.refs.head()
+        for b, vid in self.refs.branches(strict=False).items():
+            names.setdefault(vid, []).append(f"HEAD -> {b}" if b == head.branch else b)
+        for t, vid in self.refs.tags(strict=False).items():
+            names.setdefault(vid, []).append(f"tag: {t}")
+        if head.branch is None and head.version:
+            names.setdefault(head.version, []).insert(0, "HEAD")
+        return {k: tuple(v) for k, v in names.items()}
+
+    def head_version(self) -> str | None:
+        """HEAD's version; None on a branch without versions, unless its ref was replaced (a folder, a broken
+        link: see ``head_ref_blocked``), which is damage to name, not an empty branch to report."""
+        h = self.refs.head()
+        if h.damage is not None:
+            raise CorruptionError(h.damage)
+        if h.branch is not None and head_ref_blocked(self.store, h):
+            raise CorruptionError(head_branch_lost(h.branch, len(self.store.list(VERSIONS_PREFIX))))
+        return h.version
+
+    def head_description(self) -> str:
+        """HEAD as an error message names it: its branch, or the version it is detached at."""
+        h = self.refs.head()
+        return f"branch {h.branch!r}" if h.branch else f"detached HEAD {str(h.version)[:12]}"
+
+    def branch_tip(self, name: str) -> str | None:
+        """The version branch ``name`` points at; None when there is no such branch."""
+        return self.refs.branch_tip(name)
+
+    def tag_target(self, name: str) -> str | None:
+        """The version tag ``name`` points at; None when there is no such tag."""
+        return self.refs.tag_target(name)
+
+    def ids_with_prefix(self, prefix: str) -> list[str]:
+        """The ids of the versions in storage that start with ``prefix``."""
+        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)
+                if is_version_id(k[len(VERSIONS_PREFIX):])]
+
+    def first_parent(self, vid: str) -> str | None:
+        """The version ``vid`` was committed on top of; None for a root version."""
+        parents = self.header(vid)["parents"]
+        return parents[0] if parents else None
+
+    def step_of(self, vid: str) -> int | None:
+        """The training step recorded with version ``vid``."""
+        return self.header(vid)["step"]
+
+
+class _WalkingSource:
+    """A handle as a revision source whose first-parent steps (``HEAD~N``, ``@STEP``) share one HeaderWalk, so
+    a walk back over many versions reads their headers in batches."""
+
+    def __init__(self, plumbing: Plumbing) -> None:
+        self._plumbing = plumbing
+        self._walk = HeaderWalk(plumbing.reads)
+
+    def head_version(self) -> str | None:
+        return self._plumbing.head_version()
+
+    def head_description(self) -> str:
+        return self._plumbing.head_description()
+
+    def branch_tip(self, name: str) -> str | None:
+        return self._plumbing.branch_tip(name)
+
+    def tag_target(self, name: str) -> str | None:
+        return self._plumbing.tag_target(name)
+
+    def ids_with_prefix(self, prefix: str) -> list[str]:
+        return self._plumbing.ids_with_prefix(prefix)
+
+    def first_parent(self, vid: str) -> str | None:
+        parents = self._walk(vid)["parents"]
+        return parents[0] if parents else None
+
+    def step_of(self, vid: str) -> int | None:
+        return self._walk(vid)["step"]

@@ -1,0 +1,106 @@
+"""The package's layers import only downwards.
+
+ckptrepo's subpackages form a stack (storage < core < state < parallel < loading < maintenance < saving <
+tools < repository < cli): a module may import from its own layer and the ones below it, never above, so
+each layer can be read, tested and changed without the ones built on it. Imports made only for type
+checking (under ``if TYPE_CHECKING:``) are not run and do not count; imports inside functions do.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ckptrepo
+
+PACKAGE = Path(ckptrepo.__file__).parent
+
+# Bottom to top. errors and faults are shared by every layer; rules re-exports parallel.rules for users.
+LAYERS = ("errors", "faults", "storage", "core", "state", "parallel", "rules", "loading", "maintenance", "saving",
+          "tools", "repository", "__init__", "cli")
+BASE = {"errors", "faults"}   # importable from anywhere, and import nothing of the package themselves
+
+
+def _layer(module: str) -> str:
+    """The layer of a dotted module name inside the package (``ckptrepo.core._refs`` -> ``core``)."""
+    parts = module.split(".")
+    assert parts[0] == "ckptrepo", module
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _rank(layer: str) -> int:
+    return 0 if layer in BASE else LAYERS.index(layer)
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1 and parts[:-1] != ["ckptrepo"]:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every ckptrepo import that runs, ``from X import y`` naming ``X.y`` where that is a
+    module (``from ckptrepo import faults``) and ``X`` otherwise."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "ckptrepo")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "ckptrepo":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or \
+                    (PACKAGE.parent / Path(*sub.split("."))).is_dir()
+                found.append((node.lineno, sub if is_module else node.module))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+    visit(tree)
+    return found
+
+
+def _violations() -> list[str]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        if module == "ckptrepo":
+            continue   # the package's own __init__ re-exports the public API from every layer
+        mine = _layer(module)
+        for line, imported in _imports(ast.parse(path.read_text(), str(path))):
+            theirs = _layer(imported)
+            if theirs == "__init__":
+                continue   # `import ckptrepo` (the CLI): the public API, checked where it is built
+            if _rank(theirs) > _rank(mine) or (mine in BASE and theirs != mine):
+                out.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {mine} imports {imported} ({theirs})")
+    return out
+
+
+def test_every_module_belongs_to_a_known_layer():
+    layers = {_layer(_module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert layers <= set(LAYERS), f"add {sorted(layers - set(LAYERS))} to LAYERS in the order they build on"
+
+
+def test_no_module_imports_from_a_higher_layer():
+    violations = _violations()
+    assert not violations, "imports against the layer order:\n" + "\n".join(violations)
+
+
+def test_the_checker_sees_upward_imports(tmp_path, monkeypatch):
+    """A lower layer importing the porcelain, at module level or inside a function, is caught; one under
+    TYPE_CHECKING is not."""
+    source = ("from typing import TYPE_CHECKING\nfrom ckptrepo.repository import Repository\n"
+              "if TYPE_CHECKING:\n    from ckptrepo.saving._writer import PlanCache\n"
+              "def f():\n    from ckptrepo import repository\n")
+    found = [m for _, m in _imports(ast.parse(source))]
+    assert found == ["ckptrepo.repository", "ckptrepo.repository"]
+    assert all(_rank(_layer(m)) > _rank("maintenance") for m in found)
