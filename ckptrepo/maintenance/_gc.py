@@ -200,7 +200,7 @@ def head_ref_blocked(repo: Any, head: Head) -> bool:
     if head.branch is None or head.version is not None:
         return False
     key = HEADS_PREFIX + head.branch
-    path = repo.store.local_path(key)
+    path = repo.store.capabilities.local_path(key)
     if path is not None and (os.path.isdir(path) or (os.path.islink(path) and not os.path.exists(path))):
         return True
     if path is not None and os.path.exists(path):   # a file: the ref, readable or damaged (named elsewhere)
