@@ -264,23 +264,21 @@ class TensorStoreStore:
         """
         if offset < 0 or length < 0:
             raise ValueError(f"a byte range needs a non-negative offset and length, not {offset}, {length}")
-        try:
-            try:
-                r = self.kv.read(key, byte_range=slice(offset, offset + length)).result()
-            except ValueError as err:
-                if not str(err).startswith("OUT_OF_RANGE"):
-                    raise
-                try:
-                    r = self.kv.read(key, byte_range=slice(offset, None)).result()
-                except ValueError as tail_err:
-                    if not str(tail_err).startswith("OUT_OF_RANGE"):
-                        raise
-                    return b"" if self.exists(key) else None
-        except StorageError:
-            raise
-        except Exception as err:  # noqa: BLE001
-            raise _wrap(err, f"reading {key}") from err
+        r = self._read_range(key, offset, offset + length)
+        if r is None:   # the range runs past the value's end
+            r = self._read_range(key, offset, None)
+            if r is None:   # so does its start
+                return b"" if self.exists(key) else None
         return bytes(r.value) if r.state == "value" else None
+
+    def _read_range(self, key: str, start: int, stop: int | None) -> Any:
+        """TensorStore's read result for bytes ``[start, stop)`` of ``key``; None when the value is shorter."""
+        try:
+            return self.kv.read(key, byte_range=slice(start, stop)).result()
+        except Exception as err:  # noqa: BLE001
+            if isinstance(err, ValueError) and str(err).startswith("OUT_OF_RANGE"):
+                return None
+            raise _wrap(err, f"reading {key}") from err
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """The values at ``keys`` (None where absent), all requested at once: on S3 or GCS one round trip's
