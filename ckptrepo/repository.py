@@ -40,7 +40,7 @@ from ckptrepo.errors import (
 )
 from ckptrepo.state._skeleton import numel, plain_values, short_text
 from ckptrepo.storage._arrays import ArrayInfo, itemsize
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import Store, open_store
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +55,7 @@ DEFAULT_BRANCH = "main"
 
 def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
     """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
-    store = Store.open(url, options)
+    store = open_store(url, options)
     if not store.put_if_absent(CONFIG_KEY, encode_config({"created": time.time(), "default_branch": DEFAULT_BRANCH})):
         if store.get(CONFIG_KEY) is None:
             # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
@@ -78,7 +78,7 @@ def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None
 
 def open(url: str, options: dict[str, Any] | None = None) -> "Repository":  # noqa: A001 - mirrors the public API
     """Open the repository at ``url``; NotARepositoryError when there is none."""
-    return Repository(Store.open(url, options))
+    return Repository(open_store(url, options))
 
 
 def load_device(spec: Any) -> "torch.device | None":

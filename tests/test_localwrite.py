@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import uuid
@@ -20,7 +21,7 @@ from ckptrepo.storage import _localread as localread
 from ckptrepo.storage import _localwrite as localwrite
 from ckptrepo.storage._arrays import ArrayInfo, choose_geometry, create_array
 from ckptrepo.storage._localwrite import DirectWriter
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import open_store
 
 INNER = 4096            # small geometry: many inner chunks and shards from a few KiB
 SHARD = 4 * INNER
@@ -35,7 +36,7 @@ def _no_fault_hooks():
 def _write_both_ways(root: str, dtype: str, numel: int, seed: int,
                      bounce: np.ndarray | None) -> tuple[str, str, ArrayInfo]:
     """The same bytes as one array written through TensorStore and one written by DirectWriter."""
-    store = Store.open(root)
+    store = open_store(root)
     shard, inner = choose_geometry(dtype, numel, shard_bytes=SHARD, inner_bytes=INNER)
     keys = []
     writer = DirectWriter(root)
@@ -87,7 +88,7 @@ def test_shard_objects_are_byte_identical_to_tensorstores(tmp_path, monkeypatch,
     assert names == sorted(os.listdir(direct_dir)) == [str(i) for i in info.shards()]
     for name in names:
         assert (ts_dir / name).read_bytes() == (direct_dir / name).read_bytes(), f"shard {name} differs"
-    assert Store.open(str(tmp_path)).list(direct_key + "/") == sorted(
+    assert open_store(str(tmp_path)).list(direct_key + "/") == sorted(
         f"{direct_key}/{k}" for k in ["zarr.json"] + [f"c/{n}" for n in names])   # no temporary file left
 
 
@@ -298,7 +299,7 @@ def test_a_kill_before_the_rename_leaves_only_a_hidden_temporary_file(tmp_path):
 @pytest.mark.parametrize("backend", ["memory", "s3"])
 def test_other_stores_keep_the_tensorstore_path(request, backend):
     url = f"memory://{uuid.uuid4().hex}" if backend == "memory" else request.getfixturevalue("s3_url")
-    assert DirectWriter.for_store(Store.open(url)) is None
+    assert DirectWriter.for_store(open_store(url)) is None
     repo = ckptrepo.init(url)
     state = _state(1) if backend == "s3" else {"w": _state(1)["w"], "step": 7}   # memory: one segment, see below
     before = localwrite.bytes_written()
@@ -427,7 +428,7 @@ def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tm
     monkeypatch.setattr("ckptrepo.saving._writer.choose_geometry",
                         lambda d, n, shard_bytes: choose_geometry(d, n, shard_bytes=shard_bytes, inner_bytes=INNER))
     plan = make_plan(records, shard_bytes=SHARD, residues=live_residues(records, INNER))
-    store = Store.open(str(tmp_path))
+    store = open_store(str(tmp_path))
     writer = DirectWriter(str(tmp_path))
     key = f"data/live-{dtype}-{numel}"
     info = ArrayInfo(key, dtype, *plan.streams[dtype])
@@ -442,7 +443,7 @@ def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tm
         assert [c.ctypes.data != buf.data_ptr() + k * INNER for k, c in enumerate(chunks_)] == live_
         live += sum(live_)
         released = []
-        shard = localwrite.LiveShard(chunks_, live_, buf.numpy(), lambda: released.append(1))
+        shard = localwrite.LiveShard(chunks_, live_, buf.numpy(), functools.partial(released.append, 1))
         writer.write_live(info, seg.start, shard)
         # all written: nothing left to copy; a shard of copies only never held the tensors
         assert released == ([1] if any(live_) else []) and shard.release() == 0
@@ -453,7 +454,8 @@ def test_shards_written_from_the_tensors_memory_read_back_through_tensorstore(tm
     stored = handle.read().result()
     expected = np.zeros(info.numel, dtype=stored.dtype)   # zeros wherever no tensor is placed
     for p, pl in zip(parts, plan.placements):
-        expected[pl.offset:pl.offset + pl.numel] = p.contiguous().reshape(-1).view(torch.uint8).numpy().view(stored.dtype)
+        raw = p.contiguous().reshape(-1).view(torch.uint8).numpy()
+        expected[pl.offset:pl.offset + pl.numel] = raw.view(stored.dtype)
     assert stored.tobytes() == expected.tobytes()
     for i, p in enumerate(parts):
         assert hashers[i].intdigest() == xxhash.xxh3_128(p.contiguous().view(torch.uint8).numpy()).intdigest()

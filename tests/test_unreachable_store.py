@@ -16,7 +16,8 @@ import ckptrepo
 import ckptrepo.maintenance._fsck
 import ckptrepo.storage._arrays
 from ckptrepo.errors import CorruptionError, StorageError
-from ckptrepo.storage._tensorstore import DEFAULT_STORE_RETRIES, Store
+from ckptrepo.storage._tensorstore import DEFAULT_STORE_RETRIES
+from ckptrepo.storage.protocol import open_store
 
 
 def _closed_port() -> int:
@@ -89,14 +90,14 @@ def test_every_s3_and_gcs_request_gets_a_bounded_retry_policy(monkeypatch):
     """The default (no environment variable) and the override, as bound into the store's context."""
     monkeypatch.delenv("CKPTREPO_STORE_RETRIES", raising=False)
     for url, resource in (("s3://bucket-a/repo", "s3_request_retries"), ("gs://bucket-a/repo", "gcs_request_retries")):
-        bound = Store.open(url).context.spec.to_json()[resource]
+        bound = open_store(url).context.spec.to_json()[resource]
         assert bound == {"max_retries": DEFAULT_STORE_RETRIES, "initial_delay": "500ms", "max_delay": "8s"}, bound
     assert DEFAULT_STORE_RETRIES <= 10   # at most 0.5+1+2+4+8*6 s of backoff before a dead endpoint is reported
     monkeypatch.setenv("CKPTREPO_STORE_RETRIES", "3")
-    assert Store.open("s3://bucket-a/repo").context.spec.to_json()["s3_request_retries"]["max_retries"] == 3
+    assert open_store("s3://bucket-a/repo").context.spec.to_json()["s3_request_retries"]["max_retries"] == 3
     monkeypatch.setenv("CKPTREPO_STORE_RETRIES", "soon")
     with pytest.raises(StorageError, match="CKPTREPO_STORE_RETRIES='soon' is not a whole number"):
-        Store.open("s3://bucket-a/repo")
+        open_store("s3://bucket-a/repo")
 
 
 class VanishingS3:

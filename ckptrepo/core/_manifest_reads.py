@@ -15,7 +15,7 @@ from ckptrepo.core._boxes import volume
 from ckptrepo.core._lru import LruCache
 from ckptrepo.core._manifest import BULKY_FIELDS, VERSIONS_PREFIX, is_version_id, unseal, unseal_header, version_id_time
 from ckptrepo.errors import CkptRepoError, CorruptionError
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import Store
 
 # Decoded manifests a handle keeps: enough for `diff`/`load`/`show`. A handle that cached every manifest it
 # saw grew by one manifest per snapshot for the whole run (thousands of Python objects each, walked by every

@@ -23,7 +23,7 @@ from ckptrepo.core._manifest import (
 from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
 from ckptrepo.core._refs import Refs, head_branch_lost, head_ref_blocked
 from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:   # the saving layer makes the cache; this handle only keeps it between snapshotters
     from ckptrepo.saving._writer import PlanCache

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from ckptrepo.core._manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id
 from ckptrepo.errors import ConflictError, CorruptionError, RefError
-from ckptrepo.storage._tensorstore import NO_VALUE, Store, remove_empty_parents
+from ckptrepo.storage._localfs import remove_empty_parents
+from ckptrepo.storage.protocol import NO_VALUE, Store
 
 _HEX_RE = re.compile(r"[0-9a-f]{4,32}")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
@@ -82,7 +83,7 @@ class Refs:
         cheaper on a local store (see ``Store.get``), and most callers only look."""
         raw, gen = self.store.get_with_generation(HEAD_KEY) if for_update else (self.store.get(HEAD_KEY), b"")
         if raw is None:
-            path = self.store.local_path(HEAD_KEY)
+            path = self.store.capabilities.local_path(HEAD_KEY)
             if path is not None and os.path.isdir(path):
                 raise CorruptionError(f"{HEAD_KEY} is a folder, not a ref; move it away, then `ckptrepo init "
                                       f"--exist-ok` writes HEAD again")
@@ -187,7 +188,7 @@ class Refs:
 
     def _remove_empty_folders(self, key: str) -> None:
         """On a local store, the folders a deleted ``a/b`` leaves behind, which would make ``a`` unwritable."""
-        root = self.store.local_root()
+        root = self.store.capabilities.local_root
         if root is None:
             return
         top = os.path.join(root, (HEADS_PREFIX if key.startswith(HEADS_PREFIX) else TAGS_PREFIX).rstrip("/"))
@@ -241,7 +242,7 @@ def head_ref_blocked(store: Store, head: Head) -> bool:
     if head.branch is None or head.version is not None:
         return False
     key = HEADS_PREFIX + head.branch
-    path = store.local_path(key)
+    path = store.capabilities.local_path(key)
     if path is not None and (os.path.isdir(path) or (os.path.islink(path) and not os.path.exists(path))):
         return True
     if path is not None and os.path.exists(path):   # a file: the ref, readable or damaged (named elsewhere)

@@ -57,7 +57,7 @@ from ckptrepo.state._providers import (
     unflatten,
 )
 from ckptrepo.state._skeleton import holds_tensors, key_value
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import Store
 
 
 def saved_world(manifest: dict[str, Any]) -> int:

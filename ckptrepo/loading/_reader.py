@@ -29,7 +29,7 @@ from ckptrepo.errors import damaged_object_error, first_line, is_storage_failure
 from ckptrepo.state._providers import TORCH_DTYPES, numel
 from ckptrepo.storage._arrays import ArrayHandles, ArrayInfo, open_array
 from ckptrepo.storage._localread import DirectReader
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import Store
 
 RUN_BYTES = 8 << 20
 INFLIGHT_BYTES = 512 << 20

@@ -42,7 +42,8 @@ from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage._arrays import ArrayHandles, ArrayInfo
 from ckptrepo.storage._localread import DirectReader
-from ckptrepo.storage._tensorstore import Store, local_bytes_read
+from ckptrepo.storage._tensorstore import local_bytes_read
+from ckptrepo.storage.protocol import Store
 
 INFLIGHT_BYTES = 512 << 20
 

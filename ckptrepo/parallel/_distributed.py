@@ -37,7 +37,7 @@ from ckptrepo.state._providers import (
     numel,
     unflatten,
 )
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:
     from ckptrepo.parallel.layout import ParallelLayout

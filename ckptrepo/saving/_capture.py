@@ -186,10 +186,10 @@ class Snapshotter:
         # page-aligned buffers where the direct writer may write them with O_DIRECT as they are (fill_live)
         self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin,
                                 align=LIVE_ALIGN if self._direct is not None and self._direct.direct_io else 0)
-        # TensorStore may reference a staging buffer instead of copying it; fine where the kvstore copies the
-        # bytes out before the write completes, but the memory kvstore would keep the buffer as the stored
-        # value, which the pool then reuses for another shard
-        self._store_copies = repo.store.spec.get("driver") != "memory"
+        # TensorStore may reference a staging buffer instead of copying it; fine where the store copies the
+        # bytes out before the write completes, but a store that keeps the buffer as the stored value would
+        # see the pool reuse it for another shard
+        self._store_copies = not repo.store.capabilities.keeps_written_buffers
         self._capture_q: queue.Queue = queue.Queue()
         self._flush_q: queue.Queue = queue.Queue()
         self._commit_q: queue.Queue = queue.Queue()

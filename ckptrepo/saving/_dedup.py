@@ -20,7 +20,7 @@ import xxhash
 from ckptrepo.errors import StorageError
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:
     from ckptrepo.saving._snapshot_job import SnapshotJob

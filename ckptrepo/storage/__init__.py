@@ -2,5 +2,6 @@
 
 The lowest layer: it knows keys, bytes and arrays, nothing of versions or tensors.
 """
+from ckptrepo.storage.protocol import NO_VALUE, Store, StoreCapabilities, open_store
 
-__all__: list[str] = []
+__all__ = ["NO_VALUE", "Store", "StoreCapabilities", "open_store"]

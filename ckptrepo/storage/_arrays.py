@@ -16,7 +16,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptrepo.errors import CorruptionError, first_line, is_storage_failure, storage_failure
-from ckptrepo.storage._tensorstore import Store
+from ckptrepo.storage.protocol import Store
 
 SHARD_BYTES = 64 << 20
 INNER_BYTES = 64 << 10
@@ -56,11 +56,13 @@ class ArrayInfo:
         return range((self.numel + self.shard_elems - 1) // self.shard_elems)
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "numel": self.numel, "shard_elems": self.shard_elems, "inner_elems": self.inner_elems}
+        return {"dtype": self.dtype, "numel": self.numel, "shard_elems": self.shard_elems,
+                "inner_elems": self.inner_elems}
 
     @classmethod
     def from_json(cls, key: str, d: dict[str, Any]) -> "ArrayInfo":
-        return cls(key=key, dtype=d["dtype"], numel=d["numel"], shard_elems=d["shard_elems"], inner_elems=d["inner_elems"])
+        return cls(key=key, dtype=d["dtype"], numel=d["numel"], shard_elems=d["shard_elems"],
+                   inner_elems=d["inner_elems"])
 
 
 INDEX_ENTRY_BYTES = 16   # a shard index's (offset, length) per inner chunk, uint64 each
@@ -75,10 +77,10 @@ def layout_bytes(info: ArrayInfo) -> int:
     return chunks * (info.inner_bytes + 4) + len(info.shards()) * (per_shard * INDEX_ENTRY_BYTES + 4)
 
 
-def stored_bytes(store: Any, key: str, estimate: int) -> int:
+def stored_bytes(store: Store, key: str, estimate: int) -> int:
     """What array ``key`` takes in ``store``: its objects' sizes on a local store (chunks written from memory
     sit in 512 or 4096-byte slots there), else ``estimate`` (``layout_bytes``: object stores are not asked)."""
-    path = store.local_path(key)
+    path = store.capabilities.local_path(key)
     if path is not None and os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
     return estimate
@@ -98,7 +100,8 @@ def itemsize(dtype: str) -> int:
     return numpy_dtype(dtype).itemsize
 
 
-def choose_geometry(dtype: str, numel: int, shard_bytes: int = SHARD_BYTES, inner_bytes: int = INNER_BYTES) -> tuple[int, int]:
+def choose_geometry(dtype: str, numel: int, shard_bytes: int = SHARD_BYTES,
+                    inner_bytes: int = INNER_BYTES) -> tuple[int, int]:
     """Shard and inner-chunk sizes in elements; neither exceeds what the array needs, in whole pages for the
     inner chunk (a 16-element array in a 64 KiB chunk took 64 KiB of storage for 64 bytes, so a tiny state
     cost ~1000x its size on disk; pages, because chunks written from memory sit in page-aligned slots)."""

@@ -24,8 +24,9 @@ import torch
 
 from ckptrepo.storage._arrays import MISSING_CHUNK, ArrayInfo, metadata_matches
 from ckptrepo.storage._crc import crc32c
-from ckptrepo.storage._tensorstore import ByteCounter, Store
+from ckptrepo.storage._localfs import ByteCounter
 from ckptrepo.storage._vectored import transfer_all
+from ckptrepo.storage.protocol import Store
 
 
 def _usable_cpus() -> int:
@@ -94,7 +95,7 @@ class DirectReader:
 
     @classmethod
     def for_store(cls, store: Store) -> "DirectReader | None":
-        root = store.local_root()
+        root = store.capabilities.local_root
         return cls(root) if root is not None and hasattr(os, "preadv") else None
 
     def close(self) -> None:

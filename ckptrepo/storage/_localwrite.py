@@ -69,8 +69,9 @@ import numpy as np
 from ckptrepo import faults
 from ckptrepo.storage._arrays import MISSING_CHUNK, ArrayInfo
 from ckptrepo.storage._crc import crc32c
-from ckptrepo.storage._tensorstore import ByteCounter, Store
+from ckptrepo.storage._localfs import ByteCounter
 from ckptrepo.storage._vectored import transfer_all
+from ckptrepo.storage.protocol import Store
 
 DIRECT_WRITES = True     # False: every shard goes through TensorStore (read when a Snapshotter is created)
 DIRECT_IO = True         # False: write through the page cache (pwritev of views of the staging buffer)
@@ -127,7 +128,8 @@ class _Shard:
             raise ValueError(f"{self.nbytes} bytes do not fit one shard of {info.key}")
         self.stride = stride or self.chunk_bytes + 4
         if self.stride < self.chunk_bytes + 4:
-            raise ValueError(f"a stride of {self.stride} bytes cannot hold a chunk of {self.chunk_bytes} and its crc32c")
+            raise ValueError(f"a stride of {self.stride} bytes cannot hold a chunk of {self.chunk_bytes} "
+                             f"and its crc32c")
         index = np.full((n, 2), MISSING_CHUNK, dtype="<u8")
         index[:self.chunks, 0] = np.arange(self.chunks, dtype=np.uint64) * self.stride
         index[:self.chunks, 1] = self.chunk_bytes + 4
@@ -379,8 +381,9 @@ class DirectWriter:
 
     @classmethod
     def for_store(cls, store: Store) -> "DirectWriter | None":
-        """A writer for a local store on a system with ``pwritev`` and OFD locks; None otherwise (TensorStore writes)."""
-        root = store.local_root()
+        """A writer for a store with a local root on a system with ``pwritev`` and OFD locks; None otherwise
+        (TensorStore writes)."""
+        root = store.capabilities.local_root
         if not DIRECT_WRITES or root is None or not hasattr(os, "pwritev") or _F_OFD_SETLKW is None:
             return None
         return cls(root)
@@ -481,7 +484,9 @@ class DirectWriter:
             if layout.chunks != len(shard.chunks):
                 raise ValueError(f"{len(shard.chunks)} chunks given for a shard of {layout.chunks} of {info.key}")
             try:
-                write_object(path, layout.total, lambda fd: _write_live(fd, layout, shard, block, direct),
+                # called within this iteration, so the loop variables it reads are this try's
+                write_object(path, layout.total,
+                             lambda fd: _write_live(fd, layout, shard, block, direct),  # noqa: B023
                              self._make_dir, direct_io=direct)
                 return
             except _NoDirectIO:

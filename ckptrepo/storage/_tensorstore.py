@@ -1,10 +1,12 @@
-"""Key-value access to a repository's storage through TensorStore.
+"""The storage protocol (``protocol.Store``) implemented over TensorStore's key-value stores.
 
 A repository is a prefix in any TensorStore key-value store. This module turns
 a URL into a kvstore spec and wraps the handful of operations the repository
 needs: get, put, conditional put (compare-and-swap), byte-range read, list and
 delete. Nothing here depends on POSIX rename, append or locks beyond what the
-TensorStore driver itself does, so the same code runs on S3 and GCS.
+TensorStore driver itself does, so the same code runs on S3 and GCS. Whether a
+store's keys are local files (and so open to direct I/O) is decided here, once
+per store, in its capabilities.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from urllib.parse import unquote
 import tensorstore as ts
 
 from ckptrepo.errors import StorageError, first_line, storage_failure_hint
-
-NO_VALUE = b"\x02"  # TensorStore's StorageGeneration::NoValue(): "key is absent"
+from ckptrepo.storage._localfs import ByteCounter, remove_empty_folders
+from ckptrepo.storage.protocol import NO_VALUE, StoreCapabilities
 
 _memory_lock = threading.Lock()
 _memory_context: ts.Context | None = None
@@ -167,42 +169,44 @@ def _wrap(err: Exception, what: str) -> StorageError:
     return StorageError(f"storage error while {what}: {cause}{storage_failure_hint(cause)}")
 
 
-class ByteCounter:
-    """A running total of bytes, safe across threads: what a direct local I/O path (localread,
-    localwrite) moved, the counterpart of TensorStore's own kvstore metrics."""
-
-    def __init__(self) -> None:
-        self._total = 0
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self._total += n
-
-    def total(self) -> int:
-        return self._total
-
-
 _local_reads = ByteCounter()
 _TS_LOCK_SUFFIX = ".__lock"   # TensorStore's file driver keeps its lock files under such keys
 
 
 def local_bytes_read() -> int:
-    """Bytes this process has read from local stores' small objects with plain reads (see ``Store.get``)."""
+    """Bytes this process has read from local stores' small objects with plain reads (see ``TensorStoreStore.get``)."""
     return _local_reads.total()
 
 
+def _capabilities(spec: dict[str, Any]) -> StoreCapabilities:
+    """What the store of kvstore ``spec`` offers: the one place that decides whether its keys are local files.
+
+    Only a ``file`` spec with nothing but its path maps keys plainly onto files under
+    that path; options such as a file_io_sync override leave I/O to TensorStore.
+    """
+    driver = spec.get("driver")
+    if driver == "file":
+        plain = not set(spec) - {"driver", "path"}
+        return StoreCapabilities(local_root=spec["path"] if plain else None, reserved_suffixes=(_TS_LOCK_SUFFIX,))
+    # the memory kvstore keeps the bytes it is handed as the value, not a copy of them
+    return StoreCapabilities(keeps_written_buffers=driver == "memory")
+
+
 @dataclass
-class Store:
-    """A repository's key-value store: every key is relative to the repository root."""
+class TensorStoreStore:
+    """The :class:`~ckptrepo.storage.protocol.Store` of every URL scheme, over a TensorStore kvstore."""
 
     url: str
     spec: dict[str, Any]
     context: ts.Context = field(repr=False)
     kv: ts.KvStore = field(repr=False)
+    capabilities: StoreCapabilities = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.capabilities = _capabilities(self.spec)
 
     @classmethod
-    def open(cls, url: str, options: dict[str, Any] | None = None) -> "Store":
+    def open(cls, url: str, options: dict[str, Any] | None = None) -> "TensorStoreStore":
         """Open (without touching storage) the store named by ``url``."""
         spec = kvstore_spec_from_url(url, options)
         if spec["driver"] == "memory":
@@ -223,16 +227,20 @@ class Store:
             raise _wrap(err, f"opening {url}") from err
         return cls(url=url, spec=spec, context=context, kv=kv)
 
+    def describe(self) -> str:
+        """The URL and the TensorStore driver serving it."""
+        return f"{self.url} ({self.spec.get('driver')} kvstore)"
+
     # ---- plain objects -------------------------------------------------
     def get(self, key: str) -> bytes | None:
         """The value at ``key``, or None when absent.
 
-        On a local ``file`` store a plain key is read with one ``open``: TensorStore's first read in a
-        process starts its I/O threads (~3 ms on the reference machine), which a load that reads its
-        data through the direct path (localread) otherwise pays for two small objects (HEAD, the ref).
-        Anything unusual goes through TensorStore, which reports it.
+        On a store with a local root a plain key is read with one ``open``: TensorStore's first read in a
+        process starts its I/O threads, which a load that reads its data through the direct path
+        (localread) would otherwise pay for two small objects (HEAD, the ref). Anything unusual goes
+        through TensorStore, which reports it.
         """
-        path = self.local_path(key)
+        path = self.capabilities.local_path(key)
         if path is not None:
             try:
                 with open(path, "rb") as f:
@@ -247,14 +255,30 @@ class Store:
         value, _ = self.get_with_generation(key)
         return value
 
-    def local_path(self, key: str) -> str | None:
-        """The file holding ``key`` on a local store, for keys TensorStore's file driver maps plainly; else None."""
-        root = self.local_root()
-        if root is None or not key or key.endswith(_TS_LOCK_SUFFIX) or "\0" in key:
-            return None
-        if any(part in ("", ".", "..") for part in key.split("/")):
-            return None
-        return os.path.join(root, key)
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        """Up to ``length`` bytes of the value at ``key`` from ``offset`` (fewer at its end), None when absent.
+
+        TensorStore refuses a byte range that runs past the value's end; such a
+        read is retried as "from ``offset`` to the end", which is then shorter than
+        ``length``, or empty when ``offset`` itself is past the end.
+        """
+        if offset < 0 or length < 0:
+            raise ValueError(f"a byte range needs a non-negative offset and length, not {offset}, {length}")
+        r = self._read_range(key, offset, offset + length)
+        if r is None:   # the range runs past the value's end
+            r = self._read_range(key, offset, None)
+            if r is None:   # so does its start
+                return b"" if self.exists(key) else None
+        return bytes(r.value) if r.state == "value" else None
+
+    def _read_range(self, key: str, start: int, stop: int | None) -> Any:
+        """TensorStore's read result for bytes ``[start, stop)`` of ``key``; None when the value is shorter."""
+        try:
+            return self.kv.read(key, byte_range=slice(start, stop)).result()
+        except Exception as err:  # noqa: BLE001
+            if isinstance(err, ValueError) and str(err).startswith("OUT_OF_RANGE"):
+                return None
+            raise _wrap(err, f"reading {key}") from err
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """The values at ``keys`` (None where absent), all requested at once: on S3 or GCS one round trip's
@@ -311,13 +335,18 @@ class Store:
         return r.state == "value"
 
     def list(self, prefix: str = "") -> list[str]:
-        """Every key under ``prefix`` (relative to the repository root), sorted."""
-        rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix)) if prefix else None
+        """Every key under ``prefix`` (relative to the repository root), sorted; the file driver's lock files
+        are left out."""
         try:
-            keys = self.kv.list(rng).result() if rng is not None else self.kv.list().result()
+            if prefix:
+                rng = ts.KvStore.KeyRange(inclusive_min=prefix.encode(), exclusive_max=_prefix_end(prefix))
+                keys = self.kv.list(rng).result()
+            else:
+                keys = self.kv.list().result()
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"listing {prefix or '/'}") from err
-        return sorted(k.decode() for k in keys if not k.endswith(b".__lock"))
+        reserved = tuple(s.encode() for s in self.capabilities.reserved_suffixes)
+        return sorted(k.decode() for k in keys if not k.endswith(reserved))
 
     def delete(self, key: str) -> None:
         """Delete ``key`` (no error when absent)."""
@@ -330,18 +359,13 @@ class Store:
         """Delete every key under ``prefix``; on a local store also the folders that leaves empty (up to the
         prefix's top-level folder, which stays): gc would otherwise leave a tree of empty folders per version."""
         try:
-            self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix))).result()
+            self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix.encode(),
+                                                     exclusive_max=_prefix_end(prefix))).result()
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"deleting {prefix}") from err
-        root = self.local_root()
+        root = self.capabilities.local_root
         if root is not None and "/" in prefix.rstrip("/"):
-            _remove_empty_folders(root, prefix)
-
-    def local_root(self) -> str | None:
-        """The directory of a local ``file`` store (keys are paths under it); None for other drivers."""
-        if self.spec.get("driver") != "file" or set(self.spec) - {"driver", "path"}:
-            return None
-        return self.spec["path"]
+            remove_empty_folders(root, prefix)
 
     def child_spec(self, key_prefix: str) -> dict[str, Any]:
         """The kvstore spec for a sub-directory, for TensorStore drivers such as zarr3."""
@@ -350,35 +374,12 @@ class Store:
         return spec
 
 
-def _prefix_end(prefix: str) -> str:
-    """The smallest key greater than every key that starts with ``prefix``."""
+def _prefix_end(prefix: str) -> bytes:
+    """The smallest key greater than every key that starts with ``prefix``, as bytes: TensorStore orders keys by
+    their UTF-8 bytes, and a string made of those bytes would be encoded again."""
     b = prefix.encode()
     while b and b[-1] == 0xFF:
         b = b[:-1]
     if not b:
-        return ""
-    return (b[:-1] + bytes([b[-1] + 1])).decode("latin-1")
-
-
-def _remove_empty_folders(root: str, prefix: str) -> None:
-    """The empty folders under ``prefix`` (a folder when it ends in "/"), then its parents while they are empty,
-    stopping below its top-level folder (``data/``, ``staging/``)."""
-    path = os.path.join(root, prefix.rstrip("/"))
-    folder = path if prefix.endswith("/") else os.path.dirname(path)
-    for sub, _, _ in os.walk(folder, topdown=False):
-        try:
-            os.rmdir(sub)   # only when empty
-        except OSError:
-            pass
-    remove_empty_parents(os.path.dirname(folder), os.path.join(root, prefix.split("/", 1)[0]))
-
-
-def remove_empty_parents(folder: str, top: str) -> None:
-    """Remove ``folder``, then its parents, while they are empty, stopping below ``top`` (a local store's
-    folders: a deleted key's leftovers)."""
-    while folder.startswith(top + os.sep):
-        try:
-            os.rmdir(folder)   # only when empty
-        except OSError:
-            return
-        folder = os.path.dirname(folder)
+        return b""
+    return b[:-1] + bytes([b[-1] + 1])

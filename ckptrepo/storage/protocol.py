@@ -1,0 +1,163 @@
+"""The storage protocol: what a repository needs from the key-value store under it.
+
+A repository is a set of keys (``HEAD``, ``refs/heads/main``, ``versions/ID``,
+``data/ID/...``) relative to its root. Everything above this layer talks to a
+:class:`Store`; a backend (TensorStore's drivers, or a second tier in front of
+them) implements it, and ``ckptrepo.testing.StoreTests`` checks that it does.
+
+Three things are outside plain key-value access:
+
+* Commits and ref updates need a write that happens only if a key is still what
+  the writer last read: :meth:`Store.compare_and_swap` on a *generation*, an
+  opaque token from :meth:`Store.get_with_generation`. :data:`NO_VALUE` is the
+  generation of an absent key.
+* Tensor data lives in zarr v3 arrays that TensorStore's ``zarr3`` driver opens
+  itself. A store reaches them through :meth:`Store.child_spec` (the kvstore
+  spec of a sub-prefix) and :attr:`Store.context` (the TensorStore context the
+  store's own requests share, so a ``memory://`` array lands in the same memory).
+* A store whose keys are plain files under a local directory says so in its
+  :class:`StoreCapabilities` (``local_root``); the direct read and write paths
+  (``_localread``, ``_localwrite``) and local housekeeping (empty folders after
+  deletes) use the files only when it does.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+__all__ = ["NO_VALUE", "Store", "StoreCapabilities", "open_store"]
+
+# The generation of an absent key: what ``get_with_generation`` returns for one, and what ``compare_and_swap``
+# takes to mean "only if absent". TensorStore's StorageGeneration::NoValue(), so its generations pass unchanged.
+NO_VALUE = b"\x02"
+
+
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """What a store offers beyond the protocol's operations, decided once when the store is opened.
+
+    Callers branch on these flags, never on a store's class, URL or driver, so a
+    new backend gets the right treatment by declaring what it is.
+    """
+
+    # The directory whose files are the store's keys (``root + key``, "/" separated, ending in "/"), for direct
+    # local I/O; None where keys are not plain files this process may read and write itself.
+    local_root: str | None = None
+    # Whether compare_and_swap and put_if_absent are atomic across processes and machines: of racing writers
+    # with the same expected generation, at most one succeeds. Commits and ref updates rely on it.
+    atomic_conditional_writes: bool = True
+    # Whether the store may keep a reference to the buffer passed to ``put`` as the stored value (an in-memory
+    # store) instead of copying it before ``put`` returns: a caller that reuses the buffer must pass a copy.
+    keeps_written_buffers: bool = False
+    # Key endings the store uses for itself (a file store's lock files): such keys are never listed, and are
+    # not the caller's to read or write.
+    reserved_suffixes: tuple[str, ...] = ()
+
+    def local_path(self, key: str) -> str | None:
+        """The file holding ``key`` under ``local_root``, for keys that map plainly onto a path; None otherwise
+        (no local root, or a key with empty, ``.`` or ``..`` parts, a NUL or a reserved ending, which the
+        store's own operations handle and report)."""
+        root = self.local_root
+        if root is None or not key or "\0" in key or key.endswith(self.reserved_suffixes):
+            return None
+        if any(part in ("", ".", "..") for part in key.split("/")):
+            return None
+        return os.path.join(root, key)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A repository's key-value store; every key is relative to the repository root.
+
+    Values are bytes. Absent keys read as None, never as an error; failures of the
+    storage itself raise :class:`ckptrepo.errors.StorageError` with a one-line message.
+    """
+
+    url: str
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """What this store offers beyond the operations below (see :class:`StoreCapabilities`)."""
+        ...
+
+    @property
+    def context(self) -> "ts.Context":
+        """The TensorStore context zarr arrays under this store are opened in (with :meth:`child_spec`)."""
+        ...
+
+    def describe(self) -> str:
+        """One line naming the store for messages and logs."""
+        ...
+
+    # ---- reads ----------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        """The value at ``key``, or None when absent."""
+        ...
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        """Up to ``length`` bytes of the value at ``key`` from byte ``offset``: fewer where the value ends
+        first, empty from or past its end; None when absent. Negative numbers raise ValueError."""
+        ...
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values at ``keys`` in their order (None where absent), requested together so that a remote store
+        pays one round trip's latency rather than one per key."""
+        ...
+
+    def get_with_generation(self, key: str) -> tuple[bytes | None, bytes]:
+        """The value at ``key`` and its generation (:data:`NO_VALUE` when absent), the token for
+        :meth:`compare_and_swap`."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds a value (an empty value counts)."""
+        ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key that starts with ``prefix``, sorted; a prefix is a string, so pass a trailing "/" to list
+        one folder and not its siblings (``a/b/`` leaves out ``a/bc``)."""
+        ...
+
+    # ---- writes ---------------------------------------------------------
+    def put(self, key: str, value: bytes) -> None:
+        """Write ``value`` at ``key``, replacing what is there, durably once this returns."""
+        ...
+
+    def put_if_absent(self, key: str, value: bytes) -> bool:
+        """Create ``key`` unless it holds a value; whether this call created it."""
+        ...
+
+    def compare_and_swap(self, key: str, value: bytes | None, expected_generation: bytes) -> bytes | None:
+        """Write ``value`` (delete, for None) only if ``key`` is still at ``expected_generation``
+        (:data:`NO_VALUE`: only if absent); the new generation when it happened, None when the condition
+        failed."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; no error when it is absent."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every key that starts with ``prefix`` (a string prefix, as in :meth:`list`)."""
+        ...
+
+    # ---- arrays ---------------------------------------------------------
+    def child_spec(self, key_prefix: str) -> dict[str, Any]:
+        """The TensorStore kvstore spec (JSON) of the keys under ``key_prefix`` + "/": how a zarr array stored
+        there is opened, by TensorStore's ``zarr3`` driver in :attr:`context`."""
+        ...
+
+
+def open_store(url: str, options: dict[str, Any] | None = None) -> Store:
+    """The store named by ``url`` (a path, ``file://``, ``memory://``, ``s3://`` or ``gs://``), opened without
+    touching storage; ``options`` are merged into its TensorStore kvstore spec (e.g. ``{"endpoint": ...}``).
+
+    TensorStore serves every scheme; the import is here, not at the top, because that module implements this one.
+    """
+    from ckptrepo.storage._tensorstore import TensorStoreStore
+
+    return TensorStoreStore.open(url, options)
