@@ -64,7 +64,7 @@ def _repo(ctx: click.Context) -> ckptrepo.Repository:
     return ckptrepo.open(ctx.obj["url"])
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -57,7 +57,7 @@ def fingerprint(view: torch.Tensor) -> int:
     h = xxhash.xxh3_64()
     h.update(view.numel().to_bytes(8, "little"))
     if s.numel():
-        h.update(s.view(torch.uint8).numpy())   # sample() is 1-D
+        h.update(s.view(torch.uint8).numpy().data)   # sample() is 1-D
     return h.intdigest()
 
 

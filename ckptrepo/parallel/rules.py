@@ -140,6 +140,7 @@ def local_shape(spec: Spec, global_shape: Sequence[int], tp: int, what: str = "t
             raise LayoutError(f"{what}: {shape[d]} rows saved but the rules say the vocabulary has {spec.size}")
         shape[d] = spec.padded(tp) // tp
     else:
+        assert isinstance(spec, Fused), spec   # Replicated has no split dimension: returned above
         shape[d] = sum(_divide(s, tp, what) for s in spec.sizes(shape[d]))
     return tuple(shape)
 
@@ -211,14 +212,15 @@ class Rules:
         self.first_stage = tuple(first_stage)
         self.last_stage = tuple(last_stage)
         self._layer_re = re.compile(rf"^{re.escape(layer_prefix)}(\d+)(\..*)?$")
-        items = param_shapes.items() if isinstance(param_shapes, Mapping) else param_shapes
+        items: Iterable[tuple[Any, Any]] | None = (
+            param_shapes.items() if isinstance(param_shapes, Mapping) else param_shapes)   # type: ignore[assignment]
         # global parameter name -> global shape, in model order (the order of a ZeRO-3 flat partition)
         self.param_shapes: dict[str, tuple[int, ...]] | None = (
             None if items is None else {str(n): tuple(int(d) for d in shape) for n, shape in items})
 
     def replaced(self, **changes: Any) -> "Rules":
         """A copy with the constructor arguments in ``changes`` replaced (``stage_sizes=None``, ...)."""
-        args = {"params": self.params, "sections": self.sections, "optimizer_sections": self.optimizer_sections,
+        args: dict[str, Any] = {"params": self.params, "sections": self.sections, "optimizer_sections": self.optimizer_sections,
                 "layer_prefix": self.layer_prefix, "num_layers": self.num_layers, "stage_sizes": self.stage_sizes,
                 "first_stage": self.first_stage, "last_stage": self.last_stage, "param_shapes": self.param_shapes}
         args.update(changes)

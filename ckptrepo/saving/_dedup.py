@@ -66,7 +66,7 @@ def digest(t: torch.Tensor) -> int:
     viewed as bytes, which failed every snapshot after the first that held one.
     """
     flat = t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
-    return xxhash.xxh3_128_intdigest(flat.view(torch.uint8).numpy())
+    return xxhash.xxh3_128_intdigest(flat.view(torch.uint8).numpy().data)
 
 
 class DedupIndex:

@@ -420,10 +420,11 @@ class DirectWriter:
             item = self._queue.get()
             if item is None:
                 return
-            bounce = self._write(*item, bounce)
+            fut, info, start, data = item
+            bounce = self._write(fut, info, start, data, bounce)
             # not kept while waiting for the next: the future's callbacks hold the snapshot's job, which would
             # otherwise live on until this thread's next write and age into the cyclic GC's oldest generation
-            del item
+            del item, fut, info, start, data
 
     def _write(self, fut: "Future[None]", info: ArrayInfo, start: int, data: "np.ndarray | LiveShard",
                bounce: np.ndarray | None) -> np.ndarray | None:
@@ -572,6 +573,7 @@ def write_object(path: str, total: int, write: Callable[[int], None],
 
 def _open_locked(path: str) -> int:
     """Open (create) ``path`` and hold an exclusive OFD lock on it while it still has that name."""
+    assert _F_OFD_SETLKW is not None   # the direct writer is only made where the lock exists
     fd = os.open(path, _OPEN_FLAGS, 0o666)
     try:
         while True:

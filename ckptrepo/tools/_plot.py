@@ -52,7 +52,7 @@ def trajectory_png(points: Sequence[TrajectoryPoint], path: str | os.PathLike[st
     series: Series = {}
     for p in points:
         xs, ys = series.setdefault(p.name, ([], []))
-        xs.append(p.step if use_steps else order[p.version])
+        xs.append(p.step if use_steps and p.step is not None else order[p.version])
         ys.append(p.value)
     _save(path, [(metric, series)], f"{metric} of {pattern}", "step" if use_steps else "version (oldest first)")
 
