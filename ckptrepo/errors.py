@@ -60,7 +60,8 @@ class SnapshotFailedError(CkptRepoError):
 
 
 class ExchangeError(CkptRepoError):
-    """An export or import cannot be done as asked: unknown format or path, existing output, a value the format cannot hold."""
+    """An export or import cannot be done as asked: unknown format or path, existing output, or a value
+    the format cannot hold."""
 
 
 class TrustRequiredError(CkptRepoError):

@@ -65,7 +65,8 @@ class ParallelLayout:
         """The (tp, pp, dp) position of ``rank``."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside this layout of {self.world_size} ranks "
-                              f"(tp={self.tp}, pp={self.pp}, dp={self.dp}); pass rank= between 0 and {self.world_size - 1}")
+                              f"(tp={self.tp}, pp={self.pp}, dp={self.dp}); "
+                               f"pass rank= between 0 and {self.world_size - 1}")
         return Coords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
 
     def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:

@@ -57,7 +57,8 @@ class Split:
 
 @dataclass(frozen=True)
 class VocabSplit:
-    """A vocabulary-parallel tensor: ``size`` real rows, padded to a multiple of ``multiple * tp``, split along ``dim``."""
+    """A vocabulary-parallel tensor: ``size`` real rows, padded to a multiple of ``multiple * tp``, split along
+    ``dim``."""
 
     size: int
     multiple: int = 128
@@ -220,7 +221,8 @@ class Rules:
 
     def replaced(self, **changes: Any) -> "Rules":
         """A copy with the constructor arguments in ``changes`` replaced (``stage_sizes=None``, ...)."""
-        args: dict[str, Any] = {"params": self.params, "sections": self.sections, "optimizer_sections": self.optimizer_sections,
+        args: dict[str, Any] = {"params": self.params, "sections": self.sections,
+                                "optimizer_sections": self.optimizer_sections,
                 "layer_prefix": self.layer_prefix, "num_layers": self.num_layers, "stage_sizes": self.stage_sizes,
                 "first_stage": self.first_stage, "last_stage": self.last_stage, "param_shapes": self.param_shapes}
         args.update(changes)
@@ -357,5 +359,6 @@ def megatron_gpt(num_layers: int, vocab_size: int, make_vocab_size_divisible_by:
         first_stage=("embedding.*",), last_stage=("final_ln.*", "head.*"), param_shapes=param_shapes)
 
 
-__all__ = ["Fused", "LocalParam", "ParamShapes", "Region", "Replicated", "Rules", "Spec", "Split", "VocabSplit", "global_shape", "local_shape",
+__all__ = ["Fused", "LocalParam", "ParamShapes", "Region", "Replicated", "Rules", "Spec", "Split", "VocabSplit",
+           "global_shape", "local_shape",
            "megatron_gpt", "regions"]

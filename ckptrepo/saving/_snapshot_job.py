@@ -73,7 +73,8 @@ class SnapshotHandle:
         return self._version
 
     def __repr__(self) -> str:
-        state = "failed" if self._error else "committed" if self.done() else "captured" if self.captured() else "capturing"
+        state = ("failed" if self._error else "committed" if self.done() else "captured" if self.captured()
+                 else "capturing")
         return f"SnapshotHandle({self.id[:12]}, step={self.step}, {state})"
 
 

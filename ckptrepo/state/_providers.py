@@ -165,7 +165,8 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             raise UnsupportedValueError(f"{_path_str(path)}: nested tensors are not supported; save their "
                                         f"components (t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
         if t.layout != torch.strided:
-            raise UnsupportedValueError(f"{_path_str(path)}: {t.layout} tensors are not supported; convert with .to_dense()")
+            raise UnsupportedValueError(f"{_path_str(path)}: {t.layout} tensors are not supported; "
+                                        f"convert with .to_dense()")
         if t.is_quantized:
             raise UnsupportedValueError(f"{_path_str(path)}: quantized tensors cannot be saved")
         if t.device.type == "meta":   # flattened to save, and to load into (a layout load's `into`)
@@ -189,7 +190,8 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             return [TUPLE, [key_node(k, path) for k in key]]
         if key is None or (isinstance(key, (str, bool, int, float, bytes)) and not isinstance(key, np.generic)):
             return walk(key, path)   # (np.float64 subclasses float, but a numpy scalar key is refused like np.int64)
-        raise UnsupportedValueError(f"{_path_str(path)}: dict key {key!r} of type {type(key).__name__} is not supported")
+        raise UnsupportedValueError(f"{_path_str(path)}: dict key {key!r} of type {type(key).__name__} "
+                                    f"is not supported")
 
     def walk(obj: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(obj, np.generic):  # before float/int: np.float64 subclasses float
@@ -253,7 +255,8 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             return [STATEFUL, cls, walk(obj.state_dict(), path)]
         raise UnsupportedValueError(
             f"{_path_str(path)}: values of type {type(obj).__module__}.{type(obj).__qualname__} cannot be saved "
-            f"without pickle; store tensors, numpy arrays, plain Python data, or an object with state_dict()/load_state_dict()")
+            f"without pickle; store tensors, numpy arrays, plain Python data, "
+            f"or an object with state_dict()/load_state_dict()")
 
     try:
         return walk(state, ()), tensors
