@@ -26,10 +26,10 @@ from ckptrepo.core._manifest import (
     encode_config,
     is_version_id,
     unseal,
-    version_from_manifest,
 )
 from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, ManifestReads
 from ckptrepo.core._refs import Refs, init_head
+from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
     CkptRepoError,
     CorruptionError,
@@ -42,8 +42,8 @@ from ckptrepo.errors import (
     first_line,
 )
 from ckptrepo.maintenance._gc import PRUNED_PREFIX, head_branch_lost, head_ref_blocked
-from ckptrepo.state._skeleton import numel, plain_values, short_text
-from ckptrepo.storage._arrays import ArrayInfo, itemsize
+from ckptrepo.state._skeleton import plain_values, short_text
+from ckptrepo.storage._arrays import itemsize
 from ckptrepo.storage._tensorstore import Store
 
 if TYPE_CHECKING:
@@ -125,11 +125,11 @@ class _WalkingSource:
         return getattr(self._repo, name)
 
     def first_parent(self, vid: str) -> str | None:
-        parents = self._walk(vid)["parents"]
+        parents = self._walk(vid).parents
         return parents[0] if parents else None
 
     def step_of(self, vid: str) -> int | None:
-        return self._walk(vid)["step"]
+        return self._walk(vid).step
 
 
 @dataclass
@@ -174,23 +174,23 @@ class Repository:
         self._plans = cache
 
     # ---- manifests (manifest_reads.py) ------------------------------------------
-    def manifest(self, vid: str) -> dict[str, Any]:
+    def manifest(self, vid: str) -> Manifest:
         """The decoded manifest of version ``vid`` (cached: manifests never change)."""
         return self.reads.manifest(vid)
 
-    def header(self, vid: str) -> dict[str, Any]:
+    def header(self, vid: str) -> ManifestHeader:
         """The small fields of version ``vid``'s manifest: all that history walks need (cached)."""
         return self.reads.header(vid)
 
-    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | CkptRepoError]]:
+    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, Manifest | CkptRepoError]]:
         """Each version's decoded manifest, or the error reading it gave, in order (batched on object stores)."""
         return self.reads.iter_manifests(vids)
 
-    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, Manifest]]:
         """Each version's decoded manifest in order; the first version that cannot be read raises."""
         return self.reads.each_manifest(vids)
 
-    def remember_header(self, manifest: dict[str, Any]) -> None:
+    def remember_header(self, manifest: Manifest) -> None:
         """Cache the header of a manifest this process just committed (see ManifestReads.remember_header)."""
         self.reads.remember_header(manifest)
 
@@ -229,11 +229,11 @@ class Repository:
                 if is_version_id(k[len(VERSIONS_PREFIX):])]
 
     def first_parent(self, vid: str) -> str | None:
-        parents = self.header(vid)["parents"]
+        parents = self.header(vid).parents
         return parents[0] if parents else None
 
     def step_of(self, vid: str) -> int | None:
-        return self.header(vid)["step"]
+        return self.header(vid).step
 
     # ---- snapshot -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
@@ -299,11 +299,11 @@ class Repository:
         with collection_paused(), torch.no_grad():
             return self._load(rev, into, target, on_bytes, parallel_layout, rank, read_stats)
 
-    def require_data(self, vid: str, manifest: dict[str, Any]) -> None:
+    def require_data(self, vid: str, manifest: Manifest) -> None:
         """Refuse, in one line, to read the tensors of a version gc pruned (its history stays, its data is gone):
         every reader (load, diff, stats) says so instead of failing on the first missing object."""
-        if any(t["pieces"] for t in manifest["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
-            raise RevisionError(f"version {vid[:12]} (step {manifest['step']}) was pruned by gc: its tensor data is "
+        if any(t.pieces for t in manifest.tensors) and self.store.exists(PRUNED_PREFIX + vid):
+            raise RevisionError(f"version {vid[:12]} (step {manifest.step}) was pruned by gc: its tensor data is "
                                 f"deleted; pick a kept version from `ckptrepo log`")
 
     def _load(self, rev: str, into: Any, target_device: "torch.device | None", on_bytes: Callable[[int], None] | None,
@@ -317,17 +317,17 @@ class Repository:
             self.require_data(vid, m)   # pruned by a gc while it was read: say so, not "corrupt; run fsck"
             raise
 
-    def _load_data(self, vid: str, m: dict[str, Any], into: Any, target_device: "torch.device | None",
+    def _load_data(self, vid: str, m: Manifest, into: Any, target_device: "torch.device | None",
                    on_bytes: Callable[[int], None] | None, parallel_layout: "ParallelLayout | None",
                    rank: int | None, read_stats: "ReadStats | None") -> Any:
         from ckptrepo.loading._binding import Binder
         from ckptrepo.loading._layout_load import load_layout, needs_layout_load
-        from ckptrepo.loading._reader import TensorEntry, read_tensors
+        from ckptrepo.loading._reader import read_tensors
         from ckptrepo.state._providers import unflatten
         if needs_layout_load(m, parallel_layout, into):
             return load_layout(self.store, m, parallel_layout, rank, into, target_device, read_stats)
-        entries = [TensorEntry.from_json(t) for t in m["tensors"]]
-        arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
+        entries = list(m.tensors)
+        arrays = m.arrays
         fresh: dict[int, torch.Tensor] = {}
 
         def get_tensor(i: int, as_numpy: bool) -> Any:
@@ -341,9 +341,9 @@ class Repository:
 
         if into is None:
             fresh.update(read_tensors(self.store, arrays, entries, list(range(len(entries))), on_bytes=on_bytes))
-            return unflatten(m["tree"], get_tensor)
+            return unflatten(m.tree, get_tensor)
         binder = Binder(entries, build, vid)
-        finalize = binder.bind(m["tree"], into)
+        finalize = binder.bind(m.tree, into)
         wanted = list(range(len(entries)))
         got = read_tensors(self.store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
         fresh.update({i: t for i, t in got.items() if i not in binder.destinations})
@@ -381,8 +381,8 @@ class Repository:
         # newest first, as git does: pop the newest version reached so far, then reach its parents; a
         # version is never newer than its children, so the walk stops once `limit` versions are listed
         seen: set[str] = set()
-        frontier: list[tuple[float, str, dict[str, Any]]] = []
-        found: list[dict[str, Any]] = []
+        frontier: list[tuple[float, str, ManifestHeader]] = []
+        found: list[ManifestHeader] = []
         # a long log reads its headers in batches from the start; a short one (`log -n 5`) never lists versions/
         walk = HeaderWalk(self.reads, batch=limit is None or limit > HEADER_BATCH)
 
@@ -390,24 +390,24 @@ class Repository:
             if vid not in seen:
                 seen.add(vid)
                 h = walk(vid)
-                heapq.heappush(frontier, (-h["time"], vid, h))
+                heapq.heappush(frontier, (-h.time, vid, h))
         for vid in starts:
             if vid:
                 reach(vid)
         while frontier and (limit is None or len(found) < limit):
             _, _, h = heapq.heappop(frontier)
-            step = h["step"]
+            step = h.step
             if (since is None and until is None) or (step is not None and (since is None or step >= since)
                                                      and (until is None or step <= until)):
                 found.append(h)
                 if limit is not None and len(found) >= limit:
                     break   # its parents are not listed: do not read them
-            for p in h["parents"]:
+            for p in h.parents:
                 reach(p)
         names = self._ref_names()
         from ckptrepo.maintenance._gc import pruned_ids
         pruned = pruned_ids(self)
-        return [version_from_manifest(h, names.get(h["id"], ()), h["id"] in pruned) for h in found]
+        return [version_from_manifest(h, names.get(h.id, ()), h.id in pruned) for h in found]
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
@@ -490,13 +490,14 @@ class Repository:
         """The version's header, tensors (name, dtype, shape, bytes) and plain values."""
         vid = self.resolve(rev)
         m = self.manifest(vid)
-        tensors = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
-                    "bytes": numel(t["shape"]) * itemsize(t["dtype"])} for t in m["tensors"]]
-        layout = {k: v for k, v in m.get("layout", {}).items() if k not in ("ranks", "rules")}  # summary only
+        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.numel * itemsize(t.dtype)}
+                   for t in m.tensors]
+        saved = {} if m.layout is None else m.layout.to_raw()
+        layout = {k: v for k, v in saved.items() if k not in ("ranks", "rules")}  # summary only
         from ckptrepo.maintenance._gc import pruned_ids
         pruned = vid in pruned_ids(self)   # as log says: its data is gone (the table lists what was saved)
         return VersionDetails(version_from_manifest(m, self._ref_names().get(vid, ()), pruned), layout,
-                              tensors, [(p, short_text(v, 80)) for p, v in plain_values(m["tree"], summarize_after=8)])
+                              tensors, [(p, short_text(v, 80)) for p, v in plain_values(m.tree, summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,
              on_bytes: Callable[[int], None] | None = None) -> Any:
@@ -521,7 +522,7 @@ class Repository:
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
-        rows = [{"version": vid, "step": h["step"], **h["metrics"]}
+        rows = [{"version": vid, "step": h.step, **h.metrics}
                 for vid, h in HeaderWalk(self.reads).chain(self.resolve(rev))]
         return rows[::-1]
 
@@ -561,7 +562,7 @@ class Repository:
 
     def capture_stats(self, rev: str = "HEAD") -> dict[str, Any]:
         """The capture statistics recorded with a version (blocking, capture, flush, total seconds; bytes; GB/s)."""
-        return dict(self.manifest(self.resolve(rev)).get("stats", {}))
+        return dict(self.manifest(self.resolve(rev)).stats or {})
 
     def all_version_ids(self) -> list[str]:
         """Every version manifest in storage, reachable or not."""

@@ -57,16 +57,15 @@ def test_each_layout_commits_one_version_with_every_replica_written_once(saved: 
     for v in saved["versions"].values():
         m = repo.manifest(v["vid"])
         lay = v["layout"]
-        assert (m["layout"]["tp"], m["layout"]["pp"], m["layout"]["dp"], m["layout"]["zero"]) == \
-            (lay.tp, lay.pp, lay.dp, lay.zero)
-        assert len(m["layout"]["ranks"]) == lay.world_size
+        assert (m.layout.tp, m.layout.pp, m.layout.dp, m.layout.zero) == (lay.tp, lay.pp, lay.dp, lay.zero)
+        assert len(m.layout.ranks) == lay.world_size
         # the version stores the global model and optimizer state once, plus each rank's own RNG state
         full = v["full"]
         logical = sum(t.numel() * 4 for sec in (full["model"], full["optimizer"]["exp_avg"],
                                                 full["optimizer"]["exp_avg_sq"]) for t in sec.values())
-        rng = sum(t["shape"][0] for t in m["tensors"] if t["name"].startswith("rng/torch@rank"))
-        assert m["size"] == logical + rng
-        names = {t["name"] for t in m["tensors"]}
+        rng = sum(t.shape[0] for t in m.tensors if t.name.startswith("rng/torch@rank"))
+        assert m.size == logical + rng
+        names = {t.name for t in m.tensors}
         assert "model/layers.3.attn.qkv.weight" in names and "optimizer/exp_avg/head.weight" in names
         assert {t["shape"][0] for t in m["tensors"] if t["name"].endswith("word_embeddings.weight")} == {CFG.vocab_size}
     assert repo.fsck().ok

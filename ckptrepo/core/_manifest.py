@@ -139,12 +139,6 @@ class Version:
                 "pruned": self.pruned}
 
 
-def version_from_manifest(m: dict[str, Any], refs: tuple[str, ...] = (), pruned: bool = False) -> Version:
-    return Version(id=m["id"], parents=tuple(m["parents"]), step=m["step"], time=m["time"],
-                   message=m["message"], metrics=dict(m["metrics"]), size=0 if pruned else m["size"], refs=refs,
-                   pruned=pruned)
-
-
 def encode_config(settings: dict[str, Any]) -> bytes:
     return json.dumps({"format": "ckptrepo", "format_version": FORMAT_VERSION, **settings}, indent=2).encode()
 
@@ -153,7 +147,8 @@ def decode_config(blob: bytes, url: str) -> dict[str, Any]:
     try:
         cfg = json.loads(blob)
     except ValueError as err:
-        raise CorruptionError(f"{url}: {CONFIG_KEY} is not valid JSON ({err}); the repository config is damaged") from err
+        raise CorruptionError(f"{url}: {CONFIG_KEY} is not valid JSON ({err}); "
+                              f"the repository config is damaged") from err
     version = cfg.get("format_version") if isinstance(cfg, dict) else None
     if version is None or cfg.get("format") != "ckptrepo" or not isinstance(version, int):
         raise CorruptionError(f"{url}: {CONFIG_KEY} is not a ckptrepo config")

@@ -16,12 +16,14 @@ import time
 from typing import Any
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import (
-    FAILURES_PREFIX,
-    FORMAT_VERSION,
-    VERSIONS_PREFIX,
-    Version,
-    seal,
+from ckptrepo.core._manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
+from ckptrepo.core.schema import (
+    SINGLE_PROCESS_LAYOUT,
+    Manifest,
+    ManifestHeader,
+    Piece,
+    TensorEntry,
+    encode_manifest,
     version_from_manifest,
 )
 from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
@@ -119,17 +121,16 @@ class Committer:
                                       f"{job.handle.step}, rank {other} step {steps[other]}; pass every rank the "
                                       f"same step")
         check_replicas(ranks)
-        manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
-        manifest.update(version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics))
-        return self._publish(job, manifest)
+        header = version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics)
+        return self._publish(job, merge_rank_manifests(ranks, self.layout, self.world_size, header))
 
-    def _publish(self, job: SnapshotJob, manifest: dict[str, Any]) -> Version:
+    def _publish(self, job: SnapshotJob, manifest: Manifest) -> Version:
         """Write the manifest, then move the branch: the version exists once the ref moved."""
         if self.conflict is not None:
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
-        manifest["stats"] = job.handle.stats.to_json()
-        self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, seal(manifest))
+        manifest = manifest.with_stats(job.handle.stats.to_json())
+        self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
         faults.point("after_manifest")
         gen = self.repo.refs.move_branch(self.branch, job.vid, self.generation)
         if gen is None:
@@ -170,16 +171,17 @@ class Committer:
 
 
 def version_header(vid: str, parent: str | None, step: int | None, message: str,
-                   metrics: dict[str, Any]) -> dict[str, Any]:
-    """The fields every version manifest starts with, single-process or merged from ranks (docs/format.md)."""
-    return {"format_version": FORMAT_VERSION, "id": vid, "parents": [parent] if parent else [], "step": step,
-            "time": time.time(), "message": message, "metrics": metrics, "host": socket.gethostname()}
+                   metrics: dict[str, Any]) -> ManifestHeader:
+    """The fields every version manifest starts with, single-process or merged from ranks (docs/format.md);
+    ``size`` is the merge's or ``build_manifest``'s to fill in."""
+    return ManifestHeader(format_version=FORMAT_VERSION, id=vid, parents=(parent,) if parent else (), step=step,
+                          time=time.time(), message=message, metrics=metrics, host=socket.gethostname(), size=0)
 
 
 def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
                    records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
                    skeleton: Any, written: list[int] | None = None,
-                   reused: dict[int, StoredTensor] | None = None) -> dict[str, Any]:
+                   reused: dict[int, StoredTensor] | None = None) -> Manifest:
     """The version manifest for a single-process snapshot (see docs/format.md).
 
     ``plan`` covers the ``written`` records (default: all); a ``reused`` record's
@@ -188,23 +190,20 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
     """
     reused = reused or {}
     placement = dict(zip(range(len(records)) if written is None else written, plan.placements))
-    listed = {a.key: a.to_json() for a in arrays.values()}
+    listed = {a.key: a for a in arrays.values()}
     for s in reused.values():
-        listed.setdefault(s.array, s.info)
+        if s.array not in listed:
+            listed[s.array] = ArrayInfo.from_json(s.array, s.info)
 
-    def pieces(i: int, r: TensorRecord) -> list[dict[str, Any]]:
-        box = [[0] * len(r.shape), list(r.shape)]
+    def pieces(i: int, r: TensorRecord) -> tuple[Piece, ...]:
+        box = ((0,) * len(r.shape), tuple(r.shape))
         if i in reused:
-            return [{"box": box, "array": reused[i].array, "offset": reused[i].offset}]
+            return (Piece(box, reused[i].array, reused[i].offset),)
         p = placement[i]
-        return [{"box": box, "array": arrays[p.dtype].key, "offset": p.offset}] if p.numel else []
+        return (Piece(box, arrays[p.dtype].key, p.offset),) if p.numel else ()
 
-    return {
-        **version_header(vid, parent, step, message, metrics),
-        "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
-        "size": plan.nbytes,
-        "arrays": listed,
-        "tensors": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "pieces": pieces(i, r)}
-                    for i, r in enumerate(records)],
-        "tree": skeleton,
-    }
+    header = version_header(vid, parent, step, message, metrics)
+    return Manifest.of(header, size=plan.nbytes, layout=SINGLE_PROCESS_LAYOUT, arrays=listed,
+                       tensors=tuple(TensorEntry(r.name, r.dtype, tuple(r.shape), pieces(i, r))
+                                     for i, r in enumerate(records)),
+                       tree=skeleton)
