@@ -123,3 +123,19 @@ def test_a_header_is_what_a_handle_caches_of_its_commits(tmp_path):
     h = repo.header(v.id)
     assert type(h) is ManifestHeader and h == repo.manifest(v.id).header()
     assert dataclasses.replace(h, step=2) != h
+
+
+def test_a_rank_part_and_a_rank_failure_round_trip_through_staging():
+    from ckptrepo.core.schema import RankFailure, RankPart, decode_rank_part, encode_rank_part
+    info = ArrayInfo("data/v/1/float32", "float32", 32, 32, 32)
+    part = RankPart(rank=1, step=3, tree=["T", 0], leaf_names=("model/w",), names=(("model/w", "float32", (8, 4)),),
+                    coords={"tp": 1, "pp": 0, "dp": 0},
+                    tensors=(("model/w", (Piece(((0, 0), (8, 4)), info.key, 0),)),),
+                    arrays={info.key: info}, fingerprints=(["model/w", [[0, 0], [8, 4]], 7, "rules"],))
+    blob = encode_rank_part(part)
+    assert decode_rank_part(blob, "staging/v/rank-1") == part
+    assert list(unseal(blob, "t")) == ["rank", "step", "tree", "leaf_names", "names", "coords", "tensors", "arrays",
+                                       "fingerprints"]
+    assert decode_rank_part(encode_rank_part(RankFailure(2, "boom")), "k") == RankFailure(2, "boom")
+    with pytest.raises(CorruptionError, match="staging/v/rank-1 is not a rank's part"):
+        decode_rank_part(seal({"rank": 1}), "staging/v/rank-1")

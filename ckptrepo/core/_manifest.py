@@ -1,8 +1,10 @@
-"""Manifest, ref and repository-config schemas and their encodings.
+"""Storage keys, the sealed-object encoding, version ids, and the repository config.
 
 A version manifest is msgpack followed by a 4-byte little-endian crc32c of the
-msgpack bytes, so a flipped byte is detected before anything is decoded. Refs
-are tiny text objects: a version id, or ``ref: refs/heads/NAME`` for HEAD.
+msgpack bytes, so a flipped byte is detected before anything is decoded
+(``seal``/``unseal``; the manifest's records and its encoder and decoder are in
+core/schema.py). Refs are tiny text objects: a version id, or
+``ref: refs/heads/NAME`` for HEAD.
 """
 from __future__ import annotations
 

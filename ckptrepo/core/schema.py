@@ -272,6 +272,62 @@ def encode_manifest(m: Manifest) -> bytes:
     return seal(manifest_raw(m))
 
 
+@dataclass(frozen=True, slots=True)
+class RankPart:
+    """One rank's part of a distributed snapshot (parallel/_distributed.py): written to
+    ``staging/<id>/rank-<r>`` once its data is durable, merged by rank 0 into the version manifest."""
+
+    rank: int
+    step: int | None
+    tree: Tree                                          # this rank's skeleton
+    leaf_names: tuple[str, ...]                         # the stored name of each of its tensor leaves
+    names: tuple[tuple[str, str, tuple[int, ...]], ...]   # (name, dtype, global shape) of each tensor it holds
+    coords: dict[str, int] | None                       # {tp, pp, dp}; None without a ParallelLayout
+    tensors: tuple[tuple[str, tuple[Piece, ...]], ...]  # (name, the pieces this rank wrote of it)
+    arrays: dict[str, ArrayInfo]                        # the arrays it wrote
+    fingerprints: tuple[Any, ...]                       # its replicated pieces' (parallel/_replicas.py)
+
+    def to_raw(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "tree": self.tree, "leaf_names": self.leaf_names,
+                "names": self.names, "coords": self.coords,
+                "tensors": [{"name": n, "pieces": [p.to_raw() for p in ps]} for n, ps in self.tensors],
+                "arrays": {k: a.to_json() for k, a in self.arrays.items()}, "fingerprints": self.fingerprints}
+
+    @classmethod
+    def from_raw(cls, d: dict[str, Any]) -> "RankPart":
+        return cls(d["rank"], d.get("step"), d["tree"], tuple(d["leaf_names"]),
+                   tuple((n, dtype, tuple(shape)) for n, dtype, shape in d["names"]), d.get("coords"),
+                   tuple((t["name"], tuple(map(_piece, t["pieces"]))) for t in d["tensors"]),
+                   {k: ArrayInfo.from_json(k, a) for k, a in d["arrays"].items()}, tuple(d.get("fingerprints", ())))
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """What a rank that failed its part of a distributed snapshot stages instead of its ``RankPart``."""
+
+    rank: int
+    error: str
+
+    def to_raw(self) -> dict[str, Any]:
+        return {"rank": self.rank, "error": self.error}
+
+
+def encode_rank_part(part: RankPart | RankFailure) -> bytes:
+    """The sealed staging object of a rank's part or failure."""
+    return seal(part.to_raw())
+
+
+def decode_rank_part(blob: bytes, what: str) -> RankPart | RankFailure:
+    """A staged rank part, or the failure a rank staged instead; ``what`` names the object in errors."""
+    d = unseal(blob, what)
+    try:
+        if d.get("error"):
+            return RankFailure(d.get("rank", -1), d["error"])
+        return RankPart.from_raw(d)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CorruptionError(f"{what} is not a rank's part of a snapshot ({type(err).__name__}: {err})") from None
+
+
 def table_problem(m: Manifest) -> str | None:
     """What is wrong with the tensor table's pieces against the arrays they point into, or None.
 
@@ -301,5 +357,6 @@ def table_problem(m: Manifest) -> str | None:
 
 
 __all__ = ["MERGED_ORDER", "SINGLE_PROCESS_LAYOUT", "SINGLE_PROCESS_ORDER", "LayoutRecord", "Manifest",
-           "ManifestHeader", "Piece", "RankRecord", "TensorEntry", "Tree", "decode_header", "decode_manifest",
-           "encode_manifest", "manifest_raw", "table_problem", "version_from_manifest"]
+           "ManifestHeader", "Piece", "RankFailure", "RankPart", "RankRecord", "TensorEntry", "Tree",
+           "decode_header", "decode_manifest", "decode_rank_part", "encode_manifest", "encode_rank_part",
+           "manifest_raw", "table_problem", "version_from_manifest"]

@@ -22,6 +22,8 @@ from ckptrepo.core.schema import (
     Manifest,
     ManifestHeader,
     Piece,
+    RankFailure,
+    RankPart,
     TensorEntry,
     encode_manifest,
     version_from_manifest,
@@ -81,17 +83,17 @@ class Committer:
         objects in the store.
         """
         assert job.plan is not None
-        part = {
-            "rank": self.rank, "step": job.handle.step, "tree": job.skeleton, "leaf_names": job.leaf_names,
-            "names": job.names,
-            "coords": vars(self.layout.coords(self.rank)) if self.layout is not None else None,
-            "tensors": [{"name": r.name, "pieces": [{"box": box, "array": job.arrays[p.dtype].key, "offset": p.offset}]}
-                        for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel],
-            "arrays": {a.key: a.to_json() for a in job.arrays.values()}, "fingerprints": job.fingerprints}
+        part = RankPart(
+            rank=self.rank, step=job.handle.step, tree=job.skeleton, leaf_names=tuple(job.leaf_names),
+            names=tuple((name, dtype, tuple(shape)) for name, dtype, shape in job.names),
+            coords=vars(self.layout.coords(self.rank)) if self.layout is not None else None,
+            tensors=tuple((r.name, (Piece((tuple(box[0]), tuple(box[1])), job.arrays[p.dtype].key, p.offset),))
+                          for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel),
+            arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints))
         if not self.distributed:
             return self._publish_merged(job, [part])
         staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
-        staging.publish_rank(self.rank, part)
+        staging.publish_rank(part)
         if self.rank != 0:
             staging.wait_outcome(lambda: self._on_branch(job.vid))
             return version_from_manifest(self.repo.manifest(job.vid), (self.branch,))
@@ -112,9 +114,9 @@ class Committer:
             tip = self.repo.first_parent(tip)
         return False
 
-    def _publish_merged(self, job: SnapshotJob, ranks: list[dict[str, Any]]) -> Version:
+    def _publish_merged(self, job: SnapshotJob, ranks: list[RankPart]) -> Version:
         """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
-        steps = {p["rank"]: p.get("step", job.handle.step) for p in ranks}
+        steps = {p.rank: p.step for p in ranks}
         other = next((r for r, s in steps.items() if s != job.handle.step), None)
         if other is not None:   # the version would record rank 0's step for every rank's state
             raise SnapshotFailedError(f"the ranks disagree about the step: rank {self.rank} snapshots step "
@@ -154,7 +156,7 @@ class Committer:
             if self.rank == 0:
                 staging.publish_outcome(first_line(err))
             else:
-                staging.publish_rank(self.rank, {"rank": self.rank, "error": first_line(err)})
+                staging.publish_rank(RankFailure(self.rank, first_line(err)))
         except CkptRepoError as publish_err:
             log.error("ckptrepo: could not publish the failure of %s: %s", job.vid[:12], publish_err)
 
