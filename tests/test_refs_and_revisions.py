@@ -158,7 +158,8 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     side = [repo.snapshot(state, step=s).id for s in (8, 9)]
 
     reads = count_manifest_reads(monkeypatch, repo.store)
-    monkeypatch.setattr(ckptrepo.core.schema, "unseal", lambda *a: pytest.fail("a history walk decoded a whole manifest"))
+    monkeypatch.setattr(ckptrepo.core.schema, "unseal",
+                        lambda *a: pytest.fail("a history walk decoded a whole manifest"))
     fresh = ckptrepo.open(repo.url)
     assert [v.id for v in fresh.log(limit=3)] == side[::-1] + [ids[7]]
     assert sum(reads.values()) <= 4, reads

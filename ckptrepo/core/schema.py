@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ckptrepo.core._boxes import Box, volume
-from ckptrepo.core._manifest import VERSIONS_PREFIX, Version, seal, unseal, unseal_header
+from ckptrepo.core._manifest import BULKY_FIELDS, VERSIONS_PREFIX, Version, seal, unseal, unseal_header
 from ckptrepo.errors import CorruptionError
 from ckptrepo.storage._arrays import ArrayInfo
 
@@ -33,9 +33,8 @@ SINGLE_PROCESS_ORDER = ("format_version", "id", "parents", "step", "time", "mess
                         "layout", "size", "arrays", "tensors", "tree")
 MERGED_ORDER = ("layout", "arrays", "tensors", "size", "tree",
                 "format_version", "id", "parents", "step", "time", "message", "metrics", "host")
-_HEADER_KEYS = frozenset({"format_version", "id", "parents", "step", "time", "message", "metrics", "host",
-                          "size", "stats"})
-_KNOWN_KEYS = _HEADER_KEYS | {"layout", "arrays", "tensors", "tree"}
+_KNOWN_KEYS = frozenset({"format_version", "id", "parents", "step", "time", "message", "metrics", "host",
+                         "size", "stats"}) | BULKY_FIELDS
 
 
 class Piece(NamedTuple):
@@ -161,8 +160,11 @@ class ManifestHeader:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)   # keys this release does not know
 
     def header(self) -> "ManifestHeader":
-        """This manifest's header alone: what a handle caches of a version it committed."""
-        return ManifestHeader(**_header_values(self))
+        """This manifest's header alone: what a handle caches of a version it committed, as ``decode_header``
+        reads it (the bulky keys left out of ``key_order`` too)."""
+        fields = _header_values(self)
+        fields["key_order"] = tuple(k for k in self.key_order if k not in BULKY_FIELDS)
+        return ManifestHeader(**fields)
 
 
 def _header_values(h: ManifestHeader) -> dict[str, Any]:
