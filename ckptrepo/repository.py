@@ -24,11 +24,11 @@ from ckptrepo.core._manifest import (
     HEADS_PREFIX,
     Version,
     encode_config,
-    version_from_manifest,
 )
 from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
+from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
     CkptRepoError,
     CorruptionError,
@@ -38,8 +38,8 @@ from ckptrepo.errors import (
     StorageError,
     first_line,
 )
-from ckptrepo.state._skeleton import numel, plain_values, short_text
-from ckptrepo.storage._arrays import ArrayInfo, itemsize
+from ckptrepo.state._skeleton import plain_values, short_text
+from ckptrepo.storage._arrays import itemsize
 from ckptrepo.storage.protocol import Store, open_store
 
 if TYPE_CHECKING:
@@ -224,18 +224,18 @@ class Repository:
             self._plumbing.require_data(vid, m)
             raise
 
-    def _load_data(self, vid: str, m: dict[str, Any], into: Any, target_device: "torch.device | None",
+    def _load_data(self, vid: str, m: Manifest, into: Any, target_device: "torch.device | None",
                    on_bytes: Callable[[int], None] | None, parallel_layout: "ParallelLayout | None",
                    rank: int | None, read_stats: "ReadStats | None") -> Any:
         from ckptrepo.loading._binding import Binder
         from ckptrepo.loading._layout_load import load_layout, needs_layout_load
-        from ckptrepo.loading._reader import TensorEntry, read_tensors
+        from ckptrepo.loading._reader import read_tensors
         from ckptrepo.state._providers import unflatten
         store = self._plumbing.store
         if needs_layout_load(m, parallel_layout, into):
             return load_layout(store, m, parallel_layout, rank, into, target_device, read_stats)
-        entries = [TensorEntry.from_json(t) for t in m["tensors"]]
-        arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
+        entries = list(m.tensors)
+        arrays = m.arrays
         fresh: dict[int, torch.Tensor] = {}
 
         def get_tensor(i: int, as_numpy: bool) -> Any:
@@ -249,9 +249,9 @@ class Repository:
 
         if into is None:
             fresh.update(read_tensors(store, arrays, entries, list(range(len(entries))), on_bytes=on_bytes))
-            return unflatten(m["tree"], get_tensor)
+            return unflatten(m.tree, get_tensor)
         binder = Binder(entries, build, vid)
-        finalize = binder.bind(m["tree"], into)
+        finalize = binder.bind(m.tree, into)
         wanted = list(range(len(entries)))
         got = read_tensors(store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
         fresh.update({i: t for i, t in got.items() if i not in binder.destinations})
@@ -279,8 +279,8 @@ class Repository:
         # newest first, as git does: pop the newest version reached so far, then reach its parents; a
         # version is never newer than its children, so the walk stops once `limit` versions are listed
         seen: set[str] = set()
-        frontier: list[tuple[float, str, dict[str, Any]]] = []
-        found: list[dict[str, Any]] = []
+        frontier: list[tuple[float, str, ManifestHeader]] = []
+        found: list[ManifestHeader] = []
         # a long log reads its headers in batches from the start; a short one (`log -n 5`) never lists versions/
         walk = HeaderWalk(self._plumbing.reads, batch=limit is None or limit > HEADER_BATCH)
 
@@ -288,24 +288,24 @@ class Repository:
             if vid not in seen:
                 seen.add(vid)
                 h = walk(vid)
-                heapq.heappush(frontier, (-h["time"], vid, h))
+                heapq.heappush(frontier, (-h.time, vid, h))
         for vid in starts:
             if vid:
                 reach(vid)
         while frontier and (limit is None or len(found) < limit):
             _, _, h = heapq.heappop(frontier)
-            step = h["step"]
+            step = h.step
             if (since is None and until is None) or (step is not None and (since is None or step >= since)
                                                      and (until is None or step <= until)):
                 found.append(h)
                 if limit is not None and len(found) >= limit:
                     break   # its parents are not listed: do not read them
-            for p in h["parents"]:
+            for p in h.parents:
                 reach(p)
         names = self._plumbing.ref_names()
         from ckptrepo.maintenance._gc import pruned_ids
         pruned = pruned_ids(self._plumbing)
-        return [version_from_manifest(h, names.get(h["id"], ()), h["id"] in pruned) for h in found]
+        return [version_from_manifest(h, names.get(h.id, ()), h.id in pruned) for h in found]
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
@@ -390,14 +390,14 @@ class Repository:
         """The version's header, tensors (name, dtype, shape, bytes) and plain values."""
         vid = self.resolve(rev)
         m = self._plumbing.manifest(vid)
-        tensors = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
-                    "bytes": numel(t["shape"]) * itemsize(t["dtype"])} for t in m["tensors"]]
-        layout = {k: v for k, v in m.get("layout", {}).items() if k not in ("ranks", "rules")}  # summary only
+        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.numel * itemsize(t.dtype)}
+                   for t in m.tensors]
+        saved = {} if m.layout is None else m.layout.to_raw()
+        layout = {k: v for k, v in saved.items() if k not in ("ranks", "rules")}  # summary only
         from ckptrepo.maintenance._gc import pruned_ids
-        # as log says: its data is gone (the table lists what was saved)
-        pruned = vid in pruned_ids(self._plumbing)
+        pruned = vid in pruned_ids(self._plumbing)   # as log says: its data is gone (the table lists what was saved)
         return VersionDetails(version_from_manifest(m, self._plumbing.ref_names().get(vid, ()), pruned), layout,
-                              tensors, [(p, short_text(v, 80)) for p, v in plain_values(m["tree"], summarize_after=8)])
+                              tensors, [(p, short_text(v, 80)) for p, v in plain_values(m.tree, summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,
              on_bytes: Callable[[int], None] | None = None) -> Any:
@@ -422,7 +422,7 @@ class Repository:
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
-        rows = [{"version": vid, "step": h["step"], **h["metrics"]}
+        rows = [{"version": vid, "step": h.step, **h.metrics}
                 for vid, h in HeaderWalk(self._plumbing.reads).chain(self.resolve(rev))]
         return rows[::-1]
 
@@ -454,7 +454,7 @@ class Repository:
 
     def capture_stats(self, rev: str = "HEAD") -> dict[str, Any]:
         """The capture statistics recorded with a version (blocking, capture, flush, total seconds; bytes; GB/s)."""
-        return dict(self._plumbing.manifest(self.resolve(rev)).get("stats", {}))
+        return dict(self._plumbing.manifest(self.resolve(rev)).stats or {})
 
     def du(self) -> Any:
         """Per reachable version (newest first) the bytes only it references and those it shares, and the total

@@ -106,8 +106,8 @@ def test_a_flipped_byte_deep_inside_a_long_read_is_caught(tmp_path):
     vid = ckptrepo.init(str(path)).snapshot({"big": big, "small": torch.ones(3)}, step=1).id
     file, key = _shard_file(path, vid)
     blob = file.read_bytes()
-    meta = ckptrepo.open(str(path)).plumbing.manifest(vid)["arrays"][f"data/{vid}/0/float32"]
-    per_shard = meta["shard_elems"] // meta["inner_elems"]
+    meta = ckptrepo.open(str(path)).plumbing.manifest(vid).arrays[f"data/{vid}/0/float32"]
+    per_shard = meta.shard_elems // meta.inner_elems
     offset, nbytes = _chunk_extent(blob, per_shard, 37)
     assert nbytes == INNER_BYTES + 4
     _flip(file, offset + 1000)
@@ -138,8 +138,8 @@ def test_deleted_middle_shard_of_multi_shard_array(tmp_path):
     repo = ckptrepo.init(str(path))
     with repo.snapshotter(host_memory=SMALL_HOST_MEMORY) as snap:   # 512 KiB shards
         vid = snap.snapshot(make_state(7), step=7).result().id
-    info = repo.plumbing.manifest(vid)["arrays"][f"data/{vid}/0/float32"]
-    assert info["numel"] > 3 * info["shard_elems"]
+    info = repo.plumbing.manifest(vid).arrays[f"data/{vid}/0/float32"]
+    assert info.numel > 3 * info.shard_elems
     file, key = _shard_file(path, vid, 1)   # model/w1 fills the first 2 MiB of the float32 array
     file.unlink()
     _assert_load_fails_naming(path, vid, key, "w1", "missing")

@@ -77,9 +77,9 @@ def test_lora_fine_tune_writes_only_adapters_and_optimizer_state(repo):
         assert_bit_exact(truth, repo.load(f"@{step}"))
     m = repo.plumbing.manifest(repo.resolve("HEAD"))
     first = repo.resolve("@0")
-    base = next(t for t in m["tensors"] if t["name"] == "model/0.base.weight")
-    assert base["pieces"][0]["array"].startswith(f"data/{first}/"), "the base points at the first version's bytes"
-    assert base["pieces"][0]["array"] in m["arrays"], "a reused array is listed in the manifest"
+    base = next(t for t in m.tensors if t.name == "model/0.base.weight")
+    assert base.pieces[0].array.startswith(f"data/{first}/"), "the base points at the first version's bytes"
+    assert base.pieces[0].array in m.arrays, "a reused array is listed in the manifest"
     assert repo.fsck().ok
 
 

@@ -57,18 +57,17 @@ def test_each_layout_commits_one_version_with_every_replica_written_once(saved: 
     for v in saved["versions"].values():
         m = repo.plumbing.manifest(v["vid"])
         lay = v["layout"]
-        assert (m["layout"]["tp"], m["layout"]["pp"], m["layout"]["dp"], m["layout"]["zero"]) == \
-            (lay.tp, lay.pp, lay.dp, lay.zero)
-        assert len(m["layout"]["ranks"]) == lay.world_size
+        assert (m.layout.tp, m.layout.pp, m.layout.dp, m.layout.zero) == (lay.tp, lay.pp, lay.dp, lay.zero)
+        assert len(m.layout.ranks) == lay.world_size
         # the version stores the global model and optimizer state once, plus each rank's own RNG state
         full = v["full"]
         logical = sum(t.numel() * 4 for sec in (full["model"], full["optimizer"]["exp_avg"],
                                                 full["optimizer"]["exp_avg_sq"]) for t in sec.values())
-        rng = sum(t["shape"][0] for t in m["tensors"] if t["name"].startswith("rng/torch@rank"))
-        assert m["size"] == logical + rng
-        names = {t["name"] for t in m["tensors"]}
+        rng = sum(t.shape[0] for t in m.tensors if t.name.startswith("rng/torch@rank"))
+        assert m.size == logical + rng
+        names = {t.name for t in m.tensors}
         assert "model/layers.3.attn.qkv.weight" in names and "optimizer/exp_avg/head.weight" in names
-        assert {t["shape"][0] for t in m["tensors"] if t["name"].endswith("word_embeddings.weight")} == {CFG.vocab_size}
+        assert {t.shape[0] for t in m.tensors if t.name.endswith("word_embeddings.weight")} == {CFG.vocab_size}
     assert repo.fsck().ok
 
 
@@ -229,12 +228,16 @@ def test_replica_fingerprints_sample_any_size_and_dtype() -> None:
     assert fingerprint(small.t()) != fingerprint(small)        # the same bytes in another row-major order
     for t in (torch.tensor(True), torch.zeros(0, 4), torch.tensor(2.5, dtype=torch.float64)):
         assert isinstance(fingerprint(t), int)
+    from ckptrepo.core.schema import RankPart
+
+    def part(rank: int, *fingerprints: list) -> RankPart:
+        return RankPart(rank, None, None, (), (), None, (), {}, fingerprints)
+
     box, other = [[0], [8]], [[0], [4]]
-    check_replicas([{"rank": 0, "fingerprints": [["w", box, 1]]}, {"rank": 1, "fingerprints": [["w", box, 1]]},
-                    {"rank": 2, "fingerprints": [["w", other, 5]]}, {"rank": 3}])   # another box: not compared
+    check_replicas([part(0, ["w", box, 1]), part(1, ["w", box, 1]), part(2, ["w", other, 5]),
+                    part(3)])   # another box: not compared
     with pytest.raises(LayoutError, match=r"^w: ranks 0 and 2 hold different values"):
-        check_replicas([{"rank": 0, "fingerprints": [["w", box, 1]]}, {"rank": 1, "fingerprints": [["v", box, 2]]},
-                        {"rank": 2, "fingerprints": [["w", box, 3]]}])
+        check_replicas([part(0, ["w", box, 1]), part(1, ["v", box, 2]), part(2, ["w", box, 3])])
 
 
 def test_per_rank_state_only_a_dropped_saved_rank_holds_is_warned_about_not_misnamed(tmp_path) -> None:

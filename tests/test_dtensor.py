@@ -68,8 +68,8 @@ def test_save_commits_one_version_with_global_tensors(saved):
     vids = {r["vid"] for r in saved["ranks"]}
     assert vids == {repo.resolve("HEAD")}, "every rank returns the committed version"
     m = repo.plumbing.manifest(repo.resolve("HEAD"))
-    assert m["layout"]["world_size"] == SAVE_WORLD and m["step"] == 1
-    shapes = {t["name"]: tuple(t["shape"]) for t in m["tensors"]}
+    assert m.layout.world_size == SAVE_WORLD and m.step == 1
+    shapes = {t.name: t.shape for t in m.tensors}
     ref = saved["ref"]
     # DTensors are stored as global tensors under their plain path; per-rank tensors under <path>@rank<r>
     assert shapes["model/up.weight"] == (64, 16) and shapes["model/down.weight"] == (16, 64)
@@ -132,7 +132,7 @@ def test_bytes_read_and_written(saved, loaded4):
         assert rep["needed_bytes"] == rep["local_bytes"], f"rank {r}: {rep}"
         assert rep["needed_bytes"] <= rep["requested_bytes"]
     repo = ckptrepo.open(saved["url"])
-    size = repo.plumbing.manifest(repo.resolve("HEAD"))["size"]
+    size = repo.plumbing.manifest(repo.resolve("HEAD")).size
     r0 = saved["ranks"][0]
     assert all(r["global_dtensor_bytes"] == r0["global_dtensor_bytes"] for r in saved["ranks"])
     # global tensors once; plain (per-rank) tensors once per rank that holds them

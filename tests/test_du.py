@@ -1,10 +1,13 @@
 """du: bytes unique to a version and shared with others when pieces point into another version's arrays."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import ckptrepo
-from ckptrepo.core._manifest import VERSIONS_PREFIX, seal
+from ckptrepo.core._manifest import VERSIONS_PREFIX
+from ckptrepo.core.schema import encode_manifest
 
 
 def test_unique_and_shared_bytes_follow_the_arrays(repo, tmp_path):
@@ -15,10 +18,10 @@ def test_unique_and_shared_bytes_follow_the_arrays(repo, tmp_path):
     v2 = repo.snapshot({"w": torch.randn(6), "frozen": frozen}, step=2)
     m1, m2 = repo.plumbing.manifest(v1.id), repo.plumbing.manifest(v2.id)
     shared_key = f"data/{v1.id}/0/float64"
-    m2["tensors"][1]["pieces"] = m1["tensors"][1]["pieces"]
-    m2["arrays"] = {k: v for k, v in m2["arrays"].items() if not k.endswith("float64")}
-    m2["arrays"][shared_key] = m1["arrays"][shared_key]
-    repo.plumbing.store.put(VERSIONS_PREFIX + v2.id, seal(m2))
+    tensors = (m2.tensors[0], m2.tensors[1]._replace(pieces=m1.tensors[1].pieces), *m2.tensors[2:])
+    arrays = {k: v for k, v in m2.arrays.items() if not k.endswith("float64")}
+    arrays[shared_key] = m1.arrays[shared_key]
+    repo.plumbing.store.put(VERSIONS_PREFIX + v2.id, encode_manifest(dataclasses.replace(m2, tensors=tensors, arrays=arrays)))
     repo.plumbing.store.delete_prefix(f"data/{v2.id}/0/float64/")
 
     usage = ckptrepo.open(url).du()
@@ -59,7 +62,7 @@ def test_du_and_gc_report_what_the_store_holds_not_only_the_tensor_bytes(tmp_pat
     are the files' sizes on a local store; elsewhere the sharded layout's size."""
     import os
 
-    from ckptrepo.storage._arrays import ArrayInfo, layout_bytes
+    from ckptrepo.storage._arrays import layout_bytes
     root = tmp_path / "r"
     repo = ckptrepo.init(str(root))
     g = torch.Generator().manual_seed(0)
@@ -77,6 +80,6 @@ def test_du_and_gc_report_what_the_store_holds_not_only_the_tensor_bytes(tmp_pat
     assert dry.stored_bytes_freed == on_disk(*ids[1:]) and dry.bytes_freed < dry.stored_bytes_freed
     mem = ckptrepo.init("memory://du-layout")
     mem.snapshot({"e": torch.randn(64, 1000).bfloat16()}, step=0)
-    arrays = mem.plumbing.manifest(mem.resolve("HEAD"))["arrays"]
-    assert mem.du().stored_bytes == sum(layout_bytes(ArrayInfo.from_json(k, a)) for k, a in arrays.items())
+    arrays = mem.plumbing.manifest(mem.resolve("HEAD")).arrays
+    assert mem.du().stored_bytes == sum(layout_bytes(a) for a in arrays.values())
     assert mem.du().stored_bytes == (-(-64000 // (32 << 10)) * ((64 << 10) + 4) + 2 * 16 + 4)

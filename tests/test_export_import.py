@@ -57,7 +57,7 @@ def blank(obj):
 def test_export_in_each_format_equals_the_version(repo, tmp_path):
     repo.snapshot(sample_state(), step=12)
     saved = repo.load("HEAD")
-    names = [t["name"] for t in repo.plumbing.manifest(repo.resolve("HEAD"))["tensors"]]
+    names = [t.name for t in repo.plumbing.manifest(repo.resolve("HEAD")).tensors]
 
     v = repo.export("HEAD", tmp_path / "state.pt", format="torch")
     assert v.step == 12

@@ -41,7 +41,7 @@ def test_fsdp2_state_resumes_on_another_mesh_size(tmp_path):
     # the reductions over 3 ranks add in another order than over 2: equal within float tolerance
     assert resumed == pytest.approx(continued, rel=1e-5)
     m = ckptrepo.open(url).plumbing.manifest(ckptrepo.open(url).resolve("HEAD"))
-    assert {t["name"]: t["shape"] for t in m["tensors"]}["model/0.weight"] == [33, 16]
+    assert {t.name: t.shape for t in m.tensors}["model/0.weight"] == (33, 16)
 
 
 def test_2d_fsdp2_over_tensor_parallel_state_saves_and_loads(tmp_path):

@@ -95,8 +95,7 @@ def test_shard_objects_are_byte_identical_to_tensorstores(tmp_path, monkeypatch,
 def _arrays_bytes(root, manifest) -> dict[str, list[bytes]]:
     """Every shard object of a version, by dtype, in shard order."""
     out = {}
-    for key, a in manifest["arrays"].items():
-        info = ArrayInfo.from_json(key, a)
+    for info in manifest.arrays.values():
         out[info.dtype] = [open(os.path.join(root, info.shard_key(s)), "rb").read() for s in info.shards()]
     return out
 
@@ -130,8 +129,7 @@ def test_a_snapshot_goes_through_the_direct_path_and_loads_bit_exact(tmp_path, m
 
     if direct_io:   # written from the tensors' memory: every chunk's encoding starts on a device block
         m = repo.plumbing.manifest(repo.resolve("@1"))
-        for key, info in m["arrays"].items():
-            info = ArrayInfo.from_json(key, info)
+        for key, info in m.arrays.items():
             for s in info.shards():
                 raw = (tmp_path / "r" / info.shard_key(s)).read_bytes()
                 n = info.shard_elems // info.inner_elems
@@ -169,7 +167,7 @@ def test_a_buffer_returns_to_the_pool_only_once_its_shard_is_durable(tmp_path):
     snap.pool.give = checked_give
     with snap:
         v = snap.snapshot(state, step=0).result(timeout=60)
-    (info,) = [ArrayInfo.from_json(k, a) for k, a in repo.plumbing.manifest(v.id)["arrays"].items()]
+    (info,) = repo.plumbing.manifest(v.id).arrays.values()
     assert len(seen) == len(info.shards()) >= 8
     late = [(i + 1, n) for i, n in enumerate(seen) if n < i + 1]
     assert not late, f"buffers came back before their shards were renamed into place (nth give, shards): {late}"
@@ -584,8 +582,7 @@ def test_a_shard_with_chunks_out_of_order_loads_through_the_direct_path(tmp_path
     state = {"model": {"w": torch.randn(64, 16_383, generator=g)}}   # 4 MiB: 64 KiB inner chunks, one shard
     repo.snapshot(state, step=0)
     m = repo.plumbing.manifest(repo.resolve("HEAD"))
-    (key, meta), = m["arrays"].items()
-    info = ArrayInfo.from_json(key, meta)
+    (info,) = m.arrays.values()
     n = info.shard_elems // info.inner_elems
     chunks = -(-info.numel // info.inner_elems)
     assert 60 <= chunks <= n
@@ -635,15 +632,15 @@ def test_a_zarr_json_the_direct_reader_does_not_understand_is_left_to_tensorstor
     refuses loaded anyway on the direct path, while TensorStore, fsck and stats called the array corrupt."""
     import json
 
-    from ckptrepo.storage._arrays import ArrayInfo, metadata_matches
+    from ckptrepo.storage._arrays import metadata_matches
     repo = ckptrepo.init(str(tmp_path / "r"))
     repo.snapshot({"w": torch.randn(100_000)}, step=1)
-    (key, meta), = repo.plumbing.manifest(repo.resolve("HEAD"))["arrays"].items()
+    (key, info), = repo.plumbing.manifest(repo.resolve("HEAD")).arrays.items()
     path = tmp_path / "r" / key / "zarr.json"
     stored = json.loads(path.read_text())
-    assert metadata_matches(ArrayInfo.from_json(key, meta), stored)
+    assert metadata_matches(info, stored)
     stored.update(edit)
-    assert not metadata_matches(ArrayInfo.from_json(key, meta), stored)
+    assert not metadata_matches(info, stored)
     path.write_text(json.dumps(stored))
     if "fill_value" not in edit:   # a fill value for absent chunks: TensorStore reads the array
         with pytest.raises(ckptrepo.errors.CorruptionError, match=key):

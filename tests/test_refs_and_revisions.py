@@ -148,7 +148,7 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     tensor table or tree: a run that snapshots every step has thousands of versions with big manifests."""
     from helpers import count_manifest_reads
 
-    import ckptrepo.core._manifest_reads
+    import ckptrepo.core.schema
     state = {f"layer{i}": torch.zeros(3) for i in range(50)}
     ids = []
     for step in range(20):
@@ -158,7 +158,8 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     side = [repo.snapshot(state, step=s).id for s in (8, 9)]
 
     reads = count_manifest_reads(monkeypatch, repo.plumbing.store)
-    monkeypatch.setattr(ckptrepo.core._manifest_reads, "unseal", lambda *a: pytest.fail("a history walk decoded a whole manifest"))
+    monkeypatch.setattr(ckptrepo.core.schema, "unseal",
+                        lambda *a: pytest.fail("a history walk decoded a whole manifest"))
     fresh = ckptrepo.open(repo.url)
     assert [v.id for v in fresh.log(limit=3)] == side[::-1] + [ids[7]]
     assert sum(reads.values()) <= 4, reads

@@ -83,11 +83,11 @@ def tp2_repo(tmp_path_factory: pytest.TempPathFactory) -> ckptrepo.Repository:
 
 
 def test_a_distributed_save_stores_row_parallel_pieces_as_column_blocks(tp2_repo) -> None:
-    tensors = {t["name"]: t for t in tp2_repo.plumbing.manifest(tp2_repo.resolve("HEAD"))["tensors"]}
-    boxes = sorted(tuple(map(tuple, p["box"])) for p in tensors["model/row.weight"]["pieces"])
+    tensors = {t.name: t for t in tp2_repo.plumbing.manifest(tp2_repo.resolve("HEAD")).tensors}
+    boxes = sorted(p.box for p in tensors["model/row.weight"].pieces)
     assert boxes == [((0, 512 * i), (256, 512)) for i in range(16)]    # 8 blocks of each rank's [256, 4096]
-    assert len(tensors["model/col.weight"]["pieces"]) == 2           # a leading-dim split is contiguous already
-    assert len(tensors["model/norm.weight"]["pieces"]) == 1
+    assert len(tensors["model/col.weight"].pieces) == 2           # a leading-dim split is contiguous already
+    assert len(tensors["model/norm.weight"].pieces) == 1
 
 
 @pytest.mark.parametrize("shape, dtype, widths", [
@@ -126,10 +126,10 @@ def one_process_repo(tmp_path_factory: pytest.TempPathFactory) -> ckptrepo.Repos
 
 
 def test_one_process_with_a_layout_stores_row_parallel_tensors_as_column_blocks(one_process_repo) -> None:
-    tensors = {t["name"]: t for t in one_process_repo.plumbing.manifest(one_process_repo.resolve("HEAD"))["tensors"]}
-    boxes = sorted(tuple(map(tuple, p["box"])) for p in tensors["model/row.weight"]["pieces"])
+    tensors = {t.name: t for t in one_process_repo.plumbing.manifest(one_process_repo.resolve("HEAD")).tensors}
+    boxes = sorted(p.box for p in tensors["model/row.weight"].pieces)
     assert boxes == [((0, 1024 * i), (256, 1024)) for i in range(8)]
-    assert len(tensors["model/col.weight"]["pieces"]) == 1
+    assert len(tensors["model/col.weight"].pieces) == 1
     loaded = one_process_repo.load("HEAD")["model"]   # without a layout: the whole tensors, bit-exact
     for name, t in split_state(4).items():
         assert torch.equal(loaded[name], t)
@@ -192,7 +192,7 @@ def test_strided_targets_are_filled_row_by_row_from_verified_chunks(tmp_path, mo
     rules = Rules([("short", Split(1)), ("long", Split(2))])
     r = ckptrepo.init(str(tmp_path / "repo"))
     r.snapshot({"model": state}, step=1, parallel_layout=ParallelLayout(rules=rules))
-    pieces = {t["name"]: len(t["pieces"]) for t in r.plumbing.manifest(r.resolve("HEAD"))["tensors"]}
+    pieces = {t.name: len(t.pieces) for t in r.plumbing.manifest(r.resolve("HEAD")).tensors}
     assert pieces["model/short"] > 1 and pieces["model/long"] > 1, pieces     # saved as column blocks
     into = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
     r.load("HEAD", into={"model": into})

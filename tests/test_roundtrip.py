@@ -163,8 +163,8 @@ def test_large_multi_shard_state_round_trips(repo, monkeypatch):
     state["bf"] = torch.randn(700_000, generator=g).to(torch.bfloat16)
     repo.snapshot(state, step=1)
     m = repo.plumbing.manifest(repo.resolve("HEAD"))
-    assert len(m["arrays"]) == 2
-    assert any(a["numel"] > a["shard_elems"] for a in m["arrays"].values()), "the test must span several shards"
+    assert len(m.arrays) == 2
+    assert any(a.numel > a.shard_elems for a in m.arrays.values()), "the test must span several shards"
     assert_bit_exact(state, repo.load("HEAD"))
 
 
@@ -175,7 +175,7 @@ def test_data_is_a_few_large_zarr_v3_arrays_readable_by_zarr_python(repo, tmp_pa
     repo.snapshot(state, step=1)
     vid = repo.resolve("HEAD")
     m = repo.plumbing.manifest(vid)
-    assert sorted(m["arrays"]) == [f"data/{vid}/0/float16", f"data/{vid}/0/float32"]
+    assert sorted(m.arrays) == [f"data/{vid}/0/float16", f"data/{vid}/0/float32"]
     keys = repo.plumbing.store.list(f"data/{vid}/")
     assert len(keys) == 4, keys  # two zarr.json + one shard each: not one object per tensor
     arr = zarr.open_array(str(tmp_path / "repo" / "data" / vid / "0" / "float32"), mode="r")

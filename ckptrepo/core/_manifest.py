@@ -1,8 +1,10 @@
-"""Manifest, ref and repository-config schemas and their encodings.
+"""Storage keys, the sealed-object encoding, version ids, and the repository config.
 
 A version manifest is msgpack followed by a 4-byte little-endian crc32c of the
-msgpack bytes, so a flipped byte is detected before anything is decoded. Refs
-are tiny text objects: a version id, or ``ref: refs/heads/NAME`` for HEAD.
+msgpack bytes, so a flipped byte is detected before anything is decoded
+(``seal``/``unseal``; the manifest's records and its encoder and decoder are in
+core/schema.py). Refs are tiny text objects: a version id, or
+``ref: refs/heads/NAME`` for HEAD.
 """
 from __future__ import annotations
 
@@ -138,12 +140,6 @@ class Version:
         return {"id": self.id, "parents": list(self.parents), "step": self.step, "time": self.time,
                 "message": self.message, "metrics": self.metrics, "size": self.size, "refs": list(self.refs),
                 "pruned": self.pruned}
-
-
-def version_from_manifest(m: dict[str, Any], refs: tuple[str, ...] = (), pruned: bool = False) -> Version:
-    return Version(id=m["id"], parents=tuple(m["parents"]), step=m["step"], time=m["time"],
-                   message=m["message"], metrics=dict(m["metrics"]), size=0 if pruned else m["size"], refs=refs,
-                   pruned=pruned)
 
 
 def encode_config(settings: dict[str, Any]) -> bytes:

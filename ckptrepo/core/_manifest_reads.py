@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from ckptrepo.core._boxes import volume
 from ckptrepo.core._lru import LruCache
-from ckptrepo.core._manifest import BULKY_FIELDS, VERSIONS_PREFIX, is_version_id, unseal, unseal_header, version_id_time
+from ckptrepo.core._manifest import VERSIONS_PREFIX, is_version_id, version_id_time
+from ckptrepo.core.schema import Manifest, ManifestHeader, decode_header, decode_manifest
 from ckptrepo.errors import CkptRepoError, CorruptionError
 from ckptrepo.storage.protocol import Store
 
@@ -34,78 +34,28 @@ def missing_manifest(vid: str) -> CorruptionError:
                            f"is missing; run `ckptrepo fsck`")
 
 
-def version_manifest(raw: bytes, vid: str, header_only: bool = False) -> dict[str, Any]:
-    """The decoded manifest (or header) stored under ``versions/<vid>``, which must be ``vid``'s own.
-
-    Why the id check: the crc32c proves the bytes are a manifest, not whose. One copied over another
-    version's key made `load` of that version return the other's data, `log` list a version twice and gc
-    collect the real one as unreachable, with fsck saying ok.
-    """
-    what = f"manifest {VERSIONS_PREFIX}{vid}"
-    m = unseal_header(raw, what) if header_only else unseal(raw, what)
-    if not isinstance(m, dict) or m.get("id") != vid:
-        held = m.get("id") if isinstance(m, dict) else None
-        raise CorruptionError(f"{what} holds the manifest of {'version ' + str(held)[:12] if held else 'no version'}"
-                              f", not its own; run `ckptrepo fsck`")
-    if not header_only:
-        problem = _table_problem(m)
-        if problem:
-            raise CorruptionError(f"{what}: {problem}; the manifest is damaged, run `ckptrepo fsck`")
-    return m
-
-
-def _table_problem(m: dict[str, Any]) -> str | None:
-    """What is wrong with the tensor table's pieces against the arrays they point into, or None.
-
-    The crc32c proves the bytes are as written, not that a writer wrote them right (or that a hand-edited
-    manifest was re-sealed consistently): a tensor of another dtype than its array, or a piece past its
-    array's end, loaded uninitialised memory on one path and failed with an IndexError on another."""
-    try:
-        arrays = m["arrays"]
-        for t in m["tensors"]:
-            covered = 0
-            for p in t["pieces"]:
-                a = arrays.get(p["array"])
-                offs, sizes = p["box"]
-                n = volume(sizes)
-                if a is None:
-                    return f"tensor {t['name']} points into array {p['array']}, which it does not list"
-                if a["dtype"] != t["dtype"]:
-                    return f"tensor {t['name']} is {t['dtype']} but its array {p['array']} holds {a['dtype']}"
-                if len(offs) != len(t["shape"]) or len(sizes) != len(t["shape"]) or min(sizes, default=0) < 0 \
-                        or p["offset"] < 0 or p["offset"] + n > a["numel"]:
-                    return f"a piece of tensor {t['name']} lies outside its box or array {p['array']}"
-                covered += n
-            total = volume(t["shape"])
-            if covered != total:
-                return f"the pieces of tensor {t['name']} hold {covered} of its {total} elements"
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        return f"its tensor table is malformed ({type(err).__name__}: {err})"
-    return None
-
-
 class ManifestReads:
     """One handle's manifest and header reads (see the module docstring)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._manifests: LruCache[str, dict[str, Any]] = LruCache(MANIFEST_CACHE_SIZE)
-        self._headers: LruCache[str, dict[str, Any]] = LruCache(HEADER_CACHE_SIZE)   # a few hundred bytes each
+        self._manifests: LruCache[str, Manifest] = LruCache(MANIFEST_CACHE_SIZE)
+        self._headers: LruCache[str, ManifestHeader] = LruCache(HEADER_CACHE_SIZE)   # a few hundred bytes each
 
-    def manifest(self, vid: str) -> dict[str, Any]:
+    def manifest(self, vid: str) -> Manifest:
         """The decoded manifest of version ``vid`` (cached: manifests never change)."""
         m = self._manifests.get(vid)
         if m is None:
-            m = version_manifest(self._sealed(vid), vid)
+            m = decode_manifest(self._sealed(vid), vid)
             self._manifests.put(vid, m)
         return m
 
-    def header(self, vid: str) -> dict[str, Any]:
+    def header(self, vid: str) -> ManifestHeader:
         """The small fields of version ``vid``'s manifest (id, parents, step, time, message, metrics, size,
         stats): all that history walks need, decoded without the tensor table and tree (~40x faster)."""
         h = self._manifests.get(vid) or self._headers.get(vid)
         if h is None:
-            h = version_manifest(self._sealed(vid), vid, header_only=True)
+            h = decode_header(self._sealed(vid), vid)
             self._headers.put(vid, h)
         return h
 
@@ -130,7 +80,7 @@ class ManifestReads:
             if raw is None:
                 continue
             try:
-                self._headers.put(v, version_manifest(raw, v, header_only=True))
+                self._headers.put(v, decode_header(raw, v))
             except CkptRepoError:
                 if v == vid:
                     raise
@@ -141,15 +91,15 @@ class ManifestReads:
             raise missing_manifest(vid)
         return raw
 
-    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, Manifest]]:
         """``iter_manifests`` for passes that cannot go on without every manifest (gc, du): the first error
         is raised instead of yielded. fsck, which reports every damaged version, uses ``iter_manifests``."""
         for vid, m in self.iter_manifests(vids):
-            if not isinstance(m, dict):
+            if isinstance(m, CkptRepoError):
                 raise m
             yield vid, m
 
-    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | CkptRepoError]]:
+    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, Manifest | CkptRepoError]]:
         """Each version's decoded manifest, or the error reading it gave, in order; read ``HEADER_BATCH`` at a
         time with concurrent requests, so a pass over the whole repository (gc, fsck, du) on S3 or GCS waits
         for a round trip per batch, not per version. Manifests this handle has cached are not read again;
@@ -177,13 +127,13 @@ class ManifestReads:
                     elif raw is None:
                         raise missing_manifest(v)
                     else:
-                        m = version_manifest(raw, v)
+                        m = decode_manifest(raw, v)
                 except CkptRepoError as err:
                     yield v, err
                     continue
                 yield v, m
 
-    def remember_header(self, manifest: dict[str, Any]) -> None:
+    def remember_header(self, manifest: Manifest) -> None:
         """Cache the header of a manifest this process just committed (manifests never change), which `log`,
         revisions and the next snapshot's parent walk use.
 
@@ -193,7 +143,7 @@ class ManifestReads:
         collection of the whole process (~0.2 s of the training loop with a model loaded, every ~20
         snapshots). A header is a handful of objects; a load reads the manifest when it needs it.
         """
-        self._headers.put(manifest["id"], {k: v for k, v in manifest.items() if k not in BULKY_FIELDS})
+        self._headers.put(manifest.id, manifest.header())
 
     def all_version_ids(self) -> list[str]:
         """Every version manifest in storage, reachable or not."""
@@ -218,7 +168,7 @@ class HeaderWalk:
         self._order: list[str] | None = None
         self._where: dict[str, int] = {}
 
-    def __call__(self, vid: str) -> dict[str, Any]:
+    def __call__(self, vid: str) -> ManifestHeader:
         manifests = self.manifests
         if self.batch is not False and not manifests.header_cached(vid):
             self.reads += 1
@@ -235,9 +185,9 @@ class HeaderWalk:
             self._where = {v: i for i, v in enumerate(self._order)}
         return self._order
 
-    def chain(self, vid: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
+    def chain(self, vid: str | None) -> Iterator[tuple[str, ManifestHeader]]:
         """``vid`` and its first parents, newest first, each with its header."""
         while vid is not None:
             h = self(vid)
             yield vid, h
-            vid = h["parents"][0] if h["parents"] else None
+            vid = h.parents[0] if h.parents else None

@@ -22,6 +22,7 @@ from ckptrepo.core._manifest import (
 )
 from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
 from ckptrepo.core._refs import Refs, head_branch_lost, head_ref_blocked
+from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError
 from ckptrepo.storage.protocol import Store
 
@@ -54,23 +55,23 @@ class Plumbing:
         return f"Plumbing({self.url!r})"
 
     # ---- manifests ---------------------------------------------------------
-    def manifest(self, vid: str) -> dict[str, Any]:
+    def manifest(self, vid: str) -> Manifest:
         """The decoded manifest of version ``vid`` (cached: manifests never change)."""
         return self.reads.manifest(vid)
 
-    def header(self, vid: str) -> dict[str, Any]:
+    def header(self, vid: str) -> ManifestHeader:
         """The small fields of version ``vid``'s manifest: all that history walks need (cached)."""
         return self.reads.header(vid)
 
-    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any] | CkptRepoError]]:
+    def iter_manifests(self, vids: Sequence[str]) -> Iterator[tuple[str, Manifest | CkptRepoError]]:
         """Each version's decoded manifest, or the error reading it gave, in order (batched on object stores)."""
         return self.reads.iter_manifests(vids)
 
-    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, Manifest]]:
         """Each version's decoded manifest in order; the first version that cannot be read raises."""
         return self.reads.each_manifest(vids)
 
-    def remember_header(self, manifest: dict[str, Any]) -> None:
+    def remember_header(self, manifest: Manifest) -> None:
         """Cache the header of a manifest this process just committed (see ManifestReads.remember_header)."""
         self.reads.remember_header(manifest)
 
@@ -78,11 +79,11 @@ class Plumbing:
         """Every version manifest in storage, reachable or not."""
         return self.reads.all_version_ids()
 
-    def require_data(self, vid: str, manifest: dict[str, Any]) -> None:
+    def require_data(self, vid: str, manifest: Manifest) -> None:
         """Refuse, in one line, to read the tensors of a version gc pruned (its history stays, its data is gone):
         every reader (load, diff, stats) says so instead of failing on the first missing object."""
-        if any(t["pieces"] for t in manifest["tensors"]) and self.store.exists(PRUNED_PREFIX + vid):
-            raise RevisionError(f"version {vid[:12]} (step {manifest['step']}) was pruned by gc: its tensor data is "
+        if any(t.pieces for t in manifest.tensors) and self.store.exists(PRUNED_PREFIX + vid):
+            raise RevisionError(f"version {vid[:12]} (step {manifest.step}) was pruned by gc: its tensor data is "
                                 f"deleted; pick a kept version from `ckptrepo log`")
 
     def failures(self) -> list[dict[str, Any]]:
@@ -144,12 +145,12 @@ class Plumbing:
 
     def first_parent(self, vid: str) -> str | None:
         """The version ``vid`` was committed on top of; None for a root version."""
-        parents = self.header(vid)["parents"]
+        parents = self.header(vid).parents
         return parents[0] if parents else None
 
     def step_of(self, vid: str) -> int | None:
         """The training step recorded with version ``vid``."""
-        return self.header(vid)["step"]
+        return self.header(vid).step
 
 
 class _WalkingSource:
@@ -176,8 +177,8 @@ class _WalkingSource:
         return self._plumbing.ids_with_prefix(prefix)
 
     def first_parent(self, vid: str) -> str | None:
-        parents = self._walk(vid)["parents"]
+        parents = self._walk(vid).parents
         return parents[0] if parents else None
 
     def step_of(self, vid: str) -> int | None:
-        return self._walk(vid)["step"]
+        return self._walk(vid).step

@@ -13,8 +13,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ckptrepo.core.schema import TensorEntry
 from ckptrepo.errors import StateMismatchError
-from ckptrepo.loading._reader import TensorEntry
 from ckptrepo.state._providers import (
     DICT,
     DTYPE_NAMES,

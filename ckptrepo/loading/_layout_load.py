@@ -23,12 +23,13 @@ from __future__ import annotations
 import functools
 import operator
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from ckptrepo.core._boxes import volume
+from ckptrepo.core.schema import Manifest, RankRecord
 from ckptrepo.errors import LayoutError, StateMismatchError
 from ckptrepo.loading._binding import check_param_groups, fillable_array
 from ckptrepo.loading._reshard import ReadStats, read_pieces
@@ -60,20 +61,24 @@ from ckptrepo.state._skeleton import holds_tensors, key_value
 from ckptrepo.storage.protocol import Store
 
 
-def saved_world(manifest: dict[str, Any]) -> int:
-    return int(manifest.get("layout", {}).get("world_size", 1))
+def saved_world(manifest: Manifest) -> int:
+    return int(manifest.layout.world_size) if manifest.layout is not None else 1
 
 
-def rank_tree(manifest: dict[str, Any], rank: int) -> tuple[Any, list[str]]:
+def _saved_ranks(manifest: Manifest) -> tuple[RankRecord, ...]:
+    return manifest.layout.ranks if manifest.layout is not None else ()
+
+
+def rank_tree(manifest: Manifest, rank: int) -> tuple[Any, Sequence[str]]:
     """The saved tree of ``rank`` and the stored name of each of its tensor leaves."""
     if saved_world(manifest) > 1:
-        r = manifest["layout"]["ranks"][rank]
-        return r["tree"], r["leaf_names"]
-    return manifest["tree"], [t["name"] for t in manifest["tensors"]]
+        r = _saved_ranks(manifest)[rank]
+        return r.tree, r.leaf_names or ()
+    return manifest.tree, [t.name for t in manifest.tensors]
 
 
-def saved_rules(manifest: dict[str, Any]) -> Rules | None:
-    d = manifest.get("layout", {}).get("rules")
+def saved_rules(manifest: Manifest) -> Rules | None:
+    d = manifest.layout.rules if manifest.layout is not None else None
     return Rules.from_json(d) if d else None
 
 
@@ -84,7 +89,7 @@ def full_rules(rules: Rules | None) -> Rules | None:
     return rules.replaced(params=[], stage_sizes=None)
 
 
-def with_version_shapes(rules: Rules, manifest: dict[str, Any]) -> Rules:
+def with_version_shapes(rules: Rules, manifest: Manifest) -> Rules:
     """``rules`` with ``param_shapes`` when they have none: the saved rules', else the version's tensor table's.
 
     The table lists the model's tensors in rank order, pipeline stages in
@@ -97,8 +102,8 @@ def with_version_shapes(rules: Rules, manifest: dict[str, Any]) -> Rules:
     if saved is not None and saved.param_shapes is not None:
         return rules.with_param_shapes(saved.param_shapes)
     prefix = rules.model_section + "/"
-    return rules.with_param_shapes([(t["name"][len(prefix):], t["shape"]) for t in manifest["tensors"]
-                                    if t["name"].startswith(prefix)])
+    return rules.with_param_shapes([(t.name[len(prefix):], list(t.shape)) for t in manifest.tensors
+                                    if t.name.startswith(prefix)])
 
 
 def _check_dtypes(pieces: list[Any], shapes: dict[str, tuple[tuple[int, ...], str]]) -> None:
@@ -111,30 +116,30 @@ def _check_dtypes(pieces: list[Any], shapes: dict[str, tuple[tuple[int, ...], st
                                      f"after loading, or load without into=")
 
 
-def per_rank_values(manifest: dict[str, Any]) -> list[str]:
+def per_rank_values(manifest: Manifest) -> list[str]:
     """Paths of the plain values (not tensors) that differ between the saved ranks: seeds, a numpy Generator's
     or ``random.getstate()``'s state. A load whose layout changed gives them to a rank from another saved rank's
     tree, just like per-rank tensors, so they are named in the same warning."""
     if saved_world(manifest) < 2:   # one saved tree (a single process's ranks list names no trees)
         return []
-    trees = [dict(_values(r["tree"], "")) for r in manifest["layout"]["ranks"]]
+    trees = [dict(_values(r.tree, "")) for r in _saved_ranks(manifest)]
     if len(trees) < 2:
         return []
     paths = set().union(*trees)
     return sorted(p for p in paths if len({t.get(p) for t in trees}) > 1)
 
 
-def per_rank_paths(manifest: dict[str, Any], rank: int) -> set[str]:
+def per_rank_paths(manifest: Manifest, rank: int) -> set[str]:
     """The paths of saved ``rank``'s per-rank state: its plain values and its tensors stored per rank."""
     tree, leaf_names = rank_tree(manifest, rank)
     return {p for p, _ in _values(tree, "")} | _per_rank_tensor_paths(leaf_names)
 
 
-def _per_rank_tensor_paths(leaf_names: list[str]) -> set[str]:
+def _per_rank_tensor_paths(leaf_names: Sequence[str]) -> set[str]:
     return {p for p in map(rank_path, leaf_names) if p is not None}
 
 
-def unloaded_state(manifest: dict[str, Any], target_world: int) -> tuple[list[int], list[str]]:
+def unloaded_state(manifest: Manifest, target_world: int) -> tuple[list[int], list[str]]:
     """The saved ranks no rank of a ``target_world``-rank load takes per-rank state from (rank r takes saved
     rank ``r % saved world``), and the paths only they hold: state such a load drops, e.g. a loss scaler kept
     on the last pipeline stage alone, loaded into fewer stages."""
@@ -192,28 +197,28 @@ def checked_rank(rank: Any) -> int:
         raise LayoutError(f"rank={rank!r} is not a rank; pass an int") from None
 
 
-def check_layer_count(rules: Rules, manifest: dict[str, Any]) -> None:
+def check_layer_count(rules: Rules, manifest: Manifest) -> None:
     """Refuse rules whose ``num_layers`` is not the version's: the load would silently drop the layers past it,
     or place layers on the wrong pipeline stages."""
     if rules.num_layers is None:
         return
     prefix = rules.model_section + "/"
-    found = {i for t in manifest["tensors"] if t["name"].startswith(prefix)
-             for i in [rules.layer_index(t["name"][len(prefix):])] if i is not None}
+    found = {i for t in manifest.tensors if t.name.startswith(prefix)
+             for i in [rules.layer_index(t.name[len(prefix):])] if i is not None}
     if found and max(found) + 1 != rules.num_layers:
         raise LayoutError(f"the rules say num_layers={rules.num_layers} but this version's model has "
                           f"{max(found) + 1} layers ({rules.layer_prefix}0 to {rules.layer_prefix}{max(found)}); "
                           f"load with rules for the saved model")
 
 
-def needs_layout_load(manifest: dict[str, Any], layout: ParallelLayout | None, into: Any) -> bool:
+def needs_layout_load(manifest: Manifest, layout: ParallelLayout | None, into: Any) -> bool:
     """Whether a load must go through pieces: a sharded version, a target layout, or DTensors to fill.
 
     A single process that named a layout at save time also stores tensors in
     several pieces (column blocks), which only the piece-wise path assembles.
     """
     return layout is not None or saved_world(manifest) > 1 or _has_dtensor(into) \
-        or any(len(t["pieces"]) > 1 for t in manifest["tensors"])
+        or any(len(t.pieces) > 1 for t in manifest.tensors)
 
 
 def _has_dtensor(obj: Any) -> bool:
@@ -226,18 +231,19 @@ def _has_dtensor(obj: Any) -> bool:
     return False
 
 
-def template_rank(manifest: dict[str, Any], layout: ParallelLayout, rank: int) -> tuple[int, bool]:
+def template_rank(manifest: Manifest, layout: ParallelLayout, rank: int) -> tuple[int, bool]:
     """The saved rank whose per-rank objects ``rank`` gets, and whether the layout changed."""
     world = saved_world(manifest)
     if world == 1:   # one saved rank: every rank of a larger layout gets its per-rank state
         return 0, layout.world_size > 1
-    saved = manifest["layout"]
-    same = (saved.get("tp", 1), saved.get("pp", 1), saved.get("dp", world), saved.get("zero", 0)) == \
+    saved = manifest.layout
+    assert saved is not None   # a world of several ranks is a saved layout's
+    same = (_or(saved.tp, 1), _or(saved.pp, 1), _or(saved.dp, world), _or(saved.zero, 0)) == \
         (layout.tp, layout.pp, layout.dp, layout.zero) and layout.world_size == world
     return (rank if same else rank % world), not same
 
 
-def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout | None, rank: int | None,
+def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None, rank: int | None,
                 into: Any = None, device: Any = None, stats: ReadStats | None = None) -> Any:
     """Build (or fill ``into``) rank ``rank``'s state of ``layout`` from the version ``manifest``."""
     world = saved_world(manifest)
@@ -261,7 +267,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     target.coords(rank)   # a rank outside the layout: its one-line error, before the saved trees are indexed
     tmpl, changed = template_rank(manifest, target, rank)
     tree, leaf_names = rank_tree(manifest, tmpl)
-    shapes = {t["name"]: (tuple(t["shape"]), t["dtype"]) for t in manifest["tensors"]}
+    shapes = {t.name: (t.shape, t.dtype) for t in manifest.tensors}
     fresh = into is None
     if fresh:
         into = _build(manifest, tree, leaf_names, target, rank, shapes)
@@ -270,11 +276,11 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     _, records = flatten(into)
     if not fresh:
         if not changed:   # the same ranks: each optimizer's groups as saved (a new pipeline split regroups them)
-            _check_optimizers(tree, into, (), str(manifest.get("id", "")))
+            _check_optimizers(tree, into, (), manifest.id)
         _check_into_tensors(manifest, tree, leaf_names, target, rank, shapes, records, into)
     # a save with a layout (its degrees recorded) stores per-rank tensors as <path>@rank<r>, a single process's
     # too; a plain version stores them under their path
-    per_rank = tmpl if world > 1 or "tp" in manifest.get("layout", {}) else None
+    per_rank = tmpl if world > 1 or (manifest.layout is not None and manifest.layout.tp is not None) else None
     sharder = Sharder(target, rank, per_rank, gshape_of=lambda n: shapes[n][0] if n in shapes else None)
     sharded = sharder.shard(records)
     if not fresh:
@@ -309,7 +315,7 @@ def load_layout(store: Store, manifest: dict[str, Any], layout: ParallelLayout |
     return _to_device(into, device) if device is not None else into
 
 
-def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: dict[str, Any], tp: int) -> None:
+def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: Manifest, tp: int) -> None:
     """Warn where the load's rules cut a fused tensor into other parts than the saved rules record: the
     parts say how the global tensor is composed (grouped-query attention's q, k, v sizes), so other parts
     give every rank the wrong slices of the same bytes, without an error (the local shape is the same).
@@ -317,16 +323,16 @@ def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: dict[str, A
     tensor-parallel ranks (Fused(3) saved, Split(0) given at tp=2: rank 0 got q and half of k)."""
     if saved is None:
         return
-    cut = tp > 1 or manifest.get("layout", {}).get("tp", 1) > 1
+    cut = tp > 1 or (manifest.layout is not None and _or(manifest.layout.tp, 1) > 1)
     prefix = given.model_section + "/"
     changed = []
-    for t in manifest["tensors"]:
-        if not t["name"].startswith(prefix):
+    for t in manifest.tensors:
+        if not t.name.startswith(prefix):
             continue
-        param = t["name"][len(prefix):]
+        param = t.name[len(prefix):]
         mine, theirs = given.spec(param), saved.spec(param)
         if isinstance(mine, Fused) and isinstance(theirs, Fused):
-            size = t["shape"][theirs.dim]
+            size = t.shape[theirs.dim]
             try:
                 differ = mine.dim != theirs.dim or mine.sizes(size) != theirs.sizes(size)
             except LayoutError:
@@ -350,11 +356,16 @@ def _some(paths: list[str], shown: int = 4) -> str:
     return ", ".join(paths[:shown]) + (" ..." if len(paths) > shown else "")
 
 
-def _layout_str(manifest: dict[str, Any]) -> str:
-    lay = manifest.get("layout", {})
-    if "tp" in lay:
-        return f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} zero={lay.get('zero', 0)}"
-    return f"world_size={lay.get('world_size', 1)}"
+def _layout_str(manifest: Manifest) -> str:
+    lay = manifest.layout
+    if lay is not None and lay.tp is not None:
+        return f"tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={_or(lay.zero, 0)}"
+    return f"world_size={saved_world(manifest)}"
+
+
+def _or(value: int | None, default: int) -> int:
+    """A saved layout's degree, or ``default`` where the version does not record it."""
+    return default if value is None else value
 
 
 def _check_arrays(obj: Any, path: tuple[Any, ...]) -> None:
@@ -402,7 +413,7 @@ def _stateful_names(obj: Any, path: tuple[Any, ...]) -> list[str]:
     return []
 
 
-def _check_into_tensors(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: ParallelLayout,
+def _check_into_tensors(manifest: Manifest, tree: Any, leaf_names: Sequence[str], layout: ParallelLayout,
                         rank: int, shapes: dict[str, tuple[tuple[int, ...], str]], records: list[Any],
                         into: Any) -> None:
     """Refuse an ``into`` whose tensors are not the ones this rank of ``layout`` holds in the version, before
@@ -417,7 +428,7 @@ def _check_into_tensors(manifest: dict[str, Any], tree: Any, leaf_names: list[st
     owners = _stateful_names(into, ())
     missing = [n for n in want if n not in have and any(n == o or n.startswith(o + "/") or not o for o in owners)]
     extra = sorted(have - set(want))
-    vid = str(manifest.get("id", ""))[:12]
+    vid = manifest.id[:12]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise StateMismatchError(f"{missing[0]}{more}: version {vid} holds it for rank {rank} but `into` has no "
@@ -432,7 +443,7 @@ def _check_into_tensors(manifest: dict[str, Any], tree: Any, leaf_names: list[st
                                  f"for rank {rank}; remove it, or load the version it belongs to")
 
 
-def _build(manifest: dict[str, Any], tree: Any, leaf_names: list[str], layout: ParallelLayout, rank: int,
+def _build(manifest: Manifest, tree: Any, leaf_names: Sequence[str], layout: ParallelLayout, rank: int,
            shapes: dict[str, tuple[tuple[int, ...], str]], empty: bool = False) -> Any:
     """A fresh state for ``rank`` of ``layout``: the template's structure, parameter sections regenerated.
 

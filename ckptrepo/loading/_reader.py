@@ -25,8 +25,9 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from ckptrepo.core.schema import TensorEntry
 from ckptrepo.errors import damaged_object_error, first_line, is_storage_failure, storage_failure
-from ckptrepo.state._providers import TORCH_DTYPES, numel
+from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage._arrays import ArrayHandles, ArrayInfo, open_array
 from ckptrepo.storage._localread import DirectReader
 from ckptrepo.storage.protocol import Store
@@ -34,27 +35,6 @@ from ckptrepo.storage.protocol import Store
 RUN_BYTES = 8 << 20
 INFLIGHT_BYTES = 512 << 20
 DIRECT_READS = True  # local file stores: verified preadv reads (localread.py); False: always TensorStore
-
-
-@dataclass
-class TensorEntry:
-    """A manifest tensor entry: name, dtype, shape, and the single flat piece that holds it."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    array: str | None   # None for zero-element tensors
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return numel(self.shape)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "TensorEntry":
-        pieces = d["pieces"]
-        array, offset = (pieces[0]["array"], pieces[0]["offset"]) if pieces else (None, 0)
-        return cls(d["name"], d["dtype"], tuple(d["shape"]), array, offset)
 
 
 @dataclass

@@ -35,6 +35,8 @@ import tensorstore as ts
 import torch
 
 from ckptrepo.core._boxes import Box, intersect, row_major_strides, runs, slices, volume
+from ckptrepo.core.schema import Manifest
+from ckptrepo.core.schema import Piece as SavedPiece
 from ckptrepo.errors import CorruptionError, damaged_object_error, first_line, looks_damaged, storage_failure
 from ckptrepo.loading import _reader as reader
 from ckptrepo.parallel._sharding import Piece
@@ -83,12 +85,10 @@ class VersionReader:
     a tensor chunk by chunk).
     """
 
-    def __init__(self, store: Store, manifest: dict[str, Any]) -> None:
+    def __init__(self, store: Store, manifest: Manifest) -> None:
         self.store = store
-        self.arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
-        self.saved: dict[str, list[tuple[Box, str, int]]] = {
-            t["name"]: [((tuple(p["box"][0]), tuple(p["box"][1])), p["array"], p["offset"]) for p in t["pieces"]]
-            for t in manifest["tensors"]}
+        self.arrays = manifest.arrays
+        self.saved: dict[str, tuple[SavedPiece, ...]] = {t.name: t.pieces for t in manifest.tensors}
         self.handle = ArrayHandles(store, self.arrays).get
 
     def read(self, targets: list[Piece], stats: ReadStats | None = None) -> ReadStats:
@@ -98,7 +98,7 @@ class VersionReader:
         return stats
 
 
-def read_pieces(store: Store, manifest: dict[str, Any], targets: list[Piece],
+def read_pieces(store: Store, manifest: Manifest, targets: list[Piece],
                 stats: ReadStats | None = None) -> ReadStats:
     """Fill every target piece's view from the version's saved pieces (once; see VersionReader)."""
     return VersionReader(store, manifest).read(targets, stats)
@@ -372,7 +372,7 @@ def _byte_view(view: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
     return view.view(torch.uint8).numpy()
 
 
-def _plan(targets: list[Piece], saved: dict[str, list[tuple[Box, str, int]]], arrays: dict[str, ArrayInfo],
+def _plan(targets: list[Piece], saved: dict[str, tuple[SavedPiece, ...]], arrays: dict[str, ArrayInfo],
           stats: ReadStats) -> list[_Span]:
     """Group every (target, saved piece) intersection's runs into read spans."""
     spans: list[_Span] = []
@@ -417,7 +417,8 @@ def _scatter(src: torch.Tensor, span_start: int, tp: Piece, sbox: Box, part: Box
     if len(starts) * length == volume(part[1]):
         # the span holds the whole part: one strided view of it, one copy
         first = int(starts[0]) - span_start
-        _copy(dest, src.as_strided(part[1], row_major_strides(sbox[1]), first) if part[1] else src[first:first + 1].view(()))
+        _copy(dest, src.as_strided(part[1], row_major_strides(sbox[1]), first) if part[1]
+              else src[first:first + 1].view(()))
         return
     # the part is split over several spans: copy run by run (through a buffer when dest is not contiguous)
     all_starts, _ = runs(sbox, part)

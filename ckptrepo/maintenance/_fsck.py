@@ -13,9 +13,10 @@ from ckptrepo.core._boxes import check_coverage, volume
 from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import head_branch_lost, head_ref_blocked
+from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
 from ckptrepo.maintenance._gc import data_version_ids, pruned_ids, reachable_versions, ref_targets
-from ckptrepo.storage._arrays import ArrayInfo, open_array
+from ckptrepo.storage._arrays import open_array
 
 
 @dataclass
@@ -51,9 +52,9 @@ def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
         starts = ref_targets(repo)
     except CkptRepoError:   # a damaged ref: _check_refs names it, and reaches through the others
         starts = []
-    manifests: dict[str, dict[str, Any]] = {}
+    manifests: dict[str, Manifest] = {}
     for vid, m in repo.iter_manifests(repo.all_version_ids()):
-        if isinstance(m, dict):
+        if isinstance(m, Manifest):
             manifests[vid] = m
         elif repo.store.exists(VERSIONS_PREFIX + vid):
             report.errors.append(str(m))
@@ -61,10 +62,9 @@ def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
     report.versions = len(manifests)
     pruned = pruned_ids(repo)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
-        on_total(sum(ArrayInfo.from_json(k, a).nbytes for vid, m in manifests.items() if vid not in pruned
-                     for k, a in m["arrays"].items()))
+        on_total(sum(a.nbytes for vid, m in manifests.items() if vid not in pruned for a in m.arrays.values()))
     for vid, m in manifests.items():
-        for p in m["parents"]:
+        for p in m.parents:
             if p not in manifests:
                 report.errors.append(f"version {vid[:12]}: parent {p[:12]} is missing ({VERSIONS_PREFIX}{p})")
         if vid not in pruned:
@@ -73,7 +73,7 @@ def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
             if len(report.errors) > before and repo.store.exists(PRUNED_PREFIX + vid):
                 del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
-    reachable = reachable_versions(starts, {vid: m["parents"] for vid, m in manifests.items()})
+    reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
@@ -87,7 +87,7 @@ def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
         report.warnings.append(f"{len(limbo)} version(s) marked pruned still hold data ({shown}): a gc was "
                                f"interrupted after marking them; they do not load, and `ckptrepo gc` finishes "
                                f"deleting their data")
-    referenced = {p for m in manifests.values() for p in m["parents"]} | set(starts)
+    referenced = {p for m in manifests.values() for p in m.parents} | set(starts)
     for vid in sorted(data_ids - set(manifests)):
         if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover
             report.warnings.append(f"{DATA_PREFIX}{vid}/ is the data of version {vid[:12]}, whose manifest is "
@@ -98,7 +98,7 @@ def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
     return report
 
 
-def _check_refs(repo: Plumbing, manifests: dict[str, Any], report: FsckReport, starts: list[str]) -> None:
+def _check_refs(repo: Plumbing, manifests: dict[str, Manifest], report: FsckReport, starts: list[str]) -> None:
     """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
     ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``."""
     def missing(vid: str | None) -> bool:
@@ -111,7 +111,7 @@ def _check_refs(repo: Plumbing, manifests: dict[str, Any], report: FsckReport, s
             except CkptRepoError as err:
                 report.errors.append(str(err))
                 return False
-            tip, vid = False, next(iter(manifests[vid]["parents"]), None)
+            tip, vid = False, next(iter(manifests[vid].parents), None)
         return False
 
     for kind in ("branch", "tag"):
@@ -135,18 +135,16 @@ def _check_refs(repo: Plumbing, manifests: dict[str, Any], report: FsckReport, s
         starts.append(head.version)
 
 
-def _check_version_data(repo: Plumbing, vid: str, m: dict[str, Any], report: FsckReport,
+def _check_version_data(repo: Plumbing, vid: str, m: Manifest, report: FsckReport,
                         on_bytes: Callable[[int], None] | None) -> None:
-    arrays = {k: ArrayInfo.from_json(k, v) for k, v in m["arrays"].items()}
-    for t in m["tensors"]:
-        for piece in t["pieces"]:
-            info = arrays.get(piece["array"])
-            if info is None or piece["offset"] + volume(piece["box"][1]) > info.numel:
-                report.errors.append(f"version {vid[:12]}: tensor {t['name']} points outside its array "
-                                     f"{piece['array']}")
+    arrays = m.arrays
+    for t in m.tensors:
+        for piece in t.pieces:
+            info = arrays.get(piece.array)
+            if info is None or piece.offset + volume(piece.box[1]) > info.numel:
+                report.errors.append(f"version {vid[:12]}: tensor {t.name} points outside its array {piece.array}")
     try:
-        check_coverage({t["name"]: (t["shape"], [(tuple(p["box"][0]), tuple(p["box"][1])) for p in t["pieces"]])
-                        for t in m["tensors"]})
+        check_coverage({t.name: (t.shape, [p.box for p in t.pieces]) for t in m.tensors})
     except CkptRepoError as err:
         report.errors.append(f"version {vid[:12]}: {err}")
     for key, info in arrays.items():
@@ -162,9 +160,8 @@ def _check_version_data(repo: Plumbing, vid: str, m: dict[str, Any], report: Fsc
                 arr[lo:hi].read().result()
             except Exception as err:  # noqa: BLE001
                 _raise_if_unreachable(err, f"reading {info.shard_key(s)}")
-                names = [t["name"] for t in m["tensors"] for p in t["pieces"]
-                         if p["array"] == key and p["offset"] < hi
-                         and p["offset"] + volume(p["box"][1]) > lo]
+                names = [t.name for t in m.tensors for p in t.pieces
+                         if p.array == key and p.offset < hi and p.offset + volume(p.box[1]) > lo]
                 report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
                                      f"({first_line(err)}); tensors: {some_names(names)}")
             report.objects += 1

@@ -34,6 +34,7 @@ from ckptrepo.core._manifest import (
 from ckptrepo.core._manifest_reads import missing_manifest
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, head_branch_lost, head_ref_blocked
+from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RetentionError
 
 DEFAULT_GRACE_S = 3600.0
@@ -103,13 +104,12 @@ class VersionFacts:
     metrics: tuple[tuple[str, float], ...] = ()   # its numeric metrics (keep_best ranks by them)
 
     @classmethod
-    def of(cls, manifest: dict[str, Any]) -> "VersionFacts":
-        from ckptrepo.storage._arrays import ArrayInfo, layout_bytes
-        infos = [ArrayInfo.from_json(key, info) for key, info in manifest["arrays"].items()]
-        return cls(tuple(manifest["parents"]), manifest["step"], manifest["time"],
-                   tuple((a.key, a.nbytes, layout_bytes(a)) for a in infos),
-                   tuple({p["array"] for t in manifest["tensors"] for p in t["pieces"]}),
-                   tuple((k, float(v)) for k, v in (manifest.get("metrics") or {}).items()
+    def of(cls, manifest: Manifest) -> "VersionFacts":
+        from ckptrepo.storage._arrays import layout_bytes
+        return cls(manifest.parents, manifest.step, manifest.time,
+                   tuple((a.key, a.nbytes, layout_bytes(a)) for a in manifest.arrays.values()),
+                   tuple({p.array for t in manifest.tensors for p in t.pieces}),
+                   tuple((k, float(v)) for k, v in (manifest.metrics or {}).items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)))
 
 
@@ -160,7 +160,7 @@ def reaches(repo: Plumbing, starts: Sequence[str], target: str) -> bool:
         if vid in seen:
             continue
         seen.add(vid)
-        stack.extend(repo.header(vid).get("parents", []))
+        stack.extend(repo.header(vid).parents)
     return False
 
 
@@ -348,7 +348,7 @@ def _facts(repo: Plumbing, known: dict[str, VersionFacts]) -> dict[str, VersionF
         del known[vid]
     gone = set()
     for vid, m in repo.iter_manifests([vid for vid in ids if vid not in known]):
-        if isinstance(m, dict):
+        if isinstance(m, Manifest):
             known[vid] = VersionFacts.of(m)
         elif repo.store.exists(VERSIONS_PREFIX + vid):
             raise m

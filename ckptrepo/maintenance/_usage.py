@@ -59,18 +59,18 @@ def disk_usage(repo: Plumbing, versions: Sequence[Version]) -> DiskUsage:
     referrers: dict[str, set[str]] = {}            # array key -> versions with a piece in it
     pieces: dict[str, list[tuple[str, int]]] = {}  # version -> (array key, bytes) of each piece
     extent: dict[str, int] = {}                    # array key -> bytes up to the end of its last referenced piece
-    infos: dict[str, dict[str, Any]] = {}          # array key -> its manifest entry, where a manifest lists it
+    infos: dict[str, ArrayInfo] = {}               # array key -> its manifest entry, where a manifest lists it
     for vid, m in repo.each_manifest([v.id for v in versions if not v.pruned]):
-        infos.update(m["arrays"])
+        infos.update(m.arrays)
         mine = pieces.setdefault(vid, [])
-        for t in m["tensors"]:
-            item = itemsize(t["dtype"])
-            for p in t["pieces"]:
-                n = numel(p["box"][1])
-                key = p["array"]
+        for t in m.tensors:
+            item = itemsize(t.dtype)
+            for p in t.pieces:
+                n = numel(p.box[1])
+                key = p.array
                 referrers.setdefault(key, set()).add(vid)
                 mine.append((key, n * item))
-                extent[key] = max(extent.get(key, 0), (p["offset"] + n) * item)
+                extent[key] = max(extent.get(key, 0), (p.offset + n) * item)
     rows = []
     for v in versions:
         unique = shared = 0
@@ -88,14 +88,14 @@ def disk_usage(repo: Plumbing, versions: Sequence[Version]) -> DiskUsage:
     return DiskUsage(rows, total, stored)
 
 
-def _array_info(repo: Plumbing, key: str, infos: dict[str, dict[str, Any]]) -> ArrayInfo | None:
+def _array_info(repo: Plumbing, key: str, infos: dict[str, ArrayInfo]) -> ArrayInfo | None:
     """Array ``key`` as a manifest that lists it records it (its own version's, even if that one is pruned or
     unreachable); None when none does: it then counts up to the end of its last referenced piece."""
     info = infos.get(key)
     if info is None:
         owner = key.split("/")[1]
         try:
-            info = repo.manifest(owner)["arrays"].get(key)
+            info = repo.manifest(owner).arrays.get(key)
         except CorruptionError:   # the owner's manifest was collected; its array lives on through the pieces
             info = None
-    return ArrayInfo.from_json(key, info) if info is not None else None
+    return info

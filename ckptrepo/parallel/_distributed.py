@@ -20,8 +20,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ckptrepo.core._boxes import Box, check_coverage
+from ckptrepo.core._boxes import Box, check_coverage, volume
 from ckptrepo.core._manifest import STAGING_PREFIX, seal, unseal
+from ckptrepo.core.schema import (
+    MERGED_ORDER,
+    LayoutRecord,
+    Manifest,
+    ManifestHeader,
+    Piece,
+    RankFailure,
+    RankPart,
+    RankRecord,
+    TensorEntry,
+    decode_rank_part,
+    encode_rank_part,
+)
 from ckptrepo.errors import LayoutError, SnapshotFailedError
 from ckptrepo.state._providers import (
     DICT,
@@ -34,9 +47,9 @@ from ckptrepo.state._providers import (
     TORCH_DTYPES,
     TUPLE,
     _key_str,
-    numel,
     unflatten,
 )
+from ckptrepo.storage._arrays import ArrayInfo
 from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:
@@ -93,22 +106,23 @@ class Staging:
         self.world_size = world_size
         self.timeout_s = timeout_s
 
-    def publish_rank(self, rank: int, record: dict[str, Any]) -> None:
-        self.store.put(f"{self.prefix}rank-{rank}", seal(record))
+    def publish_rank(self, part: RankPart | RankFailure) -> None:
+        self.store.put(f"{self.prefix}rank-{part.rank}", encode_rank_part(part))
 
-    def gather_ranks(self) -> list[dict[str, Any]]:
+    def gather_ranks(self) -> list[RankPart]:
         """Rank 0: wait for every rank manifest; raise on a rank's error or at the timeout."""
         deadline = time.monotonic() + self.timeout_s
-        found: dict[int, dict[str, Any]] = {}
+        found: dict[int, RankPart] = {}
         while True:
             for key in self.store.list(f"{self.prefix}rank-"):
                 r = int(key.rsplit("-", 1)[1])
                 if r not in found:
                     raw = self.store.get(key)
                     if raw is not None:
-                        found[r] = unseal(raw, key)
-                        if found[r].get("error"):
-                            raise SnapshotFailedError(f"rank {r} failed: {found[r]['error']}")
+                        part = decode_rank_part(raw, key)
+                        if isinstance(part, RankFailure):
+                            raise SnapshotFailedError(f"rank {r} failed: {part.error}")
+                        found[r] = part
             if len(found) == self.world_size:
                 return [found[r] for r in range(self.world_size)]
             if time.monotonic() > deadline:
@@ -141,9 +155,10 @@ class Staging:
             time.sleep(POLL_S)
 
 
-def merge_rank_manifests(ranks: list[dict[str, Any]], layout: "ParallelLayout | None",
-                         world_size: int) -> dict[str, Any]:
-    """Rank 0: the version manifest's layout, arrays, tensor table and tree, from every rank's part.
+def merge_rank_manifests(ranks: Sequence[RankPart], layout: "ParallelLayout | None", world_size: int,
+                         header: ManifestHeader) -> Manifest:
+    """Rank 0: the version manifest of ``header``, with the layout, arrays, tensor table and tree from every
+    rank's part.
 
     Tensors are listed in rank order (pipeline stages in order), each with
     the pieces all ranks wrote; the pieces must cover each tensor exactly once.
@@ -151,46 +166,48 @@ def merge_rank_manifests(ranks: list[dict[str, Any]], layout: "ParallelLayout | 
     parameter section holding every global tensor), which ``show`` and the
     inspection tools read; every rank's own tree is kept under ``layout.ranks``.
     """
-    entries: dict[str, dict[str, Any]] = {}
-    declared: dict[str, int] = {}   # name -> the first rank that listed it
-    stage_of = {p["rank"]: (p.get("coords") or {}).get("pp", 0) for p in ranks}
+    declared: dict[str, tuple[str, tuple[int, ...], int]] = {}   # name -> (dtype, shape, the first rank listing it)
+    pieces: dict[str, list[Piece]] = {}
+    stage_of = {p.rank: (p.coords or {}).get("pp", 0) for p in ranks}
     for part in ranks:
-        for name, dtype, shape in part["names"]:
-            e = entries.setdefault(name, {"name": name, "dtype": dtype, "shape": list(shape), "pieces": []})
-            first = declared.setdefault(name, part["rank"])
-            if stage_of[first] != stage_of[part["rank"]]:   # replicas live within a stage: one copy would be kept
-                raise LayoutError(f"{name}: pipeline stages {stage_of[first]} and {stage_of[part['rank']]} both hold "
+        for name, dtype, shape in part.names:
+            seen_dtype, seen_shape, first = declared.setdefault(name, (dtype, shape, part.rank))
+            pieces.setdefault(name, [])
+            if stage_of[first] != stage_of[part.rank]:   # replicas live within a stage: one copy would be kept
+                raise LayoutError(f"{name}: pipeline stages {stage_of[first]} and {stage_of[part.rank]} both hold "
                                   f"a tensor of this name, and only one copy would be kept; name the layers with "
                                   f"the rules' layer_prefix so that each stage's become global layer numbers, or "
                                   f"give each stage's tensor a name of its own")
-            if (e["dtype"], e["shape"]) != (dtype, list(shape)):   # bytes of one dtype would load as another's
+            if (seen_dtype, seen_shape) != (dtype, shape):   # bytes of one dtype would load as another's
                 raise LayoutError(f"{name}: the ranks disagree about this tensor: rank {first} holds it as "
-                                  f"{e['dtype']} {e['shape']}, rank {part['rank']} as {dtype} {list(shape)}; "
+                                  f"{seen_dtype} {list(seen_shape)}, rank {part.rank} as {dtype} {list(shape)}; "
                                   f"give every rank the same dtype and rules")
-    arrays: dict[str, Any] = {}
+    arrays: dict[str, ArrayInfo] = {}
     for part in ranks:
-        arrays.update(part["arrays"])
-        for t in part["tensors"]:
-            entries[t["name"]]["pieces"].extend(t["pieces"])
-    check_coverage({n: (e["shape"], [(tuple(p["box"][0]), tuple(p["box"][1])) for p in e["pieces"]])
-                    for n, e in entries.items()})
-    tensors = list(entries.values())
-    index = {t["name"]: i for i, t in enumerate(tensors)}
+        arrays.update(part.arrays)
+        for name, mine in part.tensors:
+            pieces[name].extend(mine)
+    check_coverage({n: (declared[n][1], [p.box for p in ps]) for n, ps in pieces.items()})
+    tensors = tuple(TensorEntry(n, dtype, shape, tuple(pieces[n])) for n, (dtype, shape, _) in declared.items())
+    index = {t.name: i for i, t in enumerate(tensors)}
     sections = layout.rules.all_sections() if layout is not None and layout.rules is not None else ()
-    lay = layout.to_json() if layout is not None else {}
-    lay.update({"world_size": world_size, "ranks": [
-        {"rank": p["rank"], "coords": p["coords"], "tree": p["tree"], "leaf_names": p["leaf_names"]} for p in ranks]})
-    return {"layout": lay, "arrays": arrays, "tensors": tensors,
-            "size": sum(numel(p["box"][1]) * TORCH_DTYPES[t["dtype"]].itemsize for t in tensors for p in t["pieces"]),
-            "tree": full_tree(ranks[0]["tree"], ranks[0]["leaf_names"], tensors, index, sections)}
+    records = tuple(RankRecord(p.rank, p.coords, p.tree, p.leaf_names) for p in ranks)
+    if layout is None:
+        lay = LayoutRecord(world_size, records)
+    else:
+        lay = LayoutRecord(world_size, records, layout.tp, layout.pp, layout.dp, layout.zero,
+                           layout.rules.to_json() if layout.rules is not None else None)
+    return Manifest.of(header, layout=lay, arrays=arrays, tensors=tensors, key_order=MERGED_ORDER,
+                       size=sum(volume(p.box[1]) * TORCH_DTYPES[t.dtype].itemsize for t in tensors for p in t.pieces),
+                       tree=full_tree(ranks[0].tree, ranks[0].leaf_names, tensors, index, sections))
 
 
-def full_tree(tree: Any, leaf_names: list[str], tensors: list[dict[str, Any]], index: dict[str, int],
+def full_tree(tree: Any, leaf_names: Sequence[str], tensors: Sequence[TensorEntry], index: dict[str, int],
               sections: Sequence[str]) -> Any:
     """A rank's skeleton with tensor leaves pointing at global entries and sections holding every global tensor."""
     def section(path: str) -> Any:
-        items = [[[SCALAR, t["name"][len(path) + 1:]], [TENSOR, i]] for i, t in enumerate(tensors)
-                 if t["name"].startswith(path + "/")]
+        items = [[[SCALAR, t.name[len(path) + 1:]], [TENSOR, i]] for i, t in enumerate(tensors)
+                 if t.name.startswith(path + "/")]
         return [DICT, items]
 
     def walk(node: Any, path: str) -> Any:

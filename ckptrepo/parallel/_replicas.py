@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 import xxhash
 
+from ckptrepo.core.schema import RankPart
 from ckptrepo.errors import LayoutError
 
 WINDOW_ELEMS = 1024   # elements per sampled window; three windows per tensor
@@ -67,27 +68,27 @@ def fingerprints(replicas: Sequence[tuple[str, Any, torch.Tensor, str]]) -> list
     return [[name, [list(box[0]), list(box[1])], fingerprint(view), by] for name, box, view, by in replicas]
 
 
-def check_replicas(ranks: Sequence[dict[str, Any]]) -> None:
+def check_replicas(ranks: Sequence[RankPart]) -> None:
     """Rank 0, before committing: every rank holding a replicated piece holds the same values, by fingerprint.
 
-    ``ranks`` are the ranks' manifest parts; each may carry ``fingerprints`` (see :func:`fingerprints`).
+    ``ranks`` are the ranks' manifest parts, each with its ``fingerprints`` (see :func:`fingerprints`).
     Raises LayoutError for the first piece the ranks disagree about.
     """
     seen: dict[tuple[Any, ...], tuple[int, int]] = {}   # piece -> (first rank, its fingerprint)
     for part in ranks:
         # the same box on several ranks: ZeRO partitions may cut one tensor at other places on other ranks
-        for name, box, fp, *by in part.get("fingerprints", ()):
+        for name, box, fp, *by in part.fingerprints:
             key = (name, tuple(box[0]), tuple(box[1]))
-            first = seen.setdefault(key, (part["rank"], fp))
+            first = seen.setdefault(key, (part.rank, fp))
             if first[1] != fp and by == [PLACEMENT]:
                 raise LayoutError(
-                    f"{name}: ranks {first[0]} and {part['rank']} hold different values of it, but it is a DTensor "
+                    f"{name}: ranks {first[0]} and {part.rank} hold different values of it, but it is a DTensor "
                     f"whose placements replicate it (Replicate()), so one copy would be saved and the other lost; "
                     f"make the copies equal (all-reduce what changes them, e.g. a sequence-parallel norm's "
                     f"gradients), or shard it (Shard(d)) if each rank's part is its own")
             if first[1] != fp:
                 raise LayoutError(
-                    f"{name}: ranks {first[0]} and {part['rank']} hold different values of it, but the layout's rules "
+                    f"{name}: ranks {first[0]} and {part.rank} hold different values of it, but the layout's rules "
                     f"replicate it over tensor-parallel ranks (a Replicated rule, or no rule matched its name), so "
                     f"one copy would be saved and the other lost; add the rule that splits it (Split(0) for a "
                     f"column-parallel weight, Split(1) for a row-parallel one), or make the copies equal")

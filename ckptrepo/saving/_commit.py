@@ -16,15 +16,19 @@ import time
 from typing import Any
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import (
-    FAILURES_PREFIX,
-    FORMAT_VERSION,
-    VERSIONS_PREFIX,
-    Version,
-    seal,
+from ckptrepo.core._manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
+from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core.schema import (
+    SINGLE_PROCESS_LAYOUT,
+    Manifest,
+    ManifestHeader,
+    Piece,
+    RankFailure,
+    RankPart,
+    TensorEntry,
+    encode_manifest,
     version_from_manifest,
 )
-from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
 from ckptrepo.parallel._distributed import Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
@@ -80,17 +84,17 @@ class Committer:
         objects in the store.
         """
         assert job.plan is not None
-        part = {
-            "rank": self.rank, "step": job.handle.step, "tree": job.skeleton, "leaf_names": job.leaf_names,
-            "names": job.names,
-            "coords": vars(self.layout.coords(self.rank)) if self.layout is not None else None,
-            "tensors": [{"name": r.name, "pieces": [{"box": box, "array": job.arrays[p.dtype].key, "offset": p.offset}]}
-                        for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel],
-            "arrays": {a.key: a.to_json() for a in job.arrays.values()}, "fingerprints": job.fingerprints}
+        part = RankPart(
+            rank=self.rank, step=job.handle.step, tree=job.skeleton, leaf_names=tuple(job.leaf_names),
+            names=tuple((name, dtype, tuple(shape)) for name, dtype, shape in job.names),
+            coords=vars(self.layout.coords(self.rank)) if self.layout is not None else None,
+            tensors=tuple((r.name, (Piece((tuple(box[0]), tuple(box[1])), job.arrays[p.dtype].key, p.offset),))
+                          for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel),
+            arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints))
         if not self.distributed:
             return self._publish_merged(job, [part])
         staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
-        staging.publish_rank(self.rank, part)
+        staging.publish_rank(part)
         if self.rank != 0:
             staging.wait_outcome(lambda: self._on_branch(job.vid))
             return version_from_manifest(self.repo.manifest(job.vid), (self.branch,))
@@ -111,26 +115,25 @@ class Committer:
             tip = self.repo.first_parent(tip)
         return False
 
-    def _publish_merged(self, job: SnapshotJob, ranks: list[dict[str, Any]]) -> Version:
+    def _publish_merged(self, job: SnapshotJob, ranks: list[RankPart]) -> Version:
         """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
-        steps = {p["rank"]: p.get("step", job.handle.step) for p in ranks}
+        steps = {p.rank: p.step for p in ranks}
         other = next((r for r, s in steps.items() if s != job.handle.step), None)
         if other is not None:   # the version would record rank 0's step for every rank's state
             raise SnapshotFailedError(f"the ranks disagree about the step: rank {self.rank} snapshots step "
                                       f"{job.handle.step}, rank {other} step {steps[other]}; pass every rank the "
                                       f"same step")
         check_replicas(ranks)
-        manifest = merge_rank_manifests(ranks, self.layout, self.world_size)
-        manifest.update(version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics))
-        return self._publish(job, manifest)
+        header = version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics)
+        return self._publish(job, merge_rank_manifests(ranks, self.layout, self.world_size, header))
 
-    def _publish(self, job: SnapshotJob, manifest: dict[str, Any]) -> Version:
+    def _publish(self, job: SnapshotJob, manifest: Manifest) -> Version:
         """Write the manifest, then move the branch: the version exists once the ref moved."""
         if self.conflict is not None:
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
-        manifest["stats"] = job.handle.stats.to_json()
-        self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, seal(manifest))
+        manifest = manifest.with_stats(job.handle.stats.to_json())
+        self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
         faults.point("after_manifest")
         gen = self.repo.refs.move_branch(self.branch, job.vid, self.generation)
         if gen is None:
@@ -154,7 +157,7 @@ class Committer:
             if self.rank == 0:
                 staging.publish_outcome(first_line(err))
             else:
-                staging.publish_rank(self.rank, {"rank": self.rank, "error": first_line(err)})
+                staging.publish_rank(RankFailure(self.rank, first_line(err)))
         except CkptRepoError as publish_err:
             log.error("ckptrepo: could not publish the failure of %s: %s", job.vid[:12], publish_err)
 
@@ -171,16 +174,17 @@ class Committer:
 
 
 def version_header(vid: str, parent: str | None, step: int | None, message: str,
-                   metrics: dict[str, Any]) -> dict[str, Any]:
-    """The fields every version manifest starts with, single-process or merged from ranks (docs/format.md)."""
-    return {"format_version": FORMAT_VERSION, "id": vid, "parents": [parent] if parent else [], "step": step,
-            "time": time.time(), "message": message, "metrics": metrics, "host": socket.gethostname()}
+                   metrics: dict[str, Any]) -> ManifestHeader:
+    """The fields every version manifest starts with, single-process or merged from ranks (docs/format.md);
+    ``size`` is the merge's or ``build_manifest``'s to fill in."""
+    return ManifestHeader(format_version=FORMAT_VERSION, id=vid, parents=(parent,) if parent else (), step=step,
+                          time=time.time(), message=message, metrics=metrics, host=socket.gethostname(), size=0)
 
 
 def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
                    records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
                    skeleton: Any, written: list[int] | None = None,
-                   reused: dict[int, StoredTensor] | None = None) -> dict[str, Any]:
+                   reused: dict[int, StoredTensor] | None = None) -> Manifest:
     """The version manifest for a single-process snapshot (see docs/format.md).
 
     ``plan`` covers the ``written`` records (default: all); a ``reused`` record's
@@ -189,23 +193,20 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
     """
     reused = reused or {}
     placement = dict(zip(range(len(records)) if written is None else written, plan.placements))
-    listed = {a.key: a.to_json() for a in arrays.values()}
+    listed = {a.key: a for a in arrays.values()}
     for s in reused.values():
-        listed.setdefault(s.array, s.info)
+        if s.array not in listed:
+            listed[s.array] = ArrayInfo.from_json(s.array, s.info)
 
-    def pieces(i: int, r: TensorRecord) -> list[dict[str, Any]]:
-        box = [[0] * len(r.shape), list(r.shape)]
+    def pieces(i: int, r: TensorRecord) -> tuple[Piece, ...]:
+        box = ((0,) * len(r.shape), tuple(r.shape))
         if i in reused:
-            return [{"box": box, "array": reused[i].array, "offset": reused[i].offset}]
+            return (Piece(box, reused[i].array, reused[i].offset),)
         p = placement[i]
-        return [{"box": box, "array": arrays[p.dtype].key, "offset": p.offset}] if p.numel else []
+        return (Piece(box, arrays[p.dtype].key, p.offset),) if p.numel else ()
 
-    return {
-        **version_header(vid, parent, step, message, metrics),
-        "layout": {"world_size": 1, "ranks": [{"rank": 0}]},
-        "size": plan.nbytes,
-        "arrays": listed,
-        "tensors": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "pieces": pieces(i, r)}
-                    for i, r in enumerate(records)],
-        "tree": skeleton,
-    }
+    header = version_header(vid, parent, step, message, metrics)
+    return Manifest.of(header, size=plan.nbytes, layout=SINGLE_PROCESS_LAYOUT, arrays=listed,
+                       tensors=tuple(TensorEntry(r.name, r.dtype, tuple(r.shape), pieces(i, r))
+                                     for i, r in enumerate(records)),
+                       tree=skeleton)

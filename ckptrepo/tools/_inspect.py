@@ -19,10 +19,11 @@ import torch
 
 from ckptrepo.core._boxes import flat_boxes, volume
 from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core.schema import Manifest, TensorEntry
 from ckptrepo.errors import damaged_object_error, first_line, is_storage_failure, storage_failure
 from ckptrepo.loading._reshard import VersionReader
 from ckptrepo.parallel._sharding import Piece
-from ckptrepo.state._providers import TORCH_DTYPES, numel
+from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage._arrays import ArrayInfo, open_array
 
@@ -115,10 +116,10 @@ class TensorStats:
 class _Chunks:
     """Bounded reads of tensors of one version, as float64 (or complex128) chunks."""
 
-    def __init__(self, repo: Plumbing, manifest: dict[str, Any]) -> None:
+    def __init__(self, repo: Plumbing, manifest: Manifest) -> None:
         self.repo = repo
         self.manifest = manifest
-        self.arrays = {k: ArrayInfo.from_json(k, v) for k, v in manifest["arrays"].items()}
+        self.arrays = dict(manifest.arrays)
         self.handles: dict[str, ts.TensorStore] = {}
         self._pieces: VersionReader | None = None   # for tensors saved as several pieces, made on first need
 
@@ -132,29 +133,27 @@ class _Chunks:
         info = self.arrays.get(key)
         if info is None:  # a piece that points into another version (dedup)
             vid = key.split("/")[1]
-            m = self.repo.manifest(vid)
-            info = self.arrays[key] = ArrayInfo.from_json(key, m["arrays"][key])
+            info = self.arrays[key] = self.repo.manifest(vid).arrays[key]
         return info
 
-    def read(self, entry: dict[str, Any], start: int, stop: int) -> torch.Tensor:
+    def read(self, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the tensor in row-major order, whichever pieces hold them."""
-        pieces = entry["pieces"]
-        if len(pieces) == 1 and list(pieces[0]["box"][1]) == list(entry["shape"]):
-            key = pieces[0]["array"]
-            off = pieces[0]["offset"]
+        pieces = entry.pieces
+        if len(pieces) == 1 and pieces[0].box[1] == entry.shape:
+            key = pieces[0].array
+            off = pieces[0].offset
             try:
                 h = self.handles.get(key)
                 if h is None:
                     h = self.handles[key] = open_array(self.repo.store, self.array_info(key))
                 data = h[off + start: off + stop].read().result()
             except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
-                raise _read_failure(entry["name"], key, err) from err
-            t = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[entry["dtype"]])
+                raise _read_failure(entry.name, key, err) from err
+            t = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[entry.dtype])
         else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
-            shape = tuple(entry["shape"])
-            t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry["dtype"]])
-            targets = [Piece(entry["name"], entry["dtype"], shape, box,
-                             t[f - start:f - start + volume(box[1])].view(box[1]))
+            shape = entry.shape
+            t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry.dtype])
+            targets = [Piece(entry.name, entry.dtype, shape, box, t[f - start:f - start + volume(box[1])].view(box[1]))
                        for f, box in flat_boxes(shape, start, stop)]
             self.pieces.read(targets)
         return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
@@ -184,8 +183,8 @@ def diff_versions(repo: Plumbing, a: str, b: str, pattern: str | None = None,
     ma, mb = repo.manifest(va), repo.manifest(vb)
     repo.require_data(va, ma)
     repo.require_data(vb, mb)
-    ta = {t["name"]: t for t in ma["tensors"]}
-    tb = {t["name"]: t for t in mb["tensors"]}
+    ta = {t.name: t for t in ma.tensors}
+    tb = {t.name: t for t in mb.tensors}
     ca, cb = _Chunks(repo, ma), _Chunks(repo, mb)
     result = VersionDiff(va, vb)
     names = list(ta) + [n for n in tb if n not in ta]
@@ -195,32 +194,33 @@ def diff_versions(repo: Plumbing, a: str, b: str, pattern: str | None = None,
         ea, eb = ta.get(name), tb.get(name)
         if ea is None or eb is None:
             e = ea or eb
-            result.tensors.append(TensorDiff(name, "added" if ea is None else "removed", e["dtype"], e["shape"],
+            assert e is not None
+            result.tensors.append(TensorDiff(name, "added" if ea is None else "removed", e.dtype, list(e.shape),
                                              math.nan, math.nan, math.nan, math.nan))
             continue
-        if ea["shape"] != eb["shape"] or ea["dtype"] != eb["dtype"]:
-            result.tensors.append(TensorDiff(name, "reshaped" if ea["shape"] != eb["shape"] else "retyped",
-                                             eb["dtype"], eb["shape"], math.nan, math.nan, math.nan, math.nan))
+        if ea.shape != eb.shape or ea.dtype != eb.dtype:
+            result.tensors.append(TensorDiff(name, "reshaped" if ea.shape != eb.shape else "retyped",
+                                             eb.dtype, list(eb.shape), math.nan, math.nan, math.nan, math.nan))
             continue
         result.tensors.append(_diff_tensor(name, ea, eb, ca, cb, on_bytes))
-    result.objects = _diff_objects(ma["tree"], mb["tree"])
+    result.objects = _diff_objects(ma.tree, mb.tree)
     return result
 
 
-def _diff_tensor(name: str, ea: dict, eb: dict, ca: _Chunks, cb: _Chunks,
+def _diff_tensor(name: str, ea: TensorEntry, eb: TensorEntry, ca: _Chunks, cb: _Chunks,
                  on_bytes: Callable[[int], None] | None) -> TensorDiff:
-    n = numel(ea["shape"])
-    if not ea["pieces"] or ea["pieces"] == eb["pieces"]:  # empty, or the very same stored bytes
-        norm = _norm_only(ea, ca, n, on_bytes) if ea["pieces"] else 0.0
-        return TensorDiff(name, "unchanged", ea["dtype"], ea["shape"], 0.0, 0.0, 0.0, 1.0, norm, norm)
+    n = ea.numel
+    if not ea.pieces or ea.pieces == eb.pieces:  # empty, or the very same stored bytes
+        norm = _norm_only(ea, ca, n, on_bytes) if ea.pieces else 0.0
+        return TensorDiff(name, "unchanged", ea.dtype, list(ea.shape), 0.0, 0.0, 0.0, 1.0, norm, norm)
     l2 = na = nb = 0.0
     max_abs = 0.0
     differs = False
     cos_terms: list[tuple[float, float, float]] = []  # per chunk: ||x||, ||y||, cosine; weighted at the end
-    for s, e in _spans(n, _chunk_elems(ea["dtype"])):
+    for s, e in _spans(n, _chunk_elems(ea.dtype)):
         x, y = ca.read(ea, s, e), cb.read(eb, s, e)
         if on_bytes is not None:
-            on_bytes(2 * (e - s) * torch.empty((), dtype=TORCH_DTYPES[ea["dtype"]]).element_size())
+            on_bytes(2 * (e - s) * torch.empty((), dtype=TORCH_DTYPES[ea.dtype]).element_size())
         d = y - x
         differs = differs or not torch.equal(_bits(x), _bits(y))   # by bits: NaN == NaN where the bytes are equal
         cx, cy = _norm(x), _norm(y)
@@ -236,7 +236,7 @@ def _diff_tensor(name: str, ea: dict, eb: dict, ca: _Chunks, cb: _Chunks,
         cos = sum((cx / na) * (cy / nb) * c for cx, cy, c in cos_terms)
     else:
         cos = (1.0 if na == nb else 0.0) if not (na and nb) else math.nan
-    return TensorDiff(name, "changed" if differs else "unchanged", ea["dtype"], ea["shape"], l2, rel, max_abs, cos,
+    return TensorDiff(name, "changed" if differs else "unchanged", ea.dtype, list(ea.shape), l2, rel, max_abs, cos,
                       na, nb)
 
 
@@ -245,12 +245,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return (torch.view_as_real(t) if t.is_complex() else t).view(torch.int64)
 
 
-def _norm_only(entry: dict, chunks: _Chunks, n: int, on_bytes: Callable[[int], None] | None) -> float:
+def _norm_only(entry: TensorEntry, chunks: _Chunks, n: int, on_bytes: Callable[[int], None] | None) -> float:
     norm = 0.0
-    for s, e in _spans(n, _chunk_elems(entry["dtype"])):
+    for s, e in _spans(n, _chunk_elems(entry.dtype)):
         norm = math.hypot(norm, _norm(chunks.read(entry, s, e)))
         if on_bytes is not None:
-            on_bytes((e - s) * torch.empty((), dtype=TORCH_DTYPES[entry["dtype"]]).element_size())
+            on_bytes((e - s) * torch.empty((), dtype=TORCH_DTYPES[entry.dtype]).element_size())
     return norm
 
 
@@ -300,23 +300,23 @@ def tensor_stats(repo: Plumbing, rev: str, pattern: str | None = None,
     repo.require_data(vid, m)
     chunks = _Chunks(repo, m)
     out = []
-    for entry in m["tensors"]:
-        if pattern and not fnmatch.fnmatchcase(entry["name"], pattern):
+    for entry in m.tensors:
+        if pattern and not fnmatch.fnmatchcase(entry.name, pattern):
             continue
         out.append(_stats_of(entry, chunks, on_bytes))
     return out
 
 
-def _stats_of(entry: dict, chunks: _Chunks, on_bytes: Callable[[int], None] | None) -> TensorStats:
-    n = numel(entry["shape"]) if entry["pieces"] else 0
+def _stats_of(entry: TensorEntry, chunks: _Chunks, on_bytes: Callable[[int], None] | None) -> TensorStats:
+    n = entry.numel if entry.pieces else 0
     count = 0
     mean = dev = norm = 0.0  # running mean and sqrt of the summed squared deviations (Chan et al.), across chunks
     lo, hi = math.inf, -math.inf
     nan = inf = 0
-    for s, e in _spans(n, _chunk_elems(entry["dtype"])):
+    for s, e in _spans(n, _chunk_elems(entry.dtype)):
         x = chunks.read(entry, s, e)
         if on_bytes is not None:
-            on_bytes((e - s) * torch.empty((), dtype=TORCH_DTYPES[entry["dtype"]]).element_size())
+            on_bytes((e - s) * torch.empty((), dtype=TORCH_DTYPES[entry.dtype]).element_size())
         if x.is_complex():
             x = x.abs()
         isnan, isinf = torch.isnan(x), torch.isinf(x)
@@ -338,7 +338,7 @@ def _stats_of(entry: dict, chunks: _Chunks, on_bytes: Callable[[int], None] | No
         if n:
             norm = math.nan     # like mean, min and max: over the finite values, and there are none
     std = dev / math.sqrt(count) if count else math.nan
-    return TensorStats(entry["name"], entry["dtype"], entry["shape"], numel(entry["shape"]), norm,
+    return TensorStats(entry.name, entry.dtype, list(entry.shape), entry.numel, norm,
                        mean, std, lo, hi, nan, inf)
 
 
@@ -375,7 +375,7 @@ def trajectory(repo: Plumbing, pattern: str, metric: str = "norm", rev: str = "H
     pruned = pruned_ids(repo)   # their data is gone: skipped, and a delta spans the gap to the previous kept one
     chain: list[tuple[str, int | None]] = []   # (version, step), newest first until reversed
     for vid, m in HeaderWalk(repo.reads).chain(repo.resolve(rev)):
-        step = m["step"]
+        step = m.step
         if vid in pruned:
             continue
         if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
