@@ -16,6 +16,8 @@ collected one is gone; ``fsck`` finds no error. ``CKPTREPO_STATEFUL_SCALE=N`` ru
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
@@ -126,15 +128,22 @@ def make_state(k: int, step: int) -> dict[str, object]:
 class RepositoryMachine(RuleBasedStateMachine):
     """Random operation sequences on one repository, each checked against the model."""
 
+    backend = "memory"
+
     def __init__(self) -> None:
         super().__init__()
-        self.repo = ckptrepo.init(f"memory://{uuid.uuid4().hex}")
+        self.tmp = tempfile.mkdtemp(prefix="ckptrepo-sm-") if self.backend == "file" else None
+        self.repo = ckptrepo.init(os.path.join(self.tmp, "repo") if self.tmp else f"memory://{uuid.uuid4().hex}")
         self.model = Model()
         self.counter = 0
         # versions loaded bit-exact since the last step that may delete data (gc, and the deletes, which must
         # not): a version's data cannot change otherwise, so they are not loaded again after every step
         self.verified: set[str] = set()
         self.wrote = True   # a step wrote to the repository: fsck it
+
+    def teardown(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     # ---- helpers --------------------------------------------------------------------
     def pick_version(self, data: st.DataObject) -> str:
@@ -416,10 +425,19 @@ class RepositoryMachine(RuleBasedStateMachine):
                 self.repo.resolve(vid)
 
 
-RepositoryMachine.TestCase.settings = settings(
-    max_examples=30 * SCALE, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+class FileRepositoryMachine(RepositoryMachine):
+    """The same on a local directory, where ``a/b`` refs are files in folders and deletes must tidy them up."""
+
+    backend = "file"
+
+
+HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+RepositoryMachine.TestCase.settings = settings(max_examples=30 * SCALE, stateful_step_count=30, deadline=None,
+                                               suppress_health_check=HEALTH)
+FileRepositoryMachine.TestCase.settings = settings(max_examples=4 * SCALE, stateful_step_count=20, deadline=None,
+                                                   suppress_health_check=HEALTH)
 TestRepositoryStateMachine = RepositoryMachine.TestCase
+TestFileRepositoryStateMachine = FileRepositoryMachine.TestCase
 
 
 # ---- bugs the state machine found --------------------------------------------------------
