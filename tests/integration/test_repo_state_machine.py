@@ -307,24 +307,26 @@ class RepositoryMachine(RuleBasedStateMachine):
         assert self.repo.delete_tag(name) == m.tags.pop(name)
         event("tag deleted")
 
-    @rule(keep_last=st.sampled_from([None, 1, 2]))
-    def gc(self, keep_last: int | None) -> None:
-        """Grace 0: unreachable versions are collected; with keep_last, reachable versions that are not among the
-        newest keep_last of a branch's (or a detached HEAD's) first-parent line, a branch head or tagged are
-        pruned. A version pruned once stays pruned."""
+    @rule(keep_last=st.sampled_from([None, 1, 2]), keep_every=st.sampled_from([None, None, 2]))
+    def gc(self, keep_last: int | None, keep_every: int | None) -> None:
+        """Grace 0: unreachable versions are collected. With a retention rule, reachable versions that are not
+        among the newest keep_last of a branch's (or a detached HEAD's) first-parent line, whose step is not a
+        multiple of keep_every, and that are no branch head or tag, are pruned. A version pruned once stays
+        pruned."""
         m = self.model
         self.wrote = True
         self.verified.clear()
         reachable = m.reachable()
-        if keep_last is None:
+        if keep_last is None and keep_every is None:
             keep = set(reachable)
         else:
             keep = set(m.ref_targets())
             for tip in list(m.branches.values()) + ([m.detached] if m.detached else []):
-                keep.update(m.chain(tip)[:keep_last])
+                keep.update(m.chain(tip)[:keep_last or 0])
+            keep.update(v for v in reachable if keep_every and m.versions[v].step % keep_every == 0)
         newly_pruned = reachable - keep - m.pruned
         newly_collected = set(m.existing()) - reachable
-        report = self.repo.gc(keep_last=keep_last, grace_period_s=0)
+        report = self.repo.gc(keep_last=keep_last, keep_every=keep_every, grace_period_s=0)
         assert set(report.pruned) == newly_pruned
         assert set(report.collected) == newly_collected
         assert set(report.kept) == keep & reachable and not report.too_young
@@ -385,8 +387,30 @@ class RepositoryMachine(RuleBasedStateMachine):
             log = self.repo.log(name)
             assert [v.id for v in log] == m.chain(tip), name
             assert [v.pruned for v in log] == [v in m.pruned for v in m.chain(tip)], name
-        assert [v.id for v in self.repo.log()] == m.chain(m.head())
+        chain = m.chain(m.head())
+        assert [v.id for v in self.repo.log()] == chain
+        assert [v.id for v in self.repo.log(limit=2)] == chain[:2]
+        assert [v.id for v in self.repo.log(since=1, until=3)] == [v for v in chain if 1 <= m.versions[v].step <= 3]
+        if chain:
+            assert [row["version"] for row in self.repo.metrics()] == chain[::-1]
         assert {v.id for v in self.repo.log(all=True)} == m.reachable()
+
+    @invariant()
+    def versions_are_named_by_their_refs(self) -> None:
+        """``log --all`` decorates each version with the refs at it, as git does: ``HEAD -> b`` for the
+        checked-out branch, other branches by name, ``tag: t``, and ``HEAD`` for a detached HEAD."""
+        m = self.model
+        want: dict[str, set[str]] = {}
+        for b, vid in m.branches.items():
+            want.setdefault(vid, set()).add(f"HEAD -> {b}" if b == m.head_branch else b)
+        for t, vid in m.tags.items():
+            want.setdefault(vid, set()).add(f"tag: {t}")
+        if m.detached:
+            want.setdefault(m.detached, set()).add("HEAD")
+        got = {v.id: set(v.refs) for v in self.repo.log(all=True) if v.refs}
+        assert got == want
+        if m.detached:
+            assert self.repo.version("HEAD").refs[0] == "HEAD"
 
     @invariant()
     def head_relative_revisions(self) -> None:
@@ -432,9 +456,9 @@ class FileRepositoryMachine(RepositoryMachine):
 
 
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much]
-RepositoryMachine.TestCase.settings = settings(max_examples=30 * SCALE, stateful_step_count=30, deadline=None,
+RepositoryMachine.TestCase.settings = settings(max_examples=20 * SCALE, stateful_step_count=30, deadline=None,
                                                suppress_health_check=HEALTH)
-FileRepositoryMachine.TestCase.settings = settings(max_examples=4 * SCALE, stateful_step_count=20, deadline=None,
+FileRepositoryMachine.TestCase.settings = settings(max_examples=3 * SCALE, stateful_step_count=20, deadline=None,
                                                    suppress_health_check=HEALTH)
 TestRepositoryStateMachine = RepositoryMachine.TestCase
 TestFileRepositoryStateMachine = FileRepositoryMachine.TestCase
