@@ -174,14 +174,16 @@ class RepositoryMachine(RuleBasedStateMachine):
         prune."""
         m = self.model
         self.wrote = True
+        branch = m.head_branch
+        assert branch is not None
         for step in steps:
             self.counter += 1
             state = make_state(self.counter, step)
             v = self.repo.snapshot(state, step=step, message=f"k={self.counter}")
-            parent = m.branches.get(m.head_branch)
+            parent = m.branches.get(branch)
             assert v.parents == ((parent,) if parent else ()) and v.step == step
             m.versions[v.id] = MVersion(parent, step, state)
-            m.branches[m.head_branch] = v.id
+            m.branches[branch] = v.id
 
     @precondition(has_versions)
     @rule(name=st.sampled_from(BRANCH_NAMES), data=st.data())
