@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ckptrepo
-from ckptrepo import DetachedHeadError, RefError, RevisionError
+from ckptrepo import DetachedHeadError, RefError, RetentionError, RevisionError
 
 BRANCH_NAMES = ("main", "b1", "b2", "feature/x", "t1")   # "t1" also a tag name: the clash must be refused
 TAG_NAMES = ("t1", "t2", "v1.0", "b1")
@@ -43,6 +43,7 @@ class MVersion:
     parent: str | None
     step: int
     state: dict[str, object]
+    loss: float
 
 
 @dataclass
@@ -118,6 +119,11 @@ def refused(call: Callable[[], object], lenient: bool) -> bool:
     return True
 
 
+def loss_of(k: int) -> float:
+    """A loss that goes up and down and is unique per snapshot (keep_best then has no ties to break by time)."""
+    return (k * 7) % 11 + k / 1000
+
+
 def make_state(k: int, step: int) -> dict[str, object]:
     """A tiny state whose bytes differ per snapshot: a float tensor, an int tensor and plain values."""
     return {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3) * (k + 1) - 0.5,
@@ -179,10 +185,11 @@ class RepositoryMachine(RuleBasedStateMachine):
         for step in steps:
             self.counter += 1
             state = make_state(self.counter, step)
-            v = self.repo.snapshot(state, step=step, message=f"k={self.counter}")
+            v = self.repo.snapshot(state, step=step, message=f"k={self.counter}",
+                                   metrics={"loss": loss_of(self.counter)})
             parent = m.branches.get(branch)
             assert v.parents == ((parent,) if parent else ()) and v.step == step
-            m.versions[v.id] = MVersion(parent, step, state)
+            m.versions[v.id] = MVersion(parent, step, state, loss_of(self.counter))
             m.branches[branch] = v.id
 
     @precondition(has_versions)
@@ -309,26 +316,34 @@ class RepositoryMachine(RuleBasedStateMachine):
         assert self.repo.delete_tag(name) == m.tags.pop(name)
         event("tag deleted")
 
-    @rule(keep_last=st.sampled_from([None, 1, 2]), keep_every=st.sampled_from([None, None, 2]))
-    def gc(self, keep_last: int | None, keep_every: int | None) -> None:
+    @rule(keep_last=st.sampled_from([None, 1, 2]), keep_every=st.sampled_from([None, None, 2]),
+          keep_best=st.sampled_from([None, None, 1, 2]))
+    def gc(self, keep_last: int | None, keep_every: int | None, keep_best: int | None) -> None:
         """Grace 0: unreachable versions are collected. With a retention rule, reachable versions that are not
         among the newest keep_last of a branch's (or a detached HEAD's) first-parent line, whose step is not a
-        multiple of keep_every, and that are no branch head or tag, are pruned. A version pruned once stays
-        pruned."""
+        multiple of keep_every, not among the keep_best lowest losses of the reachable versions that still have
+        their data, and that are no branch head or tag, are pruned. A version pruned once stays pruned."""
         m = self.model
         self.wrote = True
         self.verified.clear()
         reachable = m.reachable()
-        if keep_last is None and keep_every is None:
+        best = sorted(reachable - m.pruned, key=lambda v: m.versions[v].loss)[:keep_best or 0]
+        if keep_best is not None and not best:   # every reachable version's data is gone: nothing to rank
+            with pytest.raises(RetentionError, match="no version with data records metric 'loss'"):
+                self.repo.gc(keep_best=keep_best, best_metric="loss", grace_period_s=0)
+            return
+        if keep_last is None and keep_every is None and keep_best is None:
             keep = set(reachable)
         else:
             keep = set(m.ref_targets())
             for tip in list(m.branches.values()) + ([m.detached] if m.detached else []):
                 keep.update(m.chain(tip)[:keep_last or 0])
             keep.update(v for v in reachable if keep_every and m.versions[v].step % keep_every == 0)
+            keep.update(best)
         newly_pruned = reachable - keep - m.pruned
         newly_collected = set(m.existing()) - reachable
-        report = self.repo.gc(keep_last=keep_last, keep_every=keep_every, grace_period_s=0)
+        report = self.repo.gc(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                              best_metric="loss" if keep_best else None, grace_period_s=0)
         assert set(report.pruned) == newly_pruned
         assert set(report.collected) == newly_collected
         assert set(report.kept) == keep & reachable and not report.too_young
@@ -336,6 +351,23 @@ class RepositoryMachine(RuleBasedStateMachine):
         m.pruned |= newly_pruned
         m.collected |= newly_collected
         m.pruned -= newly_collected
+
+    @rule(data=st.data())
+    def bad_revision(self, data: st.DataObject) -> None:
+        """Revisions that name nothing (unknown names, too-short prefixes, past the root, a step not on HEAD's
+        line, a collected id) are one-line RevisionErrors for load, checkout, ``checkout -b``, branch and tag,
+        and change nothing (the invariants check the refs afterwards)."""
+        m = self.model
+        chain = m.chain(m.head())
+        bad = ["nosuch", "abc", "@99", f"HEAD~{len(chain) + 1}" if chain else "HEAD~1"] + sorted(m.collected)[:1]
+        rev = data.draw(st.sampled_from(bad), label="bad rev")
+        call = data.draw(st.sampled_from([
+            lambda: self.repo.load(rev), lambda: self.repo.checkout(rev), lambda: self.repo.checkout(rev, "nb"),
+            lambda: self.repo.branch("nb", rev), lambda: self.repo.tag("nt", rev)]), label="call")
+        with pytest.raises(RevisionError) as info:
+            call()
+        assert "\n" not in str(info.value)
+        assert "nb" not in self.repo.branches() and "nt" not in self.repo.tags()
 
     @rule()
     def fsck(self) -> None:
