@@ -408,7 +408,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         assert self.repo.branches() == m.branches
         assert self.repo.tags() == m.tags
         assert self.repo.current_branch() == m.head_branch
-        assert self.repo.head_version() == m.head()
+        assert self.repo.plumbing.head_version() == m.head()
         for name, vid in {**m.branches, **m.tags}.items():
             assert self.repo.resolve(name) == vid
 
@@ -471,7 +471,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         step that may delete data); a collected one no longer resolves; storage holds exactly the versions the
         model says exist."""
         m = self.model
-        assert sorted(self.repo.all_version_ids()) == sorted(m.existing())
+        assert sorted(self.repo.plumbing.all_version_ids()) == sorted(m.existing())
         head = m.head()
         if head is not None and head not in m.pruned:
             assert_bit_exact(self.repo.load(), m.versions[head].state, "HEAD")
