@@ -137,6 +137,11 @@ class Refs:
         """git's rule: ``a`` and ``a/b`` cannot both exist (on a local store one would be a file, the other a
         folder of the same name, and the write failed with a raw storage error)."""
         names = self._names(kind)
+        if name in names:
+            # checked before the create-if-absent write, whose failure reads back as a lost reply when the ref
+            # already holds the very version asked for; racing creators are still decided by that write
+            hint = "pick another name or check it out" if kind == "branch" else "tags never move, so pick another name"
+            raise RefError(f"{kind} {name!r} already exists; {hint}")
         parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
         clash = next((n for n in names if n.startswith(name + "/")), None) \
             or next((p for p in parents if p in names), None)
