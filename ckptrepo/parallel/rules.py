@@ -64,6 +64,12 @@ class VocabSplit:
     multiple: int = 128
     dim: int = 0
 
+    def __post_init__(self) -> None:
+        # a zero multiple divides by zero when padding; a negative one pads the rows away
+        if self.size < 1 or self.multiple < 1:
+            raise LayoutError(f"VocabSplit(size={self.size}, multiple={self.multiple}): the vocabulary size and "
+                              f"the padding multiple (make_vocab_size_divisible_by) must be at least 1")
+
     def padded(self, tp: int) -> int:
         m = self.multiple * tp
         return -(-self.size // m) * m
@@ -81,6 +87,13 @@ class Fused:
 
     parts: Union[int, tuple[int, ...]]
     dim: int = 0
+
+    def __post_init__(self) -> None:
+        # a zero count divides by zero; negative counts or sizes give regions outside the tensor, or none
+        counts = (self.parts,) if isinstance(self.parts, int) else self.parts
+        if not counts or any(c < 1 for c in counts):
+            raise LayoutError(f"Fused({self.parts!r}): give a count of at least 1 equal parts, or part sizes "
+                              f"of at least 1 each")
 
     def sizes(self, global_size: int) -> tuple[int, ...]:
         if isinstance(self.parts, int):
