@@ -158,7 +158,8 @@ def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch
     side = [repo.snapshot(state, step=s).id for s in (8, 9)]
 
     reads = count_manifest_reads(monkeypatch, repo.plumbing.store)
-    monkeypatch.setattr(ckptrepo.core._manifest_reads, "unseal", lambda *a: pytest.fail("a history walk decoded a whole manifest"))
+    monkeypatch.setattr(ckptrepo.core._manifest_reads, "unseal",
+                        lambda *a: pytest.fail("a history walk decoded a whole manifest"))
     fresh = ckptrepo.open(repo.url)
     assert [v.id for v in fresh.log(limit=3)] == side[::-1] + [ids[7]]
     assert sum(reads.values()) <= 4, reads
@@ -228,7 +229,8 @@ def test_deleting_a_branch_guards_its_versions_and_gc_then_collects_them(repo):
     report = repo.gc(grace_period_s=0)
     assert report.collected == [exp_tip] and report.bytes_freed > 0, report
     assert {v.id for v in repo.log(all=True)} == {base, main_tip}
-    assert torch.equal(repo.load("main")["w"], torch.full((2,), 2.0)) and torch.equal(repo.load(base)["w"], torch.ones(2))
+    assert (torch.equal(repo.load("main")["w"], torch.full((2,), 2.0))
+            and torch.equal(repo.load(base)["w"], torch.ones(2)))
 
 
 def test_deleting_a_tag_and_a_branch_that_moved_meanwhile(repo, monkeypatch):
