@@ -122,7 +122,8 @@ def summarize_turns(result: dict[str, Any]) -> dict[str, Any]:
         if best["overhead_per_ckpt_s"] > 0:
             ratio["overhead_vs_best_peer"] = mine["overhead_per_ckpt_s"] / best["overhead_per_ckpt_s"]
             # the ratio's range when both figures sit at the ends of their 95 % intervals
-            lo = (mine["overhead_per_ckpt_s"] - mine["half_width_s"]) / (best["overhead_per_ckpt_s"] + best["half_width_s"])
+            lo = ((mine["overhead_per_ckpt_s"] - mine["half_width_s"])
+                  / (best["overhead_per_ckpt_s"] + best["half_width_s"]))
             hi_den = best["overhead_per_ckpt_s"] - best["half_width_s"]
             hi = (mine["overhead_per_ckpt_s"] + mine["half_width_s"]) / hi_den if hi_den > 0 else float("inf")
             ratio["ratio_range"] = [lo, hi]
@@ -144,7 +145,8 @@ def print_turns(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
                         f"{meta['cpus']} CPUs, on {meta['device']}",
                   caption="One training loop; each round every mode (and the baseline) trains one turn, in rotating "
                           "order; a turn ends when its checkpoints are durable. overhead/ckpt: mean over rounds of "
-                          "(mode's turn - baseline's turn in the same round) / checkpoints per turn, ± 95 % half-width. "
+                          "(mode's turn - baseline's turn in the same round) / checkpoints per turn, "
+                          "± 95 % half-width. "
                           "Times in seconds.")
     for col in ("every", "mode", "ckpts/turn", "rounds", "baseline turn", "overhead/ckpt", "median",
                 "blocking/ckpt", "durable/ckpt", "details"):

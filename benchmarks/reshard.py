@@ -353,8 +353,9 @@ def load_worker(rank: int, world: int, port: int, work: str, src: int, method: s
 
 def _context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed.checkpoint", "torch.distributed.tensor.parallel",
-                                "ckptrepo", "ckptrepo.saving._capture", "ckptrepo.loading._layout_load"])
+    ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed.checkpoint",
+                                "torch.distributed.tensor.parallel", "ckptrepo", "ckptrepo.saving._capture",
+                                "ckptrepo.loading._layout_load"])
     return ctx
 
 

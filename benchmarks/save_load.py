@@ -421,7 +421,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r["save_cpu_s"].append(save_cpu)
                 r["load_cpu_s"].append(load_cpu)
                 print(f"  rep {rep + 1}/{args.repeat} {m.name:20s} save {save_s:6.2f}s {nbytes / save_s / GB:6.3f} GB/s"
-                      f" ({save_cpu / (nbytes / GB):4.2f} cpu-s/GB)   load {load_s:6.2f}s {nbytes / load_s / GB:6.3f} GB/s"
+                      f" ({save_cpu / (nbytes / GB):4.2f} cpu-s/GB)"
+                      f"   load {load_s:6.2f}s {nbytes / load_s / GB:6.3f} GB/s"
                       f" ({load_cpu / (nbytes / GB):4.2f} cpu-s/GB; {res:.0%} of files in page cache before)"
                       f"   load avg {os.getloadavg()[0]:.1f}", flush=True)
                 shutil.rmtree(target, ignore_errors=True)
@@ -434,7 +435,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "size_bytes": nbytes, "tensors": ntensors, "repeat": args.repeat, "dir": base,
         "cache": "warm" if args.warm else "cold (posix_fadvise DONTNEED after fsync)",
         "ckptrepo_bit_exact": verified, "methods": {}, "cpus": os.cpu_count(),
-        "versions": {"torch": torch.__version__, "tensorstore": _version("tensorstore"), "python": sys.version.split()[0]},
+        "versions": {"torch": torch.__version__, "tensorstore": _version("tensorstore"),
+                     "python": sys.version.split()[0]},
         "load_average_during_run": {"min": min(loadavg, default=0.0), "max": max(loadavg, default=0.0)},
     }
     for name, r in results.items():
@@ -443,7 +445,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "save_gbps": nbytes / best_save / GB, "load_gbps": nbytes / best_load / GB,
             "save_s": r["save_s"], "load_s": r["load_s"], "resident_before_load": r["resident"],
             "on_disk_bytes": r["on_disk_bytes"], "note": r["note"],
-            "save_cpu_s_per_gb": min(r["save_cpu_s"]) / (nbytes / GB), "load_cpu_s_per_gb": min(r["load_cpu_s"]) / (nbytes / GB),
+            "save_cpu_s_per_gb": min(r["save_cpu_s"]) / (nbytes / GB),
+            "load_cpu_s_per_gb": min(r["load_cpu_s"]) / (nbytes / GB),
         }
     disk = summary["methods"].get(Disk.name)
     ref = summary["methods"].get("ckptrepo")
@@ -451,7 +454,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Both disk rows write the same file the same way: the save ceiling is the best of all those writes.
         writes = [s["save_gbps"] for n, s in summary["methods"].items() if n in (Disk.name, DiskFresh.name)]
         summary["ceiling"] = {"save_gbps": max(writes), "load_gbps": disk["load_gbps"]}
-    for name, s in summary["methods"].items():
+    for _name, s in summary["methods"].items():
         s["save_vs_disk"] = s["save_gbps"] / summary["ceiling"]["save_gbps"] if disk else None
         s["load_vs_disk"] = s["load_gbps"] / summary["ceiling"]["load_gbps"] if disk else None
         s["save_vs_ckptrepo"] = s["save_gbps"] / ref["save_gbps"] if ref else None
@@ -498,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--settle", type=float, default=1.0, help="seconds to wait after deleting each method's files")
     p.add_argument("--warm", action="store_true", help="do not evict the page cache before loads")
-    p.add_argument("--only", default=None, help="comma-separated subset of: disk,disk-fresh,ckptrepo,ckptrepo-ts,torch.save,dcp")
+    p.add_argument("--only", default=None,
+                   help="comma-separated subset of: disk,disk-fresh,ckptrepo,ckptrepo-ts,torch.save,dcp")
     p.add_argument("--no-fresh-ceiling", action="store_true",
                    help="skip the 'disk -> fresh memory' row (reads into newly allocated buffers)")
     p.add_argument("--ts-reads", action="store_true",

@@ -502,13 +502,16 @@ def summarize(results: list[dict[str, Any]], everys: list[int]) -> dict[str, Any
             ratio["within_run_best_peer_s"] = wbest["overhead_within_run_per_ckpt_s"]
             ratio["within_run_ckptrepo_s"] = by["ckptrepo"]["overhead_within_run_per_ckpt_s"]
             if wbest["overhead_within_run_per_ckpt_s"] > 0:
-                ratio["within_run_vs_best_peer"] = ratio["within_run_ckptrepo_s"] / wbest["overhead_within_run_per_ckpt_s"]
+                ratio["within_run_vs_best_peer"] = (ratio["within_run_ckptrepo_s"]
+                                                    / wbest["overhead_within_run_per_ckpt_s"])
         if "torch.save" in by and by["torch.save"]["blocking_per_ckpt_s"]:
-            ratio["blocking_vs_torch_save"] = by["ckptrepo"]["blocking_per_ckpt_s"] / by["torch.save"]["blocking_per_ckpt_s"]
+            ratio["blocking_vs_torch_save"] = (by["ckptrepo"]["blocking_per_ckpt_s"]
+                                               / by["torch.save"]["blocking_per_ckpt_s"])
         ratios[str(every)] = ratio
     foreign = [r["foreign_load"] for r in results]
     return {"foreign_load_max": max(foreign), "foreign_load_mean": sum(foreign) / len(foreign),
-            "baseline_wall_s": base_wall, "baseline_spread_s": base_spread, "baseline_walls_s": [r["wall_s"] for r in base],
+            "baseline_wall_s": base_wall, "baseline_spread_s": base_spread,
+            "baseline_walls_s": [r["wall_s"] for r in base],
             "baseline_step_s_median": best_base["step_s_median"],
             "baseline_cpu_s": base_cpu, "rows": rows, "ratios": ratios}
 
@@ -526,14 +529,15 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
                           + ", ".join(f"{w:.2f}" for w in summary["baseline_walls_s"])
                           + f"), median step {summary['baseline_step_s_median']:.3f} s. "
                           f"Times in seconds, per checkpoint. Wall includes the final drain. "
-                          f"± = spread (max - min) of the baseline runs that had the machine to themselves / checkpoints, "
+                          f"± = spread (max - min) of the baseline runs that had the machine to themselves "
+                          f"/ checkpoints, "
                           f"a noise estimate. within-run: (wall - steps x this run's median step time in the "
                           f"second half of each interval between checkpoints) / checkpoints (every >= 4 only). "
                           f"Other processes and kernel threads used "
                           f"{summary['foreign_load_mean']:.2f} CPUs on average during the runs "
                           f"(max {summary['foreign_load_max']:.2f}).")
-    for col in ("every", "mode", "ckpts", "wall", "drain", "overhead/ckpt", "within-run", "blocking/ckpt", "durable/ckpt",
-                "durable max", "extra CPU/ckpt", "details"):
+    for col in ("every", "mode", "ckpts", "wall", "drain", "overhead/ckpt", "within-run", "blocking/ckpt",
+                "durable/ckpt", "durable max", "extra CPU/ckpt", "details"):
         table.add_column(col, justify="left" if col in ("mode", "details") else "right")
     last_every = None
     for r in summary["rows"]:
@@ -581,10 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="timed training steps per mode")
-    p.add_argument("--every", type=int, nargs="+", default=[10], help="checkpoint every N steps (several values allowed)")
+    p.add_argument("--every", type=int, nargs="+", default=[10],
+                   help="checkpoint every N steps (several values allowed)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each mode")
     p.add_argument("--rounds", type=int, default=0,
-                   help="measure in turns instead (overhead_turns.py): one loop, the modes take turns, this many rounds")
+                   help="measure in turns instead (overhead_turns.py): one loop, the modes take turns, "
+                        "this many rounds")
     p.add_argument("--turn-steps", type=int, default=10, help="with --rounds: training steps per turn")
     p.add_argument("--no-warmup-checkpoint", dest="warmup_checkpoint", action="store_false",
                    help="do not take (and drain) one untimed checkpoint during warm-up")

@@ -12,7 +12,8 @@ def assert_bit_exact(a: Any, b: Any, path: str = "state") -> None:
     """Assert ``a`` and ``b`` have the same structure, types, and bytes (NaN payloads included)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: {type(b)} is not a tensor"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
         ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8) if a.numel() else a
         bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8) if b.numel() else b
         if a.numel():

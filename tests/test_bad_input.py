@@ -96,7 +96,8 @@ def test_model_with_wrong_architecture(repo):
     repo.snapshot({"model": torch.nn.Linear(4, 8)}, step=0)
     other = torch.nn.Linear(4, 9)
     w = other.weight.detach().clone()
-    with pytest.raises(StateMismatchError, match=r"state\['model'\]\['weight'\]: shape \[9, 4\] in `into` but \[8, 4\]"):
+    with pytest.raises(StateMismatchError,
+                       match=r"state\['model'\]\['weight'\]: shape \[9, 4\] in `into` but \[8, 4\]"):
         repo.load("HEAD", into={"model": other})
     assert torch.equal(other.weight, w)
 

@@ -51,7 +51,8 @@ def run(*args, repo=None, env_repo=None, cwd=None):
 
 def test_console_script_runs_as_a_real_process(tmp_path):
     """The installed `ckptrepo` executable itself: one-line error, exit 2, no traceback."""
-    p = subprocess.run(["ckptrepo", "--repo", str(tmp_path / "none"), "log"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(["ckptrepo", "--repo", str(tmp_path / "none"), "log"],
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().endswith("or pass --repo URL") and p.stderr.count("\n") == 1
     p = subprocess.run(["ckptrepo", "init", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
@@ -155,7 +156,8 @@ def test_branch_and_tag_deletion(populated):
     (["show", "nope"], "unknown revision 'nope'"),
     (["checkout", "@99"], "no version with step 99"),
     (["tag", "bad name"], "invalid tag name"),
-    (["gc", "--keep-best", "1", "--metric", "accuracy"], "no version with data records metric 'accuracy'; recorded: loss"),
+    (["gc", "--keep-best", "1", "--metric", "accuracy"],
+     "no version with data records metric 'accuracy'; recorded: loss"),
 ])
 def test_errors_are_one_line(tmp_path, populated, args, fragment):
     url, _ = populated
@@ -176,7 +178,8 @@ def test_diff_stats_trajectory_commands(populated, tmp_path):
     csv_path = tmp_path / "t.csv"
     p = run("trajectory", "model/*", "--metric", "delta", "--csv", str(csv_path), repo=url)
     assert p.returncode == 0 and "model/w" in p.stdout
-    assert csv_path.read_text().splitlines()[0] == "version,step,name,delta" and len(csv_path.read_text().splitlines()) == 5
+    assert (csv_path.read_text().splitlines()[0] == "version,step,name,delta"
+            and len(csv_path.read_text().splitlines()) == 5)
 
 
 def test_tables_never_cut_cells_short(tmp_path):
@@ -254,7 +257,7 @@ def test_user_text_is_printed_as_it_is_and_json_is_strict(tmp_path):
                  ["trajectory", "m/*", "--metric", "relative-change", "--json"]):
         p = run(*args, repo=url)
         assert p.returncode == 0, (args, p.stderr)
-        json.loads(p.stdout, parse_constant=lambda c: pytest.fail(f"{args}: {c} is not JSON"))
+        json.loads(p.stdout, parse_constant=lambda c, args=args: pytest.fail(f"{args}: {c} is not JSON"))
     for order in ("relative", "l2"):
         p = run("diff", "@1", "@2", "--sort", order, repo=url)
         assert p.returncode == 0 and "new" in p.stdout, p.stderr

@@ -262,7 +262,8 @@ def test_stats_diff_and_trajectory_name_a_missing_object_like_load(repo_dir):
         with pytest.raises(CorruptionError) as info:
             call()
         msg = str(info.value)
-        assert f"data/{vid}/" in msg and "is missing" in msg and "ckptrepo fsck" in msg and "tensorstore_spec" not in msg
+        assert (f"data/{vid}/" in msg and "is missing" in msg and "ckptrepo fsck" in msg
+                and "tensorstore_spec" not in msg)
 
 
 @pytest.mark.parametrize("ref,content", [("refs/heads/main", b""), ("refs/tags/t", b"\xff\xfe"),

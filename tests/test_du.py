@@ -21,7 +21,8 @@ def test_unique_and_shared_bytes_follow_the_arrays(repo, tmp_path):
     tensors = (m2.tensors[0], m2.tensors[1]._replace(pieces=m1.tensors[1].pieces), *m2.tensors[2:])
     arrays = {k: v for k, v in m2.arrays.items() if not k.endswith("float64")}
     arrays[shared_key] = m1.arrays[shared_key]
-    repo.plumbing.store.put(VERSIONS_PREFIX + v2.id, encode_manifest(dataclasses.replace(m2, tensors=tensors, arrays=arrays)))
+    reshaped = dataclasses.replace(m2, tensors=tensors, arrays=arrays)
+    repo.plumbing.store.put(VERSIONS_PREFIX + v2.id, encode_manifest(reshaped))
     repo.plumbing.store.delete_prefix(f"data/{v2.id}/0/float64/")
 
     usage = ckptrepo.open(url).du()

@@ -78,4 +78,5 @@ def test_loads_leave_no_reference_cycles(tmp_path) -> None:
         gc.set_debug(0)
         gc.garbage.clear()
     assert garbage == [], garbage[:10]
-    assert into["optim"]["step"] == 3 and torch.equal(into["model"]["row.weight"], split_state(1)["row.weight"][:, 4096:])
+    assert into["optim"]["step"] == 3 and torch.equal(into["model"]["row.weight"],
+                                                      split_state(1)["row.weight"][:, 4096:])

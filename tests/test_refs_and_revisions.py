@@ -229,7 +229,8 @@ def test_deleting_a_branch_guards_its_versions_and_gc_then_collects_them(repo):
     report = repo.gc(grace_period_s=0)
     assert report.collected == [exp_tip] and report.bytes_freed > 0, report
     assert {v.id for v in repo.log(all=True)} == {base, main_tip}
-    assert torch.equal(repo.load("main")["w"], torch.full((2,), 2.0)) and torch.equal(repo.load(base)["w"], torch.ones(2))
+    assert (torch.equal(repo.load("main")["w"], torch.full((2,), 2.0))
+            and torch.equal(repo.load(base)["w"], torch.ones(2)))
 
 
 def test_deleting_a_tag_and_a_branch_that_moved_meanwhile(repo, monkeypatch):

@@ -64,7 +64,8 @@ def full_state():
         "shapes": {
             "zero_dim": torch.tensor(3.25), "zero_dim_int": torch.tensor(7, dtype=torch.int64),
             "empty": torch.empty(0, 3), "one": torch.ones(1),
-            "transposed": base.t(), "strided": base[:, ::3], "view": base[2:4], "expanded": torch.arange(3).expand(4, 3),
+            "transposed": base.t(), "strided": base[:, ::3], "view": base[2:4],
+            "expanded": torch.arange(3).expand(4, 3),
             "conj": torch.complex(base, base).conj(),
         },
         "numpy": {
