@@ -263,7 +263,7 @@ def collect(repo: Plumbing, keep_last: int | None = None, keep_every: int | None
                 parents = facts[vid].parents
                 vid = parents[0] if parents else None
     if keep_every:
-        keep.update(v for v in reachable if facts[v].step is not None and facts[v].step % keep_every == 0)
+        keep.update(v for v in reachable if (step := facts[v].step) is not None and step % keep_every == 0)
     if keep_best is not None:
         keep.update(_best(facts, reachable - already_pruned, keep_best, str(best_metric), best_mode))
     keep &= reachable

@@ -231,7 +231,7 @@ class Sharder:
                 name = f"{section}/{gparam}"
                 out.leaf_names[i] = name
                 out.gshapes[i] = tuple(gshape)
-                if section == self.rules.model_section:
+                if self.rules is not None and section == self.rules.model_section:
                     params.append((gparam, tuple(t.shape), spec, gshape))
                 regs = regions(spec, gshape, self.layout.tp, self.coords.tp)
                 replicated = _replicated_by_rules(spec, self.layout.tp)

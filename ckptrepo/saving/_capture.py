@@ -204,7 +204,11 @@ class Snapshotter:
         self._bare_versions: dict[str, tuple[int, int]] = {}   # see _copy_what_forward_may_change
         self._side_stream: Any = None
         ref = weakref.ref(self)
-        self._atexit = lambda: (s := ref()) is not None and s._close_at_exit()
+        def close_at_exit() -> None:
+            s = ref()
+            if s is not None:
+                s._close_at_exit()
+        self._atexit = close_at_exit
         atexit.register(self._atexit)
 
     # ---- public API -------------------------------------------------------
@@ -235,7 +239,10 @@ class Snapshotter:
             if self.distributed:   # the other ranks are entering the collective: tell them, or they wait forever
                 self._exchange_pieces(None, err)
             raise
-        vid, leaf_names, names, boxes = new_version_id(), [], [], []
+        vid = new_version_id()
+        leaf_names: list[str] = []
+        names: list[Any] = []
+        boxes: list[Any] = []
         if local is not None:
             vid, records, boxes, leaf_names, names = self._shard(records, local)
         handle = SnapshotHandle(vid, step)
@@ -592,7 +599,9 @@ class Snapshotter:
             # a local store: one whole shard object written directly (localwrite.py), durable once the future
             # completes, like TensorStore's commit future; otherwise (or for an odd segment) through TensorStore
             info = job.arrays[seg.dtype]
+            fut: Any   # a concurrent Future from the direct writer, or TensorStore's commit future
             if isinstance(view, LiveShard):
+                assert self._direct is not None   # live shards are planned only for a direct writer
                 fut = self._direct.submit_live(info, seg.start, view)
             else:
                 fut = None if self._direct is None else self._direct.submit(info, seg.start, view)
@@ -603,7 +612,9 @@ class Snapshotter:
             self._segment_over(view, buf)
             job.segment_done(_storage_error(job, seg, err))
             return
-        fut.add_done_callback(lambda f, job=job, seg=seg, buf=buf, view=view: self._written(job, seg, buf, view, f))
+        def written(f: Any, job: SnapshotJob = job, seg: Any = seg, buf: torch.Tensor = buf, view: Any = view) -> None:
+            self._written(job, seg, buf, view, f)
+        fut.add_done_callback(written)
 
     def _segment_over(self, view: Any, buf: torch.Tensor) -> None:
         """A segment's write is over (durable, failed or never started): its buffer goes back to the pool, and a
@@ -685,6 +696,7 @@ class Snapshotter:
         with self._lock:   # never collect what this snapshotter has in flight, or starts meanwhile
             born = [version_id_time(j.vid) or 0.0 for j in self._inflight]
         since = min(born + [time.time()]) - 1.0
+        assert self.retention is not None   # called only when a policy was given
         try:
             self.retention.apply(self.repo, protect_since=since, known=self._gc_facts)
         except Exception as err:  # noqa: BLE001 - never kills the commit thread
