@@ -1,4 +1,4 @@
-"""Worker bodies for tests/test_dtensor.py: a tensor-parallel MLP on a CPU device mesh (gloo).
+"""Worker bodies for tests/distributed/test_dtensor.py: a tensor-parallel MLP on a CPU device mesh (gloo).
 
 Every worker is a fresh process (forkserver, see ``mp_context``) that joins a
 gloo process group on 127.0.0.1, builds the same small model parallelised with

@@ -1,4 +1,4 @@
-"""Worker bodies for tests/test_fsdp2.py: an MLP sharded with FSDP2 (``fully_shard``) on a CPU mesh (gloo).
+"""Worker bodies for tests/distributed/test_fsdp2.py: an MLP sharded with FSDP2 (``fully_shard``) on a CPU mesh (gloo).
 
 Each Linear and the root are wrapped with ``fully_shard``: every parameter and
 Adam moment is a DTensor with ``Shard(0)`` placements over the mesh, split

@@ -37,7 +37,7 @@ that refuses ``O_DIRECT`` (EINVAL) gets the page cache: the same iovec, or
 ``pwritev`` of views of a contiguous staging buffer.
 
 An object written through ``submit`` is byte-identical to TensorStore's
-(tests/test_localwrite.py checks every dtype size, partial last shards and
+(tests/integration/test_localwrite.py checks every dtype size, partial last shards and
 partial last inner chunks); one written from live memory differs only in the
 block padding after each chunk, and TensorStore reads it back (tested too).
 Both are written the way TensorStore's file kvstore writes a value (read

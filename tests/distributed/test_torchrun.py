@@ -15,7 +15,7 @@ import pytest
 
 import ckptrepo
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_tp.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_tp.py")
 
 
 def torchrun(nproc: int, *args: str) -> dict:

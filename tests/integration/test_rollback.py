@@ -18,7 +18,7 @@ from helpers import assert_bit_exact
 
 import ckptrepo
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 
 

@@ -11,7 +11,7 @@ from helpers import assert_bit_exact
 
 import ckptrepo
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 from format1_states import gpt_rules, layout_state, plain_state  # noqa: E402
 

@@ -28,7 +28,7 @@ from ckptrepo.core.schema import (
 from ckptrepo.errors import CorruptionError
 from ckptrepo.storage._arrays import ArrayInfo
 
-FIXTURE = Path(__file__).parent / "fixtures" / "format1_repo" / "versions"
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "format1_repo" / "versions"
 FIXTURE_FILES = sorted(FIXTURE.iterdir())
 
 
