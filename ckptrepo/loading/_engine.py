@@ -96,10 +96,16 @@ class Read:
         """The tensors this read fills: what an error names."""
         raise NotImplementedError
 
+    def prepare(self, info: ArrayInfo) -> None:
+        """Called for every read of a plan that the direct reader reads, before any read starts: what calls into
+        torch belongs here (torch lets go of the GIL in each call, and once the reader threads run, taking it
+        back costs a thread switch each time)."""
+
     def direct_target(self, info: ArrayInfo) -> Any:
         """Where the direct reader may write the elements itself: a contiguous CPU tensor or numpy byte buffer
         of exactly ``numel`` elements, or a row target (``scatter(buf, lo, hi)``, see DirectReader); None: into
-        a scratch buffer that :meth:`fill` gets. Asked for every read of a plan before any read starts."""
+        a scratch buffer that :meth:`fill` gets. Asked as the read's run is issued, so buffers made here live
+        only while at most ``INFLIGHT_BYTES`` of runs are in flight."""
         return None
 
     def direct_done(self) -> None:
@@ -191,19 +197,19 @@ class _Execution:
 
     def run(self, runs: list[_Run]) -> None:
         arrays, direct = self.arrays, self.direct
-        targets: dict[int, Any] = {}
         if direct is not None:
-            # all asked for before the first read starts: making them calls into torch, which lets go of the GIL,
-            # and once the reader threads run, taking it back costs a thread switch each time
-            targets = {id(r): r.direct_target(arrays[r.array]) for run in runs for r in run.reads}
-        pending: deque[tuple[_Run, Any, int]] = deque()
+            for run in runs:
+                info = arrays[run.array]
+                for r in run.reads:
+                    r.prepare(info)
+        pending: deque[tuple[_Run, _DirectRead | list[Any], int]] = deque()
         inflight = 0
         try:
             for run in runs:
                 nbytes = run.nbytes(arrays[run.array])
                 while pending and inflight + nbytes > INFLIGHT_BYTES:
                     inflight -= self._finish(*pending.popleft())
-                pending.append((run, self._submit(run, targets), nbytes))
+                pending.append((run, self._submit(run), nbytes))
                 inflight += nbytes
             while pending:
                 self._finish(*pending.popleft())
@@ -211,12 +217,12 @@ class _Execution:
             if direct is not None:
                 direct.close()
 
-    def _submit(self, run: _Run, targets: dict[int, Any]) -> Any:
-        """Start a run's reads: a future of the direct read, or (``None`` direct) TensorStore's futures."""
+    def _submit(self, run: _Run) -> _DirectRead | list[Any]:
+        """Start a run's reads: the direct read in flight, or (no direct reader) TensorStore's futures."""
         if self.direct is None:
             return self._submit_ts(run)
         info = self.arrays[run.array]
-        dests = [targets[id(r)] for r in run.reads]
+        dests = [r.direct_target(info) for r in run.reads]
         scratch = [torch.empty(r.numel, dtype=TORCH_DTYPES[info.dtype]) if d is None else None
                    for r, d in zip(run.reads, dests)]
         where: dict[int, Any] = {k: d if d is not None else s for k, (d, s) in enumerate(zip(dests, scratch))}
@@ -236,7 +242,7 @@ class _Execution:
         h = self.engine.handle(run)
         return [h[r.start:r.stop].read(batch=self.batch) for r in run.reads]
 
-    def _finish(self, run: _Run, futs: Any, nbytes: int) -> int:
+    def _finish(self, run: _Run, futs: _DirectRead | list[Any], nbytes: int) -> int:
         """Wait for a run, hand its reads their elements (falling back to TensorStore where the direct read
         failed); returns its bytes."""
         info = self.arrays[run.array]

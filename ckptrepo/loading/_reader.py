@@ -72,6 +72,7 @@ class _TensorRead(Read):
         self._place(src.view(TORCH_DTYPES[self.entry.dtype]).view(self.entry.shape))
 
     def _place(self, t: torch.Tensor) -> None:
+        self.target = None   # a staging tensor (for an ``into`` the reader cannot write) lives no longer
         dest = self.into.get(self.i)
         if dest is None:
             self.out[self.i] = t

@@ -31,8 +31,6 @@ from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage._arrays import ArrayInfo
 from ckptrepo.storage._tensorstore import Store
 
-_NOT_MADE = object()
-
 
 class _Span(Read):
     """A read span of one saved array and the parts of target pieces it fills: per job, ``(target piece,
@@ -50,14 +48,15 @@ class _Span(Read):
     def names(self) -> list[str]:
         return sorted({job[0].name for job in self.jobs})
 
+    def prepare(self, info: ArrayInfo) -> None:
+        tp = self.jobs[0][0]
+        if len(self.jobs) == 1 and id(tp) not in self.byte_views:
+            self.byte_views[id(tp)] = _byte_view(tp.view, TORCH_DTYPES[info.dtype])
+
     def direct_target(self, info: ArrayInfo) -> np.ndarray | _RowTarget | None:
         if len(self.jobs) != 1:
             return None
-        tp = self.jobs[0][0]
-        view = self.byte_views.get(id(tp), _NOT_MADE)
-        if view is _NOT_MADE:
-            view = self.byte_views[id(tp)] = _byte_view(tp.view, TORCH_DTYPES[info.dtype])
-        return _direct_destination(self, info, view)
+        return _direct_destination(self, info, self.byte_views[id(self.jobs[0][0])])
 
     def fill(self, src: torch.Tensor) -> None:
         """Copy the span's elements, read into a buffer (TensorStore's, or scratch), to its targets."""
