@@ -139,7 +139,7 @@ class _Chunks:
         pieces = entry["pieces"]
         if len(pieces) == 1 and list(pieces[0]["box"][1]) == list(entry["shape"]):
             key, off = pieces[0]["array"], pieces[0]["offset"]
-            self.array_info(key)
+            self.array_info(key)   # into self.arrays, where the engine looks: a dedup'd piece's is another version's
             entry_range = TensorEntry(entry["name"], entry["dtype"], (stop - start,), key, off + start)
             t = read_tensors(self.repo.store, self.arrays, [entry_range], [0], engine=self.engine)[0]
         else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
