@@ -32,7 +32,7 @@ Measured, per method and layout change:
   i.e. every byte the process got from read()/pread()/preadv() system calls (all threads, page cache
   hits included; the few KB of DCP's collectives over gloo sockets included too). Both methods are
   counted this way. For ckptrepo also TensorStore's own kvstore counters
-  (``ckptrepo.loading._reshard.kvstore_bytes_read()``), which count the same file reads from the inside.
+  (``ckptrepo.loading._engine.kvstore_bytes_read()``), which count the same file reads from the inside.
 
 Every load is checked bit-exact against the expected values.
 
@@ -318,7 +318,8 @@ def load_worker(rank: int, world: int, port: int, work: str, src: int, method: s
         import ckptrepo.loading._binding  # noqa: F401
         import ckptrepo.loading._layout_load  # noqa: F401
         import ckptrepo.loading._reader  # noqa: F401
-        from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
+        import ckptrepo.loading._reshard  # noqa: F401
+        from ckptrepo.loading._engine import ReadStats, kvstore_bytes_read
         mesh = _init(rank, world, port)
         path = os.path.join(work, f"{method}-{src}")
         state = parallel_state(mesh, d, layers, fill=False) if world > 1 else plain_state(d, layers)

@@ -305,15 +305,15 @@ class CkptRepo(Method):
 class CkptRepoTensorStoreReads(CkptRepo):
     name = "ckptrepo, TS reads"
     key = "ckptrepo-ts"
-    note = "as ckptrepo, but loads through TensorStore only (ckptrepo.loading._reader.DIRECT_READS = False)"
+    note = "as ckptrepo, but loads through TensorStore only (ckptrepo.loading._engine.DIRECT_READS = False)"
 
     def load(self, target: str, template: Any) -> Any:
-        from ckptrepo.loading import _reader as reader
-        saved, reader.DIRECT_READS = reader.DIRECT_READS, False
+        from ckptrepo.loading import _engine as engine
+        saved, engine.DIRECT_READS = engine.DIRECT_READS, False
         try:
             return super().load(target, template)
         finally:
-            reader.DIRECT_READS = saved
+            engine.DIRECT_READS = saved
 
 
 class TorchSave(Method):

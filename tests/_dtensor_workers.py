@@ -177,7 +177,7 @@ def load_worker(rank: int, world: int, port: int, url: str, out_dir: str) -> Non
         )
 
         import ckptrepo
-        from ckptrepo.loading._reshard import ReadStats
+        from ckptrepo.loading._engine import ReadStats
         mesh = _init(rank, world, port)
         model, opt, state = build(mesh, seed=1)
         state["step"] = 0

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ckptrepo.errors import CorruptionError, first_line, is_storage_failure, storage_failure
 from ckptrepo.storage.protocol import Store
 
 SHARD_BYTES = 64 << 20
@@ -181,28 +180,3 @@ def open_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
     spec = {"driver": "zarr3", "kvstore": store.child_spec(info.key), "metadata": zarr_metadata(info),
             "open": True, "fill_missing_data_reads": False, "recheck_cached_data": False}
     return ts.open(spec, context=store.context, read=True).result()
-
-
-class ArrayHandles:
-    """Read handles of a version's arrays, each opened once; an array that cannot be opened is corruption."""
-
-    def __init__(self, store: Store, arrays: dict[str, ArrayInfo]) -> None:
-        self.store = store
-        self.arrays = arrays
-        self._handles: dict[str, ts.TensorStore] = {}
-
-    def get(self, key: str) -> ts.TensorStore:
-        h = self._handles.get(key)
-        if h is None:
-            info = self.arrays.get(key)
-            if info is None:
-                raise CorruptionError(f"the manifest refers to array {key}, which it does not describe")
-            try:
-                h = self._handles[key] = open_array(self.store, info)
-            except Exception as err:  # noqa: BLE001
-                reason = first_line(err)
-                if is_storage_failure(reason):
-                    raise storage_failure(f"opening array {key}", reason) from err
-                raise CorruptionError(f"array {key} cannot be opened ({reason}); "
-                                      f"run `ckptrepo fsck`") from err
-        return h

@@ -13,19 +13,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import numpy as np
-import tensorstore as ts
 import torch
 
 from ckptrepo.core._boxes import flat_boxes, volume
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core.schema import Manifest, TensorEntry
-from ckptrepo.errors import damaged_object_error, first_line, is_storage_failure, storage_failure
+from ckptrepo.core.schema import Piece as SavedPiece
+from ckptrepo.loading._engine import Engine
+from ckptrepo.loading._reader import read_tensors
 from ckptrepo.loading._reshard import VersionReader
 from ckptrepo.parallel._sharding import Piece
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.state._skeleton import plain_values, short_text
-from ckptrepo.storage._arrays import ArrayInfo, open_array
+from ckptrepo.storage._arrays import ArrayInfo
 
 CHUNK_BYTES = 2 << 20  # per side, as float64; a few such temporaries are alive at once
 
@@ -120,7 +120,7 @@ class _Chunks:
         self.repo = repo
         self.manifest = manifest
         self.arrays = dict(manifest.arrays)
-        self.handles: dict[str, ts.TensorStore] = {}
+        self.engine = Engine(repo.store, self.arrays)   # for tensors saved whole: a flat range of one array
         self._pieces: VersionReader | None = None   # for tensors saved as several pieces, made on first need
 
     @property
@@ -140,16 +140,11 @@ class _Chunks:
         """Elements ``[start, stop)`` of the tensor in row-major order, whichever pieces hold them."""
         pieces = entry.pieces
         if len(pieces) == 1 and pieces[0].box[1] == entry.shape:
-            key = pieces[0].array
-            off = pieces[0].offset
-            try:
-                h = self.handles.get(key)
-                if h is None:
-                    h = self.handles[key] = open_array(self.repo.store, self.array_info(key))
-                data = h[off + start: off + stop].read().result()
-            except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
-                raise _read_failure(entry.name, key, err) from err
-            t = torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[entry.dtype])
+            key, off = pieces[0].array, pieces[0].offset
+            self.array_info(key)   # into self.arrays, where the engine looks: a dedup'd piece's is another version's
+            n = stop - start
+            entry_range = TensorEntry(entry.name, entry.dtype, (n,), (SavedPiece(((0,), (n,)), key, off + start),))
+            t = read_tensors(self.repo.store, self.arrays, [entry_range], [0], engine=self.engine)[0]
         else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
             shape = entry.shape
             t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry.dtype])
@@ -157,14 +152,6 @@ class _Chunks:
                        for f, box in flat_boxes(shape, start, stop)]
             self.pieces.read(targets)
         return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
-
-
-def _read_failure(name: str, key: str, err: Exception) -> Exception:
-    """What a load says of the same failure: the store failed us, or the object is missing or corrupt."""
-    reason = first_line(err)
-    if is_storage_failure(reason):
-        return storage_failure(f"reading {key}", reason)
-    return damaged_object_error(key, reason, [name])
 
 
 def _chunk_elems(dtype: str) -> int:

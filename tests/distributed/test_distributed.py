@@ -23,7 +23,7 @@ from helpers import assert_bit_exact
 from megatron_ref import GPTConfig, _worker, assemble, launch
 
 import ckptrepo
-from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
+from ckptrepo.loading._engine import ReadStats, kvstore_bytes_read
 from ckptrepo.parallel.layout import ParallelLayout
 
 CFG = GPTConfig()

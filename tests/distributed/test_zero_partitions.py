@@ -99,7 +99,7 @@ def test_param_shapes_that_disagree_with_the_version_name_the_parameter(tmp_path
 def test_each_zero3_partition_reads_only_its_bytes(tmp_path) -> None:
     """A partition cuts across tensors: per tensor it is one contiguous run, read within the issue's bound
     (1.1x what the rank receives, plus the chunks at the run's ends and the shard index)."""
-    from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
+    from ckptrepo.loading._engine import ReadStats, kvstore_bytes_read
     from ckptrepo.storage._arrays import INNER_BYTES
     shapes = {"a": (1024, 1024), "b": (512, 1024), "c": (1000,)}    # 6 MiB of fp32
     g = torch.Generator().manual_seed(5)

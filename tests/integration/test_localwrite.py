@@ -500,7 +500,7 @@ def test_one_byte_dtypes_load_through_the_direct_path(tmp_path):
              "u8": torch.randint(0, 255, (300_000,), generator=g, dtype=torch.uint8),
              "b": torch.rand(300_000, generator=g) > 0.5}
     repo.snapshot(state, step=0)
-    from ckptrepo.loading._reshard import kvstore_bytes_read
+    from ckptrepo.loading._engine import kvstore_bytes_read
     before, ts_before = localread.bytes_read(), kvstore_bytes_read()
     assert_bit_exact(state, ckptrepo.open(str(tmp_path / "r")).load("HEAD"))
     direct = localread.bytes_read() - before
@@ -575,7 +575,7 @@ def _rewrite_shard(path: str, n: int, order: list[int], gap: int) -> None:
 def test_a_shard_with_chunks_out_of_order_loads_through_the_direct_path(tmp_path, gap):
     """The direct reader plans each read from the index when the chunks are not at one stride from the first;
     such shards load bit-exact, without falling back to TensorStore, whole and in strided parts."""
-    from ckptrepo.loading._reshard import kvstore_bytes_read
+    from ckptrepo.loading._engine import kvstore_bytes_read
     from ckptrepo.rules import Rules, Split
     repo = ckptrepo.init(str(tmp_path / "r"))
     g = torch.Generator().manual_seed(9)
@@ -604,7 +604,7 @@ def test_a_load_of_more_shards_than_the_open_file_limit_reads_them_directly(tmp_
     open-file limit (1024 by default: 64 GiB of 64 MiB shards) failed to load. It now holds one per task."""
     import resource
 
-    from ckptrepo.loading._reshard import kvstore_bytes_read
+    from ckptrepo.loading._engine import kvstore_bytes_read
     repo = ckptrepo.init(str(tmp_path / "r"))
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(3_000_000, generator=g)}

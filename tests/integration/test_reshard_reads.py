@@ -7,7 +7,7 @@ from _dist_workers import SPLIT_RULES, snapshot_split_state, split_state
 from megatron_ref import launch
 
 import ckptrepo
-from ckptrepo.loading._reshard import ReadStats, kvstore_bytes_read
+from ckptrepo.loading._engine import ReadStats, kvstore_bytes_read
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.storage._arrays import INNER_BYTES
 
