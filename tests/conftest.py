@@ -59,3 +59,11 @@ def repo_url(request, tmp_path):
 def repo(tmp_path) -> ckptrepo.Repository:
     """A fresh local-directory repository."""
     return ckptrepo.init(str(tmp_path / "repo"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/distributed/ starts processes (gloo ranks, torchrun) and takes most of the suite's
+    time: it is marked ``slow`` so that ``-m "not slow"`` gives a quick run."""
+    for item in items:
+        if "distributed" in item.path.parts:
+            item.add_marker(pytest.mark.slow)

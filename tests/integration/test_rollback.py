@@ -31,6 +31,7 @@ def train(repo: Path, losses: Path, *extra: str) -> dict[int, str]:
     return {int(k): v for k, v in json.loads(losses.read_text()).items()}
 
 
+@pytest.mark.slow   # two end-to-end training runs of examples/train_gpt.py
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resume_from_step_10_is_bit_exact_and_keeps_old_versions(tmp_path, mode):
     repo_path = tmp_path / "repo"
