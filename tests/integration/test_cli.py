@@ -13,6 +13,9 @@ import torch
 
 import ckptrepo
 
+# the checkout's root, where `python -m ckptrepo.cli` runs
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 class Result:
     def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
@@ -289,7 +292,7 @@ def test_cli_on_s3_prints_nothing_on_stderr(s3_url, tmp_path):
     ckptrepo.init(s3_url).snapshot({"w": torch.ones(2)}, step=1)
     env = dict(os.environ, HOME=str(tmp_path))   # no ~/.aws/config, no ~/.aws/credentials
     out = subprocess.run([sys.executable, "-m", "ckptrepo.cli", "--repo", s3_url, "log"], capture_output=True,
-                         text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), timeout=120)
+                         text=True, env=env, cwd=REPO_ROOT, timeout=120)
     assert out.returncode == 0 and "step 1" in out.stdout, out
     assert out.stderr == "", out.stderr
 
@@ -304,7 +307,7 @@ def test_s3_credentials_from_the_shared_credentials_file(s3_url, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     env.update(HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true")
     out = subprocess.run([sys.executable, "-m", "ckptrepo.cli", "--repo", s3_url, "log"], capture_output=True,
-                         text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), timeout=120)
+                         text=True, env=env, cwd=REPO_ROOT, timeout=120)
     assert out.returncode == 0 and "step 1" in out.stdout and out.stderr == "", out
 
 
