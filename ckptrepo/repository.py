@@ -1,8 +1,8 @@
 """The Repository: init/open, snapshot (commit), load, log, refs and revisions.
 
-Commit protocol (see docs/design.md): data arrays are written and made durable
-first, then the version manifest (write-if-absent), and only then is the
-branch ref moved by compare-and-swap. A crash before the ref moves leaves the
+Commit protocol (see docs/architecture.md, "The commit protocol"): data
+arrays are written and made durable first, then the version manifest
+(write-if-absent), and only then is the branch ref moved by compare-and-swap. A crash before the ref moves leaves the
 repository exactly as it was, apart from unreferenced objects that ``gc``
 removes; a lost compare-and-swap is a ConflictError and commits nothing.
 
@@ -208,7 +208,7 @@ class Repository:
         import torch
         target = load_device(device if device is not None else map_location)
         # no_grad: a load builds no graph (filling parameters in place is not a step to differentiate), and a
-        # DTensor's to_local() is then its local tensor instead of an autograd Function call (~10 us each)
+        # DTensor's to_local() is then its local tensor instead of an autograd Function call (a cost per tensor)
         with collection_paused(), torch.no_grad():
             return self._load(rev, into, target, on_bytes, parallel_layout, rank, read_stats)
 

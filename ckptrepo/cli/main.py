@@ -38,8 +38,8 @@ def _print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str
     """
     rows = [list(r) for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    # cells are Text, not markup: a name like "experts[0]" or a message "[wip]" is shown as it is (as markup it was
-    # cut, and "[/]" stopped the command with a MarkupError)
+    # cells are Text, not markup: a name like "experts[0]" or a message "[wip]" is shown as it is (as markup it would be
+    # cut, and "[/]" would stop the command with a MarkupError)
     table = Table(title=Text(title), title_justify="left")
     for i, h in enumerate(headers):
         if i < fold:

@@ -4,9 +4,8 @@ A load plans and issues thousands of reads (spans, futures, index arrays).
 Each few hundred allocations trigger a young-generation collection, and
 the survivors (the plan lives until the load ends) soon trigger a full one,
 which walks every object in the process: with torch imported that is a
-quarter of a million objects, ~75 ms per full collection on the reference
-machine. A 243 MiB resharding load, repeated in one process, took 0.16-0.21 s
-with the collector off against 0.23-0.28 s with it on, and outliers to 0.47 s.
+quarter of a million objects, so full collections take a large share of a
+small load's time and cause its outliers (docs/decisions/008-gc-pause.md).
 
 Reference counting still frees everything that is not in a cycle, and the
 collector runs again as soon as the outermost pause ends; the pause covers

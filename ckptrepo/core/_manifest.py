@@ -90,8 +90,8 @@ def unseal_header(blob: bytes, what: str) -> dict[str, Any]:
     """Like ``unseal`` for a version manifest, but only its small top-level fields (id, parents, step, time,
     message, metrics, size, stats, ...): the bulky ones are skipped by the parser, never built.
 
-    Why: ``log`` of a long run reads every version's header; building a 400-tensor
-    manifest's objects took ~6 ms each, most of a 500-version ``log``.
+    Why: ``log`` of a long run reads every version's header, and building the objects
+    of a manifest with hundreds of tensors for each of them would be most of its time.
     """
     body = _checked_body(blob, what)
     try:
@@ -191,7 +191,7 @@ def plain_metrics(metrics: Any) -> dict[str, Any]:
 
 def checked_step(step: Any) -> int | None:
     """``step`` as an int (numpy ints too) that fits the manifest's 64 bits, or None; a float, string or bool
-    is refused (1.7 used to become 1, and 2**64 killed the background commit)."""
+    is refused (1.7 would become 1, and 2**64 would kill the background commit)."""
     if step is None:
         return None
     if isinstance(step, bool) or not hasattr(step, "__index__"):
@@ -203,7 +203,7 @@ def checked_step(step: Any) -> int | None:
 
 
 def checked_message(message: Any) -> str:
-    """The commit message: text (``None`` is empty). Another type broke `ckptrepo log` for good once committed."""
+    """The commit message: text (``None`` is empty). Another type, once committed, breaks `ckptrepo log` for good."""
     if message is None:
         return ""
     if not isinstance(message, str):

@@ -18,8 +18,8 @@ from ckptrepo.errors import CkptRepoError, CorruptionError
 from ckptrepo.storage.protocol import Store
 
 # Decoded manifests a handle keeps: enough for `diff`/`load`/`show`. A handle that cached every manifest it
-# saw grew by one manifest per snapshot for the whole run (thousands of Python objects each, walked by every
-# full collection of the cyclic GC); of the versions it commits it now keeps the header only.
+# saw would grow by one manifest per snapshot for the whole run (thousands of Python objects each, walked by
+# every full collection of the cyclic GC); of the versions it commits it keeps the header only.
 MANIFEST_CACHE_SIZE = 16
 HEADER_CACHE_SIZE = 4096
 # Headers a long `log` asks storage for at once when it meets one it has not read: that version and the next
@@ -52,7 +52,7 @@ class ManifestReads:
 
     def header(self, vid: str) -> ManifestHeader:
         """The small fields of version ``vid``'s manifest (id, parents, step, time, message, metrics, size,
-        stats): all that history walks need, decoded without the tensor table and tree (~40x faster)."""
+        stats): all that history walks need, decoded without the tensor table and tree (much faster)."""
         h = self._manifests.get(vid) or self._headers.get(vid)
         if h is None:
             h = decode_header(self._sealed(vid), vid)
@@ -139,9 +139,9 @@ class ManifestReads:
 
         Not the whole manifest: a snapshotter committing every step would keep its last
         ``MANIFEST_CACHE_SIZE`` manifests (thousands of dicts and lists each) alive long enough for the
-        cyclic GC to promote them to its oldest generation, where they count towards the next full
-        collection of the whole process (~0.2 s of the training loop with a model loaded, every ~20
-        snapshots). A header is a handful of objects; a load reads the manifest when it needs it.
+        cyclic GC to promote them to its oldest generation, where they bring on full collections of the
+        whole process, each a long pause of the training loop with a model loaded. A header is a handful of
+        objects; a load reads the manifest when it needs it.
         """
         self._headers.put(manifest.id, manifest.header())
 

@@ -29,8 +29,8 @@ def is_ref_name(name: str) -> bool:
 
 def is_new_ref_name(name: str) -> bool:
     """What a new branch or tag may be called: :func:`is_ref_name`, and neither a folder starting with '.' nor
-    a name ending in TensorStore's ``.__lock`` (its file store's lock files; such a ref failed as a storage
-    error)."""
+    a name ending in TensorStore's ``.__lock`` (its file store's lock files; such a ref would fail as a
+    storage error)."""
     return is_ref_name(name) and "/." not in name and not name.endswith(".__lock")
 
 
@@ -45,8 +45,8 @@ def ref_value(raw: bytes | None, key: str) -> str | None:
     """The version id a branch or tag ref (or a detached HEAD) holds; None when the ref does not exist.
 
     A ref that exists but holds no version id (empty, not text, garbage) is damage, named here: read as
-    "no ref", an empty branch ref made the next snapshot start a new root history, and a byte that is not
-    UTF-8 failed every command with a bare UnicodeDecodeError.
+    "no ref", an empty branch ref would make the next snapshot start a new root history, and a byte that is
+    not UTF-8 would fail every command with a bare UnicodeDecodeError.
     """
     if raw is None:
         return None
@@ -135,7 +135,7 @@ class Refs:
 
     def _check_no_clash(self, kind: str, name: str) -> None:
         """git's rule: ``a`` and ``a/b`` cannot both exist (on a local store one would be a file, the other a
-        folder of the same name, and the write failed with a raw storage error)."""
+        folder of the same name, and the write would fail with a raw storage error)."""
         names = self._names(kind)
         if name in names:
             # checked before the create-if-absent write, whose failure reads back as a lost reply when the ref

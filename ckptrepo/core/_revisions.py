@@ -68,7 +68,7 @@ def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
                 return vid
             vid = src.first_parent(vid)
         raise RevisionError(f"no version with step {step} on {src.head_description()}; see `ckptrepo log`")
-    if is_ref_name(base):   # `main/` or `../tags/v1` is no ref: looked up, it was a raw storage error
+    if is_ref_name(base):   # `main/` or `../tags/v1` is no ref: looked up, it would be a raw storage error
         tip = src.branch_tip(base)
         if tip is not None:
             return tip

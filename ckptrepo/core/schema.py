@@ -213,8 +213,8 @@ def _checked_raw(d: Any, vid: str, what: str) -> dict[str, Any]:
     """``d`` if it is a manifest map of version ``vid``.
 
     Why the id check: the crc32c proves the bytes are a manifest, not whose. One copied over another
-    version's key made `load` of that version return the other's data, `log` list a version twice and gc
-    collect the real one as unreachable, with fsck saying ok.
+    version's key would make `load` of that version return the other's data, `log` list a version twice and
+    gc collect the real one as unreachable, with fsck saying ok.
     """
     if not isinstance(d, dict) or d.get("id") != vid:
         held = d.get("id") if isinstance(d, dict) else None
@@ -335,7 +335,7 @@ def table_problem(m: Manifest) -> str | None:
 
     The crc32c proves the bytes are as written, not that a writer wrote them right (or that a hand-edited
     manifest was re-sealed consistently): a tensor of another dtype than its array, or a piece past its
-    array's end, loaded uninitialised memory on one path and failed with an IndexError on another."""
+    array's end, would load uninitialised memory on one path and fail with an IndexError on another."""
     arrays = m.arrays
     for t in m.tensors:
         covered = 0

@@ -92,8 +92,8 @@ class VersionFacts:
 
     A snapshotter that applies retention after every commit keeps these
     between passes (``collect(known=...)``), so a pass decodes only the
-    manifests committed since the last one (~1 ms each for a 400-tensor state)
-    and holds a few objects per version instead of the whole manifest.
+    manifests committed since the last one (decoding a whole manifest is the
+    costly part of a pass) and holds a few objects per version instead of the whole manifest.
     """
 
     parents: tuple[str, ...]
@@ -193,8 +193,8 @@ def _reachable(repo: Plumbing, starts: Sequence[str], facts: dict[str, "VersionF
 
 def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: Any = None,
                       grace_period_s: Any = 0.0, every_commits: Any = None) -> None:
-    """Refuse a count that is not a whole number of at least 1: ``keep_last=-1`` or ``keep_every=0`` used to
-    switch retention on and prune all but the branch heads."""
+    """Refuse a count that is not a whole number of at least 1: ``keep_last=-1`` or ``keep_every=0`` would
+    otherwise switch retention on and prune all but the branch heads."""
     for name, value in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best),
                         ("every_commits", every_commits)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -289,7 +289,7 @@ def collect(repo: Plumbing, keep_last: int | None = None, keep_every: int | None
     for vid in sorted(data_ids - set(facts)):
         (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
     # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now, by any
-    # pass (a plain gc keeps every reachable version, and left such data on disk, unloadable, for good)
+    # pass (a plain gc keeps every reachable version, and would leave such data on disk, unloadable, for good)
     unfinished = sorted(already_pruned & data_ids & reachable)
 
     doomed_arrays = {key: (nbytes, layout) for vid in report.pruned + report.collected + unfinished
@@ -302,7 +302,7 @@ def collect(repo: Plumbing, keep_last: int | None = None, keep_every: int | None
 
     for vid in report.pruned:
         # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
-        # marker with content failed, and gc, the way to free space, freed nothing
+        # marker with content would fail, and gc, the way to free space, would free nothing
         repo.store.put(PRUNED_PREFIX + vid, b"")
     for vid in report.collected:
         repo.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest

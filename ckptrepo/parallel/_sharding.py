@@ -45,8 +45,9 @@ class Piece:
     box: Box
     view: torch.Tensor
     cut_dim: int | None = None   # a dimension other layouts slice across rows (see column_blocks)
-    # who replicates it over ranks, so that the ranks' copies are fingerprinted (replicas.py): RULES (the rules, over
-    # tensor-parallel ranks) or PLACEMENT (a DTensor's Replicate() over a mesh dimension of several ranks); "": nobody
+    # who replicates it over ranks, so that the ranks' copies are fingerprinted (parallel/_replicas.py): RULES (the
+    # rules, over tensor-parallel ranks) or PLACEMENT (a DTensor's Replicate() over a mesh dimension of several
+    # ranks); "": nobody
     replicated: str = ""
 
 
@@ -90,11 +91,11 @@ def column_blocks(pieces: Sequence[Piece]) -> list[Piece]:
     is the largest power of two up to 8 that divides the size). Loads that
     want whole rows read every block whole and scatter it, at the cost of one
     strided copy. That copy is why a block's rows are at least
-    ``MIN_BLOCK_ROW_BYTES`` long: numpy copies 64 MiB of 288-byte rows into
-    wider ones in 27 ms on the reference machine, of 1 KiB rows in 15 and of
-    whole rows in 13, and a load into fewer tensor-parallel ranks copies every
-    row of every block that way (tp 4->2 of the resharding benchmark, whose
-    blocks had 288-byte rows). Pieces with rows under 8 KiB get fewer blocks,
+    ``MIN_BLOCK_ROW_BYTES`` long: numpy's strided copy into wider rows is much
+    slower for rows of a few hundred bytes than for whole rows, and close to
+    whole-row speed from about 1 KiB, and a load into fewer tensor-parallel
+    ranks (tp 4->2 in benchmarks/reshard.py) copies every row of every block
+    that way. Pieces with rows under 8 KiB get fewer blocks,
     so tp growth reads exactly up to fewer times. Only the save path cuts; the
     load path reads whatever pieces a version has.
     """
@@ -151,7 +152,7 @@ def dtensor_box(t: Any, boxes: dict[Any, Any] | None = None) -> tuple[Box, torch
     """The global box a DTensor's local shard covers, and the local tensor.
 
     ``boxes`` remembers the box per (global shape, placements, mesh) within one call over a state: a model's
-    tensors share a few of them (every layer's weight and its two moments), and torch works each out in ~90 us.
+    tensors share a few of them (every layer's weight and its two moments), and torch is slow to work each out.
     """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     key = (tuple(t.shape), tuple(t.placements), id(t.device_mesh))

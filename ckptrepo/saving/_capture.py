@@ -9,14 +9,14 @@ pipeline, each stage overlapping the others and the training loop:
   stream by an event on CUDA). A CPU state bound for a local store with
   ``O_DIRECT`` is not copied: each segment becomes a ``LiveShard`` whose whole
   inner chunks are written from the tensors' own memory, only the chunks at
-  tensor edges being copied (``writer.fill_live``); the pre-step hook copies
+  tensor edges being copied (``_writer.fill_live``); the pre-step hook copies
   whatever the writers have not written yet. An empty pool makes capture wait
   (backpressure), so host memory stays bounded.
 * flush: hands each filled buffer on as one whole shard write (to the direct
-  writer's threads for a local store, localwrite.py; to TensorStore
+  writer's threads for a local store, storage/_localwrite.py; to TensorStore
   otherwise); the buffer returns to the pool when the write is durable.
 * commit: in snapshot order, once a version's data is durable, has it
-  committed (commit.py: the manifest, then the branch moved by
+  committed (saving/_commit.py: the manifest, then the branch moved by
   compare-and-swap; two phases under torch.distributed).
 
 The training loop waits only for *capture*, and only before it mutates the
@@ -28,8 +28,8 @@ the error is raised by the next ``snapshot``/``wait``/``wait_captured``/``close`
 
 Dedup: a tensor whose bytes did not change since the last version this
 snapshotter committed is not written again; its piece points at the stored
-bytes (dedup.py). What the threads share about one snapshot is its
-``SnapshotJob`` (snapshot_job.py).
+bytes (saving/_dedup.py). What the threads share about one snapshot is its
+``SnapshotJob`` (saving/_snapshot_job.py).
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ _UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 
 
 def parse_size(size: int | str | None) -> int | None:
     """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes; None for the default. Anything else (negative, zero,
-    "abc", a float) is refused in one line: "-1" used to give a pool of two 64 KiB buffers, "0" the default."""
+    "abc", a float) is refused in one line: "-1" would otherwise give a pool of two 64 KiB buffers, "0" the default."""
     if size is None:
         return None
     m = _SIZE_RE.match(size) if isinstance(size, str) else None
@@ -150,9 +150,9 @@ class Snapshotter:
                  retention: RetentionPolicy | None = None, max_in_flight: int = 4) -> None:
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
-        # backpressure when storage is slower than the snapshots: with nothing bounding them, 300 snapshot()
-        # calls of a 16 MiB state left 4.7 GiB in flight, and a state of small tensors (copied at snapshot(),
-        # outside the staging pool) took ~900 MiB of memory with host_memory="1MiB"
+        # backpressure when storage is slower than the snapshots: with nothing bounding them, snapshot() calls
+        # pile up in flight without limit, and a state of small tensors (copied at snapshot(), outside the
+        # staging pool) takes memory far beyond host_memory
         self.max_in_flight = max_in_flight
         self.rank, self.world_size = process_group_rank()
         self.retention = retention
@@ -261,7 +261,7 @@ class Snapshotter:
             ev.record(torch.cuda.current_stream(dev))
             job.ready.append(ev)
         # snapshot() from several threads: one set of threads, jobs queued in one order. A Ctrl-C landing between
-        # these steps left a job in flight that no thread would ever finish: wait(), close() and exit hung
+        # these steps would leave a job in flight that no thread ever finishes, and wait(), close() and exit would hang
         with _interrupts_deferred(), self._lock:
             self._start_threads()
             self._inflight.append(job)
@@ -423,7 +423,7 @@ class Snapshotter:
         for job in jobs:
             if job.live:   # what the writers have not written yet is copied out of the state now
                 job.staged.wait()
-                with _interrupts_deferred():   # a Ctrl-C inside a release lost its hold: the next step hung
+                with _interrupts_deferred():   # a Ctrl-C inside a release would lose its hold and hang the next step
                     copied = sum(shard.release() for shard in list(job.live_shards))
                 with job.lock:
                     job.handle.stats.copied_bytes += copied
@@ -477,7 +477,7 @@ class Snapshotter:
 
     # capture thread
     # Each loop lets go of its last item before it waits for the next (``del``): a job kept by a waiting thread
-    # lived on until the next snapshot, long enough for the cyclic GC to promote its thousands of objects
+    # would live on until the next snapshot, long enough for the cyclic GC to promote its thousands of objects
     # (records, skeleton lists, tensor objects) to its oldest generation, which brings on full collections.
     def _capture_loop(self) -> None:
         while True:
@@ -596,7 +596,7 @@ class Snapshotter:
             faults.point("before_shard_write")
             if not job.first_write:
                 job.first_write = time.perf_counter()
-            # a local store: one whole shard object written directly (localwrite.py), durable once the future
+            # a local store: one whole shard object written directly (storage/_localwrite.py), durable once the future
             # completes, like TensorStore's commit future; otherwise (or for an odd segment) through TensorStore
             info = job.arrays[seg.dtype]
             fut: Any   # a concurrent Future from the direct writer, or TensorStore's commit future
@@ -740,12 +740,13 @@ def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_
     held by a Stateful object in it (DCP's ``AppState(model, optimizer)``), and every tensor no attached optimizer
     owns (``step_owned``) of at most EAGER_COPY_BYTES (EAGER_COPY_BYTES_ATTACHED with an optimizer attached): a
     ``model.state_dict()`` hands over the same buffers as bare tensors. Parameters and optimizer state stay live:
-    only the step changes them, and it waits for capture (copying the ~300 small ones of a GPT cost 12 ms a
-    snapshot). Parameters of the modules in the state are never copied (a frozen base is not the step's, but
-    forward does not change it either). Nor is a bare tensor over EAGER_COPY_BYTES whose address and version
-    counter are those it had at the previous snapshot (``last``, by name): nothing changed it in a whole step,
-    so it is frozen (a ``base.state_dict()`` of 400 MB was copied every snapshot), where BatchNorm statistics
-    change at every forward. Returns this snapshot's (address, version) of those tensors, for the next."""
+    only the step changes them, and it waits for capture (copying them, hundreds of small tensors in a GPT,
+    would lengthen every snapshot). Parameters of the modules in the state are never copied (a frozen base is
+    not the step's, but forward does not change it either). Nor is a bare tensor over EAGER_COPY_BYTES whose
+    address and version counter are those it had at the previous snapshot (``last``, by name): nothing changed
+    it in a whole step, so it is frozen (otherwise a ``base.state_dict()`` is copied whole every snapshot),
+    where BatchNorm statistics change at every forward. Returns this snapshot's (address, version) of those
+    tensors, for the next."""
     ptrs: set[int] = set()
     params: set[int] = set()   # forward never changes a parameter in place: a frozen base stays live too
     stack, seen = [state], set()

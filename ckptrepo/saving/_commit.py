@@ -4,7 +4,7 @@ The snapshotter's commit thread hands each job here, in snapshot order, once
 its data is durable. A single process writes the manifest and moves the
 branch by compare-and-swap (a branch moved by someone else meanwhile is a
 ConflictError and nothing is committed). A distributed snapshot commits in
-two phases (distributed.py): every rank publishes its part, rank 0 merges
+two phases (parallel/_distributed.py): every rank publishes its part, rank 0 merges
 and checks them, writes the manifest, moves the branch and publishes the
 outcome the other ranks wait for; a failure on any rank reaches them all.
 """
@@ -77,7 +77,7 @@ class Committer:
         return self._publish(job, manifest)
 
     def _commit_sharded(self, job: SnapshotJob) -> Version:
-        """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see distributed.py).
+        """Two-phase commit: publish this rank's part; rank 0 merges, checks and commits (see parallel/_distributed.py).
 
         A single process (a layout named without torch.distributed) is the only
         rank: its part is merged and checked the same way, without the handshake

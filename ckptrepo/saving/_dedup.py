@@ -63,7 +63,7 @@ def digest(t: torch.Tensor) -> int:
     """xxh3-128 of a CPU tensor's bytes in row-major order (no copy when contiguous).
 
     ``contiguous()`` after ``reshape``: a strided 1-D view (``x[::2]``) reshapes without a copy but cannot be
-    viewed as bytes, which failed every snapshot after the first that held one.
+    viewed as bytes, which would fail every snapshot after the first that holds one.
     """
     flat = t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
     return xxhash.xxh3_128_intdigest(flat.view(torch.uint8).numpy().data)

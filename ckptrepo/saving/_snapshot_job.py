@@ -2,7 +2,7 @@
 
 ``SnapshotHandle`` and ``SnapshotStats`` are what the training loop sees;
 ``SnapshotJob`` is what the capture, flush and commit threads share about
-the snapshot (capture.py runs them, commit.py commits the job).
+the snapshot (saving/_capture.py runs them, saving/_commit.py commits the job).
 """
 from __future__ import annotations
 
@@ -96,10 +96,11 @@ class SnapshotJob:
     boxes: list[Any] = field(default_factory=list)          # sharded: the global box of each record (piece)
     ready: list[Any] = field(default_factory=list)          # CUDA events recorded on the training streams
     # sharded: the pieces replicated over ranks (by the rules or by a DTensor's placements), (name, box, view,
-    # by), until the capture thread turns them into fingerprints that rank 0 compares across ranks (replicas.py)
+    # by), until the capture thread turns them into fingerprints that rank 0 compares across ranks
+    # (parallel/_replicas.py)
     replicas: list[Any] = field(default_factory=list)
     fingerprints: list[Any] = field(default_factory=list)
-    # dedup (single process, CPU tensors): see dedup.py
+    # dedup (single process, CPU tensors): see saving/_dedup.py
     keys: list[DedupKey | None] = field(default_factory=list)   # per record; None: never deduped nor hashed
     match: dict[int, StoredTensor] = field(default_factory=dict)      # record -> last committed tensor with its key
     reused: dict[int, StoredTensor] = field(default_factory=dict)     # record -> stored bytes it points at instead

@@ -2,7 +2,7 @@
 
 The plan packs every tensor of one dtype back to back into one flat stream and
 cuts the stream into shard-sized segments; each segment is filled into one
-staging buffer and written as one whole shard (see capture.py for the
+staging buffer and written as one whole shard (see saving/_capture.py for the
 pipeline). Plans depend only on the (dtype, shape) list and the shard size, so
 they are cached and reused: a training loop plans once.
 """
@@ -114,7 +114,7 @@ def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None,
 def written_from_memory(nbytes: int, chunk_bytes: int) -> bool:
     """Whether a contiguous CPU tensor of ``nbytes`` is big enough to be written from its own memory (two inner
     chunks or more): placed by its address (``live_residues``), so a copy of it must keep that address's page
-    offset (``capture._page_aligned_copy``)."""
+    offset (``_capture._page_aligned_copy``)."""
     return nbytes >= 2 * chunk_bytes
 
 
@@ -160,13 +160,13 @@ class StagingPool:
     allocated ``align`` bytes larger and sliced; pinned buffers too), so that
     it can be written with ``O_DIRECT`` as it is.
 
-    Pinning is slow: a 64 MiB pinned buffer costs 40-60 ms to allocate (about
-    1 GB/s on an H100 machine), against ~1.3 ms to fill it from the GPU. A pool
-    that grew only when ``take`` found none free kept allocating inside the
-    capture of snapshot after snapshot (the writes give buffers back, so each
-    capture ran short by a few): 4 GB captured at 6 GB/s on the third snapshot
-    instead of 50. ``grow_in_background`` allocates what one snapshot needs in a
-    thread of its own instead, once.
+    Pinning is slow: allocating a pinned buffer takes tens of times longer than
+    filling it from the GPU. A pool that grew only when ``take`` found none free
+    would keep allocating inside the capture of snapshot after snapshot (the
+    writes give buffers back, so each capture runs short by a few), and capture
+    would run at the speed of pinning instead of the copy (benchmarks/RESULTS.md,
+    gpu_capture.py). ``grow_in_background`` allocates what one snapshot needs in
+    a thread of its own instead, once.
     """
 
     def __init__(self, buffer_bytes: int, max_buffers: int, pin: bool = False, align: int = 0) -> None:

@@ -40,8 +40,8 @@ from ckptrepo.state._skeleton import (  # noqa: F401
 )
 
 # Containers nested deeper than this are refused at flatten, naming the path: the manifest's msgpack stops at
-# 511 levels (three a dict), which used to fail the commit after the data was written; a container that holds
-# itself used to end in a bare RecursionError.
+# 511 levels (three a dict), which would fail the commit after the data is written; a container that holds
+# itself would end in a bare RecursionError.
 MAX_DEPTH = 100
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -94,7 +94,7 @@ def own_containers(obj: Any) -> Any:
 
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor; no DTensor exists until torch.distributed.tensor is imported, so do not pay
-    ~1 s importing it to find out."""
+    for that slow import to find out."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 
@@ -104,7 +104,7 @@ def _check_tensor_type(t: torch.Tensor, path: tuple[Any, ...]) -> None:
     without what the subclass adds (a scale, a tag), silently."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return
-    where = _path_str(path)   # only here: ~8 us a tensor, 0.17 s of snapshot() for 20k tensors
+    where = _path_str(path)   # only here: formatting every tensor's path would add up in snapshot() of a big state
     if torch.nn.parameter.is_lazy(t):
         raise UnsupportedValueError(f"{where}: an uninitialised lazy parameter or buffer has no shape or data yet; "
                                     f"run one forward pass (or module.initialize_parameters()) before saving")
@@ -180,7 +180,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             n += 1
             name = f"{base}#{n}"
         names.add(name)
-        # detach only what autograd tracks: for a DTensor even a no-op detach is a dispatch (~70 us a tensor)
+        # detach only what autograd tracks: for a DTensor even a no-op detach is a costly dispatch
         tensors.append(TensorRecord(name=name, tensor=t.detach() if t.requires_grad else t, dtype=DTYPE_NAMES[t.dtype],
                                     shape=tuple(t.shape)))
         return len(tensors) - 1
@@ -263,7 +263,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
     finally:
         # the nested functions refer to each other through their closure cells: a reference cycle that only the
         # cyclic GC would free, with every record (and tensor object) of the state in it; a snapshot per step
-        # would then feed the full collections (~0.2 s each with a big model loaded)
+        # would then feed the full collections, each a long pause with a big model loaded
         walk = key_node = add_tensor = None  # type: ignore[assignment]  # noqa: F841
 
 
@@ -278,7 +278,7 @@ def unflatten(skeleton: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
 
 def _build(node: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
     """unflatten's recursion, at module level: a nested function that calls itself is a reference cycle
-    (function -> closure cell -> function), which left ~1000 objects per load for the cyclic collector."""
+    (function -> closure cell -> function), which would leave objects of every load to the cyclic collector."""
     tag = node[0]
     if tag == SCALAR:
         return node[1]
@@ -310,9 +310,9 @@ def _build(node: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
 def _is_numpy_generator(obj: Any) -> bool:
     """Whether ``obj`` is a ``numpy.random.Generator``, without importing ``numpy.random`` to find out.
 
-    ``np.random`` is imported lazily, and importing it costs ~8 ms (it pulls in
-    ``secrets`` and ``hmac``): paid on the first save or load of every process
-    by this one check. No object can be a Generator while nothing has imported
+    ``np.random`` is imported lazily, and importing it is not free (it pulls in
+    ``secrets`` and ``hmac``): it would be paid on the first save or load of every
+    process by this one check. No object can be a Generator while nothing has imported
     the module.
     """
     random = sys.modules.get("numpy.random")

@@ -1,7 +1,7 @@
 """The skeleton format: node tags, and what can be read from a skeleton without torch.
 
 A version's ``tree`` is the state's containers and plain values with tensors
-replaced by indices into the tensor table (``providers`` builds it and turns
+replaced by indices into the tensor table (``state._providers`` builds it and turns
 it back into a state). The history tools (``show``, ``log``) read plain
 values from it; they live here so that a ``ckptrepo`` command that only
 reads manifests never imports torch.
@@ -37,7 +37,7 @@ def bigint_text(value: int) -> str:
 
 
 def bigint_value(text: str) -> int:
-    """The int a BIGINT node holds: hexadecimal (``-0x..`` too), or decimal as versions before 2026-11-22 wrote."""
+    """The int a BIGINT node holds: hexadecimal (``-0x..`` too), or decimal, which existing repositories may hold."""
     return int(text, 0)
 
 

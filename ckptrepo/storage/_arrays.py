@@ -69,8 +69,8 @@ INDEX_ENTRY_BYTES = 16   # a shard index's (offset, length) per inner chunk, uin
 
 def layout_bytes(info: ArrayInfo) -> int:
     """The sharded layout's size of array ``info``: every inner chunk whole with its crc32c (the last one
-    padded) and each shard's index. Its tensor bytes alone (``nbytes``) left out the padding of small arrays'
-    last chunks: ``du`` said 1.21 MB of a repository holding 1.61."""
+    padded) and each shard's index. Its tensor bytes alone (``nbytes``) leave out the padding of small arrays'
+    last chunks, so ``du`` would report less than the repository holds."""
     chunks = -(-info.numel // info.inner_elems)
     per_shard = info.shard_elems // info.inner_elems
     return chunks * (info.inner_bytes + 4) + len(info.shards()) * (per_shard * INDEX_ENTRY_BYTES + 4)
@@ -102,8 +102,8 @@ def itemsize(dtype: str) -> int:
 def choose_geometry(dtype: str, numel: int, shard_bytes: int = SHARD_BYTES,
                     inner_bytes: int = INNER_BYTES) -> tuple[int, int]:
     """Shard and inner-chunk sizes in elements; neither exceeds what the array needs, in whole pages for the
-    inner chunk (a 16-element array in a 64 KiB chunk took 64 KiB of storage for 64 bytes, so a tiny state
-    cost ~1000x its size on disk; pages, because chunks written from memory sit in page-aligned slots)."""
+    inner chunk (a 16-element array in a 64 KiB chunk would take 64 KiB of storage for 64 bytes, so a tiny
+    state would cost ~1000x its size on disk; pages, because chunks written from memory sit in page-aligned slots)."""
     item = itemsize(dtype)
     page = max(1, 4096 // item)
     inner = max(1, min(inner_bytes // item, -(-numel // page) * page))

@@ -4,12 +4,10 @@ One function over the ``fastcrc`` package (Rust, crc-rs): CRC-32/ISCSI, which is
 crc32c, with the GIL released for large buffers (64 KiB inner chunks included).
 Both direct local paths checksum every 64 KiB inner chunk in their own threads
 while the training (or loading) thread runs Python, so both the rate and the
-GIL matter. On the 2-core reference machine, over 64 KiB chunks: fastcrc 25 GB/s
-on one thread and 38 on two, the ``crc32c`` package (ICRAR, SSE4.2 on three
-interleaved streams) 14.6 and 25, google_crc32c 14.6 (and it kept the GIL for
-buffers under 1 MiB). A warm 243 MiB load, whose every chunk is checked, took
-36-38 ms instead of 40-42. tests/test_localwrite.py checks it against
-google_crc32c.
+GIL matter: of the crc32c packages, ``fastcrc`` is the fastest over 64 KiB
+chunks on one and on two threads, and it releases the GIL where
+google_crc32c keeps it for small buffers (docs/decisions/006-fastcrc.md).
+tests/integration/test_localwrite.py checks it against google_crc32c.
 """
 from __future__ import annotations
 

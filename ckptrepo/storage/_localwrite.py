@@ -1,20 +1,20 @@
 """Whole-shard writes straight to local files: the fast save path for ``file`` stores.
 
-The write-side counterpart of localread.py. Each filled staging segment is one
+The write-side counterpart of storage/_localread.py. Each filled staging segment is one
 whole shard of a flat zarr v3 array (``sharding_indexed``, index at the end).
-TensorStore writes such a shard correctly, but on the 2-core reference machine
-its write path cost ~2 CPU-s/GB (its encode copy, the portable software crc32c
-of its wheel, and a buffered ``write(2)`` into new page-cache pages, which
-costs ~1 CPU-s/GB by itself there), and with training using both cores that
-CPU comes out of the training loop. Here, per shard object:
+TensorStore writes such a shard correctly, but its write path spends CPU on
+its encode copy, the portable software crc32c of its wheel, and a buffered
+``write(2)`` into new page-cache pages (the largest of the three), and with
+training using every core that CPU comes out of the training loop
+(docs/decisions/004-odirect-direct-writer.md). Here, per shard object:
 
 * from where the bytes are (``submit_live``, the snapshotter's way for a
   CPU state while ``O_DIRECT`` works): the inner chunks that lie wholly in
-  one big tensor are written from the tensor's own memory (``writer.fill_live``
+  one big tensor are written from the tensor's own memory (``saving._writer.fill_live``
   places big tensors at their address's offset within a page, so those chunks
   are page-aligned), the others from a staging buffer they were copied into.
   Each chunk's encoding starts on a device block (512 bytes, or 4096 where the
-  device refuses 512): the chunk, its crc32c (crc.py: the ``fastcrc`` package,
+  device refuses 512): the chunk, its crc32c (storage/_crc.py: the ``fastcrc`` package,
   hardware CRC with the GIL released) and zeros up to the next block, which
   the index accounts for. No copy, no page-cache pages, no writeback; the
   snapshotter's pre-step hook copies whatever is not written yet when the
@@ -24,17 +24,14 @@ CPU comes out of the training loop. Here, per shard object:
   (``BOUNCE_BYTES`` per writer thread), its crc32c taken there while the
   bytes are in cache, and the bounce buffer written with ``O_DIRECT``.
 
-Measured on that machine (1 GB snapshots without training, process CPU, best
-of 3): TensorStore 2.05-2.14 CPU-s/GB at 0.8 GB/s; the contiguous path
-0.59-0.66 at 1.6-1.7 GB/s, of which 0.25 is the capture memcpy into staging;
-the same writer without O_DIRECT (``pwritev`` of views of the staging buffer,
-no user-space copy at all) 1.74-2.05, because of the page-cache write.
-Writing from the tensors' memory: 0.30-0.35 CPU-s/GB (403 MB: 0.12-0.14
-CPU-s, of which the crc32c is 0.056 and the rest the kernel's pinning of the
-pages for O_DIRECT), against 0.55 for staging as the object and writing
-that. More in docs/design.md, "Where the background CPU goes". A file system
-that refuses ``O_DIRECT`` (EINVAL) gets the page cache: the same iovec, or
-``pwritev`` of views of a contiguous staging buffer.
+``O_DIRECT`` is what makes both cheap: the same writer through the page cache
+(``pwritev`` of views of the staging buffer, no user-space copy at all) costs
+more CPU than the bounce-buffer copy, because of the page-cache write; and
+writing from the tensors' memory saves the capture copy into staging, leaving
+the crc32c and the kernel's pinning of the pages (benchmarks/RESULTS.md,
+save_load.py and training_overhead.py; docs/architecture.md, "The save path").
+A file system that refuses ``O_DIRECT`` (EINVAL) gets the page cache: the same
+iovec, or ``pwritev`` of views of a contiguous staging buffer.
 
 An object written through ``submit`` is byte-identical to TensorStore's
 (tests/integration/test_localwrite.py checks every dtype size, partial last shards and
@@ -170,8 +167,8 @@ class _AlignedStream:
     """Writes a byte stream to an ``O_DIRECT`` file through one page-aligned bounce buffer.
 
     Each piece is copied into the buffer; the crc32c of chunk data is taken
-    there, right after the copy, while it is in cache (from DRAM it costs as
-    much as the copy on the reference machine). A full buffer is written at
+    there, right after the copy, while it is in cache (from DRAM it would cost
+    as much as the copy again). A full buffer is written at
     the next aligned offset; the last one is padded to ``DIRECT_ALIGN`` and the file
     truncated to the exact length by ``finish``.
     """
@@ -235,7 +232,7 @@ class LiveShard:
     The tensors must not change until those chunks are written or copied
     away: ``release()`` (the snapshotter's pre-step hook) copies every live
     chunk not yet written into its slot of ``shadow`` (the staging buffer
-    ``writer.fill_live`` copied the other chunks into) and returns once no
+    ``saving._writer.fill_live`` copied the other chunks into) and returns once no
     write reads the tensors any more, at most one batch of ``LIVE_BATCH``
     chunks later. ``on_released`` runs once, after the last chunk was written
     or after ``release``, whichever comes first (never, for a shard with no
@@ -324,9 +321,9 @@ def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
-            # a device of 4 KiB blocks took every batch of chunks (each a multiple of 4 KiB long) and refuses the
-            # index at a 512-byte boundary, after the shard was released: the index alone through the page cache
-            # (every snapshot of a state over one shard failed there)
+            # a device of 4 KiB blocks takes every batch of chunks (each a multiple of 4 KiB long) but refuses the
+            # index at a 512-byte boundary, after the shard is released: the index alone through the page cache
+            # (otherwise every snapshot of a state over one shard would fail here)
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             _pwritev_all(fd, [tail], n * stride)
         os.ftruncate(fd, layout.total)
@@ -400,7 +397,7 @@ class DirectWriter:
         return self._enqueue(info, start, data)
 
     def submit_live(self, info: ArrayInfo, start: int, shard: "LiveShard") -> "Future[None]":
-        """Queue the write of a shard whose inner chunks are ``shard.chunks`` (``writer.fill_live``), some of
+        """Queue the write of a shard whose inner chunks are ``shard.chunks`` (``saving._writer.fill_live``), some of
         them the tensors' own memory; the future completes once the object is durable."""
         return self._enqueue(info, start, shard)
 

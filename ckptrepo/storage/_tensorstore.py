@@ -37,9 +37,9 @@ def _shared_memory_context() -> ts.Context:
 
 
 # How often one S3 or GCS request is tried, with exponential backoff from 0.5 s up to 8 s between tries.
-# TensorStore's own default (32 tries, up to 32 s apart) kept a request to an unreachable endpoint (a
+# TensorStore's own default (32 tries, up to 32 s apart) keeps a request to an unreachable endpoint (a
 # misspelt AWS_ENDPOINT_URL, a stopped server) going for about 15 minutes, so `ckptrepo log` or a load
-# seemed to hang; 8 tries give up after ~40 s with the cause, while riding out a short outage or a burst
+# seems to hang; 8 tries give up after ~40 s with the cause, while riding out a short outage or a burst
 # of throttling. CKPTREPO_STORE_RETRIES sets the count; a URL's ``options`` can carry a whole
 # ``s3_request_retries``/``gcs_request_retries`` object instead (it overrides this one).
 DEFAULT_STORE_RETRIES = 8
@@ -63,7 +63,7 @@ STALLED_REQUEST_S = 15
 
 def _detect_stalled_requests() -> None:
     """A request that gets no byte for ``STALLED_REQUEST_S`` seconds is given up (and retried), unless the
-    environment says otherwise: curl's own threshold let an endpoint that accepts connections and never
+    environment says otherwise: curl's own threshold lets an endpoint that accepts connections and never
     answers hold ``ckptrepo log`` for ~10 minutes (60 s a try). TensorStore reads these when its HTTP
     transport starts, at the first request of the process, which no S3 or GCS store has made before this."""
     os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(STALLED_REQUEST_S))
@@ -72,7 +72,7 @@ def _detect_stalled_requests() -> None:
 
 def _local_file_path(url: str, rest: str) -> str:
     """The path of a file URL after ``file://``: ``/data/run``, or with the host ``localhost`` (RFC 8089), which
-    used to make the repository ``./localhost/data/run``. Another host, or none before a relative path, is
+    would otherwise make the repository ``./localhost/data/run``. Another host, or none before a relative path, is
     refused: the store is this machine's file system."""
     if rest.startswith("/"):
         return rest
@@ -108,8 +108,8 @@ def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> di
             if not bucket:
                 raise StorageError(f"{url!r} names no bucket; use {scheme}://BUCKET/PREFIX")
             if {".", ".."} & set(prefix.split("/")):
-                # object keys are not paths: reads and writes went to the normalised key, listings did not
-                # (a repository that saw none of its own versions, and an fsck that said ok)
+                # object keys are not paths: reads and writes would go to the normalised key, listings would not
+                # (a repository that sees none of its own versions, and an fsck that says ok)
                 clean = posixpath.normpath("/" + prefix).lstrip("/")
                 raise StorageError(f"{url!r}: '.' and '..' are not allowed in an object store prefix; write it "
                                    f"out: {scheme}://{bucket}/{clean}")
@@ -134,8 +134,8 @@ def kvstore_spec_from_url(url: str, options: dict[str, Any] | None = None) -> di
 def _aws_credentials() -> dict[str, Any] | None:
     """The first source of the AWS default chain that is there: the environment, then the shared credentials file
     (``aws configure``'s ``~/.aws/credentials``, profile ``AWS_PROFILE`` or default), named to TensorStore; None
-    leaves TensorStore's own chain (instance roles). Its chain, built whole, logged ~5 lines to stderr per process
-    when the files are absent, and did not find the default profile in ``~/.aws/credentials`` at all."""
+    leaves TensorStore's own chain (instance roles). Its chain, built whole, logs several lines to stderr per process
+    when the files are absent, and does not find the default profile in ``~/.aws/credentials`` at all."""
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         return {"type": "environment"}
     files = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")

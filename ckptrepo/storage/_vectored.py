@@ -1,6 +1,6 @@
 """Vectored I/O that moves every byte: ``preadv``/``pwritev`` over any number of buffers.
 
-Both direct local paths (localread, localwrite) hand the kernel long buffer
+Both direct local paths (storage/_localread.py, storage/_localwrite.py) hand the kernel long buffer
 lists (an inner chunk and its crc32c, chunk after chunk). The kernel takes at
 most ``IOV_MAX`` buffers per call and may move fewer bytes than asked on
 large requests, so the list is sent in groups and a group is resumed where a

@@ -72,8 +72,9 @@ def write_export(state: Any, vid: str, path: Path, format: str) -> None:  # noqa
 
 def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
     """``write`` a file or directory under a temporary name beside ``path``, renamed into place once complete;
-    on failure the temporary is removed and the error says so. A full disk used to leave a truncated
-    torch file, or a DCP checkpoint directory, at ``path``, which the next export then refused to overwrite."""
+    on failure the temporary is removed and the error says so. Written in place, a full disk would leave a
+    truncated torch file, or a DCP checkpoint directory, at ``path``, which the next export would refuse to
+    overwrite."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
     def discard() -> None:
@@ -129,8 +130,8 @@ def detect_format(path: Path) -> str:
 
 
 def _local_path(where: str | os.PathLike[str], doing: str) -> Path:
-    """``where`` as a local path; a URL is refused (``s3://bucket/x`` was written to ``./s3:/bucket/x``, and the
-    export reported success)."""
+    """``where`` as a local path; a URL is refused (``s3://bucket/x`` would be written to ``./s3:/bucket/x``,
+    and the export would report success)."""
     text = os.fspath(where)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
         raise ExchangeError(f"cannot {doing} {text}: exports and imports are local files and folders; write it "
