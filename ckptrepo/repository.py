@@ -46,9 +46,12 @@ if TYPE_CHECKING:
     import torch
 
     from ckptrepo.loading._reshard import ReadStats
-    from ckptrepo.maintenance._gc import RetentionPolicy
+    from ckptrepo.maintenance._fsck import FsckReport
+    from ckptrepo.maintenance._gc import GcReport, RetentionPolicy
+    from ckptrepo.maintenance._usage import DiskUsage
     from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.saving._capture import Snapshotter
+    from ckptrepo.tools._inspect import TensorStats, TrajectoryPoint, VersionDiff
 
 DEFAULT_BRANCH = "main"
 
@@ -171,7 +174,7 @@ class Repository:
                     parallel_layout: "ParallelLayout | None" = None, group: Any = None,
                     commit_timeout_s: float = 600.0, dedup: bool = True,
                     retention: "RetentionPolicy | None" = None, max_in_flight: int = 4) -> "Snapshotter":
-        """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.capture.Snapshotter`.
+        """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.saving._capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
         if set, else a quarter of the available memory, at most 8 GiB). Under
@@ -179,7 +182,7 @@ class Repository:
         layout's rules (or the DTensors' placements) name what each rank holds.
         ``dedup``: a CPU tensor whose bytes are unchanged since this snapshotter's
         previous version is not written again (single process only).
-        ``retention``: a :class:`ckptrepo.gc.RetentionPolicy` applied in the
+        ``retention``: a :class:`ckptrepo.RetentionPolicy` applied in the
         background after commits (what ``repo.gc(...)`` does by hand).
         ``max_in_flight``: snapshots not yet committed, at most; one more waits in ``snapshot()`` for the oldest.
         """
@@ -400,22 +403,22 @@ class Repository:
                               tensors, [(p, short_text(v, 80)) for p, v in plain_values(m.tree, summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,
-             on_bytes: Callable[[int], None] | None = None) -> Any:
+             on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
         """Per tensor: changed or not, ||B-A||, ||B-A||/||A||, max |B-A|, cosine; objects: what changed.
 
-        Streamed chunk by chunk (memory stays bounded); see ckptrepo.inspect.
+        Streamed chunk by chunk (memory stays bounded); see ckptrepo.tools._inspect.
         """
         from ckptrepo.tools._inspect import diff_versions
         return diff_versions(self._plumbing, a, b, pattern, on_bytes)
 
     def stats(self, rev: str = "HEAD", pattern: str | None = None,
-                     on_bytes: Callable[[int], None] | None = None) -> Any:
+              on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
         """Per tensor: norm, mean, std, min, max, NaN and Inf counts (streamed)."""
         from ckptrepo.tools._inspect import tensor_stats
         return tensor_stats(self._plumbing, rev, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
-                   until: int | None = None) -> Any:
+                   until: int | None = None) -> list[TrajectoryPoint]:
         """A metric (norm, delta, relative-change) of tensors matching ``pattern`` over the history of ``rev``."""
         from ckptrepo.tools._inspect import trajectory
         return trajectory(self._plumbing, pattern, metric, rev, since, until)
@@ -428,8 +431,8 @@ class Repository:
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
            keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,
-           keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min") -> Any:
-        """Apply retention rules and collect unreachable objects; returns a ckptrepo.gc.GcReport.
+           keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min") -> GcReport:
+        """Apply retention rules and collect unreachable objects.
 
         Versions no rule keeps are pruned (data deleted, manifest and history
         kept); objects no ref reaches are deleted once older than the grace
@@ -443,8 +446,8 @@ class Repository:
                        keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
 
     def fsck(self, on_bytes: Callable[[int], None] | None = None,
-             on_total: Callable[[int], None] | None = None) -> Any:
-        """Read every object and verify every checksum and reference; returns a ckptrepo.fsck.FsckReport."""
+             on_total: Callable[[int], None] | None = None) -> FsckReport:
+        """Read every object and verify every checksum and reference."""
         from ckptrepo.maintenance._fsck import fsck
         return fsck(self._plumbing, on_bytes=on_bytes, on_total=on_total)
 
@@ -456,7 +459,7 @@ class Repository:
         """The capture statistics recorded with a version (blocking, capture, flush, total seconds; bytes; GB/s)."""
         return dict(self._plumbing.manifest(self.resolve(rev)).stats or {})
 
-    def du(self) -> Any:
+    def du(self) -> DiskUsage:
         """Per reachable version (newest first) the bytes only it references and those it shares, and the total
         stored with each array counted once; returns a ckptrepo.usage.DiskUsage."""
         from ckptrepo.maintenance._usage import disk_usage

@@ -8,6 +8,7 @@ objects.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -148,7 +149,7 @@ class Binder:
             if key in target:
                 finals.append((key, self.bind(vnode, target[key], path + (key,))))
             else:
-                finals.append((key, (lambda n=vnode: self.build(n))))
+                finals.append((key, functools.partial(self.build, vnode)))
         saved = set(saved_keys)
         extra = [k for k in target if k not in saved]
         if extra:

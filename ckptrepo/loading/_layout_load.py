@@ -6,7 +6,7 @@ tree of the rank whose per-rank objects this rank gets, with every parameter
 section regenerated for the target layout (this rank's pipeline stage, its
 tensor-parallel slice, vocabulary padding, or a flat ZeRO partition). Either
 way the state is flattened, mapped to pieces of global tensors
-(:mod:`ckptrepo.sharding`) and filled by :func:`ckptrepo.reshard.read_pieces`,
+(:mod:`ckptrepo.parallel._sharding`) and filled by :func:`ckptrepo.loading._reshard.read_pieces`,
 which reads only the bytes those pieces need.
 
 Per-rank objects (RNG states and anything no rule or placement shards) come
@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import operator
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -542,6 +542,7 @@ def _merge_plain(node: Any, target: Any) -> bool:
     if tag == STATEFUL:
         return _merge_plain(node[2], target)
     changed = False
+    items: Iterable[tuple[Any, Any]]
     if tag in (DICT, ODICT) and isinstance(target, dict):
         items = ((unflatten(k, lambda i, n: None), v) for k, v in node[1])
     elif tag == LIST and isinstance(target, list) and len(target) == len(node[1]):

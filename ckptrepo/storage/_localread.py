@@ -1,15 +1,13 @@
 """Verified reads of zarr v3 shards straight from local files: the fast load path for ``file`` stores.
 
 TensorStore reads the same shards correctly, but through its generic chunk
-cache and a software crc32c; on a 2-core machine that made loads CPU-bound
-(1.66 CPU-s/GB, 0.81 GB/s for 2 GB, benchmarks/save_load.py) where this path
-needs 1.09 CPU-s/GB for 1.06 GB/s (with 64 KiB chunks, 0.96-1.22 for 1.08-1.24
-GB/s, thanks to the one-tensor fast path in ``_read_chunks``). It reads with ``preadv`` straight into the
-destination tensors and checks the shard index's and every inner chunk's
-crc32c itself. Anything it does not expect (a missing object, a bad checksum,
+cache and a software crc32c, which makes loads CPU-bound on a machine with few
+cores (benchmarks/RESULTS.md, save_load.py; docs/decisions/005). This path reads
+with ``preadv`` straight into the destination tensors and checks the shard
+index's and every inner chunk's crc32c itself. Anything it does not expect (a missing object, a bad checksum,
 an unusual layout, a short read) raises ``Unexpected``, and the caller reads
 that run through TensorStore instead, so errors and their messages are those
-of the TensorStore path. Writes have their own direct path (localwrite.py).
+of the TensorStore path. Writes have their own direct path (storage/_localwrite.py).
 """
 from __future__ import annotations
 
@@ -61,8 +59,8 @@ _scratch_of_thread = threading.local()   # per reader thread: the buffer row tar
 
 
 def _reader_pool() -> ThreadPoolExecutor:
-    """The process's reader threads, started by the first load and kept: a load used to start (and join)
-    its own, ~2 ms per thread on a busy 2-core machine, and each new thread faulted in a new row buffer.
+    """The process's reader threads, started by the first load and kept: starting (and joining) threads per
+    load costs milliseconds on a busy machine, and each new thread would fault in a new row buffer.
 
     No forked child inherits them: TensorStore, which every load uses, aborts a process forked after it ran.
     """
@@ -244,9 +242,8 @@ class DirectReader:
         crcs = np.empty(4 * n, dtype=np.uint8)
         nbytes, stride = chunk_bytes + 4, shard.stride
         if k0 + n <= shard.regular:   # the usual layout, checked once per shard: no per-batch planning
-            # ROW_SCRATCH_BYTES at a time, each batch checked while it is still in cache: reading 243 MiB from
-            # the page cache on 2 threads took 23.6 ms as 16 MiB preadv calls each followed by its crc32c pass,
-            # 19.3 ms in 1 MiB batches (in a warm 2-to-1 resharding load, 40-45 ms in all, ~1 ms: within noise)
+            # ROW_SCRATCH_BYTES at a time, each batch checked while it is still in the CPU cache rather than
+            # after one long preadv has pushed its start out of it
             gap = _scratch(stride - nbytes) if stride != nbytes else None
             batch = max(1, ROW_SCRATCH_BYTES // chunk_bytes)
             for b0 in range(0, n, batch):

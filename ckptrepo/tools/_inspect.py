@@ -372,11 +372,11 @@ def trajectory(repo: Plumbing, pattern: str, metric: str = "norm", rev: str = "H
     previous: str | None = None
     for vid, step in chain:
         if metric == "norm":
-            for t in tensor_stats(repo, vid, pattern):
-                points.append(TrajectoryPoint(vid, step, t.name, t.norm))
+            for s in tensor_stats(repo, vid, pattern):
+                points.append(TrajectoryPoint(vid, step, s.name, s.norm))
         elif previous is not None:
-            for t in diff_versions(repo, previous, vid, pattern).tensors:
-                if t.status in ("changed", "unchanged"):
-                    points.append(TrajectoryPoint(vid, step, t.name, t.l2 if metric == "delta" else t.relative))
+            for d in diff_versions(repo, previous, vid, pattern).tensors:
+                if d.status in ("changed", "unchanged"):
+                    points.append(TrajectoryPoint(vid, step, d.name, d.l2 if metric == "delta" else d.relative))
         previous = vid
     return points
