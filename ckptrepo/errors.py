@@ -148,3 +148,10 @@ def some_names(names: list[str], shown: int = 5) -> str:
     object's tensors (an object can hold hundreds)."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+__all__ = ["CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadError", "ExchangeError",
+           "FormatVersionError", "LayoutError", "MissingDependencyError", "NotARepositoryError", "RefError",
+           "RepositoryExistsError", "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError",
+           "StorageError", "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line",
+           "is_storage_failure", "looks_damaged", "some_names", "storage_failure", "storage_failure_hint"]

@@ -44,3 +44,6 @@ def point(name: str) -> None:
     fn = _hooks.get(name)
     if fn is not None:
         fn(name)
+
+
+__all__ = ["POINTS", "clear", "point", "set_hook"]

@@ -483,3 +483,6 @@ class Repository:
         from ckptrepo.tools._exchange import read_checkpoint
         state, source = read_checkpoint(path, trust)
         return self.snapshot(state, step=step, message=f"imported from {source}" if message is None else message)
+
+
+__all__ = ["DEFAULT_BRANCH", "Repository", "VersionDetails", "init", "load", "load_device", "open"]

@@ -567,5 +567,7 @@ def main() -> None:
         sys.exit(2)
 
 
+__all__ = ["cli", "main"]
+
 if __name__ == "__main__":
     main()
