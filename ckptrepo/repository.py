@@ -39,8 +39,8 @@ from ckptrepo.errors import (
     first_line,
 )
 from ckptrepo.state._skeleton import plain_values, short_text
+from ckptrepo.storage import Store, open_store
 from ckptrepo.storage._arrays import itemsize
-from ckptrepo.storage.protocol import Store, open_store
 
 if TYPE_CHECKING:
     import torch

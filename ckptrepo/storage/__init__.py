@@ -1,7 +1,22 @@
 """Storage: the Store protocol, the TensorStore store behind every URL, zarr array geometry, and direct local I/O.
 
-The lowest layer: it knows keys, bytes and arrays, nothing of versions or tensors.
+The lowest layer: it knows keys, bytes and arrays, nothing of versions or tensors. ``open_store`` lives here,
+beside both the protocol and its implementation, so that neither module imports the other's importer.
 """
-from ckptrepo.storage.protocol import NO_VALUE, Store, StoreCapabilities, open_store
+from __future__ import annotations
+
+from typing import Any
+
+from ckptrepo.storage._tensorstore import TensorStoreStore
+from ckptrepo.storage.protocol import NO_VALUE, Store, StoreCapabilities
 
 __all__ = ["NO_VALUE", "Store", "StoreCapabilities", "open_store"]
+
+
+def open_store(url: str, options: dict[str, Any] | None = None) -> Store:
+    """The store named by ``url`` (a path, ``file://``, ``memory://``, ``s3://`` or ``gs://``), opened without
+    touching storage; ``options`` are merged into its TensorStore kvstore spec (e.g. ``{"endpoint": ...}``).
+
+    TensorStore serves every scheme.
+    """
+    return TensorStoreStore.open(url, options)

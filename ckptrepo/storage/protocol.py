@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 if TYPE_CHECKING:
     import tensorstore as ts
 
-__all__ = ["NO_VALUE", "Store", "StoreCapabilities", "open_store"]
+__all__ = ["NO_VALUE", "Store", "StoreCapabilities"]
 
 # The generation of an absent key: what ``get_with_generation`` returns for one, and what ``compare_and_swap``
 # takes to mean "only if absent". TensorStore's StorageGeneration::NoValue(), so its generations pass unchanged.
@@ -150,14 +150,3 @@ class Store(Protocol):
         """The TensorStore kvstore spec (JSON) of the keys under ``key_prefix`` + "/": how a zarr array stored
         there is opened, by TensorStore's ``zarr3`` driver in :attr:`context`."""
         ...
-
-
-def open_store(url: str, options: dict[str, Any] | None = None) -> Store:
-    """The store named by ``url`` (a path, ``file://``, ``memory://``, ``s3://`` or ``gs://``), opened without
-    touching storage; ``options`` are merged into its TensorStore kvstore spec (e.g. ``{"endpoint": ...}``).
-
-    TensorStore serves every scheme; the import is here, not at the top, because that module implements this one.
-    """
-    from ckptrepo.storage._tensorstore import TensorStoreStore
-
-    return TensorStoreStore.open(url, options)

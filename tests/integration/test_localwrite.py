@@ -19,9 +19,9 @@ from ckptrepo.errors import SnapshotFailedError
 from ckptrepo.storage import _crc as crc
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage import _localwrite as localwrite
+from ckptrepo.storage import open_store
 from ckptrepo.storage._arrays import ArrayInfo, choose_geometry, create_array
 from ckptrepo.storage._localwrite import DirectWriter
-from ckptrepo.storage.protocol import open_store
 
 INNER = 4096            # small geometry: many inner chunks and shards from a few KiB
 SHARD = 4 * INNER

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from ckptrepo.storage.protocol import Store, open_store
+from ckptrepo.storage import Store, open_store
 from ckptrepo.testing import StoreTests
 
 

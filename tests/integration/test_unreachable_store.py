@@ -16,8 +16,8 @@ import ckptrepo
 import ckptrepo.maintenance._fsck
 import ckptrepo.storage._arrays
 from ckptrepo.errors import CorruptionError, StorageError
+from ckptrepo.storage import open_store
 from ckptrepo.storage._tensorstore import DEFAULT_STORE_RETRIES
-from ckptrepo.storage.protocol import open_store
 
 
 def _closed_port() -> int:

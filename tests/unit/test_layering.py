@@ -104,3 +104,51 @@ def test_the_checker_sees_upward_imports(tmp_path, monkeypatch):
     found = [m for _, m in _imports(ast.parse(source))]
     assert found == ["ckptrepo.repository", "ckptrepo.repository"]
     assert all(_rank(_layer(m)) > _rank("maintenance") for m in found)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each is an import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_inside_a_layer():
+    """The layer order rules out cycles between layers; within one, modules must not import each other
+    either (lazily included), so each can be read, and tested, from the bottom up."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        if module != "ckptrepo":
+            graph[module] = {m for _, m in _imports(ast.parse(path.read_text(), str(path))) if m != module}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
