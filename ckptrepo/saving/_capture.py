@@ -38,8 +38,6 @@ import contextlib
 import logging
 import os
 import queue
-import re
-import signal
 import threading
 import time
 import weakref
@@ -68,55 +66,24 @@ from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blo
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._commit import Committer
 from ckptrepo.saving._dedup import DedupIndex, dedup_key
+from ckptrepo.saving._eager_copies import copy_what_forward_may_change
+from ckptrepo.saving._host_memory import default_host_memory, parse_size
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
+from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import (
     LIVE_ALIGN,
     PlanCache,
     Segment,
     StagingPool,
-    aligned_empty,
     fill_live,
     fill_segment,
     live_residues,
-    written_from_memory,
 )
-from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor, is_stateful
+from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor
 from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
 from ckptrepo.storage._localwrite import DirectWriter, LiveShard
 
 log = logging.getLogger("ckptrepo")
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|[KMGT]|B)?\s*$", re.IGNORECASE)
-_UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-          "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1}
-
-
-def parse_size(size: int | str | None) -> int | None:
-    """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes; None for the default. Anything else (negative, zero,
-    "abc", a float) is refused in one line: "-1" would otherwise give a pool of two 64 KiB buffers, "0" the default."""
-    if size is None:
-        return None
-    m = _SIZE_RE.match(size) if isinstance(size, str) else None
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    elif m is not None:
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    else:
-        n = 0
-    if n <= 0:
-        raise ValueError(f"host_memory {size!r} is not a size; pass bytes (an int > 0) or a string like '8GiB'")
-    return n
-
-
-def default_host_memory() -> int:
-    """A quarter of the memory available now, at most 8 GiB and at least 256 MiB."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        avail = 4 << 30
-    return max(256 << 20, min(8 << 30, avail // 4))
 
 
 class Snapshotter:
@@ -201,7 +168,7 @@ class Snapshotter:
         self._optimizers: list[weakref.ref] = []   # attached: what their step changes, capture may leave live
         self._closed = False
         self._pid = os.getpid()   # a forked child inherits this object but none of its threads
-        self._bare_versions: dict[str, tuple[int, int]] = {}   # see _copy_what_forward_may_change
+        self._bare_versions: dict[str, tuple[int, int]] = {}   # see copy_what_forward_may_change
         self._side_stream: Any = None
         ref = weakref.ref(self)
         def close_at_exit() -> None:
@@ -232,7 +199,7 @@ class Snapshotter:
             sharded = self.sharded or any(is_dtensor(r.tensor) for r in records)
             # of the live tensors, before buffer copies
             keys = [dedup_key(r) for r in records] if self._dedup is not None and not sharded else []
-            self._bare_versions = _copy_what_forward_may_change(state, records, self._step_owned(),
+            self._bare_versions = copy_what_forward_may_change(state, records, self._step_owned(),
                                                                 self._bare_versions)
             local = self._local_pieces(records) if sharded else None
         except Exception as err:
@@ -262,7 +229,7 @@ class Snapshotter:
             job.ready.append(ev)
         # snapshot() from several threads: one set of threads, jobs queued in one order. A Ctrl-C landing between
         # these steps would leave a job in flight that no thread ever finishes, and wait(), close() and exit would hang
-        with _interrupts_deferred(), self._lock:
+        with interrupts_deferred(), self._lock:
             self._start_threads()
             self._inflight.append(job)
             self._capture_q.put(job)   # unbounded queues: never blocks under the lock
@@ -366,9 +333,9 @@ class Snapshotter:
         """Block until every snapshot taken so far is committed (or failed); raise the first failure."""
         self._check_process()
         jobs = self._pending_jobs()
-        show = progress if progress is not None else _stderr_is_terminal()
+        show = progress if progress is not None else stderr_is_terminal()
         if show and jobs:
-            _wait_with_progress(jobs)
+            wait_with_progress(jobs)
         for job in jobs:
             job.handle._done.wait()
         self._retention_idle.wait()   # a gc pass after the last commit: its failure is raised here too
@@ -423,7 +390,7 @@ class Snapshotter:
         for job in jobs:
             if job.live:   # what the writers have not written yet is copied out of the state now
                 job.staged.wait()
-                with _interrupts_deferred():   # a Ctrl-C inside a release would lose its hold and hang the next step
+                with interrupts_deferred():   # a Ctrl-C inside a release would lose its hold and hang the next step
                     copied = sum(shard.release() for shard in list(job.live_shards))
                 with job.lock:
                     job.handle.stats.copied_bytes += copied
@@ -728,109 +695,4 @@ def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException) -> BaseEx
     return StorageError(f"writing {job.arrays[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: {reason}")
 
 
-EAGER_COPY_BYTES = 64 << 10   # tensors this small are copied at snapshot(): see the Snapshotter contract
-# with an optimizer attached, tensors it does not own are copied up to this size: the parameters are known, so
-# only buffers and frozen weights are left, and a BatchNorm of 32768 channels has 128 KiB statistics
-EAGER_COPY_BYTES_ATTACHED = 16 << 20
-
-
-def _copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_owned: set[int],
-                                  last: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """Copy now the buffers of modules in ``state`` (forward changes BatchNorm statistics in place), also of modules
-    held by a Stateful object in it (DCP's ``AppState(model, optimizer)``), and every tensor no attached optimizer
-    owns (``step_owned``) of at most EAGER_COPY_BYTES (EAGER_COPY_BYTES_ATTACHED with an optimizer attached): a
-    ``model.state_dict()`` hands over the same buffers as bare tensors. Parameters and optimizer state stay live:
-    only the step changes them, and it waits for capture (copying them, hundreds of small tensors in a GPT,
-    would lengthen every snapshot). Parameters of the modules in the state are never copied (a frozen base is
-    not the step's, but forward does not change it either). Nor is a bare tensor over EAGER_COPY_BYTES whose
-    address and version counter are those it had at the previous snapshot (``last``, by name): nothing changed
-    it in a whole step, so it is frozen (otherwise a ``base.state_dict()`` is copied whole every snapshot),
-    where BatchNorm statistics change at every forward. Returns this snapshot's (address, version) of those
-    tensors, for the next."""
-    ptrs: set[int] = set()
-    params: set[int] = set()   # forward never changes a parameter in place: a frozen base stays live too
-    stack, seen = [state], set()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            ptrs.update(b.data_ptr() for b in obj.buffers())
-            params.update(p.data_ptr() for p in obj.parameters())
-        elif isinstance(obj, dict):
-            stack.extend(v for v in obj.values() if not isinstance(v, (torch.Tensor, str, int, float)))
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(v for v in obj if not isinstance(v, (torch.Tensor, str, int, float)))
-        elif is_stateful(obj) and hasattr(obj, "__dict__"):
-            stack.extend(v for v in vars(obj).values() if isinstance(v, torch.nn.Module))
-    limit = EAGER_COPY_BYTES_ATTACHED if step_owned else EAGER_COPY_BYTES
-    versions: dict[str, tuple[int, int]] = {}
-    for r in records:
-        t = r.tensor
-        if not r.numel or type(t) is not torch.Tensor:   # a DTensor: its local shard is what a rank writes
-            continue
-        if ptrs and t.data_ptr() in ptrs:
-            r.tensor = _page_aligned_copy(t)
-            continue
-        nbytes = t.numel() * t.element_size()
-        if nbytes > limit or t.data_ptr() in step_owned or t.data_ptr() in params:
-            continue
-        if nbytes > EAGER_COPY_BYTES:
-            versions[r.name] = seen_as = (t.data_ptr(), t._version)
-            if last.get(r.name) == seen_as:
-                continue   # unchanged for a whole step: frozen, stays live
-        r.tensor = _page_aligned_copy(t)
-    return versions
-
-
-def _page_aligned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` that starts on a page (CPU): a new address every snapshot, but always the same
-    offset within a page, so the write plan (``live_residues``) stays the same and is not made again.
-    A tensor too small to be written from its memory needs no page."""
-    if t.device.type != "cpu" or not written_from_memory(t.numel() * t.element_size(), INNER_BYTES):
-        return t.clone(memory_format=torch.contiguous_format)
-    out = aligned_empty(t.numel() * t.element_size(), LIVE_ALIGN).view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
-
-
-def _stderr_is_terminal() -> bool:
-    try:
-        return os.isatty(2)
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Any:
-    """Hold a Ctrl-C (SIGINT with Python's default handler, in the main thread) until the block is done, then
-    raise it: for the few steps that must happen together or not at all. Elsewhere, a no-op."""
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            raise KeyboardInterrupt
-
-
-def _wait_with_progress(jobs: list[SnapshotJob]) -> None:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn
-    # on stderr, which is the terminal this was chosen for (rich's default console is stdout)
-    with Progress(TextColumn("ckptrepo: committing snapshots"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), transient=True,
-                  console=Console(stderr=True)) as progress:
-        task = progress.add_task("wait", total=len(jobs))
-        for job in jobs:
-            job.handle._done.wait()
-            progress.advance(task)
-
-
-__all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats", "parse_size"]   # the handle and stats: re-exported API
+__all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats"]   # the handle and stats: re-exported API

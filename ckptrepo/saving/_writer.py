@@ -114,7 +114,7 @@ def make_plan(records: Sequence[TensorRecord], shard_bytes: int | None = None,
 def written_from_memory(nbytes: int, chunk_bytes: int) -> bool:
     """Whether a contiguous CPU tensor of ``nbytes`` is big enough to be written from its own memory (two inner
     chunks or more): placed by its address (``live_residues``), so a copy of it must keep that address's page
-    offset (``_capture._page_aligned_copy``)."""
+    offset (``_eager_copies.page_aligned_copy``)."""
     return nbytes >= 2 * chunk_bytes
 
 

@@ -71,13 +71,13 @@ def test_module_buffers_copied_each_snapshot_do_not_make_a_new_plan(repo):
     assert repo.plumbing.plans.misses == 1
     assert torch.equal(repo.load("@3")["model"]["mask"], model.mask / 2)
     # malloc gives big blocks a fixed offset within a page, but not reused heap memory: the copy fixes it
-    from ckptrepo.saving._capture import _page_aligned_copy
+    from ckptrepo.saving._eager_copies import page_aligned_copy
     for shape, dtype in [((512, 512), torch.float32), ((70_001,), torch.bfloat16), ((3, 6000), torch.int64)]:
         t = torch.randn(shape).to(dtype)
-        c = _page_aligned_copy(t)
+        c = page_aligned_copy(t)
         assert c.data_ptr() % 4096 == 0 and c.dtype == t.dtype and torch.equal(c, t)
     small = torch.randn(100, 3).t()    # below two inner chunks no write comes from its memory: a plain copy
-    c = _page_aligned_copy(small)
+    c = page_aligned_copy(small)
     assert c.is_contiguous() and torch.equal(c, small) and c.data_ptr() != small.data_ptr()
 
 
@@ -642,7 +642,7 @@ def test_frozen_weights_are_not_copied_at_snapshot_whether_module_or_bare(repo):
     (a `base.state_dict()` of 100 x 4 MiB held the loop 0.1-0.7 s a snapshot, review finding), it put the whole
     frozen model's bytes on the training thread. A module's parameters are never copied; a bare tensor is
     copied until a snapshot finds it unchanged since the previous one (address and version counter)."""
-    from ckptrepo.saving._capture import _copy_what_forward_may_change
+    from ckptrepo.saving._eager_copies import copy_what_forward_may_change
     from ckptrepo.state._providers import flatten
     # statistics of 128 KiB: over EAGER_COPY_BYTES, so only the version rule tells them from frozen weights
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(32768), torch.nn.Linear(512, 8))
@@ -658,9 +658,9 @@ def test_frozen_weights_are_not_copied_at_snapshot_whether_module_or_bare(repo):
             _, records = flatten(state)
             before = {r.name: r.tensor.data_ptr() for r in records}
             if "bare" in state:
-                last = _copy_what_forward_may_change(state, records, owned, last)
+                last = copy_what_forward_may_change(state, records, owned, last)
             else:
-                _copy_what_forward_may_change(state, records, owned, {})
+                copy_what_forward_may_change(state, records, owned, {})
             after = {r.name: r.tensor.data_ptr() for r in records}
             root = "model" if "model" in state else "bare"
             assert (after[f"{root}/0.weight"] == before[f"{root}/0.weight"]) == (root == "model" or step > 0)
