@@ -38,7 +38,7 @@ class FsckReport:
                 "objects": self.objects, "bytes": self.bytes}
 
 
-def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
+def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
          on_total: Callable[[int], None] | None = None) -> FsckReport:
     """Check the whole repository; never raises for damage, reports it instead.
 
@@ -49,18 +49,18 @@ def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
     # a writer may commit while fsck runs: the refs read before the listing reach every listed ancestor, and
     # those read after it name versions the listing may lack, which are read before being called missing
     try:
-        starts = ref_targets(repo)
+        starts = ref_targets(plumbing)
     except CkptRepoError:   # a damaged ref: _check_refs names it, and reaches through the others
         starts = []
     manifests: dict[str, Manifest] = {}
-    for vid, m in repo.iter_manifests(repo.all_version_ids()):
+    for vid, m in plumbing.iter_manifests(plumbing.all_version_ids()):
         if isinstance(m, Manifest):
             manifests[vid] = m
-        elif repo.store.exists(VERSIONS_PREFIX + vid):
+        elif plumbing.store.exists(VERSIONS_PREFIX + vid):
             report.errors.append(str(m))
-    _check_refs(repo, manifests, report, starts)
+    _check_refs(plumbing, manifests, report, starts)
     report.versions = len(manifests)
-    pruned = pruned_ids(repo)
+    pruned = pruned_ids(plumbing)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
         on_total(sum(a.nbytes for vid, m in manifests.items() if vid not in pruned for a in m.arrays.values()))
     for vid, m in manifests.items():
@@ -69,18 +69,18 @@ def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
                 report.errors.append(f"version {vid[:12]}: parent {p[:12]} is missing ({VERSIONS_PREFIX}{p})")
         if vid not in pruned:
             before = len(report.errors)
-            _check_version_data(repo, vid, m, report, on_bytes)
-            if len(report.errors) > before and repo.store.exists(PRUNED_PREFIX + vid):
+            _check_version_data(plumbing, vid, m, report, on_bytes)
+            if len(report.errors) > before and plumbing.store.exists(PRUNED_PREFIX + vid):
                 del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
     reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
-    for f in repo.failures():
+    for f in plumbing.failures():
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
-    data_ids = data_version_ids(repo)
+    data_ids = data_version_ids(plumbing)
     limbo = sorted(pruned & data_ids & set(manifests))
     if limbo:
         shown = ", ".join(v[:12] for v in limbo[:3]) + (" ..." if len(limbo) > 3 else "")
@@ -98,16 +98,16 @@ def fsck(repo: Plumbing, on_bytes: Callable[[int], None] | None = None,
     return report
 
 
-def _check_refs(repo: Plumbing, manifests: dict[str, Manifest], report: FsckReport, starts: list[str]) -> None:
+def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: FsckReport, starts: list[str]) -> None:
     """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
     ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``."""
     def missing(vid: str | None) -> bool:
         tip = True
         while vid is not None and vid not in manifests:
-            if not repo.store.exists(VERSIONS_PREFIX + vid):
+            if not plumbing.store.exists(VERSIONS_PREFIX + vid):
                 return tip          # an ancestor's absence is reported as a missing parent below
             try:
-                manifests[vid] = repo.manifest(vid)
+                manifests[vid] = plumbing.manifest(vid)
             except CkptRepoError as err:
                 report.errors.append(str(err))
                 return False
@@ -115,7 +115,7 @@ def _check_refs(repo: Plumbing, manifests: dict[str, Manifest], report: FsckRepo
         return False
 
     for kind in ("branch", "tag"):
-        targets, damage = repo.refs.read_all(kind, strict=False)
+        targets, damage = plumbing.refs.read_all(kind, strict=False)
         report.errors.extend(damage)   # damaged: named, and the other refs still checked
         for name, vid in targets.items():
             if missing(vid):
@@ -123,11 +123,11 @@ def _check_refs(repo: Plumbing, manifests: dict[str, Manifest], report: FsckRepo
             else:
                 starts.append(vid)
     try:
-        head = repo.refs.head()
+        head = plumbing.refs.head()
     except CkptRepoError as err:
         report.errors.append(str(err))
         return
-    if manifests and head.branch is not None and head_ref_blocked(repo.store, head):
+    if manifests and head.branch is not None and head_ref_blocked(plumbing.store, head):
         report.errors.append(head_branch_lost(head.branch, len(manifests)))
     if head.branch is None and missing(head.version):
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
@@ -135,7 +135,7 @@ def _check_refs(repo: Plumbing, manifests: dict[str, Manifest], report: FsckRepo
         starts.append(head.version)
 
 
-def _check_version_data(repo: Plumbing, vid: str, m: Manifest, report: FsckReport,
+def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckReport,
                         on_bytes: Callable[[int], None] | None) -> None:
     arrays = m.arrays
     for t in m.tensors:
@@ -149,7 +149,7 @@ def _check_version_data(repo: Plumbing, vid: str, m: Manifest, report: FsckRepor
         report.errors.append(f"version {vid[:12]}: {err}")
     for key, info in arrays.items():
         try:
-            arr = open_array(repo.store, info)
+            arr = open_array(plumbing.store, info)
         except Exception as err:  # noqa: BLE001
             _raise_if_unreachable(err, f"opening array {key}")
             report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {first_line(err)}")

@@ -79,9 +79,9 @@ class RetentionPolicy:
         check_rule_counts(self.keep_last, self.keep_every, self.keep_best, self.grace_period_s)
         check_rule_counts(every_commits=self.every_commits)
 
-    def apply(self, repo: Plumbing, protect_since: float | None = None,
+    def apply(self, plumbing: Plumbing, protect_since: float | None = None,
               known: dict[str, "VersionFacts"] | None = None) -> GcReport:
-        return collect(repo, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
+        return collect(plumbing, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
                        self.grace_period_s, protect_since=protect_since, known=known, keep_best=self.keep_best,
                        best_metric=self.best_metric, best_mode=self.best_mode)
 
@@ -113,9 +113,9 @@ class VersionFacts:
                          if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)))
 
 
-def pruned_ids(repo: Plumbing) -> set[str]:
+def pruned_ids(plumbing: Plumbing) -> set[str]:
     """Versions whose data gc deleted."""
-    return {k[len(PRUNED_PREFIX):] for k in repo.store.list(PRUNED_PREFIX)}
+    return {k[len(PRUNED_PREFIX):] for k in plumbing.store.list(PRUNED_PREFIX)}
 
 
 def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str]]) -> set[str]:
@@ -132,23 +132,23 @@ def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str
     return seen
 
 
-def data_version_ids(repo: Plumbing) -> set[str]:
+def data_version_ids(plumbing: Plumbing) -> set[str]:
     """The versions with a folder under ``data/`` (whether or not a manifest names them); a stray file there (a
     Finder ``.DS_Store``) is no version."""
-    return {vid for k in repo.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
+    return {vid for k in plumbing.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
             if is_version_id(vid)}
 
 
-def ref_targets(repo: Plumbing) -> list[str]:
+def ref_targets(plumbing: Plumbing) -> list[str]:
     """The versions the branches, the tags and a detached HEAD point at."""
-    return _targets(repo.refs.branches(), repo.refs.tags(), repo.refs.head())
+    return _targets(plumbing.refs.branches(), plumbing.refs.tags(), plumbing.refs.head())
 
 
 def _targets(branches: Mapping[str, str], tags: Mapping[str, str], head: Head) -> list[str]:
     return list(branches.values()) + list(tags.values()) + ([head.version] if head.version else [])
 
 
-def reaches(repo: Plumbing, starts: Sequence[str], target: str) -> bool:
+def reaches(plumbing: Plumbing, starts: Sequence[str], target: str) -> bool:
     """Whether ``target`` is one of ``starts`` or an ancestor of one (manifest headers, read as the walk needs
     them, and only until it is found)."""
     seen: set[str] = set()
@@ -160,11 +160,11 @@ def reaches(repo: Plumbing, starts: Sequence[str], target: str) -> bool:
         if vid in seen:
             continue
         seen.add(vid)
-        stack.extend(repo.header(vid).parents)
+        stack.extend(plumbing.header(vid).parents)
     return False
 
 
-def _reachable(repo: Plumbing, starts: Sequence[str], facts: dict[str, "VersionFacts"]) -> set[str]:
+def _reachable(plumbing: Plumbing, starts: Sequence[str], facts: dict[str, "VersionFacts"]) -> set[str]:
     """The versions reachable from ``starts`` through parent links; a version missing from ``facts`` is read
     (and added to them) before the walk goes on, and gc stops before it deletes anything when its manifest is
     gone.
@@ -183,9 +183,9 @@ def _reachable(repo: Plumbing, starts: Sequence[str], facts: dict[str, "VersionF
         if vid in seen:
             continue
         if vid not in facts:
-            if not repo.store.exists(VERSIONS_PREFIX + vid):
+            if not plumbing.store.exists(VERSIONS_PREFIX + vid):
                 raise CorruptionError(f"gc stopped before deleting anything: {missing_manifest(vid)}")
-            facts[vid] = VersionFacts.of(repo.manifest(vid))
+            facts[vid] = VersionFacts.of(plumbing.manifest(vid))
         seen.add(vid)
         stack.extend(facts[vid].parents)
     return seen
@@ -204,7 +204,7 @@ def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: 
         raise RetentionError(f"the grace period must be a number of seconds of at least 0, not {grace_period_s!r}")
 
 
-def collect(repo: Plumbing, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
+def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
             keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
             dry_run: bool = False, protect_since: float | None = None,
             known: dict[str, VersionFacts] | None = None, keep_best: int | None = None,
@@ -234,14 +234,14 @@ def collect(repo: Plumbing, keep_last: int | None = None, keep_every: int | None
     report = GcReport(dry_run=dry_run)
     # the refs before the listing: a version committed after this read is young, and its ancestors are reached
     # from these refs; read after, a new tip missing from the listing cut its whole history off from the walk
-    branches = repo.refs.branches()
-    tags = repo.refs.tags()
-    head = repo.refs.head()
-    facts = _facts(repo, {} if known is None else known)
-    already_pruned = pruned_ids(repo)
-    if facts and head.branch is not None and head_ref_blocked(repo.store, head):
+    branches = plumbing.refs.branches()
+    tags = plumbing.refs.tags()
+    head = plumbing.refs.head()
+    facts = _facts(plumbing, {} if known is None else known)
+    already_pruned = pruned_ids(plumbing)
+    if facts and head.branch is not None and head_ref_blocked(plumbing.store, head):
         raise CorruptionError(f"gc stopped before deleting anything: {head_branch_lost(head.branch, len(facts))}")
-    reachable = _reachable(repo, _targets(branches, tags, head), facts)
+    reachable = _reachable(plumbing, _targets(branches, tags, head), facts)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None
     keep: set[str] = set()
@@ -285,7 +285,7 @@ def collect(repo: Plumbing, keep_last: int | None = None, keep_every: int | None
             report.too_young.append(vid)
         else:
             report.collected.append(vid)
-    data_ids = data_version_ids(repo)
+    data_ids = data_version_ids(plumbing)
     for vid in sorted(data_ids - set(facts)):
         (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
     # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now, by any
@@ -296,29 +296,30 @@ def collect(repo: Plumbing, keep_last: int | None = None, keep_every: int | None
                      for key, nbytes, layout in facts[vid].arrays if key not in live_arrays}
     from ckptrepo.storage._arrays import stored_bytes
     report.bytes_freed = sum(nbytes for nbytes, _ in doomed_arrays.values())
-    report.stored_bytes_freed = sum(stored_bytes(repo.store, key, layout) for key, (_, layout) in doomed_arrays.items())
+    report.stored_bytes_freed = sum(stored_bytes(plumbing.store, key, layout)
+                                    for key, (_, layout) in doomed_arrays.items())
     if dry_run:
         return report
 
     for vid in report.pruned:
         # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
         # marker with content would fail, and gc, the way to free space, would free nothing
-        repo.store.put(PRUNED_PREFIX + vid, b"")
+        plumbing.store.put(PRUNED_PREFIX + vid, b"")
     for vid in report.collected:
-        repo.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest
-        repo.store.delete(PRUNED_PREFIX + vid)
+        plumbing.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest
+        plumbing.store.delete(PRUNED_PREFIX + vid)
     for key in sorted(doomed_arrays):
-        repo.store.delete_prefix(key + "/")
+        plumbing.store.delete_prefix(key + "/")
     for vid in report.orphan_data:
-        repo.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
-    for key in repo.store.list(FAILURES_PREFIX):
+        plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
+    for key in plumbing.store.list(FAILURES_PREFIX):
         vid = key[len(FAILURES_PREFIX):]
         if vid not in facts and not young(vid, version_id_time(vid)):
-            repo.store.delete(key)
+            plumbing.store.delete(key)
     # the commit handshakes of distributed snapshots, once stale
-    for vid in sorted({k[len(STAGING_PREFIX):].split("/", 1)[0] for k in repo.store.list(STAGING_PREFIX)}):
+    for vid in sorted({k[len(STAGING_PREFIX):].split("/", 1)[0] for k in plumbing.store.list(STAGING_PREFIX)}):
         if not young(vid, version_id_time(vid)):
-            repo.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
+            plumbing.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
     return report
 
 
@@ -340,17 +341,17 @@ def _best(facts: dict[str, VersionFacts], candidates: set[str], n: int, metric: 
     return [vid for _, _, vid in sorted(ranked)[:n]]
 
 
-def _facts(repo: Plumbing, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]:
+def _facts(plumbing: Plumbing, known: dict[str, VersionFacts]) -> dict[str, VersionFacts]:
     """Every version's facts, from ``known`` where it has them; ``known`` is brought up to date (new versions
     added, deleted ones dropped)."""
-    ids = repo.all_version_ids()
+    ids = plumbing.all_version_ids()
     for vid in set(known) - set(ids):
         del known[vid]
     gone = set()
-    for vid, m in repo.iter_manifests([vid for vid in ids if vid not in known]):
+    for vid, m in plumbing.iter_manifests([vid for vid in ids if vid not in known]):
         if isinstance(m, Manifest):
             known[vid] = VersionFacts.of(m)
-        elif repo.store.exists(VERSIONS_PREFIX + vid):
+        elif plumbing.store.exists(VERSIONS_PREFIX + vid):
             raise m
         else:
             gone.add(vid)      # deleted since the listing (another gc collected it): not damage

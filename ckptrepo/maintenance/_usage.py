@@ -53,14 +53,14 @@ class DiskUsage:
                 "stored_bytes": self.stored_bytes}
 
 
-def disk_usage(repo: Plumbing, versions: Sequence[Version]) -> DiskUsage:
+def disk_usage(plumbing: Plumbing, versions: Sequence[Version]) -> DiskUsage:
     """Unique and shared bytes of each of ``versions`` (those reachable from a ref, newest first, as ``log``
     lists them), and the total stored once."""
     referrers: dict[str, set[str]] = {}            # array key -> versions with a piece in it
     pieces: dict[str, list[tuple[str, int]]] = {}  # version -> (array key, bytes) of each piece
     extent: dict[str, int] = {}                    # array key -> bytes up to the end of its last referenced piece
     infos: dict[str, ArrayInfo] = {}               # array key -> its manifest entry, where a manifest lists it
-    for vid, m in repo.each_manifest([v.id for v in versions if not v.pruned]):
+    for vid, m in plumbing.each_manifest([v.id for v in versions if not v.pruned]):
         infos.update(m.arrays)
         mine = pieces.setdefault(vid, [])
         for t in m.tensors:
@@ -82,20 +82,20 @@ def disk_usage(repo: Plumbing, versions: Sequence[Version]) -> DiskUsage:
         rows.append(VersionUsage(v, unique, shared))
     total = stored = 0
     for key in referrers:
-        info = _array_info(repo, key, infos)
+        info = _array_info(plumbing, key, infos)
         total += info.nbytes if info is not None else extent[key]
-        stored += stored_bytes(repo.store, key, layout_bytes(info) if info is not None else extent[key])
+        stored += stored_bytes(plumbing.store, key, layout_bytes(info) if info is not None else extent[key])
     return DiskUsage(rows, total, stored)
 
 
-def _array_info(repo: Plumbing, key: str, infos: dict[str, ArrayInfo]) -> ArrayInfo | None:
+def _array_info(plumbing: Plumbing, key: str, infos: dict[str, ArrayInfo]) -> ArrayInfo | None:
     """Array ``key`` as a manifest that lists it records it (its own version's, even if that one is pruned or
     unreachable); None when none does: it then counts up to the end of its last referenced piece."""
     info = infos.get(key)
     if info is None:
         owner = key.split("/")[1]
         try:
-            info = repo.manifest(owner).arrays.get(key)
+            info = plumbing.manifest(owner).arrays.get(key)
         except CorruptionError:   # the owner's manifest was collected; its array lives on through the pieces
             info = None
     return info

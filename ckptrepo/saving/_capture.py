@@ -111,7 +111,7 @@ class Snapshotter:
     stride); the capture thread confirms with an xxh3-128 of the bytes.
     """
 
-    def __init__(self, repo: Plumbing, host_memory: int | str | None = None, pin_memory: bool | None = None,
+    def __init__(self, plumbing: Plumbing, host_memory: int | str | None = None, pin_memory: bool | None = None,
                  record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
                  retention: RetentionPolicy | None = None, max_in_flight: int = 4) -> None:
@@ -138,25 +138,26 @@ class Snapshotter:
         self.sharded = self.distributed or parallel_layout is not None
         self.group = group
         self._dedup = DedupIndex() if dedup and not self.sharded else None   # sharded snapshots write everything
-        self.repo = repo
-        if repo.plans is None:   # the handle's first snapshotter: the next ones reuse its plans
-            repo.plans = PlanCache()
-        self.plans = repo.plans
+        self.plumbing = plumbing
+        if plumbing.plans is None:   # the handle's first snapshotter: the next ones reuse its plans
+            plumbing.plans = PlanCache()
+        self.plans = plumbing.plans
         self.record_failures = record_failures  # False when the caller waits and gets the error itself
         # reads HEAD: DetachedHeadError before anything starts
-        self._committer = Committer(repo, parallel_layout, self.rank, self.world_size, self.sharded, commit_timeout_s)
+        self._committer = Committer(plumbing, parallel_layout, self.rank, self.world_size, self.sharded,
+                                    commit_timeout_s)
         self.host_memory = parse_size(host_memory) or default_host_memory()
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._direct = DirectWriter.for_store(repo.store)   # local store: shards written without TensorStore
+        self._direct = DirectWriter.for_store(plumbing.store)   # local store: shards written without TensorStore
         # page-aligned buffers where the direct writer may write them with O_DIRECT as they are (fill_live)
         self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin,
                                 align=LIVE_ALIGN if self._direct is not None and self._direct.direct_io else 0)
         # TensorStore may reference a staging buffer instead of copying it; fine where the store copies the
         # bytes out before the write completes, but a store that keeps the buffer as the stored value would
         # see the pool reuse it for another shard
-        self._store_copies = not repo.store.capabilities.keeps_written_buffers
+        self._store_copies = not plumbing.store.capabilities.keeps_written_buffers
         self._capture_q: queue.Queue = queue.Queue()
         self._flush_q: queue.Queue = queue.Queue()
         self._commit_q: queue.Queue = queue.Queue()
@@ -559,7 +560,7 @@ class Snapshotter:
                 event.synchronize()
             handle = job.handles.get(seg.dtype)
             if handle is None:
-                handle = job.handles[seg.dtype] = create_array(self.repo.store, job.arrays[seg.dtype])
+                handle = job.handles[seg.dtype] = create_array(self.plumbing.store, job.arrays[seg.dtype])
             faults.point("before_shard_write")
             if not job.first_write:
                 job.first_write = time.perf_counter()
@@ -652,7 +653,7 @@ class Snapshotter:
 
     def _commit(self, job: SnapshotJob) -> Version:
         if self._dedup is not None and job.reused:
-            self._dedup.check_reused(self.repo.store, job)
+            self._dedup.check_reused(self.plumbing.store, job)
         version = self._committer.commit(job)
         if self._dedup is not None and not job.sharded:
             self._dedup.remember(job)
@@ -665,7 +666,7 @@ class Snapshotter:
         since = min(born + [time.time()]) - 1.0
         assert self.retention is not None   # called only when a policy was given
         try:
-            self.retention.apply(self.repo, protect_since=since, known=self._gc_facts)
+            self.retention.apply(self.plumbing, protect_since=since, known=self._gc_facts)
         except Exception as err:  # noqa: BLE001 - never kills the commit thread
             failure = SnapshotFailedError(f"background retention (gc) failed: {first_line(err)}; "
                                           f"run `ckptrepo gc` by hand")

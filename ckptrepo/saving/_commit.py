@@ -50,20 +50,20 @@ class Committer:
     compare-and-swap fails if the branch moved in between.
     """
 
-    def __init__(self, repo: Plumbing, layout: ParallelLayout | None, rank: int, world_size: int, sharded: bool,
+    def __init__(self, plumbing: Plumbing, layout: ParallelLayout | None, rank: int, world_size: int, sharded: bool,
                  commit_timeout_s: float) -> None:
-        head = repo.refs.head()
+        head = plumbing.refs.head()
         if head.branch is None:
             raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
                                     f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
-        self.repo = repo
+        self.plumbing = plumbing
         self.layout = layout
         self.rank, self.world_size = rank, world_size
         self.distributed = world_size > 1
         self.sharded = sharded
         self.commit_timeout_s = commit_timeout_s
         self.branch = head.branch
-        self.tip, self.generation = repo.refs.branch_tip_with_generation(head.branch)
+        self.tip, self.generation = plumbing.refs.branch_tip_with_generation(head.branch)
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
         faults.point("after_read_head")
 
@@ -93,11 +93,11 @@ class Committer:
             arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints))
         if not self.distributed:
             return self._publish_merged(job, [part])
-        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
+        staging = Staging(self.plumbing.store, job.vid, self.world_size, self.commit_timeout_s)
         staging.publish_rank(part)
         if self.rank != 0:
             staging.wait_outcome(lambda: self._on_branch(job.vid))
-            return version_from_manifest(self.repo.manifest(job.vid), (self.branch,))
+            return version_from_manifest(self.plumbing.manifest(job.vid), (self.branch,))
         try:
             version = self._publish_merged(job, staging.gather_ranks())
         except BaseException as err:
@@ -108,11 +108,11 @@ class Committer:
 
     def _on_branch(self, vid: str, depth: int = 1000) -> bool:
         """Whether ``vid`` is on this snapshotter's branch: its tip or one of its last ``depth`` first parents."""
-        tip = self.repo.refs.branch_tip(self.branch)
+        tip = self.plumbing.refs.branch_tip(self.branch)
         for _ in range(depth):
             if tip is None or tip == vid:
                 return tip == vid
-            tip = self.repo.first_parent(tip)
+            tip = self.plumbing.first_parent(tip)
         return False
 
     def _publish_merged(self, job: SnapshotJob, ranks: list[RankPart]) -> Version:
@@ -133,11 +133,11 @@ class Committer:
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
         manifest = manifest.with_stats(job.handle.stats.to_json())
-        self.repo.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
+        self.plumbing.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
         faults.point("after_manifest")
-        gen = self.repo.refs.move_branch(self.branch, job.vid, self.generation)
+        gen = self.plumbing.refs.move_branch(self.branch, job.vid, self.generation)
         if gen is None:
-            now = self.repo.refs.branch_tip(self.branch)
+            now = self.plumbing.refs.branch_tip(self.branch)
             base = f"version {self.tip[:12]}" if self.tip else "an empty branch"
             # every later snapshot of this snapshotter was taken from the diverged state too (those in flight
             # already): none may go on top of the other writer's version, so none is committed
@@ -147,12 +147,12 @@ class Committer:
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         self.tip, self.generation = job.vid, gen
         faults.point("after_ref")
-        self.repo.remember_header(manifest)
+        self.plumbing.remember_header(manifest)
         return version_from_manifest(manifest, (self.branch,))
 
     def publish_failure(self, job: SnapshotJob, err: BaseException) -> None:
         """Distributed: let the other ranks know at once (rank 0 aborts the version; the others stop waiting)."""
-        staging = Staging(self.repo.store, job.vid, self.world_size, self.commit_timeout_s)
+        staging = Staging(self.plumbing.store, job.vid, self.world_size, self.commit_timeout_s)
         try:
             if self.rank == 0:
                 staging.publish_outcome(first_line(err))
@@ -166,7 +166,7 @@ class Committer:
         if self.rank != 0:
             return
         try:
-            self.repo.store.put(FAILURES_PREFIX + job.vid, seal({
+            self.plumbing.store.put(FAILURES_PREFIX + job.vid, seal({
                 "id": job.vid, "step": job.handle.step, "time": time.time(), "branch": self.branch,
                 "message": job.message, "error": cause}))
         except Exception as record_err:  # noqa: BLE001 - storage may be what failed; the caller's log line remains

@@ -116,24 +116,24 @@ class TensorStats:
 class _Chunks:
     """Bounded reads of tensors of one version, as float64 (or complex128) chunks."""
 
-    def __init__(self, repo: Plumbing, manifest: Manifest) -> None:
-        self.repo = repo
+    def __init__(self, plumbing: Plumbing, manifest: Manifest) -> None:
+        self.plumbing = plumbing
         self.manifest = manifest
         self.arrays = dict(manifest.arrays)
-        self.engine = Engine(repo.store, self.arrays)   # for tensors saved whole: a flat range of one array
+        self.engine = Engine(plumbing.store, self.arrays)   # for tensors saved whole: a flat range of one array
         self._pieces: VersionReader | None = None   # for tensors saved as several pieces, made on first need
 
     @property
     def pieces(self) -> VersionReader:
         if self._pieces is None:
-            self._pieces = VersionReader(self.repo.store, self.manifest)
+            self._pieces = VersionReader(self.plumbing.store, self.manifest)
         return self._pieces
 
     def array_info(self, key: str) -> ArrayInfo:
         info = self.arrays.get(key)
         if info is None:  # a piece that points into another version (dedup)
             vid = key.split("/")[1]
-            info = self.arrays[key] = self.repo.manifest(vid).arrays[key]
+            info = self.arrays[key] = self.plumbing.manifest(vid).arrays[key]
         return info
 
     def read(self, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
@@ -144,7 +144,7 @@ class _Chunks:
             self.array_info(key)   # into self.arrays, where the engine looks: a dedup'd piece's is another version's
             n = stop - start
             entry_range = TensorEntry(entry.name, entry.dtype, (n,), (SavedPiece(((0,), (n,)), key, off + start),))
-            t = read_tensors(self.repo.store, self.arrays, [entry_range], [0], engine=self.engine)[0]
+            t = read_tensors(self.plumbing.store, self.arrays, [entry_range], [0], engine=self.engine)[0]
         else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
             shape = entry.shape
             t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry.dtype])
@@ -163,16 +163,16 @@ def _spans(n: int, step: int) -> Iterator[tuple[int, int]]:
         yield s, min(n, s + step)
 
 
-def diff_versions(repo: Plumbing, a: str, b: str, pattern: str | None = None,
+def diff_versions(plumbing: Plumbing, a: str, b: str, pattern: str | None = None,
                   on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
     """Compare versions ``a`` and ``b`` tensor by tensor (streamed) and object by object."""
-    va, vb = repo.resolve(a), repo.resolve(b)
-    ma, mb = repo.manifest(va), repo.manifest(vb)
-    repo.require_data(va, ma)
-    repo.require_data(vb, mb)
+    va, vb = plumbing.resolve(a), plumbing.resolve(b)
+    ma, mb = plumbing.manifest(va), plumbing.manifest(vb)
+    plumbing.require_data(va, ma)
+    plumbing.require_data(vb, mb)
     ta = {t.name: t for t in ma.tensors}
     tb = {t.name: t for t in mb.tensors}
-    ca, cb = _Chunks(repo, ma), _Chunks(repo, mb)
+    ca, cb = _Chunks(plumbing, ma), _Chunks(plumbing, mb)
     result = VersionDiff(va, vb)
     names = list(ta) + [n for n in tb if n not in ta]
     for name in names:
@@ -279,13 +279,13 @@ def _same_value(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
-def tensor_stats(repo: Plumbing, rev: str, pattern: str | None = None,
+def tensor_stats(plumbing: Plumbing, rev: str, pattern: str | None = None,
                  on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
     """Norm, mean, std, min/max and NaN/Inf counts of every tensor of ``rev`` (streamed)."""
-    vid = repo.resolve(rev)
-    m = repo.manifest(vid)
-    repo.require_data(vid, m)
-    chunks = _Chunks(repo, m)
+    vid = plumbing.resolve(rev)
+    m = plumbing.manifest(vid)
+    plumbing.require_data(vid, m)
+    chunks = _Chunks(plumbing, m)
     out = []
     for entry in m.tensors:
         if pattern and not fnmatch.fnmatchcase(entry.name, pattern):
@@ -345,7 +345,7 @@ class TrajectoryPoint:
 METRICS = ("norm", "delta", "relative-change")
 
 
-def trajectory(repo: Plumbing, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
+def trajectory(plumbing: Plumbing, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                until: int | None = None) -> list[TrajectoryPoint]:
     """``metric`` of every tensor matching ``pattern`` along the first-parent history of ``rev``, oldest first.
 
@@ -359,9 +359,9 @@ def trajectory(repo: Plumbing, pattern: str, metric: str = "norm", rev: str = "H
         raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
     from ckptrepo.core._manifest_reads import HeaderWalk
     from ckptrepo.maintenance._gc import pruned_ids
-    pruned = pruned_ids(repo)   # their data is gone: skipped, and a delta spans the gap to the previous kept one
+    pruned = pruned_ids(plumbing)   # their data is gone: skipped, and a delta spans the gap to the previous kept one
     chain: list[tuple[str, int | None]] = []   # (version, step), newest first until reversed
-    for vid, m in HeaderWalk(repo.reads).chain(repo.resolve(rev)):
+    for vid, m in HeaderWalk(plumbing.reads).chain(plumbing.resolve(rev)):
         step = m.step
         if vid in pruned:
             continue
@@ -372,10 +372,10 @@ def trajectory(repo: Plumbing, pattern: str, metric: str = "norm", rev: str = "H
     previous: str | None = None
     for vid, step in chain:
         if metric == "norm":
-            for s in tensor_stats(repo, vid, pattern):
+            for s in tensor_stats(plumbing, vid, pattern):
                 points.append(TrajectoryPoint(vid, step, s.name, s.norm))
         elif previous is not None:
-            for d in diff_versions(repo, previous, vid, pattern).tensors:
+            for d in diff_versions(plumbing, previous, vid, pattern).tensors:
                 if d.status in ("changed", "unchanged"):
                     points.append(TrajectoryPoint(vid, step, d.name, d.l2 if metric == "delta" else d.relative))
         previous = vid
