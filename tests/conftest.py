@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -61,9 +62,12 @@ def repo(tmp_path) -> ckptrepo.Repository:
     return ckptrepo.init(str(tmp_path / "repo"))
 
 
+DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/distributed/ starts processes (gloo ranks, torchrun) and takes most of the suite's
     time: it is marked ``slow`` so that ``-m "not slow"`` gives a quick run."""
     for item in items:
-        if "distributed" in item.path.parts:
+        if item.path.is_relative_to(DISTRIBUTED):
             item.add_marker(pytest.mark.slow)

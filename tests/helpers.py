@@ -1,7 +1,12 @@
-"""Helpers many tests share: bit-exact comparison of nested states; counting a store's manifest reads."""
+"""Helpers many tests share: bit-exact comparison of nested states; counting a store's manifest reads;
+running the CLI in-process."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
+import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -74,3 +79,38 @@ def count_manifest_reads(monkeypatch: Any, store: Any,
     monkeypatch.setattr(type(store), "get", counting_get)
     monkeypatch.setattr(type(store), "get_many", counting_get_many)
     return reads
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run(*args, repo=None, env_repo=None, cwd=None):
+    """Run the CLI entry point in-process (fast), exactly as the console script does."""
+    from ckptrepo.cli.main import main
+    argv = ["ckptrepo"] + (["--repo", repo] if repo else []) + list(args)
+    saved_argv, saved_cwd, saved_env = sys.argv, os.getcwd(), os.environ.get("CKPTREPO_REPO")
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.pop("CKPTREPO_REPO", None)
+    if env_repo:
+        os.environ["CKPTREPO_REPO"] = env_repo
+    code = 0
+    try:
+        sys.argv = argv
+        if cwd:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.pop("CKPTREPO_REPO", None)
+        if saved_env is not None:
+            os.environ["CKPTREPO_REPO"] = saved_env
+    r = Result(code, out.getvalue(), err.getvalue())
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
+    return r

@@ -72,6 +72,11 @@ class Head:
     damage: str | None = None   # HEAD's branch ref is damaged: why (its version is then unknown, not None)
 
 
+def _exists(kind: str, name: str) -> RefError:
+    hint = "pick another name or check it out" if kind == "branch" else "tags never move, so pick another name"
+    return RefError(f"{kind} {name!r} already exists; {hint}")
+
+
 class Refs:
     """Reads and compare-and-swap updates of HEAD, branches and tags."""
 
@@ -133,15 +138,15 @@ class Refs:
         prefix = HEADS_PREFIX if kind == "branch" else TAGS_PREFIX
         return {k[len(prefix):] for k in self.store.list(prefix) if is_ref_name(k[len(prefix):])}
 
-    def _check_no_clash(self, kind: str, name: str) -> None:
-        """git's rule: ``a`` and ``a/b`` cannot both exist (on a local store one would be a file, the other a
-        folder of the same name, and the write would fail with a raw storage error)."""
+    def _check_new_name(self, kind: str, name: str) -> None:
+        """Refuse a name that exists or clashes with another ref. git's rule: ``a`` and ``a/b`` cannot both
+        exist (on a local store one would be a file, the other a folder of the same name, and the write would
+        fail with a raw storage error)."""
         names = self._names(kind)
         if name in names:
             # checked before the create-if-absent write, whose failure reads back as a lost reply when the ref
             # already holds the very version asked for; racing creators are still decided by that write
-            hint = "pick another name or check it out" if kind == "branch" else "tags never move, so pick another name"
-            raise RefError(f"{kind} {name!r} already exists; {hint}")
+            raise _exists(kind, name)
         parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
         clash = next((n for n in names if n.startswith(name + "/")), None) \
             or next((p for p in parents if p in names), None)
@@ -160,15 +165,15 @@ class Refs:
 
     def create_branch(self, name: str, version: str) -> None:
         check_ref_name(name, "branch")
-        self._check_no_clash("branch", name)
+        self._check_new_name("branch", name)
         if self._swap(HEADS_PREFIX + name, version.encode(), NO_VALUE) is None:
-            raise RefError(f"branch {name!r} already exists; pick another name or check it out")
+            raise _exists("branch", name)
 
     def create_tag(self, name: str, version: str) -> None:
         check_ref_name(name, "tag")
-        self._check_no_clash("tag", name)
+        self._check_new_name("tag", name)
         if self._swap(TAGS_PREFIX + name, version.encode(), NO_VALUE) is None:
-            raise RefError(f"tag {name!r} already exists; tags never move, so pick another name")
+            raise _exists("tag", name)
 
     def delete(self, kind: str, name: str, seen: tuple[str | None, bytes] | None = None) -> str:
         """Delete branch or tag ``name`` (``kind``) unless it moved meanwhile; returns what it pointed at.

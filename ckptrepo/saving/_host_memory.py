@@ -10,7 +10,7 @@ _UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 
 
 def parse_size(size: int | str | None) -> int | None:
     """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes; None for the default. Anything else (negative, zero,
-    "abc", a float) is refused in one line: "-1" would otherwise give a pool of two 64 KiB buffers, "0" the default."""
+    "abc", a float) is refused in one line rather than read as a tiny pool or as the default."""
     if size is None:
         return None
     m = _SIZE_RE.match(size) if isinstance(size, str) else None

@@ -1,8 +1,6 @@
 """The CLI end to end: real `ckptrepo` processes, one-line errors, no tracebacks, --json output."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -10,46 +8,12 @@ import sys
 
 import pytest
 import torch
+from helpers import run
 
 import ckptrepo
 
 # the checkout's root, where `python -m ckptrepo.cli` runs
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class Result:
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def run(*args, repo=None, env_repo=None, cwd=None):
-    """Run the CLI entry point in-process (fast), exactly as the console script does."""
-    from ckptrepo.cli.main import main
-    argv = ["ckptrepo"] + (["--repo", repo] if repo else []) + list(args)
-    saved_argv, saved_cwd, saved_env = sys.argv, os.getcwd(), os.environ.get("CKPTREPO_REPO")
-    out, err = io.StringIO(), io.StringIO()
-    os.environ.pop("CKPTREPO_REPO", None)
-    if env_repo:
-        os.environ["CKPTREPO_REPO"] = env_repo
-    code = 0
-    try:
-        sys.argv = argv
-        if cwd:
-            os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = saved_argv
-        os.chdir(saved_cwd)
-        os.environ.pop("CKPTREPO_REPO", None)
-        if saved_env is not None:
-            os.environ["CKPTREPO_REPO"] = saved_env
-    r = Result(code, out.getvalue(), err.getvalue())
-    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
-    return r
 
 
 def test_console_script_runs_as_a_real_process(tmp_path):

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import torch
-from test_cli import run
+from helpers import run
 
 import ckptrepo
 import ckptrepo.maintenance._fsck
