@@ -461,7 +461,7 @@ class Repository:
 
     def du(self) -> DiskUsage:
         """Per reachable version (newest first) the bytes only it references and those it shares, and the total
-        stored with each array counted once; returns a ckptrepo.usage.DiskUsage."""
+        stored with each array counted once."""
         from ckptrepo.maintenance._usage import disk_usage
         return disk_usage(self._plumbing, self.log(all=True))
 

@@ -92,7 +92,7 @@ class ManifestReads:
         return raw
 
     def each_manifest(self, vids: Sequence[str]) -> Iterator[tuple[str, Manifest]]:
-        """``iter_manifests`` for passes that cannot go on without every manifest (gc, du): the first error
+        """``iter_manifests`` for passes that cannot go on without every manifest (du): the first error
         is raised instead of yielded. fsck, which reports every damaged version, uses ``iter_manifests``."""
         for vid, m in self.iter_manifests(vids):
             if isinstance(m, CkptRepoError):
@@ -145,9 +145,9 @@ class ManifestReads:
         """
         self._headers.put(manifest.id, manifest.header())
 
-    def all_version_ids(self) -> list[str]:
-        """Every version manifest in storage, reachable or not."""
-        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX)
+    def all_version_ids(self, prefix: str = "") -> list[str]:
+        """Every version manifest in storage whose id starts with ``prefix``, reachable or not."""
+        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)
                 if is_version_id(k[len(VERSIONS_PREFIX):])]
 
 

@@ -3,8 +3,9 @@
 ``Repository`` (the porcelain users call) holds one ``Plumbing`` and keeps to
 commands; the layers below it (saving, maintenance, tools) work with this
 object instead, so none of them imports the porcelain and each sees only the
-typed operations it uses. ``Plumbing`` is also the revision source
-(:class:`ckptrepo.core._revisions.RevisionSource`) that ``resolve`` walks.
+typed operations it uses. ``resolve`` walks revisions through ``_WalkingSource``,
+which answers refs and prefixes from this object and first-parent steps from one
+shared ``HeaderWalk``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from ckptrepo.core._manifest import (
     PRUNED_PREFIX,
     VERSIONS_PREFIX,
     decode_config,
-    is_version_id,
     unseal,
 )
 from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
@@ -140,17 +140,13 @@ class Plumbing:
 
     def ids_with_prefix(self, prefix: str) -> list[str]:
         """The ids of the versions in storage that start with ``prefix``."""
-        return [k[len(VERSIONS_PREFIX):] for k in self.store.list(VERSIONS_PREFIX + prefix)
-                if is_version_id(k[len(VERSIONS_PREFIX):])]
+        return self.reads.all_version_ids(prefix)
 
     def first_parent(self, vid: str) -> str | None:
         """The version ``vid`` was committed on top of; None for a root version."""
         parents = self.header(vid).parents
         return parents[0] if parents else None
 
-    def step_of(self, vid: str) -> int | None:
-        """The training step recorded with version ``vid``."""
-        return self.header(vid).step
 
 
 class _WalkingSource:

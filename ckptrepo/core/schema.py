@@ -33,8 +33,6 @@ SINGLE_PROCESS_ORDER = ("format_version", "id", "parents", "step", "time", "mess
                         "layout", "size", "arrays", "tensors", "tree")
 MERGED_ORDER = ("layout", "arrays", "tensors", "size", "tree",
                 "format_version", "id", "parents", "step", "time", "message", "metrics", "host")
-_KNOWN_KEYS = frozenset({"format_version", "id", "parents", "step", "time", "message", "metrics", "host",
-                         "size", "stats"}) | BULKY_FIELDS
 
 
 class Piece(NamedTuple):
@@ -194,6 +192,10 @@ class Manifest(ManifestHeader):
     def with_stats(self, stats: dict[str, Any]) -> "Manifest":
         order = self.key_order if "stats" in self.key_order else (*self.key_order, "stats")
         return dataclasses.replace(self, stats=stats, key_order=order)
+
+
+# the top-level keys this release reads into fields; any other key is kept in ``extra`` and written back
+_KNOWN_KEYS = frozenset(f.name for f in dataclasses.fields(Manifest)) - {"key_order", "extra"}
 
 
 def version_from_manifest(m: ManifestHeader, refs: tuple[str, ...] = (), pruned: bool = False) -> Version:
