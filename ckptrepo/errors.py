@@ -99,7 +99,6 @@ _BULKY_PAYLOADS = (" [tensorstore_spec='", " [http_response_body='")
 
 # words of a read error's first line that mean the object is damaged or gone rather than unreachable
 # (TensorStore reports a bad crc32c as "DATA_LOSS: ... Digest mismatch")
-_DAMAGE_WORDS = ("missing", "not found", "data_loss", "digest", "checksum", "crc", "corrupt", "invalid")
 
 
 # TensorStore's status codes (the first word of its messages) for a store that could not be reached or
@@ -128,15 +127,9 @@ def storage_failure(what: str, reason: str) -> StorageError:
     return StorageError(f"{what} failed: {reason}{storage_failure_hint(reason)}")
 
 
-def looks_damaged(reason: str) -> bool:
-    """Whether a read error's first line says the object is missing or corrupt (else: a storage failure)."""
-    low = reason.lower()
-    return not is_storage_failure(reason) and any(w in low for w in _DAMAGE_WORDS)
-
-
 def damaged_object_error(objects: str, reason: str, tensors: list[str]) -> CorruptionError:
     """The one-line error of a load that met a missing or corrupt stored object: which objects, why, the
-    first tensors stored in them, and what to run. Both read paths (whole tensors, resharding pieces) raise it."""
+    first tensors stored in them, and what to run. The read engine (loading/_engine.py) raises it."""
     low = reason.lower()
     kind = "missing" if any(w in low for w in ("missing", "not found", "not_found", "does not exist")) else "corrupt"
     return CorruptionError(f"object {objects} is {kind} ({reason}); affected tensors: {some_names(tensors)}; "
@@ -154,4 +147,4 @@ __all__ = ["CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadErr
            "FormatVersionError", "LayoutError", "MissingDependencyError", "NotARepositoryError", "RefError",
            "RepositoryExistsError", "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError",
            "StorageError", "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line",
-           "is_storage_failure", "looks_damaged", "some_names", "storage_failure", "storage_failure_hint"]
+           "is_storage_failure", "some_names", "storage_failure", "storage_failure_hint"]

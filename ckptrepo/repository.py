@@ -45,7 +45,7 @@ from ckptrepo.storage._arrays import itemsize
 if TYPE_CHECKING:
     import torch
 
-    from ckptrepo.loading._reshard import ReadStats
+    from ckptrepo.loading._engine import ReadStats
     from ckptrepo.maintenance._fsck import FsckReport
     from ckptrepo.maintenance._gc import GcReport, RetentionPolicy
     from ckptrepo.maintenance._usage import DiskUsage

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ckptrepo.core._manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id
 from ckptrepo.errors import ConflictError, CorruptionError, RefError
-from ckptrepo.storage._localfs import remove_empty_parents
+from ckptrepo.storage._localfs import LOCK_SUFFIX, remove_empty_parents
 from ckptrepo.storage.protocol import NO_VALUE, Store
 
 _HEX_RE = re.compile(r"[0-9a-f]{4,32}")
@@ -31,7 +31,7 @@ def is_new_ref_name(name: str) -> bool:
     """What a new branch or tag may be called: :func:`is_ref_name`, and neither a folder starting with '.' nor
     a name ending in TensorStore's ``.__lock`` (its file store's lock files; such a ref would fail as a
     storage error)."""
-    return is_ref_name(name) and "/." not in name and not name.endswith(".__lock")
+    return is_ref_name(name) and "/." not in name and not name.endswith(LOCK_SUFFIX)
 
 
 def check_ref_name(name: str, kind: str) -> None:

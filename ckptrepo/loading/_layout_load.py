@@ -32,7 +32,8 @@ from ckptrepo.core._boxes import volume
 from ckptrepo.core.schema import Manifest, RankRecord
 from ckptrepo.errors import LayoutError, StateMismatchError
 from ckptrepo.loading._binding import check_param_groups, fillable_array
-from ckptrepo.loading._reshard import ReadStats, read_pieces
+from ckptrepo.loading._engine import ReadStats
+from ckptrepo.loading._reshard import read_pieces
 from ckptrepo.parallel._distributed import process_group_rank
 from ckptrepo.parallel._sharding import Sharder, rank_path
 from ckptrepo.parallel.layout import ParallelLayout, zero_partition

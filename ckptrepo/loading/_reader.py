@@ -8,7 +8,6 @@ one; a TensorStore result is taken as it is, no copy).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,7 +19,6 @@ from ckptrepo.storage._arrays import ArrayInfo
 from ckptrepo.storage.protocol import Store
 
 
-@dataclass
 class _TensorRead(Read):
     """A whole tensor: placed in ``into[i]`` where given (read straight into it when the direct reader can write
     it), else returned as a fresh tensor."""

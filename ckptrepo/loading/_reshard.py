@@ -27,7 +27,7 @@ from ckptrepo.core._boxes import Box, intersect, row_major_strides, runs, slices
 from ckptrepo.core.schema import Manifest
 from ckptrepo.core.schema import Piece as SavedPiece
 from ckptrepo.errors import CorruptionError
-from ckptrepo.loading._engine import Engine, Read, ReadStats, kvstore_bytes_read  # noqa: F401 - re-exported
+from ckptrepo.loading._engine import Engine, Read, ReadStats
 from ckptrepo.parallel._sharding import Piece
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage._arrays import ArrayInfo
@@ -167,7 +167,7 @@ def _direct_destination(sp: _Span, info: ArrayInfo, view: np.ndarray | None) -> 
         return None
     item = info.itemsize
     rel = [p - t for p, t in zip(part[0], tp.box[0])]
-    if rel:   # numpy slicing: a few hundred spans per load, where a torch index costs ~10x as much
+    if rel:   # numpy slicing: a few hundred spans per load, and a torch index costs several times as much
         rel[-1] *= item
     sizes = part[1][:-1] + (part[1][-1] * item,) if part[1] else ()
     dest = view[slices(rel, sizes)]
@@ -264,4 +264,4 @@ def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
         dest.copy_(src)
 
 
-__all__ = ["ReadStats", "VersionReader", "kvstore_bytes_read", "read_pieces"]
+__all__ = ["VersionReader", "read_pieces"]

@@ -142,8 +142,8 @@ def metadata_matches(info: ArrayInfo, stored: Any) -> bool:
     """Whether a parsed ``zarr.json`` describes exactly the array the manifest says (defaults filled in).
 
     The direct local read path checks this instead of opening the array
-    through TensorStore, which costs tens of milliseconds per array on a cold
-    load; anything that does not match is left to TensorStore to judge.
+    through TensorStore, which is slow per array on a cold load; anything that
+    does not match is left to TensorStore to judge.
     """
     if not isinstance(stored, dict) or stored.get("zarr_format") != 3 or stored.get("node_type") != "array":
         return False

@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import threading
 
+# TensorStore's file kvstore writes a value to <key>.__lock, then renames it; such keys are never values
+LOCK_SUFFIX = ".__lock"
+
 
 class ByteCounter:
     """A running total of bytes, safe across threads: what a direct local I/O path (localread,

@@ -36,9 +36,7 @@ def _usable_cpus() -> int:
 
 
 # Concurrent preadv tasks. A warm read is CPU work (the kernel's copy out of the page cache, then crc32c), so
-# threads beyond the cores only switch: on 2 cores, 2 threads loaded 243 MiB from the page cache in 0.18-0.22 s
-# against 0.23-0.30 s with 4. Cold loads barely care (the disk gets 16 MiB requests either way): 1 GB from
-# disk took a median 1.04 s with 2 threads and 1.00 s with 4, within the VM's noise.
+# threads beyond the cores only switch; cold loads barely care, since the disk gets 16 MiB requests either way.
 DIRECT_THREADS = max(2, min(4, _usable_cpus()))
 DIRECT_TASK_BYTES = 16 << 20    # a run is split into chunk-aligned tasks of about this size
 ROW_SCRATCH_BYTES = 1 << 20     # row targets are read and copied out this much at a time (see _read_chunks)
@@ -153,7 +151,7 @@ class DirectReader:
 
     def _open(self, info: ArrayInfo, s: int) -> int:
         """A descriptor of shard object ``s``, for one task: a load holds no more files open than it has
-        reader threads (one per shard ran into the open-file limit, 1024 shards being 64 GiB)."""
+        reader threads (one descriptor per shard would meet the open-file limit: 1024 shards are 64 GiB)."""
         try:
             return os.open(os.path.join(self.root, info.shard_key(s)), os.O_RDONLY)
         except OSError as err:

@@ -66,7 +66,7 @@ import numpy as np
 from ckptrepo import faults
 from ckptrepo.storage._arrays import MISSING_CHUNK, ArrayInfo
 from ckptrepo.storage._crc import crc32c
-from ckptrepo.storage._localfs import ByteCounter
+from ckptrepo.storage._localfs import LOCK_SUFFIX, ByteCounter
 from ckptrepo.storage._vectored import transfer_all
 from ckptrepo.storage.protocol import Store
 
@@ -75,7 +75,6 @@ DIRECT_IO = True         # False: write through the page cache (pwritev of views
 WRITE_THREADS = 4        # shard writes in flight: one thread's device wait overlaps the others' copies
 BOUNCE_BYTES = 2 << 20   # per writer thread, for O_DIRECT
 DIRECT_ALIGN = 4096      # O_DIRECT offsets, lengths and addresses (the largest logical block size in use)
-LOCK_SUFFIX = ".__lock"  # TensorStore's file kvstore writes a value to <key>.__lock, then renames it
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
 _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", None)   # Linux: the open-file-description lock TensorStore takes
 _WRITE_LOCK = struct.pack("hhqqi4x", 1, os.SEEK_SET, 0, 0, 0)   # struct flock {F_WRLCK, SEEK_SET, 0, 0, 0}

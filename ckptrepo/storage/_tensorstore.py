@@ -20,7 +20,7 @@ from urllib.parse import unquote
 import tensorstore as ts
 
 from ckptrepo.errors import StorageError, first_line, storage_failure_hint
-from ckptrepo.storage._localfs import ByteCounter, remove_empty_folders
+from ckptrepo.storage._localfs import LOCK_SUFFIX, ByteCounter, remove_empty_folders
 from ckptrepo.storage.protocol import NO_VALUE, StoreCapabilities
 
 _memory_lock = threading.Lock()
@@ -170,7 +170,6 @@ def _wrap(err: Exception, what: str) -> StorageError:
 
 
 _local_reads = ByteCounter()
-_TS_LOCK_SUFFIX = ".__lock"   # TensorStore's file driver keeps its lock files under such keys
 
 
 def local_bytes_read() -> int:
@@ -187,7 +186,7 @@ def _capabilities(spec: dict[str, Any]) -> StoreCapabilities:
     driver = spec.get("driver")
     if driver == "file":
         plain = not set(spec) - {"driver", "path"}
-        return StoreCapabilities(local_root=spec["path"] if plain else None, reserved_suffixes=(_TS_LOCK_SUFFIX,))
+        return StoreCapabilities(local_root=spec["path"] if plain else None, reserved_suffixes=(LOCK_SUFFIX,))
     # the memory kvstore keeps the bytes it is handed as the value, not a copy of them
     return StoreCapabilities(keeps_written_buffers=driver == "memory")
 
