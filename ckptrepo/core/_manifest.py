@@ -23,7 +23,7 @@ import numpy as np
 from ckptrepo.errors import CorruptionError, FormatVersionError, UnsupportedValueError
 from ckptrepo.storage._crc import crc32c
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CONFIG_KEY = "ckptrepo.json"
 HEAD_KEY = "HEAD"
 HEADS_PREFIX = "refs/heads/"

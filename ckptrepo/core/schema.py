@@ -357,6 +357,20 @@ def table_problem(m: Manifest) -> str | None:
         total = volume(t.shape)
         if covered != total:
             return f"the pieces of tensor {t.name} hold {covered} of its {total} elements"
+    return _shared_storage(m)
+
+
+def _shared_storage(m: Manifest) -> str | None:
+    """Two pieces of a version whose elements overlap in an array, or None.
+
+    Every piece is stored once (dedup points a tensor at bytes no other tensor of the version uses), so an
+    overlap means a piece was moved: a re-sealed manifest that points a tensor some elements further on would
+    load its neighbour's bytes, every checksum valid."""
+    spans = sorted((p.array, p.offset, p.offset + volume(p.box[1]), t.name)
+                   for t in m.tensors for p in t.pieces if volume(p.box[1]))
+    for (a0, _, end0, name0), (a1, start1, _, name1) in zip(spans, spans[1:]):
+        if a0 == a1 and start1 < end0:
+            return f"tensors {name0} and {name1} overlap in array {a0}"
     return None
 
 

@@ -48,6 +48,7 @@ from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage._arrays import ArrayInfo, open_array
+from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, foreign_chunk_error, read_table
 from ckptrepo.storage._localread import DirectReader
 from ckptrepo.storage._tensorstore import local_bytes_read
 from ckptrepo.storage.protocol import Store
@@ -164,6 +165,13 @@ class Engine:
         self.store = store
         self.arrays = arrays   # the caller may add arrays between plans (another version's, for dedup'd pieces)
         self._handles: dict[str, ts.TensorStore] = {}
+        self._tables: dict[str, np.ndarray | None] = {}
+
+    def table(self, key: str) -> np.ndarray | None:
+        """Array ``key``'s chunk table, checked against the manifest (once); None: not content-bound."""
+        if key not in self._tables:
+            self._tables[key] = read_table(self.store, self.arrays[key])
+        return self._tables[key]
 
     def handle(self, run: _Run) -> ts.TensorStore:
         """The run's array opened through TensorStore (once); one that cannot be opened is named like a
@@ -203,7 +211,7 @@ class _Execution:
                 info = arrays[run.array]
                 for r in run.reads:
                     r.prepare(info)
-        pending: deque[tuple[_Run, _DirectRead | list[Any], int]] = deque()
+        pending: deque[tuple[_Run, _DirectRead | _BoundRead | list[Any], int]] = deque()
         inflight = 0
         try:
             for run in runs:
@@ -218,11 +226,12 @@ class _Execution:
             if direct is not None:
                 direct.close()
 
-    def _submit(self, run: _Run) -> _DirectRead | list[Any]:
+    def _submit(self, run: _Run) -> _DirectRead | _BoundRead | list[Any]:
         """Start a run's reads: the direct read in flight, or (no direct reader) TensorStore's futures."""
         if self.direct is None:
             return self._submit_ts(run)
         info = self.arrays[run.array]
+        self.direct.expect(info, self.engine.table(run.array))
         dests = [r.direct_target(info) for r in run.reads]
         scratch = [torch.empty(r.numel, dtype=TORCH_DTYPES[info.dtype]) if d is None else None
                    for r, d in zip(run.reads, dests)]
@@ -237,13 +246,20 @@ class _Execution:
                   for r, s in zip(run.reads, scratch) if s is not None]
         return _DirectRead(_when_all(futs + filled, _nothing))
 
-    def _submit_ts(self, run: _Run) -> list[Any]:
+    def _submit_ts(self, run: _Run) -> _BoundRead | list[Any]:
         if self.batch is None:
             self.batch = ts.Batch()
         h = self.engine.handle(run)
-        return [h[r.start:r.stop].read(batch=self.batch) for r in run.reads]
+        table = self.engine.table(run.array)
+        if table is None:
+            return [h[r.start:r.stop].read(batch=self.batch) for r in run.reads]
+        # whole inner chunks, so that each one's crc32c can be checked against the table: TensorStore checks
+        # the stored crc32c against the bytes, not against the version
+        inner, numel = self.arrays[run.array].inner_elems, self.arrays[run.array].numel
+        lo, hi = run.start // inner * inner, min(numel, -(-run.stop // inner) * inner)
+        return _BoundRead(h[lo:hi].read(batch=self.batch), lo, table)
 
-    def _finish(self, run: _Run, futs: _DirectRead | list[Any], nbytes: int) -> int:
+    def _finish(self, run: _Run, futs: _DirectRead | _BoundRead | list[Any], nbytes: int) -> int:
         """Wait for a run, hand its reads their elements (falling back to TensorStore where the direct read
         failed); returns its bytes."""
         info = self.arrays[run.array]
@@ -259,10 +275,22 @@ class _Execution:
                     r.direct_done()
             else:
                 futs = self._submit_ts(run)
-        if not isinstance(futs, _DirectRead):
-            if self.batch is not None:   # every read issued so far goes out together
-                self.batch.submit()
-                self.batch = None
+        if isinstance(futs, _BoundRead):
+            self._submit_batch()
+            try:
+                data = futs.future.result()
+            except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
+                raise _read_error(self.engine.store, info, run, err) from err
+            raw = data.view(np.uint8)
+            first = futs.start // info.inner_elems
+            bad = first_mismatch(futs.table, first, chunk_crcs(info, raw))
+            if bad is not None:
+                raise foreign_chunk_error(info, first + bad, _names(run.reads))
+            elems = torch.from_numpy(raw).view(TORCH_DTYPES[info.dtype])
+            for r in run.reads:
+                r.fill(elems[r.start - futs.start:r.stop - futs.start])
+        elif not isinstance(futs, _DirectRead):
+            self._submit_batch()
             for r, f in zip(run.reads, futs):
                 try:
                     data = f.result()
@@ -272,6 +300,22 @@ class _Execution:
         if self.on_bytes is not None:
             self.on_bytes(nbytes)
         return nbytes
+
+
+    def _submit_batch(self) -> None:
+        if self.batch is not None:   # every read issued so far goes out together
+            self.batch.submit()
+            self.batch = None
+
+
+class _BoundRead:
+    """A run of a content-bound array read through TensorStore in whole inner chunks from element ``start``,
+    to be checked against the array's chunk ``table``."""
+
+    __slots__ = ("future", "start", "table")
+
+    def __init__(self, future: Any, start: int, table: np.ndarray) -> None:
+        self.future, self.start, self.table = future, start, table
 
 
 class _DirectRead:

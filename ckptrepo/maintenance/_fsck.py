@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from ckptrepo.core._boxes import check_coverage, volume
 from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
@@ -17,6 +19,7 @@ from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
 from ckptrepo.maintenance._gc import data_version_ids, pruned_ids, reachable_versions, ref_targets
 from ckptrepo.storage._arrays import open_array
+from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
 
 
 @dataclass
@@ -63,6 +66,13 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
     pruned = pruned_ids(plumbing)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
         on_total(sum(a.nbytes for vid, m in manifests.items() if vid not in pruned for a in m.arrays.values()))
+    stored: dict[str, set[tuple[str, int, int]]] = {}
+    unbound = [vid for vid, m in manifests.items()
+               if vid not in pruned and _check_binding(vid, m, manifests, stored, report)]
+    if unbound:
+        report.warnings.append(f"{len(unbound)} version(s) are not content-bound (written before format 2: "
+                               f"{some_names([v[:12] for v in sorted(unbound)])}): their chunks are checked by "
+                               f"their own crc32c only, so a shard swapped with another version's goes unseen")
     for vid, m in manifests.items():
         for p in m.parents:
             if p not in manifests:
@@ -150,6 +160,7 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
     for key, info in arrays.items():
         try:
             arr = open_array(plumbing.store, info)
+            table = read_table(plumbing.store, info)
         except Exception as err:  # noqa: BLE001
             _raise_if_unreachable(err, f"opening array {key}")
             report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {first_line(err)}")
@@ -157,18 +168,67 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
         for s in info.shards():
             lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
             try:
-                arr[lo:hi].read().result()
+                data = arr[lo:hi].read().result()
+                bad = None if table is None else \
+                    first_mismatch(table, lo // info.inner_elems, chunk_crcs(info, data.view(np.uint8)))
             except Exception as err:  # noqa: BLE001
                 _raise_if_unreachable(err, f"reading {info.shard_key(s)}")
-                names = [t.name for t in m.tensors for p in t.pieces
-                         if p.array == key and p.offset < hi and p.offset + volume(p.box[1]) > lo]
                 report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
-                                     f"({first_line(err)}); tensors: {some_names(names)}")
+                                     f"({first_line(err)}); tensors: {some_names(_names_in(m, key, lo, hi))}")
+            else:
+                if bad is not None:
+                    chunk = lo // info.inner_elems + bad
+                    report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} holds data its manifest "
+                                         f"does not name (inner chunk {chunk} is another version's or stale); "
+                                         f"tensors: {some_names(_names_in(m, key, lo, hi))}")
             report.objects += 1
             nbytes = (hi - lo) * info.itemsize
             report.bytes += nbytes
             if on_bytes is not None:
                 on_bytes(nbytes)
+
+
+def _names_in(m: Manifest, key: str, lo: int, hi: int) -> list[str]:
+    """The tensors with elements in ``[lo, hi)`` of array ``key``."""
+    return [t.name for t in m.tensors for p in t.pieces
+            if p.array == key and p.offset < hi and p.offset + volume(p.box[1]) > lo]
+
+
+def _check_binding(vid: str, m: Manifest, manifests: dict[str, Manifest],
+                   stored: dict[str, set[tuple[str, int, int]]], report: FsckReport) -> bool:
+    """Check what binds version ``vid``'s pieces to their bytes; returns whether it is not content-bound.
+
+    A format-2 version's own arrays carry the digest of their chunk table; a piece that points into another
+    version's array (dedup) must be one of that version's own pieces, byte for byte where it starts and ends:
+    a re-sealed manifest can point anywhere in a valid array, and the bytes there verify."""
+    own = f"{DATA_PREFIX}{vid}/"
+    unbound = False
+    for key, info in m.arrays.items():
+        if info.digest is None:
+            if key.startswith(own) and (m.format_version or 1) >= 2:
+                report.errors.append(f"version {vid[:12]}: array {key} has no chunk-table digest, which format "
+                                     f"{m.format_version} requires: the manifest is damaged")
+            unbound = True
+    for t in m.tensors:
+        for p in t.pieces:
+            if p.array.startswith(own):
+                continue
+            owner = manifests.get(p.array[len(DATA_PREFIX):].split("/", 1)[0])
+            if owner is None or (p.array, p.offset, volume(p.box[1])) not in _stored_pieces(owner, stored):
+                report.errors.append(f"version {vid[:12]}: tensor {t.name} points into {p.array} at element "
+                                     f"{p.offset}, where {'no version' if owner is None else 'its version'} "
+                                     f"stored a piece of that size: the manifest is damaged")
+    return unbound
+
+
+def _stored_pieces(m: Manifest, cache: dict[str, set[tuple[str, int, int]]]) -> set[tuple[str, int, int]]:
+    """(array, offset, elements) of every piece version ``m`` wrote into its own arrays (kept in ``cache``)."""
+    got = cache.get(m.id)
+    if got is None:
+        own = f"{DATA_PREFIX}{m.id}/"
+        got = cache[m.id] = {(p.array, p.offset, volume(p.box[1]))
+                                for t in m.tensors for p in t.pieces if p.array.startswith(own)}
+    return got
 
 
 def _raise_if_unreachable(err: Exception, what: str) -> None:

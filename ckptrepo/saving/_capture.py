@@ -43,6 +43,7 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -81,6 +82,7 @@ from ckptrepo.saving._writer import (
 )
 from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor
 from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
+from ckptrepo.storage._chunktable import chunk_count, chunk_crcs, write_table
 from ckptrepo.storage._localwrite import DirectWriter, LiveShard
 
 log = logging.getLogger("ckptrepo")
@@ -250,6 +252,7 @@ class Snapshotter:
         job.written = written
         job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
                       for d, (n, s, i) in plan.streams.items()}
+        job.chunk_crcs = {d: np.zeros(chunk_count(info), dtype="<u4") for d, info in job.arrays.items()}
         job.hashers = {pi: xxhash.xxh3_128() for pi, ri in enumerate(written) if ri in job.watch}
         job.handle.stats.bytes = plan.nbytes
         job.remaining = len(plan.segments)
@@ -574,6 +577,8 @@ class Snapshotter:
             else:
                 fut = None if self._direct is None else self._direct.submit(info, seg.start, view)
             if fut is None:
+                # TensorStore keeps the crc32cs it takes to itself: the chunk table's are taken here
+                job.record_crcs(seg, chunk_crcs(info, view))
                 fut = handle[seg.start:seg.stop].write(
                     view, can_reference_source_data_indefinitely=self._store_copies).commit
         except BaseException as err:  # noqa: BLE001
@@ -594,7 +599,9 @@ class Snapshotter:
     def _written(self, job: SnapshotJob, seg: Segment, buf: torch.Tensor, view: Any, fut: Any) -> None:
         err = None
         try:
-            fut.result()
+            crcs = fut.result()
+            if isinstance(crcs, np.ndarray):   # the direct writer's; TensorStore's were taken before its write
+                job.record_crcs(seg, crcs)
         except BaseException as e:  # noqa: BLE001
             err = _storage_error(job, seg, e)
         self._segment_over(view, buf)
@@ -652,6 +659,7 @@ class Snapshotter:
         return retain
 
     def _commit(self, job: SnapshotJob) -> Version:
+        job.arrays = {d: write_table(self.plumbing.store, info, job.chunk_crcs[d]) for d, info in job.arrays.items()}
         if self._dedup is not None and job.reused:
             self._dedup.check_reused(self.plumbing.store, job)
         version = self._committer.commit(job)

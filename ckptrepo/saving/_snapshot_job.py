@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ckptrepo.core._manifest import Version
 from ckptrepo.saving._dedup import DedupKey, StoredTensor
 from ckptrepo.saving._writer import WritePlan
@@ -108,6 +110,7 @@ class SnapshotJob:
     watch: set[int] = field(default_factory=set)                # records to hash if written (maybe frozen)
     hashers: dict[int, Any] = field(default_factory=dict)        # plan index -> xxh3-128 of its staged bytes
     arrays: dict[str, ArrayInfo] = field(default_factory=dict)
+    chunk_crcs: dict[str, np.ndarray] = field(default_factory=dict)   # dtype -> its array's chunk table, as written
     handles: dict[str, Any] = field(default_factory=dict)
     remaining: int = 0
     # written from the tensors' memory (a CPU state, a local store with O_DIRECT): see Snapshotter._capture
@@ -137,6 +140,11 @@ class SnapshotJob:
         if last:
             self.handle.stats.capture_s = time.perf_counter() - self.started
             self.handle._captured.set()
+
+    def record_crcs(self, seg: Any, crcs: np.ndarray) -> None:
+        """The crc32cs of a written segment's chunks (a segment is one shard, so it starts on a chunk)."""
+        first = seg.start // self.arrays[seg.dtype].inner_elems
+        self.chunk_crcs[seg.dtype][first:first + len(crcs)] = crcs
 
     def segment_done(self, err: BaseException | None = None) -> None:
         if err is not None:

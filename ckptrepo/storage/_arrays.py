@@ -7,6 +7,7 @@ inner chunks it touches. Missing chunks are an error, never silently zeros.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ class ArrayInfo:
     numel: int
     shard_elems: int
     inner_elems: int
+    digest: int | None = None   # xxh3-64 of the chunk table (storage/_chunktable.py); None: written before format 2
+
+    def with_digest(self, digest: int) -> "ArrayInfo":
+        return dataclasses.replace(self, digest=digest)
 
     @property
     def itemsize(self) -> int:
@@ -55,13 +60,16 @@ class ArrayInfo:
         return range((self.numel + self.shard_elems - 1) // self.shard_elems)
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "numel": self.numel, "shard_elems": self.shard_elems,
-                "inner_elems": self.inner_elems}
+        d: dict[str, Any] = {"dtype": self.dtype, "numel": self.numel, "shard_elems": self.shard_elems,
+                             "inner_elems": self.inner_elems}
+        if self.digest is not None:
+            d["digest"] = self.digest
+        return d
 
     @classmethod
     def from_json(cls, key: str, d: dict[str, Any]) -> "ArrayInfo":
         return cls(key=key, dtype=d["dtype"], numel=d["numel"], shard_elems=d["shard_elems"],
-                   inner_elems=d["inner_elems"])
+                   inner_elems=d["inner_elems"], digest=d.get("digest"))
 
 
 INDEX_ENTRY_BYTES = 16   # a shard index's (offset, length) per inner chunk, uint64 each

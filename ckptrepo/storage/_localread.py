@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ckptrepo.storage._arrays import MISSING_CHUNK, ArrayInfo, metadata_matches
+from ckptrepo.storage._chunktable import first_mismatch
 from ckptrepo.storage._crc import crc32c
 from ckptrepo.storage._localfs import ByteCounter
 from ckptrepo.storage._vectored import transfer_all
@@ -87,6 +88,7 @@ class DirectReader:
         self._tasks: list[Future] = []
         self._shards: dict[str, _Shard] = {}                     # shard key -> its verified index
         self._metadata: dict[str, bool] = {}                    # array key -> zarr.json matches the manifest
+        self._tables: dict[str, np.ndarray] = {}                # array key -> its chunk table (content-bound arrays)
         self._lock = threading.Lock()
 
     @classmethod
@@ -121,6 +123,11 @@ class DirectReader:
             with self._lock:
                 self._metadata[info.key] = ok
         return ok
+
+    def expect(self, info: ArrayInfo, table: np.ndarray | None) -> None:
+        """Check the array's chunks against ``table`` (storage/_chunktable.py; None: not content-bound) too."""
+        if table is not None:
+            self._tables[info.key] = table
 
     def submit(self, info: ArrayInfo, run: Any, entries: list[Any],
                targets: dict[int, torch.Tensor]) -> list[Future]:
@@ -253,6 +260,7 @@ class DirectReader:
                 m = b1 - b0
                 _preadv(fd, iov, shard.first + (k0 + b0) * stride, m * nbytes + (m - 1) * (stride - nbytes))
                 _verify(info, rows, crcs, b0, b1, c0, per_shard)
+            self._check_table(info, crcs, c0)
             return
         else:   # chunks missing, resized or out of order somewhere in the shard: look at each
             entries = shard.index[k0:k0 + n]
@@ -273,6 +281,14 @@ class DirectReader:
                 expect = off + nbytes
             _preadv(fd, iov, file_off, size)
         _verify(info, rows, crcs, 0, n, c0, per_shard)
+        self._check_table(info, crcs, c0)
+
+    def _check_table(self, info: ArrayInfo, crcs: np.ndarray, c0: int) -> None:
+        """The stored crc32cs of chunks ``c0...`` (verified against their bytes) must be the chunk table's: bytes
+        that are valid but not the version's own are sent to TensorStore's path, which names them."""
+        table = self._tables.get(info.key)
+        if table is not None and first_mismatch(table, c0, crcs.view("<u4")) is not None:
+            raise Unexpected(f"{info.key}: inner chunks from {c0} are not the manifest's")
 
 
 def _verify(info: ArrayInfo, rows: np.ndarray, crcs: np.ndarray, k0: int, k1: int, c0: int, per_shard: int) -> None:

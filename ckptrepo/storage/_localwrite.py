@@ -139,8 +139,8 @@ class _Shard:
         return part, self.chunk_bytes - part.nbytes
 
 
-def encode_shard(info: ArrayInfo, data: np.ndarray) -> tuple[list[Any], int]:
-    """The iovec of one shard object and its length: ``[chunk 0, crc 0, ..., index and its crc]``.
+def encode_shard(info: ArrayInfo, data: np.ndarray) -> tuple[list[Any], int, np.ndarray]:
+    """The iovec of one shard object, its length and its chunks' crc32cs: ``[chunk 0, crc 0, ..., index and its crc]``.
 
     ``data`` holds the shard's elements (C-contiguous); the chunks in the iovec
     are views of it, not copies (see ``_Shard`` for the layout).
@@ -159,7 +159,7 @@ def encode_shard(info: ArrayInfo, data: np.ndarray) -> tuple[list[Any], int]:
         crcs[k] = crc
         iov.append(crcs[k:k + 1])
     iov.append(shard.tail)
-    return iov, shard.total
+    return iov, shard.total, crcs
 
 
 class _AlignedStream:
@@ -207,17 +207,17 @@ class _AlignedStream:
             os.ftruncate(self.fd, total)
 
 
-def _write_aligned(fd: int, shard: _Shard, bounce: np.ndarray) -> None:
-    """The shard object through an ``O_DIRECT`` descriptor (see ``_AlignedStream``)."""
+def _write_aligned(fd: int, shard: _Shard, bounce: np.ndarray, crcs: np.ndarray) -> None:
+    """The shard object through an ``O_DIRECT`` descriptor (see ``_AlignedStream``); ``crcs`` gets each chunk's
+    crc32c."""
     out = _AlignedStream(fd, bounce)
-    crc_bytes = np.empty(4, dtype=np.uint8)
     for k in range(shard.chunks):
         part, padding = shard.chunk(k)
         crc = out.put(part, 0)
         if padding:
             crc = out.put(np.zeros(padding, dtype=np.uint8), crc)
-        crc_bytes.view("<u4")[0] = crc
-        out.put(crc_bytes)
+        crcs[k] = crc
+        out.put(crcs[k:k + 1].view(np.uint8))
     out.put(np.frombuffer(shard.tail, dtype=np.uint8))
     out.finish(shard.total)
 
@@ -283,8 +283,9 @@ class LiveShard:
                 on_released()
 
 
-def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io: bool) -> None:
-    """The chunks of ``shard`` at ``layout``'s stride, each followed by a block holding its crc32c, then the index.
+def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io: bool, crcs: np.ndarray) -> None:
+    """The chunks of ``shard`` at ``layout``'s stride, each followed by a block holding its crc32c, then the index;
+    ``crcs`` gets each chunk's crc32c.
 
     The crc32c of a chunk is taken just before it is written, from the same
     memory, under the shard's lock: ``release`` cannot copy (and the training
@@ -303,7 +304,7 @@ def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io
         m = k1 - k
         with shard._lock:
             batch = chunks[k:k1]
-            words[:m * step:step] = list(map(crc32c, batch))
+            words[:m * step:step] = crcs[k:k1] = list(map(crc32c, batch))
             iov[:2 * m:2] = batch
             _pwritev_all(fd, iov if m == LIVE_BATCH else iov[:2 * m], k * stride, m * stride)
             shard.written = k1
@@ -384,8 +385,9 @@ class DirectWriter:
             return None
         return cls(root)
 
-    def submit(self, info: ArrayInfo, start: int, data: np.ndarray) -> "Future[None] | None":
-        """Queue the write of the shard that starts at element ``start``; the future completes once it is durable.
+    def submit(self, info: ArrayInfo, start: int, data: np.ndarray) -> "Future[np.ndarray] | None":
+        """Queue the write of the shard that starts at element ``start``; the future completes once it is durable,
+        with the shard's chunks' crc32cs (the chunk table's part, storage/_chunktable.py).
 
         ``data`` (the shard's elements) must stay untouched until then: it is
         written from where it is. None when ``data`` is not exactly one shard
@@ -395,13 +397,13 @@ class DirectWriter:
             return None
         return self._enqueue(info, start, data)
 
-    def submit_live(self, info: ArrayInfo, start: int, shard: "LiveShard") -> "Future[None]":
+    def submit_live(self, info: ArrayInfo, start: int, shard: "LiveShard") -> "Future[np.ndarray]":
         """Queue the write of a shard whose inner chunks are ``shard.chunks`` (``saving._writer.fill_live``), some of
         them the tensors' own memory; the future completes once the object is durable."""
         return self._enqueue(info, start, shard)
 
-    def _enqueue(self, info: ArrayInfo, start: int, data: "np.ndarray | LiveShard") -> "Future[None]":
-        fut: Future[None] = Future()
+    def _enqueue(self, info: ArrayInfo, start: int, data: "np.ndarray | LiveShard") -> "Future[np.ndarray]":
+        fut: Future[np.ndarray] = Future()
         with self._lock:
             if len(self._workers) < self.threads:
                 t = threading.Thread(target=self._work, name=f"ckptrepo-write-{len(self._workers)}", daemon=True)
@@ -422,26 +424,28 @@ class DirectWriter:
             # otherwise live on until this thread's next write and age into the cyclic GC's oldest generation
             del item, fut, info, start, data
 
-    def _write(self, fut: "Future[None]", info: ArrayInfo, start: int, data: "np.ndarray | LiveShard",
+    def _write(self, fut: "Future[np.ndarray]", info: ArrayInfo, start: int, data: "np.ndarray | LiveShard",
                bounce: np.ndarray | None) -> np.ndarray | None:
         """Write one queued shard and complete its future; returns the thread's bounce buffer (made here if needed)."""
         if not fut.set_running_or_notify_cancel():
             return bounce
         try:
             if isinstance(data, LiveShard):
-                self.write_live(info, start, data)
+                crcs = self.write_live(info, start, data)
             else:
                 if bounce is None and self.direct_io:
                     bounce = _bounce_buffer()
-                self.write_shard(info, start, data, bounce)
+                crcs = self.write_shard(info, start, data, bounce)
         except BaseException as err:  # noqa: BLE001 - delivered through the future
             fut.set_exception(err)
         else:
-            fut.set_result(None)
+            fut.set_result(crcs)
         return bounce
 
-    def write_shard(self, info: ArrayInfo, start: int, data: np.ndarray, bounce: np.ndarray | None = None) -> None:
-        """Encode and write one shard object durably (synchronous); raises OSError or ValueError.
+    def write_shard(self, info: ArrayInfo, start: int, data: np.ndarray, bounce: np.ndarray | None = None
+                    ) -> np.ndarray:
+        """Encode and write one shard object durably (synchronous); returns its chunks' crc32cs; raises OSError or
+        ValueError.
 
         With ``bounce`` (a page-aligned buffer) and a file system that accepts
         it, the object is written with O_DIRECT through that buffer; otherwise
@@ -452,17 +456,20 @@ class DirectWriter:
         shard = _Shard(info, data)
         path = os.path.join(self.root, info.shard_key(start // info.shard_elems))
         if bounce is not None and self.direct_io:
+            crcs = np.empty(shard.chunks, dtype="<u4")
             try:
-                write_object(path, shard.total, lambda fd: _write_aligned(fd, shard, bounce), self._make_dir,
+                write_object(path, shard.total, lambda fd: _write_aligned(fd, shard, bounce, crcs), self._make_dir,
                              direct_io=True)
-                return
+                return crcs
             except _NoDirectIO:
                 self.direct_io = False
-        iov, total = encode_shard(info, data)
+        iov, total, crcs = encode_shard(info, data)
         write_object(path, total, lambda fd: _pwritev_all(fd, iov, 0), self._make_dir)
+        return crcs
 
-    def write_live(self, info: ArrayInfo, start: int, shard: "LiveShard") -> None:
-        """Write durably one shard object whose inner chunks are ``shard.chunks`` (synchronous).
+    def write_live(self, info: ArrayInfo, start: int, shard: "LiveShard") -> np.ndarray:
+        """Write durably one shard object whose inner chunks are ``shard.chunks`` (synchronous); returns their
+        crc32cs.
 
         Each chunk's encoding (its bytes, its crc32c) starts at a multiple of
         the block size, zeros after the crc32c up to the next one, so every
@@ -480,12 +487,13 @@ class DirectWriter:
             layout = _Shard(info, None, nbytes, stride=-(-(info.inner_bytes + 4) // block) * block)
             if layout.chunks != len(shard.chunks):
                 raise ValueError(f"{len(shard.chunks)} chunks given for a shard of {layout.chunks} of {info.key}")
+            crcs = np.empty(layout.chunks, dtype="<u4")
             try:
                 # called within this iteration, so the loop variables it reads are this try's
                 write_object(path, layout.total,
-                             lambda fd: _write_live(fd, layout, shard, block, direct),  # noqa: B023
+                             lambda fd: _write_live(fd, layout, shard, block, direct, crcs),  # noqa: B023
                              self._make_dir, direct_io=direct)
-                return
+                return crcs
             except _NoDirectIO:
                 with shard._lock:   # chunks already written from the tensors may have changed since a release
                     if shard.released and any(shard.live[:shard.written]):

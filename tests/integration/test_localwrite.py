@@ -333,11 +333,11 @@ def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(tmp_path, 
         raise OSError(errno.EINVAL, "Invalid argument")
     real_live = localwrite._write_live
 
-    def refuse_live(fd, layout, shard, block, direct_io):   # O_DIRECT refused at 512 and at 4096 bytes
+    def refuse_live(fd, layout, shard, block, direct_io, crcs):   # O_DIRECT refused at 512 and at 4096 bytes
         if direct_io:
             tried.append(block)
             refuse()
-        real_live(fd, layout, shard, block, direct_io)
+        real_live(fd, layout, shard, block, direct_io, crcs)
 
     tried: list[int] = []
     monkeypatch.setattr(localwrite, "_write_aligned", refuse)
