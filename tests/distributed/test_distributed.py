@@ -68,7 +68,9 @@ def test_each_layout_commits_one_version_with_every_replica_written_once(saved: 
         names = {t.name for t in m.tensors}
         assert "model/layers.3.attn.qkv.weight" in names and "optimizer/exp_avg/head.weight" in names
         assert {t.shape[0] for t in m.tensors if t.name.endswith("word_embeddings.weight")} == {CFG.vocab_size}
-    assert repo.fsck().ok
+        assert all(a.digest is not None for a in m.arrays.values())   # every rank's arrays are content-bound
+    report = repo.fsck()
+    assert report.ok and not any("content-bound" in w for w in report.warnings)
 
 
 def test_the_unsharded_load_equals_the_saved_state(saved: dict) -> None:
