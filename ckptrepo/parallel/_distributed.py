@@ -14,9 +14,16 @@ writes the version manifest, moves the ref, and publishes the outcome in
 ``staging/<id>/outcome``, which the other ranks wait for. A rank that dies
 never writes its rank manifest: rank 0 gives up after the commit timeout, so
 no version appears, and every rank gets the error.
+
+A group that lost a rank stays broken: once one snapshot learns it (a rank
+missing at the timeout, rank 0's verdict missing, the snapshot's collective
+failing), the snapshotter's ``GroupHealth`` says so, and every snapshot still
+in flight fails at once with that cause instead of waiting out a timeout of
+its own.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -97,20 +104,56 @@ def assign_writers(metas: Sequence[Sequence[tuple[str, Box, int]]]) -> list[list
     return writes
 
 
+class GroupHealth:
+    """Whether one snapshotter's process group is known to be broken, and why.
+
+    Shared by all the snapshotter's snapshots: the commits run one after the
+    other, so without it each snapshot in flight behind a dead rank would wait
+    out its own commit timeout. Broken stays broken: a rank that missed a
+    commit is dead or stuck, and waiting for it again only delays the error.
+    Rank 0 still commits a version whose parts are all in, since every rank
+    that published a part waits for its verdict.
+
+    A rank's staged *failure* does not break the group: that rank is alive
+    and answered, so its error fails only that snapshot, promptly.
+    """
+
+    def __init__(self) -> None:
+        self._cause: str | None = None
+        self._lock = threading.Lock()
+
+    def mark_broken(self, cause: str) -> None:
+        """Record the first cause; later ones are consequences of it."""
+        with self._lock:
+            if self._cause is None:
+                self._cause = cause
+
+    def check(self) -> None:
+        """Raise, with the first cause, if the group is known to be broken."""
+        cause = self._cause
+        if cause is not None:
+            raise SnapshotFailedError(f"the process group is broken ({cause}); restart every rank and resume from "
+                                      f"the last committed version")
+
+
 class Staging:
     """The commit handshake of one distributed version, through objects under ``staging/<id>/``."""
 
-    def __init__(self, store: Store, vid: str, world_size: int, timeout_s: float) -> None:
+    def __init__(self, store: Store, vid: str, world_size: int, timeout_s: float,
+                 health: GroupHealth | None = None) -> None:
         self.store = store
+        self.vid = vid
         self.prefix = f"{STAGING_PREFIX}{vid}/"
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.health = health if health is not None else GroupHealth()
 
     def publish_rank(self, part: RankPart | RankFailure) -> None:
         self.store.put(f"{self.prefix}rank-{part.rank}", encode_rank_part(part))
 
     def gather_ranks(self) -> list[RankPart]:
-        """Rank 0: wait for every rank manifest; raise on a rank's error or at the timeout."""
+        """Rank 0: wait for every rank manifest; raise on a rank's error, at the timeout, or as soon as the group
+        is known to be broken (rank 0 then publishes the abort, so the other ranks agree)."""
         deadline = time.monotonic() + self.timeout_s
         found: dict[int, RankPart] = {}
         while True:
@@ -125,8 +168,11 @@ class Staging:
                         found[r] = part
             if len(found) == self.world_size:
                 return [found[r] for r in range(self.world_size)]
+            self.health.check()
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in found]
+                self.health.mark_broken(f"rank(s) {missing} did not finish their part of snapshot {self.vid[:12]} "
+                                        f"within {self.timeout_s:.0f} s")
                 raise SnapshotFailedError(f"rank(s) {missing} did not finish their part within {self.timeout_s:.0f} s "
                                           f"(a rank died or is stuck); nothing was committed")
             time.sleep(POLL_S)
@@ -136,7 +182,11 @@ class Staging:
 
     def wait_outcome(self, landed: Callable[[], bool]) -> None:
         """Other ranks: wait for rank 0's verdict; raise its error, or at the timeout unless ``landed()``
-        says the version is on its branch (rank 0 died between moving the ref and publishing its verdict)."""
+        says the version is on its branch (rank 0 died between moving the ref and publishing its verdict).
+
+        Only rank 0 decides, so this wait is not cut short when the group breaks: rank 0 may still commit a
+        version whose parts are all in, which this rank would then have reported as failed. A verdict missing
+        at the timeout breaks the group, though: the snapshots behind this one fail at once."""
         grace = min(30.0, max(5.0, self.timeout_s))   # rank 0 waits timeout_s for the ranks, then merges
         deadline = time.monotonic() + self.timeout_s + grace
         key = f"{self.prefix}outcome"
@@ -148,6 +198,8 @@ class Staging:
                     raise SnapshotFailedError(err)
                 return
             if time.monotonic() > deadline:
+                self.health.mark_broken(f"rank 0 gave no verdict on snapshot {self.vid[:12]} within "
+                                        f"{self.timeout_s + grace:.0f} s")
                 if landed():
                     return
                 raise SnapshotFailedError(f"rank 0 did not commit or abort within {self.timeout_s + grace:.0f} s, "
@@ -235,5 +287,5 @@ def full_tree(tree: Any, leaf_names: Sequence[str], tensors: Sequence[TensorEntr
         walk = None  # type: ignore[assignment]  # noqa: F841 - it calls itself through its closure cell: a cycle
 
 
-__all__ = ["Staging", "all_gather", "assign_writers", "full_tree",
+__all__ = ["GroupHealth", "Staging", "all_gather", "assign_writers", "full_tree",
            "merge_rank_manifests", "process_group_rank"]

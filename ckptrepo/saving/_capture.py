@@ -276,7 +276,13 @@ class Snapshotter:
         """
         mine = (new_version_id(), meta) if failure is None else \
             (None, f"{type(failure).__name__}: {first_line(failure)}")
-        gathered = all_gather(mine, self.group) if self.distributed else [mine]
+        try:
+            gathered = all_gather(mine, self.group) if self.distributed else [mine]
+        except Exception as err:   # gloo's "Connection closed by peer": a rank died
+            cause = f"the snapshot collective failed: {first_line(err)}"
+            self._committer.health.mark_broken(cause)   # the snapshots in flight fail now, not at their timeouts
+            raise SnapshotFailedError(f"{cause}; a rank died or the process group is down: restart every rank and "
+                                      f"resume from the last committed version") from err
         refused = [(r, g[1]) for r, g in enumerate(gathered) if g[0] is None]
         if refused and failure is None:
             r, why = refused[0]
@@ -638,6 +644,12 @@ class Snapshotter:
         try:
             if job.error is not None:
                 raise job.error
+            if self.rank != 0:
+                # a broken group fails the job here, before its part is published: rank 0 (if alive) reads the
+                # failure and aborts, instead of committing a version this rank has already given up on. Rank 0
+                # itself still looks once for every part (Staging.gather_ranks), and commits a version whose
+                # parts are all in
+                self._committer.health.check()
             faults.point("after_data")
             version = self._commit(job)
         except BaseException as err:  # noqa: BLE001

@@ -30,7 +30,7 @@ from ckptrepo.core.schema import (
     version_from_manifest,
 )
 from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
-from ckptrepo.parallel._distributed import Staging, merge_rank_manifests
+from ckptrepo.parallel._distributed import GroupHealth, Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._dedup import StoredTensor
@@ -62,6 +62,7 @@ class Committer:
         self.distributed = world_size > 1
         self.sharded = sharded
         self.commit_timeout_s = commit_timeout_s
+        self.health = GroupHealth()   # shared by this snapshotter's commits: a broken group fails them all at once
         self.branch = head.branch
         self.tip, self.generation = plumbing.refs.branch_tip_with_generation(head.branch)
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
@@ -93,7 +94,7 @@ class Committer:
             arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints))
         if not self.distributed:
             return self._publish_merged(job, [part])
-        staging = Staging(self.plumbing.store, job.vid, self.world_size, self.commit_timeout_s)
+        staging = Staging(self.plumbing.store, job.vid, self.world_size, self.commit_timeout_s, self.health)
         staging.publish_rank(part)
         if self.rank != 0:
             staging.wait_outcome(lambda: self._on_branch(job.vid))
