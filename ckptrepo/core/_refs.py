@@ -352,7 +352,7 @@ def lost_head_branch(store: Store, head: Head, versions: int | None = None) -> s
         return None
     b = head.branch
     return (f"HEAD is on branch {b!r}, which does not exist, while the repository has {n} version(s): its ref was "
-            f"lost or HEAD is damaged; check out the branch HEAD belongs on (`ckptrepo checkout main`, see "
+            f"lost or HEAD is damaged; check out the branch HEAD belongs on (`ckptrepo checkout BRANCH`, see "
             f"`ckptrepo branch`), restore a lost ref (`ckptrepo branch {b} ID`, ID a version fsck lists as not "
             f"reachable), or start a new history on purpose with `ckptrepo checkout --orphan {b}`")
 
