@@ -25,7 +25,7 @@ from ckptrepo.core._manifest import (
     Version,
     encode_config,
 )
-from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk
+from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, find_cycle, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
 from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
@@ -284,6 +284,7 @@ class Repository:
         seen: set[str] = set()
         frontier: list[tuple[float, str, ManifestHeader]] = []
         found: list[ManifestHeader] = []
+        expanded: dict[str, tuple[str, ...]] = {}   # the versions whose parents the walk reached: checked for a cycle
         # a long log reads its headers in batches from the start; a short one (`log -n 5`) never lists versions/
         walk = HeaderWalk(self._plumbing.reads, batch=limit is None or limit > HEADER_BATCH)
 
@@ -296,15 +297,20 @@ class Repository:
             if vid:
                 reach(vid)
         while frontier and (limit is None or len(found) < limit):
-            _, _, h = heapq.heappop(frontier)
+            _, popped, h = heapq.heappop(frontier)
             step = h.step
             if (since is None and until is None) or (step is not None and (since is None or step >= since)
                                                      and (until is None or step <= until)):
                 found.append(h)
                 if limit is not None and len(found) >= limit:
                     break   # its parents are not listed: do not read them
+            expanded[popped] = h.parents
             for p in h.parents:
                 reach(p)
+        # the `seen` set stops a walk that goes round, which would then list a damaged history as if whole
+        cycle = find_cycle(expanded)
+        if cycle is not None:
+            raise parent_cycle_error(cycle)
         names = self._plumbing.ref_names()
         from ckptrepo.maintenance._gc import pruned_ids
         pruned = pruned_ids(self._plumbing)
@@ -326,6 +332,15 @@ class Repository:
         else:
             refs.set_head(None, vid, head.generation)
         return self.version(vid)
+
+    def checkout_orphan(self, name: str) -> None:
+        """``git checkout --orphan NAME``: put HEAD on a new branch ``name`` that has no versions yet; the next
+        snapshot creates it with no parent, a new history beside the others (which stay as they are).
+
+        In a repository that has versions, a snapshot that would start a new root is refused unless HEAD was
+        put there this way: a HEAD on a branch that does not exist is otherwise a lost ref or damage.
+        """
+        self._plumbing.refs.start_orphan(name)
 
     def branch(self, name: str, rev: str = "HEAD") -> Version:
         """Create branch ``name`` at ``rev`` (HEAD does not move)."""

@@ -243,12 +243,24 @@ def show(ctx: click.Context, rev: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("rev")
+@click.argument("rev", required=False)
 @click.option("-b", "branch", default=None, help="Create branch NAME at REV and switch to it.")
+@click.option("--orphan", "orphan", default=None, metavar="NAME",
+              help="Switch to a new branch NAME with no versions: its first snapshot starts a new history (no "
+                   "parent). Takes no REV.")
 @click.pass_context
-def checkout(ctx: click.Context, rev: str, branch: str | None) -> None:
-    """Move HEAD to REV (roll back); with -b, start a new branch there."""
+def checkout(ctx: click.Context, rev: str | None, branch: str | None, orphan: str | None) -> None:
+    """Move HEAD to REV (roll back); with -b, start a new branch there; with --orphan, a new history."""
     repo = _repo(ctx)
+    if orphan is not None:
+        if rev is not None or branch is not None:
+            raise click.UsageError("--orphan NAME takes no REV and no -b: the new branch starts with no versions")
+        repo.checkout_orphan(orphan)
+        click.echo(f"HEAD is now on new branch {orphan!r}, with no versions yet: its first snapshot starts a new "
+                   f"history (no parent)")
+        return
+    if rev is None:
+        raise click.UsageError("name the revision to check out (or --orphan NAME for a new history)")
     v = repo.checkout(rev, branch=branch)
     where = repo.current_branch()
     if where:
@@ -345,7 +357,7 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
 @click.option("--grace", "grace_s", type=float, default=3600.0, show_default=True,
               help="Seconds an unreferenced object must have existed before it is collected (protects writers: "
                    "0 can collect a snapshot being committed by another process).")
-@click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
+@click.option("--dry-run", is_flag=True, help="List what would be pruned and deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_best: int | None,
@@ -358,6 +370,10 @@ def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_b
     if as_json:
         _emit_json(r.to_json())
         return
+    if dry_run:   # what would go, one line each, so that a gc can be checked before it deletes anything
+        for what, vids in (("prune", r.pruned), ("collect", r.collected), ("delete leftover data of", r.orphan_data)):
+            for vid in vids:
+                click.echo(f"would {what} {vid[:12]}")
     verb = "would free" if dry_run else "freed"
     click.echo(f"kept {len(r.kept)} versions, pruned {len(r.pruned)}, collected {len(r.collected)} unreachable and "
                f"{len(r.orphan_data)} leftover data sets; {verb} {_size(r.stored_bytes_freed)} "

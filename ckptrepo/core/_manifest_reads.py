@@ -9,7 +9,7 @@ they prove long (``HeaderWalk``), gc, fsck and du always (``iter_manifests``).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ckptrepo.core._lru import LruCache
 from ckptrepo.core._manifest import VERSIONS_PREFIX, is_version_id, version_id_time
@@ -32,6 +32,43 @@ def missing_manifest(vid: str) -> CorruptionError:
     """The error for a version some ref or parent names whose manifest is not in storage."""
     return CorruptionError(f"version {vid[:12]} is referenced but its manifest {VERSIONS_PREFIX}{vid} "
                            f"is missing; run `ckptrepo fsck`")
+
+
+def parent_cycle_error(cycle: Sequence[str]) -> CorruptionError:
+    """The error for versions whose parent links go round (``cycle``: each one's parent next, the first again
+    at the end). Only manifests sealed with wrong parents make one: a version is committed on a parent that
+    exists, which cannot name it back."""
+    shown = " -> ".join(v[:12] for v in cycle[:8]) + (" -> ..." if len(cycle) > 8 else "")
+    return CorruptionError(f"versions {shown} form a parent cycle (their manifests are damaged: a version cannot be "
+                           f"its own ancestor); restore those manifests from a backup, and run `ckptrepo fsck`")
+
+
+def find_cycle(parents: Mapping[str, Sequence[str]]) -> list[str] | None:
+    """A parent cycle among the versions of ``parents`` (version -> its parents; links to versions not in it are
+    not followed), as ``parent_cycle_error`` takes it; None when there is none. One depth-first pass without
+    recursion: linear in versions and links, and no recursion limit on a long history."""
+    done: set[str] = set()
+    for root in parents:
+        if root in done:
+            continue
+        path: list[str] = [root]          # the versions on the current descent, each below the previous
+        on_path = {root}
+        todo: list[Iterator[str]] = [iter(parents[root])]
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                todo.pop()
+                done.add(last := path.pop())
+                on_path.discard(last)
+                continue
+            if nxt in on_path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt in done or nxt not in parents:
+                continue
+            path.append(nxt)
+            on_path.add(nxt)
+            todo.append(iter(parents[nxt]))
+    return None
 
 
 class ManifestReads:
@@ -186,8 +223,15 @@ class HeaderWalk:
         return self._order
 
     def chain(self, vid: str | None) -> Iterator[tuple[str, ManifestHeader]]:
-        """``vid`` and its first parents, newest first, each with its header."""
+        """``vid`` and its first parents, newest first, each with its header; a version met twice is a parent
+        cycle, raised as damage (the walk would go round for ever)."""
+        walked: list[str] = []
+        seen: set[str] = set()
         while vid is not None:
+            if vid in seen:
+                raise parent_cycle_error(walked[walked.index(vid):] + [vid])
+            seen.add(vid)
+            walked.append(vid)
             h = self(vid)
             yield vid, h
             vid = h.parents[0] if h.parents else None

@@ -16,12 +16,11 @@ from ckptrepo.core._manifest import (
     CONFIG_KEY,
     FAILURES_PREFIX,
     PRUNED_PREFIX,
-    VERSIONS_PREFIX,
     decode_config,
     unseal,
 )
 from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
-from ckptrepo.core._refs import Refs, head_branch_lost, head_ref_blocked
+from ckptrepo.core._refs import Refs, lost_head_branch
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError
 from ckptrepo.storage.protocol import Store
@@ -116,13 +115,15 @@ class Plumbing:
         return {k: tuple(v) for k, v in names.items()}
 
     def head_version(self) -> str | None:
-        """HEAD's version; None on a branch without versions, unless its ref was replaced (a folder, a broken
-        link: see ``head_ref_blocked``), which is damage to name, not an empty branch to report."""
+        """HEAD's version; None on a branch without versions (a new repository, an orphan checkout), unless
+        its ref was lost or replaced while the repository has versions (see ``lost_head_branch``), which is
+        damage to name, not an empty branch to report."""
         h = self.refs.head()
         if h.damage is not None:
             raise CorruptionError(h.damage)
-        if h.branch is not None and head_ref_blocked(self.store, h):
-            raise CorruptionError(head_branch_lost(h.branch, len(self.store.list(VERSIONS_PREFIX))))
+        lost = lost_head_branch(self.store, h)
+        if lost is not None:
+            raise CorruptionError(lost)
         return h.version
 
     def head_description(self) -> str:

@@ -1,8 +1,15 @@
 """Refs: HEAD, branches and tags, moved only by compare-and-swap.
 
-HEAD holds ``ref: refs/heads/NAME`` (attached) or a version id (detached).
-Branch refs hold a version id and move by compare-and-swap on the storage
-generation; tag refs are written once, if absent. No locks, no renames.
+HEAD holds ``ref: refs/heads/NAME`` (attached), ``orphan: refs/heads/NAME``
+(``checkout --orphan``: on a branch its first snapshot creates, as a new root)
+or a version id (detached). Branch refs hold a version id and move by
+compare-and-swap on the storage generation; tag refs are written once, if
+absent. No locks, no renames.
+
+A ref is read as exactly what a writer writes: the text, optionally ended by
+one newline (git's refs and ``echo`` end in one; ckptrepo writes none).
+Anything else (spaces, a second newline, a carriage return) is damage, named:
+read leniently, a HEAD that names ``"evil\n"`` read as ``evil``, another branch.
 """
 from __future__ import annotations
 
@@ -16,29 +23,50 @@ from ckptrepo.storage._localfs import LOCK_SUFFIX, remove_empty_parents
 from ckptrepo.storage.protocol import NO_VALUE, Store
 
 _HEX_RE = re.compile(r"[0-9a-f]{4,32}")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
+# matched whole (fullmatch): `$` also matches before a final newline, which let a branch be named "evil\n"
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]*")
+ORPHAN_PREFIX = "orphan: "   # HEAD of `checkout --orphan NAME` until NAME's first snapshot
 
 
 def is_ref_name(name: str) -> bool:
     """Whether ``name`` can be a branch or tag some ckptrepo made: not ambiguous in a revision (``~``, ``@``,
-    ``..``, ``HEAD``). Listings keep exactly these, so a stray ``.DS_Store`` or ``main~`` is no ref, while gc
-    and fsck still see every ref ever created (skipping one would let gc collect what only it reaches)."""
-    return bool(_NAME_RE.match(name)) and ".." not in name and not name.endswith(("/", ".")) \
+    ``..``, ``HEAD``), no whitespace or control character. Listings keep exactly these, so a stray
+    ``.DS_Store`` or ``main~`` is no ref, while gc and fsck still see every ref ever created (skipping one would
+    let gc collect what only it reaches; see :func:`_legacy_name` for names older releases let through)."""
+    return bool(_NAME_RE.fullmatch(name)) and ".." not in name and not name.endswith(("/", ".")) \
         and name != "HEAD" and "//" not in name
 
 
+def _legacy_name(name: str) -> bool:
+    """A ref name ending in one newline: older releases matched names with ``$`` and so created them. Not a ref
+    name any more, yet such a ref may hold the only way to a history: gc and fsck name it as damage."""
+    return name.endswith("\n") and is_ref_name(name[:-1])
+
+
 def is_new_ref_name(name: str) -> bool:
-    """What a new branch or tag may be called: :func:`is_ref_name`, and neither a folder starting with '.' nor
-    a name ending in TensorStore's ``.__lock`` (its file store's lock files; such a ref would fail as a
-    storage error)."""
-    return is_ref_name(name) and "/." not in name and not name.endswith(LOCK_SUFFIX)
+    """What a new branch or tag may be called: :func:`is_ref_name`, no component starting with '.' or ending in
+    '.lock' (as git's check-ref-format), and not ending in TensorStore's ``.__lock`` (its file store's lock
+    files; such a ref would fail as a storage error)."""
+    return is_ref_name(name) and "/." not in name and not name.endswith(LOCK_SUFFIX) \
+        and not any(part.endswith(".lock") for part in name.split("/"))
 
 
 def check_ref_name(name: str, kind: str) -> None:
     """Refuse names :func:`is_new_ref_name` refuses, saying what a name may hold."""
-    if not is_new_ref_name(name):
-        raise RefError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-' and '/', "
-                       f"not starting with '-', '.' or '/', not ending in '.__lock', and not 'HEAD'")
+    if not isinstance(name, str) or not is_new_ref_name(name):
+        raise RefError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-' and '/' (no spaces or "
+                       f"control characters), not starting with '-', '.' or '/', no part ending in '.lock', "
+                       f"and not 'HEAD'")
+
+
+def ref_text(raw: bytes) -> str | None:
+    """A ref's text as its writer wrote it: the bytes as UTF-8, less one final newline; None when not UTF-8.
+    Nothing else is stripped (see the module docstring)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text[:-1] if text.endswith("\n") else text
 
 
 def ref_value(raw: bytes | None, key: str) -> str | None:
@@ -50,10 +78,7 @@ def ref_value(raw: bytes | None, key: str) -> str | None:
     """
     if raw is None:
         return None
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        text = None
+    text = ref_text(raw)
     if text is None or not is_version_id(text):
         shown = "empty" if not raw.strip() else f"holds {raw[:40]!r}"
         fix = f"write '{SYMREF_PREFIX}{HEADS_PREFIX}main' (or a version id) into it" if key == HEAD_KEY else \
@@ -70,6 +95,23 @@ class Head:
     version: str | None
     generation: bytes
     damage: str | None = None   # HEAD's branch ref is damaged: why (its version is then unknown, not None)
+    orphan: bool = False        # `checkout --orphan`: the branch is yet to be created, as a new root
+
+
+def _head_target(raw: bytes) -> tuple[str, bool] | None:
+    """The branch an attached or orphan HEAD names, and whether it is an orphan; None for a detached HEAD (a
+    version id, checked by ``ref_value``). A symbolic HEAD whose branch is no ref name (a second newline, a
+    space, ``refs/tags/...``) is damage named here: read as another name, it put snapshots on a new root."""
+    for prefix, orphan in ((SYMREF_PREFIX, False), (ORPHAN_PREFIX, True)):
+        if raw.startswith(prefix.encode()):
+            text = ref_text(raw)
+            target = (text if text is not None else raw[:64].decode("utf-8", "replace"))[len(prefix):]
+            branch = target.removeprefix(HEADS_PREFIX)
+            if text is None or branch == target or not is_ref_name(branch):
+                raise CorruptionError(f"{HEAD_KEY} is damaged (it names {target!r}, not a branch); write "
+                                      f"'{SYMREF_PREFIX}{HEADS_PREFIX}main' (or another branch) into it")
+            return branch, orphan
+    return None
 
 
 def _exists(kind: str, name: str) -> RefError:
@@ -94,22 +136,38 @@ class Refs:
                                       f"--exist-ok` writes HEAD again")
             raise CorruptionError(f"{HEAD_KEY} is missing (an init interrupted before writing it?); "
                                   f"`ckptrepo init --exist-ok` writes it again")
-        if raw.startswith(SYMREF_PREFIX.encode()):
-            target = raw.decode("utf-8", "replace").strip()[len(SYMREF_PREFIX):]
-            branch = target.removeprefix(HEADS_PREFIX)
-            if branch == target or not is_ref_name(branch):
-                raise CorruptionError(f"{HEAD_KEY} is damaged (it names {target!r}, not a branch); write "
-                                      f"'{SYMREF_PREFIX}{HEADS_PREFIX}main' (or another branch) into it")
+        target = _head_target(raw)
+        if target is not None:
+            branch, orphan = target
             try:
-                return Head(branch, self.branch_tip(branch), gen)
+                return Head(branch, self.branch_tip(branch), gen, orphan=orphan)
             except CorruptionError as err:   # raised by what needs HEAD's version; checkout -b still works
-                return Head(branch, None, gen, str(err))
+                return Head(branch, None, gen, str(err), orphan=orphan)
         return Head(None, ref_value(raw, HEAD_KEY), gen)
 
-    def set_head(self, branch: str | None, version: str | None, expected: bytes) -> None:
-        value = f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}" if branch else str(version)
+    def set_head(self, branch: str | None, version: str | None, expected: bytes, orphan: bool = False) -> None:
+        prefix = ORPHAN_PREFIX if orphan else SYMREF_PREFIX
+        value = f"{prefix}{HEADS_PREFIX}{branch}" if branch else str(version)
         if self._swap(HEAD_KEY, value.encode(), expected) is None:
             raise ConflictError("HEAD was changed by another process at the same time; run the command again")
+
+    def start_orphan(self, name: str) -> None:
+        """``git checkout --orphan NAME``: HEAD onto branch ``name``, which does not exist yet; its first
+        snapshot creates it as a new root. Saying so in HEAD is what lets a snapshot start a new history in a
+        repository that has versions (without it, a HEAD on a missing branch is a lost ref or damage)."""
+        check_ref_name(name, "branch")
+        head = self.head(for_update=True)
+        if not (head.orphan and head.branch == name):
+            self._check_new_name("branch", name)
+        self.set_head(name, None, head.generation, orphan=True)
+
+    def settle_orphan(self, branch: str) -> None:
+        """After the first snapshot on an orphan branch: HEAD ``ref:`` again, if it still says orphan of it (a
+        HEAD moved meanwhile is left alone). Left orphan, a branch ref lost later would let the next snapshot
+        start yet another root without a word."""
+        raw, gen = self.store.get_with_generation(HEAD_KEY)
+        if raw is not None and raw == f"{ORPHAN_PREFIX}{HEADS_PREFIX}{branch}".encode():
+            self.store.compare_and_swap(HEAD_KEY, f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}".encode(), gen)
 
     def branch_tip(self, name: str) -> str | None:
         return ref_value(self.store.get(HEADS_PREFIX + name), HEADS_PREFIX + name)
@@ -129,7 +187,7 @@ class Refs:
         gen = self.store.compare_and_swap(key, value, expected)
         if gen is None:
             raw, now = self.store.get_with_generation(key)
-            if (raw.strip() if raw is not None else None) == value:
+            if (ref_text(raw) if raw is not None else None) == (value.decode() if value is not None else None):
                 return now or b"deleted"
         return gen
 
@@ -228,9 +286,14 @@ class Refs:
         otherwise (``log`` and ``show`` name versions with the refs that can be read; ``fsck`` names the
         damage)."""
         prefix = HEADS_PREFIX if kind == "branch" else TAGS_PREFIX
-        keys = [k for k in self.store.list(prefix) if is_ref_name(k[len(prefix):])]
+        listed = self.store.list(prefix)
+        keys = [k for k in listed if is_ref_name(k[len(prefix):])]
         out: dict[str, str] = {}
-        damage: list[str] = []
+        damage = [f"{kind} ref {k!r} has a name ending in a newline (an older release let it through): no command "
+                  f"can name it; make a branch or tag of its version under another name, then delete the file"
+                  for k in listed if _legacy_name(k[len(prefix):])]
+        if damage and strict:
+            raise CorruptionError(damage[0])
         for key, raw in zip(keys, self.store.get_many(keys)):
             try:
                 value = ref_value(raw, key)
@@ -265,6 +328,33 @@ def head_branch_lost(branch: str, versions: int) -> str:
     return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder or a broken link, and the repository "
             f"has {versions} version(s); remove it and restore the ref (`ckptrepo branch {branch} ID`, an id from "
             f"versions/), or check out another branch")
+
+
+def count_versions(store: Store) -> int:
+    """How many version manifests the store holds (one listing)."""
+    return sum(is_version_id(k[len(VERSIONS_PREFIX):]) for k in store.list(VERSIONS_PREFIX))
+
+
+def lost_head_branch(store: Store, head: Head, versions: int | None = None) -> str | None:
+    """Why HEAD's branch reads as empty when it cannot be, or None: its ref is replaced (``head_ref_blocked``),
+    or it does not exist while the repository has versions (``versions``; None: counted here) and HEAD is not
+    an orphan checkout. A lost ref, a deleted one or a bit flip in HEAD look like this; taken for an empty
+    branch, they make `log` say "no versions yet", the next snapshot start a new root, and gc collect the
+    whole history."""
+    if head.branch is None or head.version is not None or head.damage is not None:
+        return None
+    if head_ref_blocked(store, head):
+        return head_branch_lost(head.branch, count_versions(store) if versions is None else versions)
+    if head.orphan:
+        return None
+    n = count_versions(store) if versions is None else versions
+    if not n:
+        return None
+    b = head.branch
+    return (f"HEAD is on branch {b!r}, which does not exist, while the repository has {n} version(s): its ref was "
+            f"lost or HEAD is damaged; check out the branch HEAD belongs on (`ckptrepo checkout BRANCH`, see "
+            f"`ckptrepo branch`), restore a lost ref (`ckptrepo branch {b} ID`, ID a version fsck lists as not "
+            f"reachable), or start a new history on purpose with `ckptrepo checkout --orphan {b}`")
 
 
 def init_head(store: Store, branch: str = "main") -> None:

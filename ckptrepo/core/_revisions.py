@@ -3,17 +3,25 @@
 ``HEAD``, a branch, a tag, a full id or a unique id prefix (4+ hex digits),
 ``@STEP`` (the newest version with that step on the current branch), each
 optionally followed by ``~N`` (N first-parent generations back; ``~`` is ``~1``).
+
+A revision is at most ``MAX_REVISION_CHARS`` long, parsed in one pass, and a
+walk back that meets a version twice (a parent cycle, which only damaged
+manifests can make) stops with a CorruptionError instead of going round.
 """
 from __future__ import annotations
 
 import re
 from typing import Protocol
 
+from ckptrepo.core._manifest_reads import parent_cycle_error
 from ckptrepo.core._refs import is_ref_name
 from ckptrepo.errors import RevisionError
 
-_REV_RE = re.compile(r"^(?P<base>.+?)(?P<tildes>(?:~\d*)*)$")
-_HEX_RE = re.compile(r"^[0-9a-f]{4,32}$")
+_HEX_RE = re.compile(r"[0-9a-f]{4,32}")
+_DIGITS = frozenset("0123456789")
+# far beyond any name or id a user types (a ref name plus a few ~N), and short enough that no revision costs
+# more than a moment to read; a longer one is refused, not parsed
+MAX_REVISION_CHARS = 1024
 
 
 class RevisionSource(Protocol):
@@ -27,26 +35,47 @@ class RevisionSource(Protocol):
 
 
 def parse(rev: str) -> tuple[str, int]:
-    """Split ``rev`` into its base and how many first-parent steps back to go."""
+    """Split ``rev`` into its base and how many first-parent steps back to go.
+
+    One pass from the end over the ``~N`` suffix: each ``~`` with the digits after it, as long as a non-empty
+    base stays in front (a regular expression with a lazy base backtracked quadratically on a long
+    ``HEAD~1~1...x``).
+    """
+    if not isinstance(rev, str):
+        raise RevisionError(f"a revision is text (HEAD, a branch, a tag, an id, @STEP, REV~N), not {rev!r}")
+    if len(rev) > MAX_REVISION_CHARS:
+        raise RevisionError(f"revision of {len(rev)} characters is too long (at most {MAX_REVISION_CHARS}); "
+                            f"name a branch, a tag or an id, with ~N to go back N versions")
     rev = rev.strip()
-    m = _REV_RE.match(rev)
-    if not rev or not m:
+    if not rev:
         raise RevisionError(f"empty or malformed revision {rev!r}; use HEAD, a branch, a tag, an id, @STEP, or REV~N")
-    back = 0
-    for part in m.group("tildes").split("~")[1:]:
-        back += int(part) if part else 1
-    return m.group("base"), back
+    start, back = len(rev), 0
+    while True:
+        i = start
+        while i > 0 and rev[i - 1] in _DIGITS:
+            i -= 1
+        if i < 2 or rev[i - 1] != "~":   # no '~' before the digits, or nothing left in front of it
+            break
+        back += int(rev[i:start]) if i < start else 1
+        start = i - 1
+    return rev[:start], back
 
 
 def resolve(src: RevisionSource, rev: str) -> str:
     """The full version id ``rev`` names; RevisionError saying why when it names none or several."""
     base, back = parse(rev)
     vid = _resolve_base(src, base, rev)
+    walked = [vid]
+    seen = {vid}
     for i in range(back):
         parent = src.first_parent(vid)
         if parent is None:
             raise RevisionError(f"{rev!r} goes back {back} versions but {base!r} has only {i} ancestors; "
                                 f"see `ckptrepo log`")
+        if parent in seen:
+            raise parent_cycle_error(walked[walked.index(parent):] + [parent])
+        seen.add(parent)
+        walked.append(parent)
         vid = parent
     return vid
 
@@ -63,9 +92,15 @@ def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
         except ValueError:
             raise RevisionError(f"{rev!r}: after '@' comes a step number, e.g. @1000") from None
         vid = src.head_version()
+        walked: list[str] = []
+        seen: set[str] = set()
         while vid is not None:
+            if vid in seen:
+                raise parent_cycle_error(walked[walked.index(vid):] + [vid])
             if src.step_of(vid) == step:
                 return vid
+            seen.add(vid)
+            walked.append(vid)
             vid = src.first_parent(vid)
         raise RevisionError(f"no version with step {step} on {src.head_description()}; see `ckptrepo log`")
     if is_ref_name(base):   # `main/` or `../tags/v1` is no ref: looked up, it would be a raw storage error
@@ -75,7 +110,7 @@ def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
         target = src.tag_target(base)
         if target is not None:
             return target
-    if _HEX_RE.match(base.lower()):   # ids are lower case; git takes an upper-case prefix too
+    if _HEX_RE.fullmatch(base.lower()):   # ids are lower case; git takes an upper-case prefix too
         matches = src.ids_with_prefix(base.lower())
         if len(matches) == 1:
             return matches[0]

@@ -1,8 +1,10 @@
 """Repository check: read every object, verify every checksum and every reference.
 
-Errors are things that make a committed version unloadable or a ref dangling.
-Warnings are harmless leftovers (data of an interrupted snapshot, manifests no
-ref reaches) that ``gc`` collects.
+Errors are things that make a committed version unloadable or a ref dangling,
+or that gc must not run past (it refuses on the same ref and history checks,
+``_check_graph``): a lost HEAD branch, a parent cycle, a pruned marker on a
+ref's version. Warnings are harmless leftovers (data of an interrupted
+snapshot, manifests no ref reaches) that ``gc`` collects.
 """
 from __future__ import annotations
 
@@ -14,10 +16,18 @@ import numpy as np
 from ckptrepo.core._boxes import check_coverage, volume
 from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import head_branch_lost, head_ref_blocked
+from ckptrepo.core._refs import Head
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
-from ckptrepo.maintenance._gc import data_version_ids, pruned_ids, reachable_versions, ref_targets
+from ckptrepo.maintenance._gc import (
+    data_version_ids,
+    graph_damage,
+    marked_ref_damage,
+    marked_refs,
+    pruned_ids,
+    reachable_versions,
+    ref_targets,
+)
 from ckptrepo.storage._arrays import open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
 
@@ -61,9 +71,12 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
             manifests[vid] = m
         elif plumbing.store.exists(VERSIONS_PREFIX + vid):
             report.errors.append(str(m))
-    _check_refs(plumbing, manifests, report, starts)
+    head = _check_refs(plumbing, manifests, report, starts)
     report.versions = len(manifests)
     pruned = pruned_ids(plumbing)
+    data_ids = data_version_ids(plumbing)
+    reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})
+    marked = _check_graph(plumbing, manifests, head, pruned, data_ids, report)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
         on_total(sum(a.nbytes for vid, m in manifests.items() if vid not in pruned for a in m.arrays.values()))
     stored: dict[str, set[tuple[str, int, int]]] = {}
@@ -74,24 +87,20 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
                                f"{some_names([v[:12] for v in sorted(unbound)])}): their chunks are checked by "
                                f"their own crc32c only, so a shard swapped with another version's goes unseen")
     for vid, m in manifests.items():
-        for p in m.parents:
-            if p not in manifests:
-                report.errors.append(f"version {vid[:12]}: parent {p[:12]} is missing ({VERSIONS_PREFIX}{p})")
+        _check_parents(vid, m, manifests, reachable, report)
         if vid not in pruned:
             before = len(report.errors)
             _check_version_data(plumbing, vid, m, report, on_bytes)
             if len(report.errors) > before and plumbing.store.exists(PRUNED_PREFIX + vid):
                 del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
-    reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
     for f in plumbing.failures():
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
-    data_ids = data_version_ids(plumbing)
-    limbo = sorted(pruned & data_ids & set(manifests))
+    limbo = sorted((pruned & data_ids & set(manifests)) - marked)   # a ref's version: an error above
     if limbo:
         shown = ", ".join(v[:12] for v in limbo[:3]) + (" ..." if len(limbo) > 3 else "")
         report.warnings.append(f"{len(limbo)} version(s) marked pruned still hold data ({shown}): a gc was "
@@ -108,9 +117,40 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
     return report
 
 
-def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: FsckReport, starts: list[str]) -> None:
+def _check_parents(vid: str, m: Manifest, manifests: dict[str, Manifest], reachable: set[str],
+                   report: FsckReport) -> None:
+    """Each parent of a version must exist. A version no ref reaches whose parent is gone is no damage: an older
+    gc, which deleted unreachable manifests in id order, left that when interrupted, and the next gc collects
+    it; for a version some ref reaches it is history lost (gc then refuses to run)."""
+    for p in m.parents:
+        if p in manifests:
+            continue
+        if vid in reachable:
+            report.errors.append(f"version {vid[:12]}: parent {p[:12]} is missing ({VERSIONS_PREFIX}{p})")
+        else:
+            report.warnings.append(f"version {vid[:12]}, which no ref reaches, names parent {p[:12]}, whose manifest "
+                                   f"is gone: an interrupted gc leaves this; the next `ckptrepo gc` removes it")
+
+
+def _check_graph(plumbing: Plumbing, manifests: dict[str, Manifest], head: Head | None, pruned: set[str],
+                 data_ids: set[str], report: FsckReport) -> set[str]:
+    """The ref and history checks gc refuses to run past (see ``graph_damage``; HEAD's only when it could be
+    read), and pruned markers on the versions refs point at whose data is still stored (``marked_refs``),
+    which are returned."""
+    parents = {vid: m.parents for vid, m in manifests.items()}
+    report.errors.extend(graph_damage(plumbing, parents, head or Head(None, None, b"")))
+    branches, _ = plumbing.refs.read_all("branch", strict=False)
+    tags, _ = plumbing.refs.read_all("tag", strict=False)
+    marked = marked_refs(pruned, data_ids, branches, tags, head or Head(None, None, b""))
+    report.errors.extend(marked_ref_damage(vid, refs) for vid, refs in marked.items())
+    return set(marked)
+
+
+def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: FsckReport,
+                starts: list[str]) -> Head | None:
     """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
-    ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``."""
+    ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``.
+    Returns HEAD, or None when it cannot be read (reported)."""
     def missing(vid: str | None) -> bool:
         tip = True
         while vid is not None and vid not in manifests:
@@ -136,13 +176,12 @@ def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: Fsck
         head = plumbing.refs.head()
     except CkptRepoError as err:
         report.errors.append(str(err))
-        return
-    if manifests and head.branch is not None and head_ref_blocked(plumbing.store, head):
-        report.errors.append(head_branch_lost(head.branch, len(manifests)))
+        return None
     if head.branch is None and missing(head.version):
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
     elif head.version is not None:
         starts.append(head.version)
+    return head
 
 
 def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckReport,

@@ -14,6 +14,15 @@ Safe against a concurrent writer: nothing younger than the grace period is
 collected (a writer in flight has objects no ref points to yet), branch heads
 and tagged versions are never pruned by default, and data still referenced by a
 kept version is never deleted.
+
+Safe against damage: gc deletes only what it can prove unreachable in a
+repository whose refs and history pass fsck's checks. It stops before deleting
+anything, naming the damage, when a ref or manifest cannot be read, a ref or
+parent names a missing version, HEAD's branch is lost while versions exist,
+parent links form a cycle, or a ``pruned/`` marker names a branch tip, a tag
+or a detached HEAD whose data is still stored (see ``graph_damage``). There is
+no trash to undo a gc (docs/decisions/016-gc-refuses-on-damage.md): ``--dry-run``
+lists what would go.
 """
 from __future__ import annotations
 
@@ -31,9 +40,9 @@ from ckptrepo.core._manifest import (
     is_version_id,
     version_id_time,
 )
-from ckptrepo.core._manifest_reads import missing_manifest
+from ckptrepo.core._manifest_reads import find_cycle, missing_manifest, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import Head, head_branch_lost, head_ref_blocked
+from ckptrepo.core._refs import Head, lost_head_branch
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RetentionError
 
@@ -148,6 +157,65 @@ def _targets(branches: Mapping[str, str], tags: Mapping[str, str], head: Head) -
     return list(branches.values()) + list(tags.values()) + ([head.version] if head.version else [])
 
 
+def marked_refs(pruned: set[str], data_ids: set[str], branches: Mapping[str, str], tags: Mapping[str, str],
+                head: Head) -> dict[str, list[str]]:
+    """The versions a ``pruned/`` marker names that a branch, a tag or a detached HEAD points at, and whose
+    data is still stored (``data_ids``), each with the refs that name it. A marker says the data is deleted; on
+    such a version it is stray, or left by an interrupted gc that pruned ref targets (``--no-keep-branch-heads``,
+    ``--no-keep-tagged``): a plain gc would "finish" by deleting live data, and loads refuse it already."""
+    names: dict[str, list[str]] = {}
+    for b, vid in branches.items():
+        names.setdefault(vid, []).append(f"branch {b!r}")
+    for t, vid in tags.items():
+        names.setdefault(vid, []).append(f"tag {t!r}")
+    if head.branch is None and head.version:
+        names.setdefault(head.version, []).append("HEAD")
+    return {vid: refs for vid, refs in sorted(names.items()) if vid in pruned and vid in data_ids}
+
+
+def marked_ref_damage(vid: str, refs: Sequence[str]) -> str:
+    """One line for a version ``marked_refs`` found."""
+    return (f"{PRUNED_PREFIX}{vid} marks version {vid[:12]} ({', '.join(refs)}) as pruned, but its data is still "
+            f"stored: if a gc with --no-keep-branch-heads or --no-keep-tagged was interrupted, run it again; "
+            f"otherwise the marker is stray: delete {PRUNED_PREFIX}{vid}")
+
+
+def graph_damage(plumbing: Plumbing, parents: Mapping[str, Sequence[str]], head: Head) -> list[str]:
+    """What fsck's ref and history checks find that gc must not run past, beyond unreadable refs and
+    manifests and missing versions (raised where they are read): a lost HEAD branch, a parent cycle.
+    ``parents``: every version's parents."""
+    damage = []
+    lost = lost_head_branch(plumbing.store, head, len(parents))
+    if lost is not None:
+        damage.append(lost)
+    cycle = find_cycle(parents)
+    if cycle is not None:
+        damage.append(str(parent_cycle_error(cycle)))
+    return damage
+
+
+def children_first(vids: Sequence[str], parents: Mapping[str, Sequence[str]]) -> list[str]:
+    """``vids`` ordered so that each comes before its parents among them: gc deletes manifests in this order, so
+    that a gc killed midway never leaves a manifest whose parent it deleted (fsck would call that damage)."""
+    todo = set(vids)
+    children = {v: 0 for v in todo}
+    for v in todo:
+        for p in set(parents[v]):
+            if p in children:
+                children[p] += 1
+    ready = sorted(v for v, n in children.items() if n == 0)
+    out: list[str] = []
+    while ready:
+        v = ready.pop()
+        out.append(v)
+        for p in set(parents[v]):
+            if p in children:
+                children[p] -= 1
+                if children[p] == 0:
+                    ready.append(p)
+    return out + sorted(todo - set(out))   # only a cycle is left over, and gc refuses to run on one
+
+
 def reaches(plumbing: Plumbing, starts: Sequence[str], target: str) -> bool:
     """Whether ``target`` is one of ``starts`` or an ancestor of one (manifest headers, read as the walk needs
     them, and only until it is found)."""
@@ -239,8 +307,9 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     head = plumbing.refs.head()
     facts = _facts(plumbing, {} if known is None else known)
     already_pruned = pruned_ids(plumbing)
-    if facts and head.branch is not None and head_ref_blocked(plumbing.store, head):
-        raise CorruptionError(f"gc stopped before deleting anything: {head_branch_lost(head.branch, len(facts))}")
+    damage = graph_damage(plumbing, {vid: f.parents for vid, f in facts.items()}, head)
+    if damage:
+        raise CorruptionError(f"gc stopped before deleting anything: {damage[0]}")
     reachable = _reachable(plumbing, _targets(branches, tags, head), facts)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None
@@ -267,6 +336,12 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     if keep_best is not None:
         keep.update(_best(facts, reachable - already_pruned, keep_best, str(best_metric), best_mode))
     keep &= reachable
+    data_ids = data_version_ids(plumbing)
+    # a marker on a ref's version whose data is stored: finishing that prune deletes live data, unless these
+    # very rules prune the version too (the rerun of an interrupted --no-keep-branch-heads pass)
+    for vid, refs in marked_refs(already_pruned, data_ids, branches, tags, head).items():
+        if vid in keep:
+            raise CorruptionError(f"gc stopped before deleting anything: {marked_ref_damage(vid, refs)}")
 
     def young(vid: str, t: float | None) -> bool:
         born = version_id_time(vid)
@@ -285,7 +360,6 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
             report.too_young.append(vid)
         else:
             report.collected.append(vid)
-    data_ids = data_version_ids(plumbing)
     for vid in sorted(data_ids - set(facts)):
         (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
     # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now, by any
@@ -305,7 +379,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
         # marker with content would fail, and gc, the way to free space, would free nothing
         plumbing.store.put(PRUNED_PREFIX + vid, b"")
-    for vid in report.collected:
+    for vid in children_first(report.collected, {v: facts[v].parents for v in report.collected}):
         plumbing.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest
         plumbing.store.delete(PRUNED_PREFIX + vid)
     for key in sorted(doomed_arrays):

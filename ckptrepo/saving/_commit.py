@@ -18,6 +18,7 @@ from typing import Any
 from ckptrepo import faults
 from ckptrepo.core._manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
 from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._refs import Head, lost_head_branch
 from ckptrepo.core.schema import (
     SINGLE_PROCESS_LAYOUT,
     Manifest,
@@ -29,7 +30,14 @@ from ckptrepo.core.schema import (
     encode_manifest,
     version_from_manifest,
 )
-from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, SnapshotFailedError, first_line
+from ckptrepo.errors import (
+    CkptRepoError,
+    ConflictError,
+    DetachedHeadError,
+    RefError,
+    SnapshotFailedError,
+    first_line,
+)
 from ckptrepo.parallel._distributed import GroupHealth, Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
 from ckptrepo.parallel.layout import ParallelLayout
@@ -64,7 +72,10 @@ class Committer:
         self.commit_timeout_s = commit_timeout_s
         self.health = GroupHealth()   # shared by this snapshotter's commits: a broken group fails them all at once
         self.branch = head.branch
+        self.orphan = head.orphan
         self.tip, self.generation = plumbing.refs.branch_tip_with_generation(head.branch)
+        if self.tip is None:
+            refuse_new_root(plumbing, head.branch, head.orphan)
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
         faults.point("after_read_head")
 
@@ -146,8 +157,14 @@ class Committer:
                              f"snapshotter wrote on top of {base}, so it commits nothing more to it: load the branch "
                              f"tip and snapshot with a new snapshotter, or give each writer a branch of its own")
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
+        first = self.tip is None
         self.tip, self.generation = job.vid, gen
         faults.point("after_ref")
+        if first and self.orphan:
+            try:
+                self.plumbing.refs.settle_orphan(self.branch)
+            except CkptRepoError as err:   # committed all the same; HEAD still reads as this branch
+                log.warning("ckptrepo: HEAD still says orphan of branch %r: %s", self.branch, err)
         self.plumbing.remember_header(manifest)
         return version_from_manifest(manifest, (self.branch,))
 
@@ -172,6 +189,16 @@ class Committer:
                 "message": job.message, "error": cause}))
         except Exception as record_err:  # noqa: BLE001 - storage may be what failed; the caller's log line remains
             log.error("ckptrepo: could not record the failure of %s: %s", job.vid[:12], record_err)
+
+
+def refuse_new_root(plumbing: Plumbing, branch: str, orphan: bool) -> None:
+    """Refuse a first snapshot on ``branch`` (it has no versions) that would start a new root history in a
+    repository that has versions, unless HEAD is an orphan checkout (``checkout --orphan``): the branch's ref
+    was lost, deleted, or HEAD names another branch than it should (a damaged byte, a name with a trailing
+    newline), and a job resuming from HEAD would start over from scratch, the history out of reach."""
+    lost = lost_head_branch(plumbing.store, Head(branch, None, b"", orphan=orphan))
+    if lost is not None:
+        raise RefError(f"not snapshotting: it would start a new history (no parent) on branch {branch!r}; {lost}")
 
 
 def version_header(vid: str, parent: str | None, step: int | None, message: str,
