@@ -241,8 +241,8 @@ def test_dcp_exchange_failures_are_one_line(populated, tmp_path):
     url, _ = populated
     (tmp_path / "afile").write_text("x")
     p = run("export", "HEAD", str(tmp_path / "afile" / "x"), "--format", "dcp", repo=url)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "cannot make the folder" in p.stderr \
-        and "export to another path" in p.stderr, p.stderr
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "afile is not a folder" in p.stderr \
+        and "write to another path" in p.stderr, p.stderr
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / ".metadata").write_text("garbage")
@@ -311,7 +311,7 @@ def test_metric_series_with_a_leading_nan_and_a_nan_grace_period(tmp_path):
     for step, loss in enumerate([float("nan"), 3.0, 1.0, 2.0]):
         repo.snapshot({"w": torch.zeros(1)}, step=step, metrics={"loss": loss})
     row = next(line for line in run("metrics", repo=url).stdout.splitlines() if "loss" in line)
-    assert [c.strip() for c in row.split("│")[1:6]] == ["loss", "-", "2", "1", "3"], row
+    assert row.split()[:5] == ["loss", "-", "2", "1", "3"], row
     p = run("gc", "--grace", "nan", repo=url)
     assert p.returncode == 2 and "grace period must be a number of seconds of at least 0" in p.stderr
 
