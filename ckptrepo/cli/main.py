@@ -72,7 +72,7 @@ def _output(repo: ckptrepo.Repository, path: str | None, force: bool, what: str)
     """``path`` checked as a file to write (before any computation); None when not asked for."""
     if path is None:
         return None
-    from ckptrepo.tools._exchange import output_file
+    from ckptrepo.tools._paths import output_file
     return str(output_file(path, force=force, repo_root=_local_root(repo), what=what))
 
 

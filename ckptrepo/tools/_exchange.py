@@ -35,6 +35,7 @@ import torch
 
 from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line
 from ckptrepo.state._providers import flatten, unflatten
+from ckptrepo.tools._paths import check_parent, local_path, refuse_inside
 
 FORMATS = ("torch", "safetensors", "dcp")
 SAFETENSORS_FILE = "model.safetensors"
@@ -55,51 +56,10 @@ def export_target(out: str | os.PathLike[str], format: str, force: bool = False,
     repository at ``repo_root`` (a local repository's folder)."""
     if format not in FORMATS:
         raise ExchangeError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
-    path = _local_path(out, "export to")
-    _refuse_inside(path, repo_root, "export to")
+    path = local_path(out, "export to")
+    refuse_inside(path, repo_root, "export to")
     _check_free(path, directory=format != "torch", force=force, format=format)
     return path
-
-
-def output_file(out: str | os.PathLike[str], force: bool = False, repo_root: str | None = None,
-                what: str = "the output") -> Path:
-    """The local file a command writes besides its output (``--csv``, ``--png``), checked before anything is
-    computed: not a URL, not a folder or a device, not inside the repository at ``repo_root``, in a folder
-    that exists or can be made, and not an existing file unless ``force``."""
-    path = _local_path(out, f"write {what} to")
-    _refuse_inside(path, repo_root, f"write {what} to")
-    if path.is_dir():
-        raise ExchangeError(f"{path} is a folder; write {what} to a file path")
-    if path.exists() or path.is_symlink():
-        if not path.is_file():
-            raise ExchangeError(f"{path} is not a regular file (a device, a FIFO, a broken link); write {what} "
-                                f"to a file path")
-        if not force:
-            raise ExchangeError(f"{path} already exists; pass --force to overwrite it, or write to a new path")
-    _check_parent(path)
-    return path
-
-
-def _refuse_inside(path: Path, repo_root: str | None, doing: str) -> None:
-    """Refuse a path inside a local repository's folder (links followed): a file written there could replace
-    HEAD, a ref or a manifest, and break the repository."""
-    if repo_root is None:
-        return
-    root = os.path.realpath(repo_root)
-    target = os.path.realpath(path)
-    if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
-        raise ExchangeError(f"cannot {doing} {path}: it is inside the repository {repo_root}; write it outside")
-
-
-def _check_parent(path: Path) -> None:
-    """The folder of ``path`` exists or can be made there: checked before the work, not after it."""
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ExchangeError(f"cannot write {path}: {parent} is not a folder; write to another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExchangeError(f"cannot write {path}: no permission to write in {parent}; write to another path")
 
 
 def write_export(state: Any, vid: str, path: Path, format: str) -> None:  # noqa: A002
@@ -150,7 +110,7 @@ def read_checkpoint(path: str | os.PathLike[str], trust: bool = False) -> tuple[
     """The state in the checkpoint at ``path`` and where it came from ("PATH (FORMAT)", for the version's
     message). The format is detected from the path (see :func:`detect_format`); a read that fails, or is
     refused for lack of ``trust``, raises before anything is committed."""
-    p = _local_path(path, "import from")
+    p = local_path(path, "import from")
     kind = detect_format(p)
     if kind == "torch":
         state = _load_torch(p, trust)
@@ -177,24 +137,11 @@ def detect_format(path: Path) -> str:
                         f"safetensors export directory")
 
 
-def _local_path(where: str | os.PathLike[str], doing: str) -> Path:
-    """``where`` as a local path; a URL is refused (``s3://bucket/x`` would be written to ``./s3:/bucket/x``,
-    and the export would report success)."""
-    text = os.fspath(where)
-    if not text.strip() or "\0" in text:   # the OS refuses a NUL with a bare ValueError
-        raise ExchangeError(f"cannot {doing} {text!r}: it is not a file path")
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
-        raise ExchangeError(f"cannot {doing} {text}: exports and imports are local files and folders; write it "
-                            f"to a local path, and copy it from there (or keep it as a version, which any store "
-                            f"holds)")
-    return Path(text)
-
-
 def _check_free(path: Path, directory: bool, force: bool = False, format: str = "torch") -> None:  # noqa: A002
     if path.is_symlink() and not path.exists():
         raise ExchangeError(f"{path} is a broken link; export to a new path")
     if not path.exists():
-        _check_parent(path)
+        check_parent(path)
         return
     if directory and path.is_dir() and not any(path.iterdir()):
         return
