@@ -480,10 +480,13 @@ class Repository:
         from ckptrepo.maintenance._usage import disk_usage
         return disk_usage(self._plumbing, self.log(all=True))
 
-    def export(self, rev: str, out: str | os.PathLike[str], format: str = "torch") -> Version:  # noqa: A002
-        """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors or dcp) to ``out``."""
+    def export(self, rev: str, out: str | os.PathLike[str], format: str = "torch",  # noqa: A002
+               force: bool = False) -> Version:
+        """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors or dcp) to ``out``
+        (outside the repository; an existing export there is replaced only with ``force``)."""
         from ckptrepo.tools._exchange import export_target, write_export
-        path = export_target(out, format)   # refused before the version is resolved and loaded
+        # refused before the version is resolved and loaded
+        path = export_target(out, format, force=force, repo_root=self._plumbing.store.capabilities.local_root)
         vid = self.resolve(rev)
         write_export(self.load(vid), vid, path, format)
         return self.version(vid)
@@ -495,8 +498,9 @@ class Repository:
         Pickles (torch files that need more than the restricted unpickler, DCP
         metadata) can run code, so they are refused unless ``trust`` is set.
         """
-        from ckptrepo.tools._exchange import read_checkpoint
+        from ckptrepo.tools._exchange import read_checkpoint, state_step
         state, source = read_checkpoint(path, trust)
+        step = state_step(state) if step is None else step   # the step the state holds, unless told otherwise
         return self.snapshot(state, step=step, message=f"imported from {source}" if message is None else message)
 
 

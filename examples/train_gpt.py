@@ -8,10 +8,11 @@ RNGs (torch, Python ``random``, a numpy Generator) and the step. Dropout uses
 the torch RNG, batch offsets come from the numpy Generator, and a little input
 noise comes from Python's ``random``, so an exact resume needs every one of them.
 
-``--resume REV`` rolls back: it creates a new branch ``resume-<step>`` at REV
-(the original branch keeps all its versions), loads the state in place and goes
-on training up to ``--steps``. Resumed losses are bit-for-bit those of the
-original run.
+``--resume REV`` loads REV in place and goes on training up to ``--steps``. A
+branch name continues on that branch (``ckptrepo checkout @10 -b retry``, then
+``--resume retry``); any other revision rolls back: a new branch
+``resume-<step>`` is created at it, and the original branch keeps all its
+versions. Resumed losses are bit-for-bit those of the original run.
 """
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repo", required=True, help="repository URL or path (created if missing)")
     p.add_argument("--steps", type=int, default=40, help="train until this step (inclusive)")
-    p.add_argument("--resume", metavar="REV", help="roll back to REV on a new branch and continue from there")
+    p.add_argument("--resume", metavar="REV", help="continue on branch REV, or roll back to revision REV on a new "
+                                                   "branch, and train from there")
     p.add_argument("--losses-out", metavar="FILE", help="write {step: float.hex(loss)} of the steps run here as JSON")
     p.add_argument("--async", dest="async_", action="store_true",
                    help="snapshot through the asynchronous hook (repo.snapshotter) instead of synchronously")
@@ -136,14 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     repo = ckptrepo.init(args.repo, exist_ok=True)
     step = 0
     if args.resume:
-        target = repo.version(args.resume)
-        branch = unique_branch(repo, f"resume-{target.step}")
-        v = repo.checkout(target.id, branch=branch)
+        if args.resume in repo.branches():   # a branch: continue on it, as `git checkout BRANCH` does
+            branch, how = args.resume, "branch"
+            v = repo.checkout(branch)
+        else:                                # any other revision: roll back onto a new branch there
+            target = repo.version(args.resume)
+            branch, how = unique_branch(repo, f"resume-{target.step}"), "new branch"
+            v = repo.checkout(target.id, branch=branch)
         state = repo.load(v.id, into=make_state(model, opt, sched, np_rng, 0))
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])  # the numpy Generator was restored in place
         step = state["step"]
-        print(f"resumed from {v.short_id} (step {step}) on new branch {branch!r}", flush=True)
+        print(f"resumed from {v.short_id} (step {step}) on {how} {branch!r}", flush=True)
 
     losses: dict[str, str] = {}
     snap = None

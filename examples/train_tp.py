@@ -11,7 +11,8 @@ calls ``snapshot()`` each step (a collective: ranks agree on the version and on
 who writes each replica) and goes on training; the attached optimizer waits for
 the capture only before it changes the state.
 
-``--resume REV`` rolls back on a new branch (``resume-<step>-<pid>``), builds the
+``--resume REV`` continues on REV if it is a branch, and otherwise rolls back
+on a new branch (``resume-<step>-<pid>``); either way it builds the
 model for this run's mesh, loads the version into it in place
 (``ckptrepo.load(url, REV, into=state)``: each rank reads only the bytes of its
 own shards) and trains on. The losses (printed by rank 0 as JSON) follow the
@@ -57,7 +58,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo", required=True)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--resume", default=None, help="a revision to load and train on from (e.g. @4)")
+    p.add_argument("--resume", default=None,
+                   help="a revision to load and train on from (e.g. @4); a branch is continued, not forked")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))   # torchrun's env:// rendezvous
@@ -80,9 +82,13 @@ def main() -> None:
     dist.barrier()
     first = 1
     if args.resume:
-        target = ckptrepo.open(args.repo).version(args.resume)
-        if rank == 0:   # roll back on a new branch: the original run keeps its versions (git checkout -b)
-            ckptrepo.open(args.repo).checkout(target.id, branch=f"resume-{target.step}-{os.getpid()}")
+        repo = ckptrepo.open(args.repo)
+        target = repo.version(args.resume)
+        if rank == 0:
+            if args.resume in repo.branches():   # a branch: continue on it
+                repo.checkout(args.resume)
+            else:   # roll back on a new branch: the original run keeps its versions (git checkout -b)
+                repo.checkout(target.id, branch=f"resume-{target.step}-{os.getpid()}")
         dist.barrier()
         train_step(0)    # Adam's moments exist once it has stepped; the load then fills them in place
         ckptrepo.load(args.repo, target.id, into={"model": model, "optimizer": opt})

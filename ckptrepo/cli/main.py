@@ -6,65 +6,78 @@ import math
 import os
 import re
 import sys
+import textwrap
 from datetime import datetime
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import click
+from click.shell_completion import CompletionItem
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-from rich.table import Table
-from rich.text import Text
 
 import ckptrepo
-from ckptrepo.errors import CkptRepoError
+from ckptrepo.errors import CkptRepoError, ExchangeError, RevisionError, first_line
 from ckptrepo.tools import _plot as plot
 from ckptrepo.tools._graph import GraphRow
 from ckptrepo.tools._graph import graph as graph_rows
+from ckptrepo.tools._width import fit, keep_last, natural_key, table_lines, terminal_width
 
-out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-NAME_WIDTH = 40   # a folded name column keeps at least this many characters per line
+def _width() -> int | None:
+    """The columns stdout may use now (COLUMNS, else the terminal's; None for a pipe or a file)."""
+    return terminal_width(sys.stdout)
+
+
+def _out() -> Console:
+    """A console on the current stdout (tests and pipes swap it), colouring only a terminal; lines are laid
+    out by the commands to ``_width()``, so rich never wraps them again."""
+    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+
+
+def _echo_fit(text: str) -> None:
+    """One line of output, cut to the width with an ellipsis (as git's and rich's truncation)."""
+    click.echo(fit(text, _width()))
 
 
 def _print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str]], fold: int = 1) -> None:
-    """Print a table without cutting any cell short, which rich does by default ("model/…", "0.03…").
+    """Print a table that fits the width: the first ``fold`` columns (names, values) fold onto more lines
+    first, the others (numbers, sizes) only if nothing else fits. Piped output with no COLUMNS keeps every
+    cell on one line, whole (see ckptrepo.tools._width)."""
+    width = _width()
+    click.echo(fit(printable(title), width))
+    for line in table_lines(headers, [[printable(c) for c in r] for r in rows], width, fold=fold):
+        click.echo(line)
 
-    The first ``fold`` columns (names, values) fold onto more lines in a narrow terminal, keeping at least
-    ``NAME_WIDTH`` characters; the other columns (numbers, sizes) never wrap. Output that is not a terminal
-    (a pipe, a file) is as wide as its content instead of rich's 80 characters.
-    """
-    rows = [list(r) for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    # cells are Text, not markup: a name like "experts[0]" or a message "[wip]" is shown as it is (as markup it would be
-    # cut, and "[/]" would stop the command with a MarkupError)
-    table = Table(title=Text(title), title_justify="left")
-    for i, h in enumerate(headers):
-        if i < fold:
-            widths[i] = min(NAME_WIDTH, widths[i])
-            table.add_column(h, overflow="fold", min_width=widths[i])
-        else:
-            table.add_column(h, no_wrap=True)
-    for r in rows:
-        table.add_row(*(Text(printable(c)) for c in r))
-    # rich lays a table out within the console's width, crushing columns to fit: give it the room it needs
-    # (wider than a narrow terminal, whose lines then wrap, rather than cells cut short)
-    need = sum(widths) + 3 * len(widths) + 1   # each cell padded by a space on both sides, plus the borders
-    width = out.width
-    out.width = max(width, need) if out.is_terminal else 1 << 16
-    try:
-        out.print(table)
-    finally:
-        out.width = width
+
+MEMORY_ONLY = ("a memory:// repository lives only in the process that creates it, so `ckptrepo {0}` cannot "
+               "reach one; use a path, or an s3:// or gs:// URL")
 
 
 def _repo(ctx: click.Context) -> ckptrepo.Repository:
-    return ckptrepo.open(ctx.obj["url"])
+    url = ctx.obj["url"]
+    if url.startswith("memory://"):
+        raise CkptRepoError(MEMORY_ONLY.format(ctx.info_name))
+    return ckptrepo.open(url)
+
+
+def _local_root(repo: ckptrepo.Repository) -> str | None:
+    """The folder of a local repository, where no output file may go (it could replace HEAD or a ref)."""
+    return repo.plumbing.store.capabilities.local_root
+
+
+def _output(repo: ckptrepo.Repository, path: str | None, force: bool, what: str) -> str | None:
+    """``path`` checked as a file to write (before any computation); None when not asked for."""
+    if path is None:
+        return None
+    from ckptrepo.tools._paths import output_file
+    return str(output_file(path, force=force, repo_root=_local_root(repo), what=what))
 
 
 def _size(n: float) -> str:
+    """A size in binary units (KiB, MiB, GiB: powers of 1024), as everywhere in ckptrepo's output."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -73,31 +86,36 @@ def _size(n: float) -> str:
 
 
 def _when(t: float) -> str:
-    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):   # a time no calendar holds: shown as the number it is
+        return f"time {t!r}"
 
 
 def _metrics(m: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
 
 
-def _log_line(v: ckptrepo.Version) -> str:
-    """One version as ``log`` prints it (rich markup; what comes from the user is escaped, and of the message
-    only its first line is shown, as ``git log --oneline`` does)."""
+def _print_log_line(prefix: str, v: ckptrepo.Version, oneline: bool) -> None:
+    """One version as ``log`` prints it, cut to the width: the id (coloured on a terminal), its refs, then
+    ``--oneline``: the step and the message's first line; otherwise also the time, the size and the metrics.
+    What comes from the repository is shown as text, never as markup or terminal codes."""
     refs = f" ({', '.join(v.refs)})" if v.refs else ""
-    step = _step(v)
-    size = "pruned" if v.pruned else _size(v.size)
-    return (f"[yellow]{v.short_id}[/]{_literal(refs)}  {step}  {_when(v.time)}  {size}  "
-            f"{_literal(_metrics(v.metrics))}  "
-            f"{_literal(_first_line(v.message))}").rstrip()
+    if oneline:
+        rest = f"{refs} {_step(v)}  {_first_line(v.message)}"
+    else:
+        size = "pruned" if v.pruned else _size(v.size)
+        rest = f"{refs}  {_step(v)}  {_when(v.time)}  {size}  {_metrics(v.metrics)}  {_first_line(v.message)}"
+    plain = fit(printable(prefix + v.short_id + rest).rstrip(), _width())
+    start, end = len(printable(prefix)), len(printable(prefix)) + len(v.short_id)
+    if plain[start:end] == v.short_id:
+        _out().print(escape(plain[:start]) + f"[yellow]{v.short_id}[/]" + escape(plain[end:]), markup=True)
+    else:   # a width too narrow for the id: no colour
+        _out().print(escape(plain), markup=True)
 
 
 def _step(v: ckptrepo.Version) -> str:
     return f"step {v.step}" if v.step is not None else "step -"
-
-
-def _literal(text: str) -> str:
-    """``text`` as rich markup that prints it as it is, without terminal control codes."""
-    return escape(printable(text))
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -152,98 +170,232 @@ def cli(ctx: click.Context, url: str) -> None:
     ctx.obj = {"url": url}
 
 
+def _complete_revision(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    """Shell completion of a revision: HEAD, branches, tags, and short ids once a hex prefix is typed (see the
+    README's "Shell completion"). A repository that cannot be opened completes nothing, silently."""
+    url = ctx.find_root().params.get("url") or os.environ.get("CKPTREPO_REPO") or "."
+    try:
+        from ckptrepo.tools._status import revision_names
+        return [CompletionItem(name) for name in revision_names(ckptrepo.open(url).plumbing, incomplete)]
+    except Exception:  # noqa: BLE001 - a completion must never print an error into the shell's prompt
+        return []
+
+
+def _complete_ref(kind: str):
+    """Shell completion of an existing branch or tag name (``branch -d``, ``tag -d``)."""
+    def complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+        url = ctx.find_root().params.get("url") or os.environ.get("CKPTREPO_REPO") or "."
+        try:
+            repo = ckptrepo.open(url)
+            names = repo.branches() if kind == "branch" else repo.tags()
+        except Exception:  # noqa: BLE001 - as _complete_revision
+            return []
+        return [CompletionItem(n) for n in sorted(names, key=natural_key) if n.startswith(incomplete)]
+    return complete
+
+
 @cli.command()
 @click.argument("url", required=False)
 @click.option("--exist-ok", is_flag=True, help="Succeed if a repository is already there.")
 @click.pass_context
 def init(ctx: click.Context, url: str | None, exist_ok: bool) -> None:
     """Create a repository at URL (default: --repo)."""
+    where = url or ctx.obj["url"]
+    if where.startswith("memory://"):   # it would be gone when this command exits, after a "success"
+        raise CkptRepoError("a memory:// repository lives only in the process that creates it, so one made by "
+                            "`ckptrepo init` is gone when the command ends; create it with ckptrepo.init() in "
+                            "your program, or init a path, or an s3:// or gs:// URL")
     try:
-        repo = ckptrepo.init(url or ctx.obj["url"], exist_ok=exist_ok)
+        repo = ckptrepo.init(where, exist_ok=exist_ok)
     except ckptrepo.RepositoryExistsError:
-        raise ckptrepo.RepositoryExistsError(f"a repository already exists at {url or ctx.obj['url']}; use it with "
+        raise ckptrepo.RepositoryExistsError(f"a repository already exists at {where}; use it with "
                                              f"--repo, or pass --exist-ok") from None
     existing = repo.log(all=True, limit=1) if exist_ok else []
     click.echo(f"{'reinitialised existing' if existing else 'initialised empty'} ckptrepo repository at {repo.url}")
 
 
-@cli.command()
-@click.argument("rev", required=False, default="HEAD")
+_COUNT = re.compile(r"-\d+")
+_LOG_VALUE_OPTIONS = frozenset({"-n", "--max-count", "--since", "--until"})
+
+
+class _LogCommand(click.Command):
+    """``log`` takes git's ``-<n>`` for ``-n <n>`` (``log -1``); a number given as an option's value
+    (``--since -5``) and anything after ``--`` are left as they are."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rewritten: list[str] = []
+        options_end = False
+        for i, arg in enumerate(args):
+            if not options_end and _COUNT.fullmatch(arg) and (i == 0 or args[i - 1] not in _LOG_VALUE_OPTIONS):
+                rewritten.append(f"--max-count={arg[1:]}")
+            else:
+                rewritten.append(arg)
+            options_end = options_end or arg == "--"
+        return super().parse_args(ctx, rewritten)
+
+
+@cli.command(cls=_LogCommand)
+@click.argument("rev", required=False, default="HEAD", shell_complete=_complete_revision)
 @click.option("--all", "all_", is_flag=True, help="Versions reachable from any branch or tag.")
-@click.option("-n", "--max-count", type=click.IntRange(min=1), default=None, help="Show at most N versions.")
+@click.option("-n", "--max-count", type=click.IntRange(min=1), default=None,
+              help="Show at most N versions (git's -N works too: log -1).")
 @click.option("--since", type=int, default=None, help="Only versions with step >= SINCE.")
 @click.option("--until", type=int, default=None, help="Only versions with step <= UNTIL.")
+@click.option("--oneline", is_flag=True, help="Only the id, refs, step and message's first line of each version.")
+@click.option("-p", "--patch", "patch", is_flag=True,
+              help="Under each version, what changed since its parent: M (changed), A (added), D (removed), "
+                   "R (reshaped or retyped) per tensor and object (reads the data, streamed).")
 @click.option("--stats", "with_stats", is_flag=True, help="Capture statistics of each version.")
 @click.option("--graph", is_flag=True, help="Draw forks and joins of the history (with --all: every branch).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: int | None, until: int | None,
-        with_stats: bool, graph: bool, as_json: bool) -> None:
+        oneline: bool, patch: bool, with_stats: bool, graph: bool, as_json: bool) -> None:
     """List versions, newest first (with --all, also snapshots that failed)."""
-    if graph and (as_json or with_stats):
-        raise click.UsageError("--graph cannot be combined with --json or --stats")
+    if graph and (as_json or with_stats or patch):
+        raise click.UsageError("--graph cannot be combined with --json, --stats or -p")
+    if oneline and as_json:
+        raise click.UsageError("--oneline cannot be combined with --json")
     repo = _repo(ctx)
     versions = repo.log(rev, all=all_, limit=max_count, since=since, until=until)
     failures = repo.failures() if all_ else []
     stats = {v.id: repo.capture_stats(v.id) for v in versions} if with_stats else {}
     if as_json:
-        rows = [dict(v.to_json(), **({"stats": stats[v.id]} if with_stats else {})) for v in versions]
+        rows = [dict(v.to_json(), **({"stats": stats[v.id]} if with_stats else {}),
+                     **({"changes": _changes_json(repo, v)} if patch else {})) for v in versions]
         _emit_json(rows + [dict(f, failed=True) for f in failures] if all_ else rows)
         return
     if not versions and not failures:
         click.echo("no versions match --since/--until" if since is not None or until is not None else "no versions yet")
     for row in graph_rows(versions) if graph else [GraphRow("", v) for v in versions]:
         if row.version is None:   # a line that only connects columns
-            click.echo(row.prefix)
+            _echo_fit(row.prefix)
             continue
-        out.print(_literal(row.prefix) + _log_line(row.version), markup=True)
+        _print_log_line(row.prefix, row.version, oneline)
         if with_stats:
-            s = stats[row.version.id]
-            click.echo("    " + (f"blocking {s['blocking_s'] * 1e3:.1f} ms  capture {s['capture_s'] * 1e3:.1f} ms  "
-                                 f"flush {s['flush_s'] * 1e3:.1f} ms  total {s['total_s'] * 1e3:.1f} ms  "
-                                 f"{s['gbps']:.2f} GB/s"
-                                 + (f"  copied {s['copied_bytes'] / 1e6:.1f} MB" if "copied_bytes" in s else "")
-                                 if s else "no statistics recorded"))
+            _echo_fit("    " + _capture_stats_line(stats[row.version.id]))
+        if patch:
+            for line in _change_lines(repo, row.version):
+                _echo_fit("    " + line)
     for f in failures:
-        out.print(f"[red]FAILED[/] {f['id'][:12]}  step {f.get('step')}  {_when(f.get('time', 0))}  "
-                  f"{_literal(str(f.get('error')))}",
-                  markup=True)
+        line = fit(printable(f"FAILED {str(f.get('id'))[:12]}  step {f.get('step')}  "
+                             f"{_when(_number(f.get('time')))}  {f.get('error')}"), _width())
+        _out().print(f"[red]{line[:6]}[/]{escape(line[6:])}" if line.startswith("FAILED") else escape(line),
+                     markup=True)
+
+
+def _number(value: Any) -> float:
+    """A time from a failure record, which is whatever a damaged record holds: 0 when it is not a number."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _capture_stats_line(s: dict[str, Any]) -> str:
+    if not s:
+        return "no statistics recorded"
+    rate = s.get("bytes", 0) / s["total_s"] if s.get("total_s") else 0.0
+    return (f"blocking {s['blocking_s'] * 1e3:.1f} ms  capture {s['capture_s'] * 1e3:.1f} ms  "
+            f"flush {s['flush_s'] * 1e3:.1f} ms  total {s['total_s'] * 1e3:.1f} ms  {_size(rate)}/s"
+            + (f"  copied {_size(s['copied_bytes'])}" if "copied_bytes" in s else ""))
+
+
+_LETTER = {"changed": "M", "added": "A", "removed": "D", "reshaped": "R", "retyped": "R"}
+
+
+def _change_lines(repo: ckptrepo.Repository, v: ckptrepo.Version) -> list[str]:
+    """What changed in ``v`` since its first parent, a line per changed tensor or object (``log -p``)."""
+    if not v.parents:
+        return ["root version: no parent to compare with"]
+    try:
+        d = repo.diff(v.parents[0], v.id)
+    except CkptRepoError as e:   # a pruned side has no data: say so and go on with the log
+        return [f"no changes shown: {e}"]
+    lines = []
+    for t in sorted(d.tensors, key=lambda t: natural_key(t.name)):
+        if t.status == "unchanged":
+            continue
+        detail = f"  rel. change {_num(t.relative)}" if t.status == "changed" else f"  ({t.status})"
+        lines.append(printable(f"{_LETTER.get(t.status, '?')} {t.name}{detail}"))
+    for o in d.objects:
+        lines.append(printable(f"{_LETTER.get(o.status, '?')} {o.path}: {o.a or ''} -> {o.b or ''}".rstrip()))
+    unchanged = sum(t.status == "unchanged" for t in d.tensors)
+    lines.append(f"{len(d.tensors) - unchanged} of {len(d.tensors)} tensors changed")
+    return lines
+
+
+def _changes_json(repo: ckptrepo.Repository, v: ckptrepo.Version) -> Any:
+    if not v.parents:
+        return None
+    try:
+        return repo.diff(v.parents[0], v.id).to_json()
+    except CkptRepoError as e:
+        return {"error": str(e)}
 
 
 @cli.command()
-@click.argument("rev", default="HEAD")
+@click.argument("rev", default="HEAD", shell_complete=_complete_revision)
+@click.option("--stat", "with_stat", is_flag=True,
+              help="After the header, what changed since the parent, one line per module prefix (as diff --stat), "
+                   "instead of the tensors and objects.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def show(ctx: click.Context, rev: str, as_json: bool) -> None:
+def show(ctx: click.Context, rev: str, with_stat: bool, as_json: bool) -> None:
     """Show one version: header, tensors (name, dtype, shape, bytes) and objects."""
-    d = _repo(ctx).show(rev)
-    if as_json:
-        _emit_json({"version": d.version.to_json(), "layout": d.layout, "tensors": d.tensors,
-                    "objects": [{"path": p, "value": v} for p, v in d.objects]})
-        return
+    repo = _repo(ctx)
+    d = repo.show(rev)
     v = d.version
+    if as_json:
+        data: dict[str, Any] = {"version": v.to_json(), "layout": d.layout}
+        if with_stat:
+            data["stat"] = sorted(repo.diff(v.parents[0], v.id).by_prefix(), key=lambda g: natural_key(g["prefix"])) \
+                if v.parents else None
+        else:
+            data.update(tensors=d.tensors, objects=[{"path": p, "value": val} for p, val in d.objects])
+        _emit_json(data)
+        return
+    width = _width()
     click.echo(f"version {v.id}")
     if v.refs:
-        click.echo(f"refs    {', '.join(v.refs)}")
-    click.echo(f"parents {' '.join(v.parents) or '-'}")
+        _echo_fit(printable(f"refs    {', '.join(v.refs)}"))
+    _echo_fit(f"parents {' '.join(v.parents) or '-'}")
     size = "pruned: gc deleted its data (the tensors below are what was saved)" if v.pruned else _size(v.size)
-    click.echo(f"step    {v.step if v.step is not None else '-'}\ntime    {_when(v.time)}\nsize    {size}")
+    click.echo(f"step    {v.step if v.step is not None else '-'}\ntime    {_when(v.time)}")
+    _echo_fit(f"size    {size}")
     if d.layout.get("world_size", 1) > 1:
         degrees = " ".join(f"{k}={d.layout[k]}" for k in ("tp", "pp", "dp", "zero") if k in d.layout)
-        click.echo(f"layout  {degrees + ', ' if degrees else ''}{d.layout['world_size']} ranks")
+        _echo_fit(f"layout  {degrees + ', ' if degrees else ''}{d.layout['world_size']} ranks")
     if v.metrics:
-        click.echo(f"metrics {_metrics(v.metrics)}")
+        _echo_fit(printable(f"metrics {_metrics(v.metrics)}"))
     if v.message:
-        click.echo("\n" + "\n".join(f"    {line}" for line in printable(v.message).splitlines()) + "\n")
+        click.echo("")
+        for line in printable(v.message).splitlines():   # folded as text: git leaves this to the pager
+            for piece in textwrap.wrap(line, width - 4) if width and line.strip() else [line]:
+                click.echo(f"    {piece}".rstrip())
+        click.echo("")
+    if with_stat:
+        _print_stat(repo, v)
+        return
     _print_table(f"{len(d.tensors)} tensors", ("tensor", "dtype", "shape", "bytes"),
                  ((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", _size(t["bytes"]))
-                  for t in d.tensors))
+                  for t in d.tensors), fold=3)
     if d.objects:
         _print_table(f"{len(d.objects)} objects", ("object", "value"), d.objects, fold=2)
 
 
+def _print_stat(repo: ckptrepo.Repository, v: ckptrepo.Version) -> None:
+    """``show --stat``: the module prefixes that changed since the first parent, as ``diff --stat`` prints."""
+    if not v.parents:
+        click.echo("root version: no parent to compare with")
+        return
+    d = repo.diff(v.parents[0], v.id)
+    _print_table(f"{v.parents[0][:12]} -> {v.short_id}", ("prefix", "tensors", "changed", "||B-A||", "rel. change"),
+                 ((g["prefix"], str(g["tensors"]), str(g["changed"]), _num(g["l2"]), _num(g["relative"]))
+                  for g in sorted(d.by_prefix(), key=lambda g: natural_key(g["prefix"]))))
+    for o in d.objects:
+        _echo_fit(printable(f"object {o.path}: {o.status} {o.a or ''} -> {o.b or ''}".rstrip()))
+
+
 @cli.command()
-@click.argument("rev", required=False)
+@click.argument("rev", required=False, shell_complete=_complete_revision)
 @click.option("-b", "branch", default=None, help="Create branch NAME at REV and switch to it.")
 @click.option("--orphan", "orphan", default=None, metavar="NAME",
               help="Switch to a new branch NAME with no versions: its first snapshot starts a new history (no "
@@ -271,18 +423,19 @@ def checkout(ctx: click.Context, rev: str | None, branch: str | None, orphan: st
 
 
 def _list_refs(refs: dict[str, str], current: str | None, as_json: bool) -> None:
+    names = sorted(refs, key=natural_key)   # v2 before v10
     if as_json:
-        _emit_json([{"name": n, "version": vid, "current": n == current} for n, vid in sorted(refs.items())])
+        _emit_json([{"name": n, "version": refs[n], "current": n == current} for n in names])
         return
-    for n, vid in sorted(refs.items()):
-        click.echo(f"{'*' if n == current else ' '} {n:20s} {vid[:12]}")
+    for n in names:
+        _echo_fit(f"{'*' if n == current else ' '} {n:20s} {refs[n][:12]}")
 
 
 def _ref_command(kind: str, doc: str):
     """``branch`` and ``tag``: list with no NAME, create NAME at REV, or delete NAME with -d."""
     @cli.command(name=kind, help=doc)
-    @click.argument("name", required=False)
-    @click.argument("rev", required=False, default="HEAD")
+    @click.argument("name", required=False, shell_complete=_complete_ref(kind))
+    @click.argument("rev", required=False, default="HEAD", shell_complete=_complete_revision)
     @click.option("-d", "--delete", "delete", is_flag=True, help=f"Delete {kind} NAME.")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
     @click.pass_context
@@ -317,10 +470,19 @@ tag = _ref_command("tag", "List tags, create tag NAME at REV (default HEAD; tags
 
 
 @cli.command()
+@click.option("--repair-config", is_flag=True,
+              help="First rebuild a damaged or missing ckptrepo.json from what the repository holds (format "
+                   "version, default branch, creation time), saying what it did; an intact one is left as it is.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def fsck(ctx: click.Context, as_json: bool) -> None:
+def fsck(ctx: click.Context, repair_config: bool, as_json: bool) -> None:
     """Read every object and verify every checksum and reference; exit 1 if anything is broken."""
+    repaired: list[str] = []
+    if repair_config:
+        repaired = _repair_config(ctx)
+        if not as_json:
+            for line in repaired:
+                click.echo(f"repair: {line}")
     repo = _repo(ctx)
     progress = _progress()
     if progress is not None:
@@ -331,7 +493,7 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
     else:
         report = repo.fsck()
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json(dict(report.to_json(), **({"repaired": repaired} if repair_config else {})))
     else:
         for w in report.warnings:
             click.echo(f"warning: {w}")
@@ -342,6 +504,51 @@ def fsck(ctx: click.Context, as_json: bool) -> None:
                    f"{status}")
     if not report.ok:
         sys.exit(1)
+
+
+def _repair_config(ctx: click.Context) -> list[str]:
+    """Rebuild ckptrepo.json (see core._manifest.repair_config): done on the store, as a repository whose
+    config is damaged cannot be opened."""
+    from ckptrepo.core._manifest import repair_config
+    from ckptrepo.storage import open_store
+    url = ctx.obj["url"]
+    if url.startswith("memory://"):
+        raise CkptRepoError(MEMORY_ONLY.format("fsck"))
+    return repair_config(open_store(url))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Where HEAD is, and the snapshots in flight (or abandoned) and failed."""
+    from ckptrepo.tools._status import age, repo_status
+    repo = _repo(ctx)
+    st = repo_status(repo.plumbing)
+    if as_json:
+        _emit_json(st.to_json())
+        return
+    if st.damage is not None:
+        _echo_fit(printable(f"HEAD is damaged: {st.damage}"))
+    elif st.head is None:
+        _echo_fit(printable(f"On branch {st.branch}, which has no versions yet"))
+    else:
+        where = f"On branch {st.branch}" if st.branch else "HEAD detached"
+        step = f"step {st.head_step}" if st.head_step is not None else "step -"
+        _echo_fit(printable(f"{where} at {st.head[:12]} ({step}, {age(st.head_time)} ago)"))
+    _echo_fit(f"{st.versions} version(s) in the repository")
+    if st.uncommitted:
+        click.echo(f"\n{len(st.uncommitted)} snapshot(s) in flight, or abandoned (data written, no version yet; gc "
+                   f"deletes abandoned ones after its grace period):")
+        for u in st.uncommitted:
+            _echo_fit(f"  {u.id[:12]}  started {age(u.started)} ago" + ("  (distributed)" if u.distributed else ""))
+    if st.failures:
+        click.echo(f"\n{len(st.failures)} failed snapshot(s) (see `ckptrepo log --all`):")
+        for f in st.failures:
+            when = age(_number(f.get("time")) or None)
+            _echo_fit(printable(f"  {str(f.get('id'))[:12]}  step {f.get('step')}  {when} ago  {f.get('error')}"))
+    if not st.uncommitted and not st.failures:
+        click.echo("no snapshots in flight, none failed")
 
 
 @cli.command()
@@ -394,10 +601,10 @@ def du(ctx: click.Context, as_json: bool) -> None:
         return
     for u in usage.versions:
         v = u.version
-        click.echo(f"{v.short_id}  step {v.step if v.step is not None else '-':>8}  unique {_size(u.unique_bytes):>10}"
-                   f"  shared {_size(u.shared_bytes):>10}" + ("  pruned" if v.pruned else ""))
-    click.echo(f"total {_size(usage.stored_bytes)} stored ({_size(usage.total_bytes)} of tensors) for "
-               f"{len(usage.versions)} versions (each array counted once)")
+        _echo_fit(f"{v.short_id}  step {v.step if v.step is not None else '-':>8}  unique {_size(u.unique_bytes):>10}"
+                  f"  shared {_size(u.shared_bytes):>10}" + ("  pruned" if v.pruned else ""))
+    _echo_fit(f"total {_size(usage.stored_bytes)} stored ({_size(usage.total_bytes)} of tensors), "
+              f"{len(usage.versions)} versions, each array once")
 
 
 def _num(v: float | None) -> str:
@@ -405,43 +612,64 @@ def _num(v: float | None) -> str:
 
 
 @cli.command()
-@click.argument("a")
-@click.argument("b")
+@click.argument("a", shell_complete=_complete_revision)
+@click.argument("b", required=False, shell_complete=_complete_revision)
 @click.option("--stat", "summary", is_flag=True, help="One line per module prefix instead of per tensor.")
-@click.option("--depth", default=2, show_default=True, help="Name components that make a prefix (--stat).")
-@click.option("--sort", "sort_by", type=click.Choice(["name", "relative", "l2"]), default="name", show_default=True)
+@click.option("--depth", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Name components that make a prefix (--stat).")
+@click.option("--sort", "sort_by", type=click.Choice(["name", "relative", "l2"]), default="name", show_default=True,
+              help="Order of the rows: by name (numbers inside names by value: layers.2 before layers.10), or "
+                   "largest first by relative change ||B-A||/||A|| or by ||B-A||.")
 @click.option("--only-changed", is_flag=True, help="Hide unchanged tensors.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def diff(ctx: click.Context, a: str, b: str, summary: bool, depth: int, sort_by: str, only_changed: bool,
+def diff(ctx: click.Context, a: str, b: str | None, summary: bool, depth: int, sort_by: str, only_changed: bool,
          as_json: bool) -> None:
-    """Compare two versions tensor by tensor (streamed: memory stays bounded) and object by object."""
-    d = _repo(ctx).diff(a, b)
-    key = {"name": lambda r: r["name"] if "name" in r else r["prefix"],
-           "relative": lambda r: -_sortable(r["relative"]),
-           "l2": lambda r: -_sortable(r["l2"])}[sort_by]
+    """Compare version A with B tensor by tensor (streamed: memory stays bounded) and object by object; with
+    one revision, compare it with its parent (as git show does)."""
+    repo = _repo(ctx)
+    if b is None:
+        v = repo.version(a)
+        if not v.parents:
+            raise RevisionError(f"{a!r} ({v.short_id}) is a root version, with no parent to compare with; "
+                                f"name two revisions: ckptrepo diff A B")
+        a, b, title = v.parents[0], v.id, f"{v.parents[0][:12]} -> {a}"
+    else:
+        title = f"{a} -> {b}"
+    d = repo.diff(a, b)
+    key = _row_key(sort_by)
     if as_json:   # the same rows as the table: --only-changed and --sort apply
         out_json = d.to_json()
         kept = (t for t in out_json["tensors"] if not (only_changed and t["status"] == "unchanged"))
         out_json["tensors"] = sorted(kept, key=key)
         _emit_json(dict(out_json, prefixes=sorted(d.by_prefix(depth), key=key)) if summary else out_json)
         return
-    if summary:
-        _print_table(f"{a} -> {b}", ("prefix", "tensors", "changed", "||B-A||", "rel. change"),
+    if only_changed and all(t.status == "unchanged" for t in d.tensors):
+        click.echo(f"no tensor changed between {printable(a)} and {printable(b)}"
+                   f"{'' if d.objects else ', and no object'}")
+    elif summary:
+        _print_table(title, ("prefix", "tensors", "changed", "||B-A||", "rel. change"),
                      ((g["prefix"], str(g["tensors"]), str(g["changed"]), _num(g["l2"]), _num(g["relative"]))
                       for g in sorted(d.by_prefix(depth), key=key)))
     else:
         rows = [t.to_json() for t in d.tensors if not (only_changed and t.status == "unchanged")]
-        _print_table(f"{a} -> {b}", ("tensor", "status", "||B-A||", "rel. change", "max |B-A|", "cosine"),
+        _print_table(title, ("tensor", "status", "||B-A||", "rel. change", "max |B-A|", "cosine"),
                      ((t["name"], t["status"], _num(t["l2"]), _num(t["relative"]), _num(t["max_abs"]),
                        _num(t["cosine"])) for t in sorted(rows, key=key)))
     for o in d.objects:
-        click.echo(printable(f"object {o.path}: {o.status} {o.a or ''} -> {o.b or ''}".rstrip()))
+        _echo_fit(printable(f"object {o.path}: {o.status} {o.a or ''} -> {o.b or ''}".rstrip()))
+
+
+def _row_key(sort_by: str) -> Callable[[dict[str, Any]], Any]:
+    """How ``diff --sort`` orders its rows (per tensor, or per prefix with --stat)."""
+    if sort_by == "name":
+        return lambda r: natural_key(r["name"] if "name" in r else r["prefix"])
+    return lambda r: -_sortable(r[sort_by])
 
 
 @cli.command()
-@click.argument("rev", default="HEAD")
-@click.option("--pattern", default=None, help="Only tensors whose name matches this glob.")
+@click.argument("rev", default="HEAD", shell_complete=_complete_revision)
+@click.option("--pattern", default=None, help="Only tensors whose name matches this glob (*, ?, [seq]).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> None:
@@ -450,6 +678,8 @@ def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> N
     if as_json:
         _emit_json([r.to_json() for r in rows])
         return
+    if pattern is not None and not rows:
+        raise CkptRepoError(f"no tensor of {rev} matches {pattern!r}; `ckptrepo show {rev}` lists the names")
     _print_table(rev, ("tensor", "dtype", "norm", "mean", "std", "min", "max", "NaN", "Inf"),
                  ((r.name, r.dtype, _num(r.norm), _num(r.mean), _num(r.std), _num(r.min), _num(r.max), str(r.nan),
                    str(r.inf)) for r in rows))
@@ -458,11 +688,18 @@ def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> N
 SERIES_COLUMNS = ("first", "last", "min", "max", "trend")
 
 
-def _series_row(name: str, values: list[float]) -> tuple[str, ...]:
-    """A trajectory's or a metric's row: its name, then SERIES_COLUMNS."""
+def _series_row(name: str, values: list[float], spark: int | None) -> tuple[str, ...]:
+    """A trajectory's or a metric's row: its name, then SERIES_COLUMNS (the sparkline's newest ``spark``
+    values where the width allows no more)."""
     ordered = [v for v in values if v == v]   # min() and max() of a series that starts with NaN are NaN
     lo, hi = (min(ordered), max(ordered)) if ordered else (math.nan, math.nan)
-    return (name, _num(values[0]), _num(values[-1]), _num(lo), _num(hi), _sparkline(values))
+    return (name, _num(values[0]), _num(values[-1]), _num(lo), _num(hi), keep_last(_sparkline(values), spark))
+
+
+def _spark_width() -> int | None:
+    """Cells a sparkline may take: a quarter of the width, at least 10 (None: no limit)."""
+    width = _width()
+    return None if width is None else max(10, width // 4)
 
 
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -477,80 +714,113 @@ def _sparkline(values: list[float]) -> str:
     return "".join(" " if v not in finite else _SPARK[min(7, int((v - lo) / span * 7.999))] for v in values)
 
 
+def _write_csv(path: str, rows: Iterable[Sequence[Any]]) -> None:
+    import csv
+    try:
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+    except OSError as e:
+        raise ExchangeError(f"could not write {path}: {first_line(e)}") from None
+
+
+def _write_png(path: str, draw: Any) -> None:
+    try:
+        draw()
+    except OSError as e:
+        raise ExchangeError(f"could not write {path}: {first_line(e)}") from None
+
+
 @cli.command()
 @click.argument("pattern")
-@click.option("--metric", type=click.Choice(["norm", "delta", "relative-change"]), default="norm", show_default=True)
-@click.option("--rev", default="HEAD", show_default=True, help="Walk the first-parent history of this revision.")
+@click.option("--metric", type=click.Choice(["norm", "delta", "relative-change"]), default="norm", show_default=True,
+              help="What to follow: norm ||v||; delta ||v - previous||; relative-change ||v - previous|| / "
+                   "||previous|| (previous: the version before in the range; none for the first).")
+@click.option("--rev", default="HEAD", show_default=True, shell_complete=_complete_revision,
+              help="Walk the first-parent history of this revision.")
 @click.option("--since", type=int, default=None, help="First step to include.")
 @click.option("--until", type=int, default=None, help="Last step to include.")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Also write the rows as CSV.")
-@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--csv", "csv_path", metavar="FILE", default=None, help="Also write the rows as CSV.")
+@click.option("--png", "png_path", metavar="FILE", default=None,
               help="Also plot them to a PNG file (needs ckptrepo[plot]).")
+@click.option("--force", is_flag=True, help="Overwrite the --csv and --png files if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: int | None, until: int | None,
-               csv_path: str | None, png_path: str | None, as_json: bool) -> None:
+               csv_path: str | None, png_path: str | None, force: bool, as_json: bool) -> None:
     """A metric of the tensors matching PATTERN (a glob) across versions, with a terminal sparkline."""
     if png_path:
         plot.require_matplotlib()
-    points = _repo(ctx).trajectory(pattern, metric, rev, since, until)
+    repo = _repo(ctx)
+    png_path = _output(repo, png_path, force, "the plot")   # checked before the history is read
+    csv_path = _output(repo, csv_path, force, "the CSV")
+    if png_path is not None and png_path == csv_path:
+        raise ExchangeError(f"--csv and --png both name {png_path}; give them two paths")
+    points = repo.trajectory(pattern, metric, rev, since, until)
+    if not points and not as_json:
+        raise CkptRepoError(f"no {metric} values: no tensor matches {pattern!r} in the versions of {rev}"
+                            f"{' in the --since/--until range' if since is not None or until is not None else ''}"
+                            f"{' (delta and relative-change need two versions)' if metric != 'norm' else ''}")
     if png_path:
-        plot.trajectory_png(points, png_path, metric, pattern)
+        _write_png(png_path, lambda: plot.trajectory_png(points, png_path, metric, pattern))
     if csv_path:
-        import csv
-        with open(csv_path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["version", "step", "name", metric])
-            for p in points:
-                w.writerow([p.version, p.step, p.name, repr(p.value)])
+        _write_csv(csv_path, [["version", "step", "name", metric]] +
+                   [[p.version, p.step, p.name, repr(p.value)] for p in points])
     if as_json:
         _emit_json([p.to_json() for p in points])
         return
     series: dict[str, list[float]] = {}
     for p in points:
         series.setdefault(p.name, []).append(p.value)
+    spark = _spark_width()
     _print_table(f"{metric} of {pattern}", ("tensor",) + SERIES_COLUMNS,
-                 (_series_row(name, v) for name, v in series.items()))
+                 (_series_row(name, v, spark) for name, v in series.items()))
 
 
 @cli.command()
-@click.argument("rev", default="HEAD")
-@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
+@click.argument("rev", default="HEAD", shell_complete=_complete_revision)
+@click.option("--png", "png_path", metavar="FILE", default=None,
               help="Also plot them to a PNG file, one panel per metric (needs ckptrepo[plot]).")
+@click.option("--force", is_flag=True, help="Overwrite the --png file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def metrics(ctx: click.Context, rev: str, png_path: str | None, as_json: bool) -> None:
+def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, as_json: bool) -> None:
     """The recorded metrics (loss, lr, ...) along the first-parent history of REV, with a terminal sparkline."""
     if png_path:
         plot.require_matplotlib()
-    rows = _repo(ctx).metrics(rev)
+    repo = _repo(ctx)
+    png_path = _output(repo, png_path, force, "the plot")
+    rows = repo.metrics(rev)
     if png_path:
-        plot.metrics_png(rows, png_path, f"metrics of {rev}")
+        _write_png(png_path, lambda: plot.metrics_png(rows, png_path, f"metrics of {rev}"))
     if as_json:
         _emit_json(rows)
         return
+    spark = _spark_width()
     _print_table(f"metrics of {rev}", ("metric",) + SERIES_COLUMNS,
-                 (_series_row(name, v) for name, (_, v) in plot.metric_series(rows).items()))
+                 (_series_row(name, v, spark) for name, (_, v) in plot.metric_series(rows).items()))
 
 
 @cli.command()
-@click.argument("rev")
-@click.argument("out_path", metavar="OUT", type=click.Path())
+@click.argument("rev", shell_complete=_complete_revision)
+@click.argument("out_path", metavar="OUT")
 @click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp"]), default="torch", show_default=True,
-              help="torch: OUT is a torch.save file; safetensors: OUT is a directory (model.safetensors + "
+              help="torch: OUT is a torch.save file that torch.load(weights_only=True) reads (numpy values become "
+                   "tensors and plain numbers); safetensors: OUT is a directory (model.safetensors + "
                    "objects.json); dcp: OUT is a torch.distributed.checkpoint directory.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (a folder only if it holds an export).")
 @click.pass_context
-def export(ctx: click.Context, rev: str, out_path: str, fmt: str) -> None:
+def export(ctx: click.Context, rev: str, out_path: str, fmt: str, force: bool) -> None:
     """Write the full, unsharded state of REV to OUT in a plain checkpoint format."""
-    v = _repo(ctx).export(rev, out_path, format=fmt)
+    v = _repo(ctx).export(rev, out_path, format=fmt, force=force)
     click.echo(f"exported {v.short_id} ({_step(v)}) to {out_path} as {fmt}")
 
 
 @cli.command(name="import")
-@click.argument("path", type=click.Path())
+@click.argument("path")
 @click.option("--trust", is_flag=True,
               help="Allow full pickle (torch files with arbitrary objects, DCP): it can run code from the file.")
-@click.option("--step", type=int, default=None, help="The training step to record.")
+@click.option("--step", type=int, default=None,
+              help="The training step to record (default: the int under the state's 'step' key, if any).")
 @click.option("-m", "--message", default=None, help="Version message (default: where it was imported from).")
 @click.pass_context
 def import_(ctx: click.Context, path: str, trust: bool, step: int | None, message: str | None) -> None:
@@ -563,7 +833,8 @@ def import_(ctx: click.Context, path: str, trust: bool, step: int | None, messag
 def main() -> None:
     """Entry point: run the CLI, turning every error into one line on stderr and a non-zero exit."""
     try:
-        cli.main(standalone_mode=False)
+        # named, not guessed from how Python was started: completion reads _CKPTREPO_COMPLETE under any launcher
+        cli.main(standalone_mode=False, prog_name="ckptrepo")
     except click.exceptions.Abort:
         err.print("aborted")
         sys.exit(130)

@@ -18,6 +18,7 @@ its objects are rebuilt from the same skeleton types a version stores.
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +35,7 @@ import torch
 
 from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line
 from ckptrepo.state._providers import flatten, unflatten
+from ckptrepo.tools._paths import check_parent, local_path, refuse_inside
 
 FORMATS = ("torch", "safetensors", "dcp")
 SAFETENSORS_FILE = "model.safetensors"
@@ -44,14 +47,18 @@ _SAFETENSORS_UNSUPPORTED = ("complex128",)   # safetensors has no 128-bit comple
 _NO_PG_WARNING = "torch.distributed is disabled"   # DCP's notice that it runs in one process, which we intend
 
 
-def export_target(out: str | os.PathLike[str], format: str) -> Path:  # noqa: A002
+def export_target(out: str | os.PathLike[str], format: str, force: bool = False,  # noqa: A002
+                  repo_root: str | None = None) -> Path:
     """The local path an export of ``format`` writes, checked before the version is loaded: ``torch`` writes a
-    file, ``safetensors`` and ``dcp`` a directory, created if missing. Nothing is overwritten: an existing
-    file, or a non-empty directory, is an error."""
+    file, ``safetensors`` and ``dcp`` a directory, created if missing. An existing file, or a non-empty
+    directory, is an error unless ``force``; even then a directory is replaced only if it holds an export of
+    that format (``--force`` must never empty a folder of other files). Nothing is written inside the
+    repository at ``repo_root`` (a local repository's folder)."""
     if format not in FORMATS:
         raise ExchangeError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
-    path = _local_path(out, "export to")
-    _check_free(path, directory=format != "torch")
+    path = local_path(out, "export to")
+    refuse_inside(path, repo_root, "export to")
+    _check_free(path, directory=format != "torch", force=force, format=format)
     return path
 
 
@@ -63,7 +70,8 @@ def write_export(state: Any, vid: str, path: Path, format: str) -> None:  # noqa
         raise ExchangeError(f"cannot make the folder {path.parent} ({first_line(err)}); export to another "
                             f"path") from None
     if format == "torch":
-        _write_then_rename(path, lambda tmp: torch.save(state, tmp))
+        plain = weights_only_state(state)
+        _write_then_rename(path, lambda tmp: torch.save(plain, tmp))
     elif format == "safetensors":
         _write_then_rename(path, lambda tmp: _save_safetensors(state, tmp, vid))
     else:
@@ -84,8 +92,8 @@ def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
             tmp.unlink(missing_ok=True)
     try:
         write(tmp)
-        if path.is_dir():
-            path.rmdir()          # an empty directory, which _check_free allowed
+        if path.is_dir():         # an empty directory, or an export --force replaces (see _check_free)
+            shutil.rmtree(path)
         os.replace(tmp, path)
     except ExchangeError:         # refused before anything was written (a dtype safetensors lacks, ...)
         discard()
@@ -102,7 +110,7 @@ def read_checkpoint(path: str | os.PathLike[str], trust: bool = False) -> tuple[
     """The state in the checkpoint at ``path`` and where it came from ("PATH (FORMAT)", for the version's
     message). The format is detected from the path (see :func:`detect_format`); a read that fails, or is
     refused for lack of ``trust``, raises before anything is committed."""
-    p = _local_path(path, "import from")
+    p = local_path(path, "import from")
     kind = detect_format(p)
     if kind == "torch":
         state = _load_torch(p, trust)
@@ -129,24 +137,72 @@ def detect_format(path: Path) -> str:
                         f"safetensors export directory")
 
 
-def _local_path(where: str | os.PathLike[str], doing: str) -> Path:
-    """``where`` as a local path; a URL is refused (``s3://bucket/x`` would be written to ``./s3:/bucket/x``,
-    and the export would report success)."""
-    text = os.fspath(where)
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
-        raise ExchangeError(f"cannot {doing} {text}: exports and imports are local files and folders; write it "
-                            f"to a local path, and copy it from there (or keep it as a version, which any store "
-                            f"holds)")
-    return Path(text)
-
-
-def _check_free(path: Path, directory: bool) -> None:
-    if not path.exists() or (directory and path.is_dir() and not any(path.iterdir())):
+def _check_free(path: Path, directory: bool, force: bool = False, format: str = "torch") -> None:  # noqa: A002
+    if path.is_symlink() and not path.exists():
+        raise ExchangeError(f"{path} is a broken link; export to a new path")
+    if not path.exists():
+        check_parent(path)
         return
-    raise ExchangeError(f"{path} already exists; export to a new path (nothing is overwritten)")
+    if directory and path.is_dir() and not any(path.iterdir()):
+        return
+    if not force:
+        raise ExchangeError(f"{path} already exists; pass --force to overwrite it, or export to a new path")
+    if directory and path.is_dir() and _is_export(path, format):
+        return
+    if not directory and path.is_file():
+        return
+    kind = "folder" if path.is_dir() else "file" if path.is_file() else "special file"
+    raise ExchangeError(f"{path} is a {kind} that holds no {format} export, so --force does not replace it; "
+                        f"export to a new path")
+
+
+def _is_export(path: Path, format: str) -> bool:  # noqa: A002
+    """Whether the folder ``path`` holds a ``format`` export and nothing else: what --force may replace."""
+    names = {p.name for p in path.iterdir()}
+    if format == "safetensors":
+        return names <= {SAFETENSORS_FILE, OBJECTS_FILE} and SAFETENSORS_FILE in names
+    return DCP_METADATA in names and all(n == DCP_METADATA or n.endswith(".distcp") for n in names)
 
 
 # ---- torch.save --------------------------------------------------------------------------------------------------
+def weights_only_state(state: Any, path: str = "state") -> Any:
+    """``state`` with every value torch's restricted unpickler (``torch.load(weights_only=True)``) refuses made
+    into one it accepts: a numpy array becomes a tensor, a numpy scalar a Python number, and a numpy Generator
+    its bit generator's state (a dict of ints). So a torch export loads, and imports back, without trust."""
+    import numpy as np
+    if isinstance(state, dict):
+        items = ((k, weights_only_state(v, f"{path}[{k!r}]")) for k, v in state.items())
+        return collections.OrderedDict(items) if isinstance(state, collections.OrderedDict) else dict(items)
+    if isinstance(state, (list, tuple)):
+        values = [weights_only_state(v, f"{path}[{i}]") for i, v in enumerate(state)]
+        return values if isinstance(state, list) else tuple(values)
+    if isinstance(state, np.ndarray):
+        try:
+            return torch.from_numpy(np.ascontiguousarray(state).copy())
+        except (TypeError, RuntimeError):
+            raise ExchangeError(f"{path} is a numpy array of dtype {state.dtype}, which a torch export cannot hold "
+                                f"as a tensor; export with --format safetensors") from None
+    if isinstance(state, np.generic):
+        value = state.item()
+        if not isinstance(value, (bool, int, float, complex, str, bytes)):
+            raise ExchangeError(f"{path} is a numpy {state.dtype} value, which a torch export cannot hold as a "
+                                f"plain value; export with --format safetensors")
+        return value
+    random = sys.modules.get("numpy.random")   # no Generator exists unless something imported numpy.random
+    if random is not None and isinstance(state, random.Generator):
+        return weights_only_state(state.bit_generator.state, path)
+    return state
+
+
+def state_step(state: Any) -> int | None:
+    """The training step a checkpoint holds: an int under the key ``step`` at its top (as most training loops
+    save it, and as ckptrepo's examples do), or None. ``import`` records it as the version's step."""
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = step.item()
+    return step if isinstance(step, int) and not isinstance(step, bool) and -(1 << 63) <= step < (1 << 63) else None
+
+
 def _load_torch(path: Path, trust: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)

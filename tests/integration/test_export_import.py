@@ -135,9 +135,9 @@ def test_bad_paths_and_outputs_are_one_line_errors(repo, tmp_path):
                            (tmp_path / "junk.pt", "cannot read")]:
         with pytest.raises(ExchangeError, match=fragment):
             repo.import_state(path)
-    with pytest.raises(ExchangeError, match="already exists"):
+    with pytest.raises(ExchangeError, match="already exists; pass --force"):
         repo.export("HEAD", tmp_path / "junk.pt")
-    with pytest.raises(ExchangeError, match=r"cannot make the folder .*junk.pt \(.*File exists.*\); export to another"):
+    with pytest.raises(ExchangeError, match=r"cannot write .*: .*junk.pt is not a folder; write to another path"):
         repo.export("HEAD", tmp_path / "junk.pt" / "model.pt")   # a file where a folder should be
     with pytest.raises(ExchangeError, match="safetensors cannot store tensor 'z' of dtype complex128"):
         repo.export("HEAD", tmp_path / "st", format="safetensors")
