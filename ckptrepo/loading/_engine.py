@@ -47,7 +47,7 @@ from ckptrepo.errors import CorruptionError, damaged_object_error, first_line, i
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
-from ckptrepo.storage._arrays import ArrayInfo, open_array
+from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._localread import DirectReader
 from ckptrepo.storage._tensorstore import local_bytes_read
 from ckptrepo.storage.protocol import Store
@@ -55,6 +55,7 @@ from ckptrepo.storage.protocol import Store
 RUN_BYTES = 8 << 20          # reads that follow each other are coalesced up to this; a bigger read stands alone
 INFLIGHT_BYTES = 512 << 20   # runs in flight at once: bounds TensorStore's result buffers and the scratch
 DIRECT_READS = True          # stores with local files: verified preadv reads (_localread); False: always TensorStore
+LIST_BEFORE_BYTES = 1 << 30  # on a store without local files, a plan reading this much of an array lists its shards
 
 
 @dataclass
@@ -185,6 +186,7 @@ class Engine:
         runs = _coalesce(reads, self.arrays)
         if not runs:
             return
+        _check_stored(self.store, self.arrays, runs)
         direct = DirectReader.for_store(self.store) if DIRECT_READS else None
         _Execution(self, direct, on_bytes).run(runs)
 
@@ -281,6 +283,34 @@ class _DirectRead:
 
     def __init__(self, done: Future) -> None:
         self.done = done
+
+
+def _check_stored(store: Store, arrays: dict[str, ArrayInfo], runs: list[_Run]) -> None:
+    """Refuse a plan whose shard objects cannot hold what the manifest declares, before any memory is
+    allocated for it: a manifest declaring an 8 GiB tensor over a few small shards would otherwise allocate
+    8 GiB and then fail (or abort under a memory cap).
+
+    On a store of local files every shard the plan touches is looked at (missing, short, not a regular file:
+    a FIFO would also block TensorStore's read). Elsewhere the objects are listed only for an array the plan
+    reads ``LIST_BEFORE_BYTES`` or more of: a listing costs a round trip, and smaller reads allocate little."""
+    local = store.capabilities.file_root is not None
+    planned: dict[str, int] = {}
+    for run in runs:
+        planned[run.array] = planned.get(run.array, 0) + run.nbytes(arrays[run.array])
+    shards: dict[str, StoredShards] = {}
+    for run in runs:
+        info = arrays[run.array]
+        if not local and planned[run.array] < LIST_BEFORE_BYTES:
+            continue
+        stored = shards.setdefault(run.array, StoredShards(store, info))
+        # one shard at a time, stopping at the first bad one: a huge declared size is never enumerated
+        for s in range(run.start // info.shard_elems, (run.stop - 1) // info.shard_elems + 1):
+            problem = stored.problem(s)
+            if problem is not None:
+                lo, hi = s * info.shard_elems, (s + 1) * info.shard_elems
+                names = _names([r for r in run.reads if r.start < hi and r.stop > lo])
+                raise damaged_object_error(info.shard_key(s), "it does not exist" if problem == "missing" else problem,
+                                           names)
 
 
 def _read_error(store: Store, info: ArrayInfo, run: _Run, err: Exception) -> Exception:

@@ -16,7 +16,9 @@ from ckptrepo.core._refs import head_branch_lost, head_ref_blocked
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
 from ckptrepo.maintenance._gc import data_version_ids, pruned_ids, reachable_versions, ref_targets
-from ckptrepo.storage._arrays import open_array
+from ckptrepo.storage._arrays import StoredShards, open_array
+
+MISSING_SHARDS_NAMED = 5   # per array; more are counted in one line (a manifest can declare millions)
 
 
 @dataclass
@@ -154,21 +156,38 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
             _raise_if_unreachable(err, f"opening array {key}")
             report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {first_line(err)}")
             continue
+        stored, missing = StoredShards(plumbing.store, info), 0
+        present = stored.present()
         for s in info.shards():
             lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
-            try:
-                arr[lo:hi].read().result()
-            except Exception as err:  # noqa: BLE001
-                _raise_if_unreachable(err, f"reading {info.shard_key(s)}")
-                names = [t.name for t in m.tensors for p in t.pieces
-                         if p.array == key and p.offset < hi and p.offset + volume(p.box[1]) > lo]
-                report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
-                                     f"({first_line(err)}); tensors: {some_names(names)}")
+            # looked at before it is read: a FIFO would block the read, and a shard or index larger than the
+            # object would be allocated in full first
+            problem = "missing" if s not in present else stored.problem(s)
+            if problem is not None:
+                missing += 1
+                if missing <= MISSING_SHARDS_NAMED:
+                    names = [t.name for t in m.tensors for p in t.pieces
+                             if p.array == key and p.offset < hi and p.offset + volume(p.box[1]) > lo]
+                    what = "missing" if problem == "missing" else f"corrupt ({problem})"
+                    report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is {what}; "
+                                         f"tensors: {some_names(names)}")
+            else:
+                try:
+                    arr[lo:hi].read().result()
+                except Exception as err:  # noqa: BLE001
+                    _raise_if_unreachable(err, f"reading {info.shard_key(s)}")
+                    names = [t.name for t in m.tensors for p in t.pieces
+                             if p.array == key and p.offset < hi and p.offset + volume(p.box[1]) > lo]
+                    report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
+                                         f"({first_line(err)}); tensors: {some_names(names)}")
             report.objects += 1
             nbytes = (hi - lo) * info.itemsize
             report.bytes += nbytes
             if on_bytes is not None:
                 on_bytes(nbytes)
+        if missing > MISSING_SHARDS_NAMED:
+            report.errors.append(f"version {vid[:12]}: array {key} lacks {missing - MISSING_SHARDS_NAMED} more of "
+                                 f"its {len(info.shards())} declared shard objects, or holds them damaged")
 
 
 def _raise_if_unreachable(err: Exception, what: str) -> None:
