@@ -43,7 +43,14 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from ckptrepo.errors import CorruptionError, damaged_object_error, first_line, is_storage_failure, storage_failure
+from ckptrepo.errors import (
+    CorruptionError,
+    damaged_object_error,
+    first_line,
+    is_storage_failure,
+    some_names,
+    storage_failure,
+)
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
@@ -225,9 +232,14 @@ class _Execution:
         if self.direct is None:
             return self._submit_ts(run)
         info = self.arrays[run.array]
-        dests = [r.direct_target(info) for r in run.reads]
-        scratch = [torch.empty(r.numel, dtype=TORCH_DTYPES[info.dtype]) if d is None else None
-                   for r, d in zip(run.reads, dests)]
+        try:
+            dests = [r.direct_target(info) for r in run.reads]
+            scratch = [torch.empty(r.numel, dtype=TORCH_DTYPES[info.dtype]) if d is None else None
+                       for r, d in zip(run.reads, dests)]
+        except (MemoryError, RuntimeError) as err:
+            if isinstance(err, RuntimeError) and "allocate" not in str(err):
+                raise
+            raise _no_memory(run, info, err) from None
         where: dict[int, Any] = {k: d if d is not None else s for k, (d, s) in enumerate(zip(dests, scratch))}
         try:
             futs = self.direct.submit(info, run, run.reads, where)
@@ -311,6 +323,13 @@ def _check_stored(store: Store, arrays: dict[str, ArrayInfo], runs: list[_Run]) 
                 names = _names([r for r in run.reads if r.start < hi and r.stop > lo])
                 raise damaged_object_error(info.shard_key(s), "it does not exist" if problem == "missing" else problem,
                                            names)
+
+
+def _no_memory(run: _Run, info: ArrayInfo, err: BaseException) -> MemoryError:
+    """One line for a load whose tensors do not fit in memory (torch says RuntimeError; the stored objects
+    were checked first, so the sizes are real)."""
+    return MemoryError(f"not enough memory for tensor(s) {some_names(_names(run.reads))} "
+                       f"({run.nbytes(info)} bytes): {first_line(err)}")
 
 
 def _read_error(store: Store, info: ArrayInfo, run: _Run, err: Exception) -> Exception:

@@ -353,3 +353,23 @@ def test_a_load_still_reads_arrays_whose_shards_are_larger_than_their_floor(tmp_
         vid = snap.snapshot(make_state(3), step=3).result().id
     assert_same(ckptrepo.open(str(path)).load(vid), make_state(3))
     assert ckptrepo.open(str(path)).fsck().ok
+
+
+def test_a_tensor_too_big_for_memory_is_named_not_a_bare_runtime_error(tmp_path, monkeypatch):
+    """Once the stored objects back the declared sizes, what fails is memory: torch's RuntimeError becomes
+    one line naming the tensors and their bytes."""
+    path = tmp_path / "repo"
+    repo = ckptrepo.init(str(path))
+    vid = repo.snapshot({"big": torch.randn(100_000), "small": torch.randn(10)}, step=1).id
+    real_empty = torch.empty
+
+    def empty(*shape: Any, **kwargs: Any) -> torch.Tensor:   # a memory cap, as DefaultCPUAllocator reports it
+        n = 1
+        for d in (shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, torch.Size)) else shape):
+            n *= d
+        if n >= 100_000:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 400000 bytes")
+        return real_empty(*shape, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(MemoryError, match=r"not enough memory for tensor\(s\) big.* \(40\d+ bytes\): .*can.t allocate"):
+        ckptrepo.open(str(path)).load(vid)
