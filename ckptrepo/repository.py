@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ckptrepo.core._gcpause import collection_paused
 from ckptrepo.core._manifest import (
     CONFIG_KEY,
+    CONFIG_MAX_BYTES,
     HEADS_PREFIX,
     Version,
     encode_config,
@@ -60,7 +61,7 @@ def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None
     """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
     store = open_store(url, options)
     if not store.put_if_absent(CONFIG_KEY, encode_config({"created": time.time(), "default_branch": DEFAULT_BRANCH})):
-        if store.get(CONFIG_KEY) is None:
+        if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
             # bucket that does not exist as a failed condition; listing says why (NoSuchBucket, ...)
             try:

@@ -63,19 +63,19 @@ def count_manifest_reads(monkeypatch: Any, store: Any,
     round_trips = requests if requests is not None else collections.Counter()
     get, get_many = type(store).get, type(store).get_many
 
-    def counting_get(self: Any, key: str) -> Any:
+    def counting_get(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
         if key.startswith(VERSIONS_PREFIX):
             reads[key] += 1
             round_trips["get"] += 1
-        return get(self, key)
+        return get(self, key, *args, **kwargs)
 
-    def counting_get_many(self: Any, keys: Any) -> Any:
+    def counting_get_many(self: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
         manifests = [key for key in keys if key.startswith(VERSIONS_PREFIX)]
         reads.update(manifests)
         if manifests:
             round_trips["get_many"] += 1
             round_trips["batched"] += len(manifests)
-        return get_many(self, keys)
+        return get_many(self, keys, *args, **kwargs)
     monkeypatch.setattr(type(store), "get", counting_get)
     monkeypatch.setattr(type(store), "get_many", counting_get_many)
     return reads

@@ -39,6 +39,13 @@ FAILURES_PREFIX = "failures/"   # a record per background snapshot that failed (
 PRUNED_PREFIX = "pruned/"   # an empty marker per version whose data gc deleted (its manifest stays)
 SYMREF_PREFIX = "ref: "
 
+# The most bytes a reader takes of an object it reads whole (docs/format.md, "Size limits"); a bigger one is
+# damage, refused before it is read. A ref holds a version id or "ref: refs/heads/<name>", and no store keeps
+# a key (so a branch name) of more than 4096 bytes; the config holds a handful of settings. Manifests, failure
+# records and a distributed snapshot's staged parts are bounded by Store.get's default, MAX_VALUE_BYTES.
+REF_MAX_BYTES = 8 << 10
+CONFIG_MAX_BYTES = 64 << 10
+
 
 def new_version_id() -> str:
     """A fresh 32-hex-digit id: 80 random bits, then the creation time in milliseconds (48 bits).

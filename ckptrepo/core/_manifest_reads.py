@@ -113,7 +113,11 @@ class ManifestReads:
         wanted = [v for v in dict.fromkeys([vid, *following]) if not self.header_cached(v)]
         if not wanted:
             return
-        for v, raw in zip(wanted, self.store.get_many([VERSIONS_PREFIX + v for v in wanted])):
+        try:
+            raws = self.store.get_many([VERSIONS_PREFIX + v for v in wanted])
+        except CkptRepoError:   # one of them cannot be read: each is read, and judged, alone when needed
+            return
+        for v, raw in zip(wanted, raws):
             if raw is None:
                 continue
             try:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from ckptrepo.core import _revisions as revisions
 from ckptrepo.core._manifest import (
     CONFIG_KEY,
+    CONFIG_MAX_BYTES,
     FAILURES_PREFIX,
     PRUNED_PREFIX,
     decode_config,
@@ -37,7 +38,7 @@ class Plumbing:
     """
 
     def __init__(self, store: Store) -> None:
-        raw = store.get(CONFIG_KEY)
+        raw = store.get(CONFIG_KEY, CONFIG_MAX_BYTES)
         if raw is None:
             raise NotARepositoryError(f"{store.url} is not a ckptrepo repository; create one with "
                                       f"`ckptrepo init {store.url}` or pass --repo URL")
@@ -89,12 +90,12 @@ class Plumbing:
         """Records of background snapshots that failed (id, step, time, branch, message, error), newest first."""
         out = []
         for key in self.store.list(FAILURES_PREFIX):
-            raw = self.store.get(key)
-            if raw is not None:
-                try:
+            try:
+                raw = self.store.get(key)
+                if raw is not None:
                     out.append(unseal(raw, key))
-                except CkptRepoError as err:
-                    out.append({"id": key[len(FAILURES_PREFIX):], "step": None, "time": 0.0, "error": str(err)})
+            except CkptRepoError as err:   # damaged, or no file at all (a FIFO): named, not fatal to fsck
+                out.append({"id": key[len(FAILURES_PREFIX):], "step": None, "time": 0.0, "error": str(err)})
         return sorted(out, key=lambda f: f.get("time", 0.0), reverse=True)
 
     # ---- refs and revisions (the RevisionSource protocol) --------------------

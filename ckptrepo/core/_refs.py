@@ -17,7 +17,15 @@ import os
 import re
 from dataclasses import dataclass
 
-from ckptrepo.core._manifest import HEAD_KEY, HEADS_PREFIX, SYMREF_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id
+from ckptrepo.core._manifest import (
+    HEAD_KEY,
+    HEADS_PREFIX,
+    REF_MAX_BYTES,
+    SYMREF_PREFIX,
+    TAGS_PREFIX,
+    VERSIONS_PREFIX,
+    is_version_id,
+)
 from ckptrepo.errors import ConflictError, CorruptionError, RefError
 from ckptrepo.storage._localfs import LOCK_SUFFIX, remove_empty_parents
 from ckptrepo.storage.protocol import NO_VALUE, Store
@@ -128,7 +136,8 @@ class Refs:
     def head(self, for_update: bool = False) -> Head:
         """What HEAD says; its storage generation (for ``set_head``) only ``for_update``: a plain read is
         cheaper on a local store (see ``Store.get``), and most callers only look."""
-        raw, gen = self.store.get_with_generation(HEAD_KEY) if for_update else (self.store.get(HEAD_KEY), b"")
+        raw, gen = self.store.get_with_generation(HEAD_KEY, REF_MAX_BYTES) if for_update \
+            else (self.store.get(HEAD_KEY, REF_MAX_BYTES), b"")
         if raw is None:
             path = self.store.capabilities.local_path(HEAD_KEY)
             if path is not None and os.path.isdir(path):
@@ -170,10 +179,10 @@ class Refs:
             self.store.compare_and_swap(HEAD_KEY, f"{SYMREF_PREFIX}{HEADS_PREFIX}{branch}".encode(), gen)
 
     def branch_tip(self, name: str) -> str | None:
-        return ref_value(self.store.get(HEADS_PREFIX + name), HEADS_PREFIX + name)
+        return ref_value(self.store.get(HEADS_PREFIX + name, REF_MAX_BYTES), HEADS_PREFIX + name)
 
     def branch_tip_with_generation(self, name: str) -> tuple[str | None, bytes]:
-        raw, gen = self.store.get_with_generation(HEADS_PREFIX + name)
+        raw, gen = self.store.get_with_generation(HEADS_PREFIX + name, REF_MAX_BYTES)
         return ref_value(raw, HEADS_PREFIX + name), gen
 
     def move_branch(self, name: str, version: str, expected: bytes) -> bytes | None:
@@ -186,7 +195,7 @@ class Refs:
         Read back, a ref that holds exactly ``value`` (ids are unique) was written; the new generation."""
         gen = self.store.compare_and_swap(key, value, expected)
         if gen is None:
-            raw, now = self.store.get_with_generation(key)
+            raw, now = self.store.get_with_generation(key, REF_MAX_BYTES)
             if (ref_text(raw) if raw is not None else None) == (value.decode() if value is not None else None):
                 return now or b"deleted"
         return gen
@@ -240,7 +249,7 @@ class Refs:
         """
         key = (HEADS_PREFIX if kind == "branch" else TAGS_PREFIX) + name
         if seen is None:
-            raw, gen = self.store.get_with_generation(key)
+            raw, gen = self.store.get_with_generation(key, REF_MAX_BYTES)
             try:
                 seen = ref_value(raw, key), gen
             except CorruptionError:   # a damaged ref points at nothing: deleting it is the repair it asks for
@@ -263,7 +272,7 @@ class Refs:
         remove_empty_parents(os.path.dirname(os.path.join(root, key)), top)
 
     def tag_target(self, name: str) -> str | None:
-        raw = self.store.get(TAGS_PREFIX + name)
+        raw = self.store.get(TAGS_PREFIX + name, REF_MAX_BYTES)
         return ref_value(raw, TAGS_PREFIX + name)
 
     def branches(self, strict: bool = True) -> dict[str, str]:
@@ -294,8 +303,15 @@ class Refs:
                   for k in listed if _legacy_name(k[len(prefix):])]
         if damage and strict:
             raise CorruptionError(damage[0])
-        for key, raw in zip(keys, self.store.get_many(keys)):
+        raws: list[bytes | None | CorruptionError]
+        try:
+            raws = list(self.store.get_many(keys, REF_MAX_BYTES))
+        except CorruptionError:   # one is no ref at all (a FIFO, a huge file): read one by one, to name it
+            raws = [_read_ref(self.store, key) for key in keys]
+        for key, raw in zip(keys, raws):
             try:
+                if isinstance(raw, CorruptionError):
+                    raise raw
                 value = ref_value(raw, key)
             except CorruptionError as err:
                 if strict:
@@ -305,6 +321,13 @@ class Refs:
             if value is not None:
                 out[key[len(prefix):]] = value
         return out, damage
+
+
+def _read_ref(store: Store, key: str) -> bytes | None | CorruptionError:
+    try:
+        return store.get(key, REF_MAX_BYTES)
+    except CorruptionError as err:
+        return err
 
 
 def head_ref_blocked(store: Store, head: Head) -> bool:

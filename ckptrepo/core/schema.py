@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 
 from ckptrepo.core._boxes import Box, volume
 from ckptrepo.core._manifest import BULKY_FIELDS, VERSIONS_PREFIX, Version, seal, unseal, unseal_header
-from ckptrepo.errors import CorruptionError
-from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.errors import CorruptionError, UnsupportedValueError
+from ckptrepo.storage._arrays import ArrayInfo, array_problem
+from ckptrepo.storage.protocol import MAX_VALUE_BYTES
 
 Tree = Any   # a state skeleton: an opaque msgpack node (docs/format.md, state/_skeleton.py)
 
@@ -252,7 +253,7 @@ def decode_manifest(blob: bytes, vid: str) -> Manifest:
         lay = d.get("layout")
         m = Manifest(**header, layout=None if lay is None else LayoutRecord.from_raw(lay), arrays=arrays,
                      tensors=tensors, tree=d.get("tree"))
-        problem = table_problem(m)
+        problem = arrays_problem(arrays) or table_problem(m)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         problem = f"its tensor table is malformed ({type(err).__name__}: {err})"
     if problem:
@@ -272,8 +273,14 @@ def manifest_raw(m: Manifest) -> dict[str, Any]:
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    """The sealed bytes of ``m``, as stored under ``versions/<id>``."""
-    return seal(manifest_raw(m))
+    """The sealed bytes of ``m``, as stored under ``versions/<id>``; one bigger than a reader accepts
+    (``MAX_VALUE_BYTES``) is refused here, before it is committed as a version nobody could read."""
+    blob = seal(manifest_raw(m))
+    if len(blob) > MAX_VALUE_BYTES:
+        raise UnsupportedValueError(f"the manifest of this snapshot would be {len(blob)} bytes, more than the "
+                                    f"{MAX_VALUE_BYTES} a reader accepts (docs/format.md): save fewer, larger "
+                                    f"tensors, or shorter names")
+    return blob
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,10 +306,16 @@ class RankPart:
 
     @classmethod
     def from_raw(cls, d: dict[str, Any]) -> "RankPart":
-        return cls(d["rank"], d.get("step"), d["tree"], tuple(d["leaf_names"]),
+        part = cls(d["rank"], d.get("step"), d["tree"], tuple(d["leaf_names"]),
                    tuple((n, dtype, tuple(shape)) for n, dtype, shape in d["names"]), d.get("coords"),
                    tuple((t["name"], tuple(map(_piece, t["pieces"]))) for t in d["tensors"]),
                    {k: ArrayInfo.from_json(k, a) for k, a in d["arrays"].items()}, tuple(d.get("fingerprints", ())))
+        problem = arrays_problem(part.arrays) or next(
+            (f"a piece of {n} points into {p.array!r}, which the part does not list"
+             for n, ps in part.tensors for p in ps if p.array not in part.arrays), None)
+        if problem:   # merged, it would commit a version no reader accepts
+            raise ValueError(problem)
+        return part
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +343,13 @@ def decode_rank_part(blob: bytes, what: str) -> RankPart | RankFailure:
         return RankPart.from_raw(d)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CorruptionError(f"{what} is not a rank's part of a snapshot ({type(err).__name__}: {err})") from None
+
+
+def arrays_problem(arrays: dict[str, ArrayInfo]) -> str | None:
+    """The first array record whose key or geometry is unsafe to read (``array_problem``), or None: checked
+    once here, so that every read path, direct or through TensorStore, only meets keys and sizes it can
+    trust."""
+    return next(filter(None, map(array_problem, arrays.values())), None)
 
 
 def table_problem(m: Manifest) -> str | None:

@@ -43,11 +43,18 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from ckptrepo.errors import CorruptionError, damaged_object_error, first_line, is_storage_failure, storage_failure
+from ckptrepo.errors import (
+    CorruptionError,
+    damaged_object_error,
+    first_line,
+    is_storage_failure,
+    some_names,
+    storage_failure,
+)
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
-from ckptrepo.storage._arrays import ArrayInfo, open_array
+from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, foreign_chunk_error, read_table
 from ckptrepo.storage._localread import DirectReader
 from ckptrepo.storage._tensorstore import local_bytes_read
@@ -56,6 +63,7 @@ from ckptrepo.storage.protocol import Store
 RUN_BYTES = 8 << 20          # reads that follow each other are coalesced up to this; a bigger read stands alone
 INFLIGHT_BYTES = 512 << 20   # runs in flight at once: bounds TensorStore's result buffers and the scratch
 DIRECT_READS = True          # stores with local files: verified preadv reads (_localread); False: always TensorStore
+LIST_BEFORE_BYTES = 1 << 30  # on a store without local files, a plan reading this much of an array lists its shards
 
 
 @dataclass
@@ -193,6 +201,7 @@ class Engine:
         runs = _coalesce(reads, self.arrays)
         if not runs:
             return
+        _check_stored(self.store, self.arrays, runs)
         direct = DirectReader.for_store(self.store) if DIRECT_READS else None
         _Execution(self, direct, on_bytes).run(runs)
 
@@ -232,9 +241,14 @@ class _Execution:
             return self._submit_ts(run)
         info = self.arrays[run.array]
         self.direct.expect(info, self.engine.table(run.array))
-        dests = [r.direct_target(info) for r in run.reads]
-        scratch = [torch.empty(r.numel, dtype=TORCH_DTYPES[info.dtype]) if d is None else None
-                   for r, d in zip(run.reads, dests)]
+        try:
+            dests = [r.direct_target(info) for r in run.reads]
+            scratch = [torch.empty(r.numel, dtype=TORCH_DTYPES[info.dtype]) if d is None else None
+                       for r, d in zip(run.reads, dests)]
+        except (MemoryError, RuntimeError) as err:
+            if isinstance(err, RuntimeError) and "allocate" not in str(err):
+                raise
+            raise _no_memory(run, info, err) from None
         where: dict[int, Any] = {k: d if d is not None else s for k, (d, s) in enumerate(zip(dests, scratch))}
         try:
             futs = self.direct.submit(info, run, run.reads, where)
@@ -325,6 +339,41 @@ class _DirectRead:
 
     def __init__(self, done: Future) -> None:
         self.done = done
+
+
+def _check_stored(store: Store, arrays: dict[str, ArrayInfo], runs: list[_Run]) -> None:
+    """Refuse a plan whose shard objects cannot hold what the manifest declares, before any memory is
+    allocated for it: a manifest declaring an 8 GiB tensor over a few small shards would otherwise allocate
+    8 GiB and then fail (or abort under a memory cap).
+
+    On a store of local files every shard the plan touches is looked at (missing, short, not a regular file:
+    a FIFO would also block TensorStore's read). Elsewhere the objects are listed only for an array the plan
+    reads ``LIST_BEFORE_BYTES`` or more of: a listing costs a round trip, and smaller reads allocate little."""
+    local = store.capabilities.file_root is not None
+    planned: dict[str, int] = {}
+    for run in runs:
+        planned[run.array] = planned.get(run.array, 0) + run.nbytes(arrays[run.array])
+    shards: dict[str, StoredShards] = {}
+    for run in runs:
+        info = arrays[run.array]
+        if not local and planned[run.array] < LIST_BEFORE_BYTES:
+            continue
+        stored = shards.setdefault(run.array, StoredShards(store, info))
+        # one shard at a time, stopping at the first bad one: a huge declared size is never enumerated
+        for s in range(run.start // info.shard_elems, (run.stop - 1) // info.shard_elems + 1):
+            problem = stored.problem(s)
+            if problem is not None:
+                lo, hi = s * info.shard_elems, (s + 1) * info.shard_elems
+                names = _names([r for r in run.reads if r.start < hi and r.stop > lo])
+                raise damaged_object_error(info.shard_key(s), "it does not exist" if problem == "missing" else problem,
+                                           names)
+
+
+def _no_memory(run: _Run, info: ArrayInfo, err: BaseException) -> MemoryError:
+    """One line for a load whose tensors do not fit in memory (torch says RuntimeError; the stored objects
+    were checked first, so the sizes are real)."""
+    return MemoryError(f"not enough memory for tensor(s) {some_names(_names(run.reads))} "
+                       f"({run.nbytes(info)} bytes): {first_line(err)}")
 
 
 def _read_error(store: Store, info: ArrayInfo, run: _Run, err: Exception) -> Exception:

@@ -28,8 +28,10 @@ from ckptrepo.maintenance._gc import (
     reachable_versions,
     ref_targets,
 )
-from ckptrepo.storage._arrays import open_array
+from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
+
+MISSING_SHARDS_NAMED = 5   # per array; more are counted in one line (a manifest can declare millions)
 
 
 @dataclass
@@ -204,27 +206,49 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
             _raise_if_unreachable(err, f"opening array {key}")
             report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {first_line(err)}")
             continue
+        stored, missing = StoredShards(plumbing.store, info), 0
+        present = stored.present()
         for s in info.shards():
             lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
-            try:
-                data = arr[lo:hi].read().result()
-                bad = None if table is None else \
-                    first_mismatch(table, lo // info.inner_elems, chunk_crcs(info, data.view(np.uint8)))
-            except Exception as err:  # noqa: BLE001
-                _raise_if_unreachable(err, f"reading {info.shard_key(s)}")
-                report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
-                                     f"({first_line(err)}); tensors: {some_names(_names_in(m, key, lo, hi))}")
-            else:
-                if bad is not None:
-                    chunk = lo // info.inner_elems + bad
-                    report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} holds data its manifest "
-                                         f"does not name (inner chunk {chunk} is another version's or stale); "
+            # looked at before it is read: a FIFO would block the read, and a shard or index larger than the
+            # object would be allocated in full first
+            problem = "missing" if s not in present else stored.problem(s)
+            if problem is not None:
+                missing += 1
+                if missing <= MISSING_SHARDS_NAMED:
+                    what = "missing" if problem == "missing" else f"corrupt ({problem})"
+                    report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is {what}; "
                                          f"tensors: {some_names(_names_in(m, key, lo, hi))}")
+            else:
+                _check_shard(arr, table, vid, m, info, s, report)
             report.objects += 1
             nbytes = (hi - lo) * info.itemsize
             report.bytes += nbytes
             if on_bytes is not None:
                 on_bytes(nbytes)
+        if missing > MISSING_SHARDS_NAMED:
+            report.errors.append(f"version {vid[:12]}: array {key} lacks {missing - MISSING_SHARDS_NAMED} more of "
+                                 f"its {len(info.shards())} declared shard objects, or holds them damaged")
+
+
+def _check_shard(arr: Any, table: np.ndarray | None, vid: str, m: Manifest, info: ArrayInfo, s: int,
+                 report: FsckReport) -> None:
+    """Read shard ``s`` through TensorStore (which checks each chunk's crc32c) and check its chunks against the
+    array's chunk table."""
+    lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
+    try:
+        data = arr[lo:hi].read().result()
+        bad = None if table is None else \
+            first_mismatch(table, lo // info.inner_elems, chunk_crcs(info, data.view(np.uint8)))
+    except Exception as err:  # noqa: BLE001
+        _raise_if_unreachable(err, f"reading {info.shard_key(s)}")
+        report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
+                             f"({first_line(err)}); tensors: {some_names(_names_in(m, info.key, lo, hi))}")
+        return
+    if bad is not None:
+        report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} holds data its manifest does not "
+                             f"name (inner chunk {lo // info.inner_elems + bad} is another version's or stale); "
+                             f"tensors: {some_names(_names_in(m, info.key, lo, hi))}")
 
 
 def _names_in(m: Manifest, key: str, lo: int, hi: int) -> list[str]:

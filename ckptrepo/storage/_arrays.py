@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
+from ckptrepo.storage._localfs import file_kind, file_size
 from ckptrepo.storage.protocol import Store
 
 SHARD_BYTES = 64 << 20
@@ -73,6 +76,111 @@ class ArrayInfo:
 
 
 INDEX_ENTRY_BYTES = 16   # a shard index's (offset, length) per inner chunk, uint64 each
+ZARR_JSON = "zarr.json"
+ZARR_JSON_MAX_BYTES = 1 << 20   # an array's metadata is a few hundred bytes; a bigger one is damage
+
+# What a manifest may declare of an array: generous beside what this release writes (shards of at most
+# SHARD_BYTES in inner chunks of 4 to 64 KiB), so that other geometries still read, and tight enough that a
+# declared size cannot make a reader allocate what no store holds (docs/format.md, "Size limits").
+MAX_SHARD_BYTES = 4 << 30        # one shard object's data
+MAX_INDEX_ENTRIES = 1 << 20      # inner chunks per shard: a shard index of at most 16 MiB
+MAX_SHARDS = 1 << 24             # shard objects per array
+MAX_ARRAY_BYTES = 1 << 50        # one array's data (one rank's tensors of one dtype)
+_ARRAY_KEY = re.compile(r"data/[0-9a-f]{32}/(?:0|[1-9][0-9]{0,8})/([a-z][a-z0-9_]{0,31})")
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int
+
+
+def array_problem(info: ArrayInfo) -> str | None:
+    """What makes an array record unsafe to read, or None: a key that is not ``data/<id>/<rank>/<dtype>``
+    (``..`` or an absolute path would make a local read open files outside the repository), or a geometry
+    that is not positive whole numbers within the bounds above (a declared 16 GiB shard index would be
+    allocated before a byte of it is read).
+
+    A crc32c proves a manifest's bytes are as sealed, not that whoever sealed them was this writer."""
+    match = _ARRAY_KEY.fullmatch(info.key) if isinstance(info.key, str) else None
+    if match is None:
+        return f"array key {str(info.key)[:80]!r} is not data/<id>/<rank>/<dtype>"
+    if info.dtype != match.group(1):
+        return f"array {info.key} is said to hold {str(info.dtype)[:20]!r}, not the dtype its key names"
+    try:
+        item = itemsize(info.dtype)
+    except Exception:  # noqa: BLE001 - TensorStore raises ValueError and friends for a name it does not know
+        return f"array {info.key} has dtype {info.dtype!r}, which is no zarr data type"
+    numel, shard, inner = info.numel, info.shard_elems, info.inner_elems
+    if not (_count(numel) and _count(shard) and _count(inner)) or numel < 0 or shard < 1 or inner < 1:
+        return f"array {info.key} has a geometry of no whole sizes (numel {numel!r}, shard_elems {shard!r}, " \
+               f"inner_elems {inner!r})"
+    if shard % inner:
+        return f"array {info.key} has shards of {shard} elements, not a whole number of {inner}-element chunks"
+    index_bound = MAX_INDEX_ENTRIES * INDEX_ENTRY_BYTES
+    for what, value, bound in (("shards of", shard * item, MAX_SHARD_BYTES),
+                               ("a shard index of", shard // inner * INDEX_ENTRY_BYTES, index_bound),
+                               ("a size of", numel * item, MAX_ARRAY_BYTES)):
+        if value > bound:
+            return f"array {info.key} declares {what} {value} bytes, more than the {bound} the format allows"
+    if -(-numel // shard) > MAX_SHARDS:
+        return f"array {info.key} declares {-(-numel // shard)} shards, more than the {MAX_SHARDS} the format allows"
+    return None
+
+
+def shard_floor(info: ArrayInfo, index: int) -> int:
+    """The fewest bytes shard object ``index`` holds when whole: each of its inner chunks (the last one padded)
+    with its crc32c, then the index of every chunk the shard can hold, with its crc32c. Chunks written from
+    memory may sit further apart (localwrite), never closer."""
+    lo = index * info.shard_elems
+    chunks = -(-(min(info.numel, lo + info.shard_elems) - lo) // info.inner_elems)
+    return chunks * (info.inner_bytes + 4) + info.shard_elems // info.inner_elems * INDEX_ENTRY_BYTES + 4
+
+
+class StoredShards:
+    """What a store holds of an array's shard objects, looked at without reading them, so that sizes a
+    manifest declares are checked against the objects before anyone allocates for them.
+
+    On a store of local files each shard's file is looked at (a missing, short or non-regular file is
+    named); elsewhere the array's shards are listed once (a missing object is named; a short one is left
+    to its read, which fails on it)."""
+
+    def __init__(self, store: Store, info: ArrayInfo) -> None:
+        self.store, self.info = store, info
+        self._present: set[int] | None = None
+        self._seen: dict[int, str | None] = {}
+
+    def present(self) -> set[int]:
+        """The indices of the shard objects the store lists (listed once: what is stored, whatever the
+        manifest declares)."""
+        if self._present is None:
+            prefix = f"{self.info.key}/c/"
+            names = (key[len(prefix):] for key in self.store.list(prefix))
+            self._present = {int(n) for n in names if n.isascii() and n.isdigit() and len(n) < 10}
+        return self._present
+
+    def problem(self, index: int) -> str | None:
+        """What is wrong with shard object ``index`` as stored, or None: "missing", or why it cannot hold
+        the declared shard (each shard looked at once)."""
+        if index not in self._seen:
+            self._seen[index] = self._look(index)
+        return self._seen[index]
+
+    def _look(self, index: int) -> str | None:
+        key = self.info.shard_key(index)
+        path = self.store.capabilities.file_path(key)
+        if path is None:
+            return None if index in self.present() else "missing"
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return "missing"
+        except OSError:
+            return None   # its read reports it
+        if not stat.S_ISREG(st.st_mode):
+            return f"{file_kind(st.st_mode)}, not a file"
+        want = shard_floor(self.info, index)
+        if st.st_size < want:
+            return f"{st.st_size} bytes, fewer than the {want} its declared chunks and index take"
+        return None
 
 
 def layout_bytes(info: ArrayInfo) -> int:
@@ -184,7 +292,15 @@ def create_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
 
 
 def open_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
-    """Open an existing array for reading; its metadata must match the manifest's."""
+    """Open an existing array for reading; its metadata must match the manifest's. On a file store its
+    ``zarr.json`` is looked at first: TensorStore would block on a FIFO, or read a huge file whole."""
+    key = f"{info.key}/{ZARR_JSON}"
+    path = store.capabilities.file_path(key)
+    if path is not None:
+        try:
+            file_size(path, key, ZARR_JSON_MAX_BYTES)
+        except OSError:
+            pass   # TensorStore's open reports it
     spec = {"driver": "zarr3", "kvstore": store.child_spec(info.key), "metadata": zarr_metadata(info),
             "open": True, "fill_missing_data_reads": False, "recheck_cached_data": False}
     return ts.open(spec, context=store.context, read=True).result()

@@ -71,7 +71,7 @@ def read_table(store: Store, info: ArrayInfo) -> np.ndarray | None:
     if info.digest is None:
         return None
     key = table_key(info.key)
-    raw = store.get(key)
+    raw = store.get(key, 4 * chunk_count(info))
     if raw is None:
         raise CorruptionError(f"object {key} is missing: array {info.key} cannot be checked against the "
                               f"manifest that names it; run `ckptrepo fsck`")

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptrepo.storage._arrays import MISSING_CHUNK, ArrayInfo, metadata_matches
+from ckptrepo.storage._arrays import MISSING_CHUNK, ZARR_JSON, ZARR_JSON_MAX_BYTES, ArrayInfo, metadata_matches
 from ckptrepo.storage._chunktable import first_mismatch
 from ckptrepo.storage._crc import crc32c
-from ckptrepo.storage._localfs import ByteCounter
+from ckptrepo.storage._localfs import ByteCounter, open_regular, read_regular
 from ckptrepo.storage._vectored import transfer_all
-from ckptrepo.storage.protocol import Store
+from ckptrepo.storage.protocol import Store, StoreCapabilities
 
 
 def _usable_cpus() -> int:
@@ -84,6 +84,7 @@ class DirectReader:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        self._files = StoreCapabilities(local_root=root)   # maps keys onto files, refusing '..' and the like
         self.pool = _reader_pool()
         self._tasks: list[Future] = []
         self._shards: dict[str, _Shard] = {}                     # shard key -> its verified index
@@ -114,11 +115,12 @@ class DirectReader:
             ok = self._metadata.get(info.key)
         if ok is None:
             try:
-                with open(os.path.join(self.root, info.key, "zarr.json"), "rb") as f:
-                    raw = f.read()
+                raw = read_regular(self._path(f"{info.key}/{ZARR_JSON}"), info.key, ZARR_JSON_MAX_BYTES)
+                if raw is None:
+                    raise Unexpected(f"{info.key}: no {ZARR_JSON}")
                 _count(len(raw))
                 ok = metadata_matches(info, json.loads(raw))
-            except (OSError, ValueError):
+            except Exception:  # noqa: BLE001 - whatever it is, TensorStore's path opens the array and judges
                 ok = False
             with self._lock:
                 self._metadata[info.key] = ok
@@ -156,13 +158,26 @@ class DirectReader:
             c = stop
         return futs
 
+    def _path(self, key: str) -> str:
+        """The file of ``key`` under the root; a key that is no plain path there (``..``, empty parts) is
+        refused, whatever the manifest that named it says."""
+        path = self._files.local_path(key)
+        if path is None:
+            raise Unexpected(f"{key!r} is not a key of this store")
+        return path
+
     def _open(self, info: ArrayInfo, s: int) -> int:
         """A descriptor of shard object ``s``, for one task: a load holds no more files open than it has
-        reader threads (one descriptor per shard would meet the open-file limit: 1024 shards are 64 GiB)."""
+        reader threads (one descriptor per shard would meet the open-file limit: 1024 shards are 64 GiB).
+        Only a regular file is opened, without blocking (open_regular): a FIFO would hang the task."""
+        key = info.shard_key(s)
         try:
-            return os.open(os.path.join(self.root, info.shard_key(s)), os.O_RDONLY)
+            fd = open_regular(self._path(key), key)
         except OSError as err:
             raise Unexpected(str(err)) from err
+        if fd is None:
+            raise Unexpected(f"{key}: missing")
+        return fd
 
     def _shard(self, info: ArrayInfo, s: int, fd: int) -> "_Shard":
         """Shard object ``s``'s verified index, read through ``fd`` once per load and shared by the tasks."""

@@ -19,9 +19,17 @@ from urllib.parse import unquote
 
 import tensorstore as ts
 
-from ckptrepo.errors import StorageError, first_line, storage_failure_hint
-from ckptrepo.storage._localfs import LOCK_SUFFIX, ByteCounter, remove_empty_folders
-from ckptrepo.storage.protocol import NO_VALUE, StoreCapabilities
+from ckptrepo.errors import CkptRepoError, StorageError, first_line, storage_failure_hint
+from ckptrepo.storage._localfs import (
+    LOCK_SUFFIX,
+    ByteCounter,
+    check_lock_file,
+    file_size,
+    read_regular,
+    remove_empty_folders,
+    too_big,
+)
+from ckptrepo.storage.protocol import MAX_VALUE_BYTES, NO_VALUE, StoreCapabilities
 
 _memory_lock = threading.Lock()
 _memory_context: ts.Context | None = None
@@ -181,12 +189,14 @@ def _capabilities(spec: dict[str, Any]) -> StoreCapabilities:
     """What the store of kvstore ``spec`` offers: the one place that decides whether its keys are local files.
 
     Only a ``file`` spec with nothing but its path maps keys plainly onto files under
-    that path; options such as a file_io_sync override leave I/O to TensorStore.
+    that path for direct I/O; options such as a file_io_sync override leave I/O to TensorStore. Either way
+    its files are looked at before TensorStore opens one (``file_root``): its file store blocks on a FIFO.
     """
     driver = spec.get("driver")
     if driver == "file":
         plain = not set(spec) - {"driver", "path"}
-        return StoreCapabilities(local_root=spec["path"] if plain else None, reserved_suffixes=(LOCK_SUFFIX,))
+        return StoreCapabilities(local_root=spec["path"] if plain else None, reserved_suffixes=(LOCK_SUFFIX,),
+                                 file_root=spec["path"])
     # the memory kvstore keeps the bytes it is handed as the value, not a copy of them
     return StoreCapabilities(keeps_written_buffers=driver == "memory")
 
@@ -231,27 +241,43 @@ class TensorStoreStore:
         return f"{self.url} ({self.spec.get('driver')} kvstore)"
 
     # ---- plain objects -------------------------------------------------
-    def get(self, key: str) -> bytes | None:
-        """The value at ``key``, or None when absent.
+    def _look(self, key: str, max_bytes: int | None = None) -> None:
+        """On a file store, refuse (CorruptionError) what TensorStore must not open for ``key``: a FIFO blocks
+        its read forever, and a file over ``max_bytes`` would be read whole. A failure to look is left to
+        TensorStore's read, which reports it."""
+        path = self.capabilities.file_path(key)
+        if path is not None:
+            try:
+                file_size(path, key, max_bytes)
+            except OSError:
+                pass
+
+    def _before_write(self, key: str) -> None:
+        """On a file store, refuse to write ``key`` past a lock file that is not a file (see check_lock_file)."""
+        path = self.capabilities.file_path(key)
+        if path is not None:
+            check_lock_file(path, key)
+
+    def get(self, key: str, max_bytes: int = MAX_VALUE_BYTES) -> bytes | None:
+        """The value at ``key``, or None when absent; over ``max_bytes``, CorruptionError.
 
         On a store with a local root a plain key is read with one ``open``: TensorStore's first read in a
         process starts its I/O threads, which a load that reads its data through the direct path
-        (localread) would otherwise pay for two small objects (HEAD, the ref). Anything unusual goes
-        through TensorStore, which reports it.
+        (localread) would otherwise pay for two small objects (HEAD, the ref). Only a regular file is read,
+        and no more of it than ``max_bytes`` and one byte. A failure to open it goes through TensorStore,
+        which reports it.
         """
         path = self.capabilities.local_path(key)
         if path is not None:
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                return None
+                data = read_regular(path, key, max_bytes)
             except OSError:
                 pass
             else:
-                _local_reads.add(len(data))
+                if data is not None:
+                    _local_reads.add(len(data))
                 return data
-        value, _ = self.get_with_generation(key)
+        value, _ = self.get_with_generation(key, max_bytes)
         return value
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
@@ -263,6 +289,7 @@ class TensorStoreStore:
         """
         if offset < 0 or length < 0:
             raise ValueError(f"a byte range needs a non-negative offset and length, not {offset}, {length}")
+        self._look(key)
         r = self._read_range(key, offset, offset + length)
         if r is None:   # the range runs past the value's end
             r = self._read_range(key, offset, None)
@@ -279,9 +306,12 @@ class TensorStoreStore:
                 return None
             raise _wrap(err, f"reading {key}") from err
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int = MAX_VALUE_BYTES) -> list[bytes | None]:
         """The values at ``keys`` (None where absent), all requested at once: on S3 or GCS one round trip's
-        latency instead of one per key."""
+        latency instead of one per key. Each is bounded by ``max_bytes``: on a file store before it is read,
+        elsewhere once it is (TensorStore tells no size first)."""
+        for key in keys:
+            self._look(key, max_bytes)
         futures = [self.kv.read(key) for key in keys]
         out: list[bytes | None] = []
         for key, fut in zip(keys, futures):
@@ -289,21 +319,22 @@ class TensorStoreStore:
                 r = fut.result()
             except Exception as err:  # noqa: BLE001
                 raise _wrap(err, f"reading {key}") from err
-            out.append(bytes(r.value) if r.state == "value" else None)
+            out.append(_bounded(key, r, max_bytes))
         return out
 
-    def get_with_generation(self, key: str) -> tuple[bytes | None, bytes]:
-        """The value and its storage generation (the token for compare-and-swap)."""
+    def get_with_generation(self, key: str, max_bytes: int = MAX_VALUE_BYTES) -> tuple[bytes | None, bytes]:
+        """The value (bounded as in ``get_many``) and its storage generation (the token for compare-and-swap)."""
+        self._look(key, max_bytes)
         try:
             r = self.kv.read(key).result()
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"reading {key}") from err
-        if r.state != "value":
-            return None, NO_VALUE
-        return bytes(r.value), r.stamp.generation
+        value = _bounded(key, r, max_bytes)
+        return (None, NO_VALUE) if value is None else (value, r.stamp.generation)
 
     def put(self, key: str, value: bytes) -> None:
         """Write ``value`` durably (to the extent the driver guarantees)."""
+        self._before_write(key)
         try:
             self.kv.write(key, value).result()
         except Exception as err:  # noqa: BLE001
@@ -314,7 +345,10 @@ class TensorStoreStore:
 
         ``NO_VALUE`` as the expected generation means "only if absent". Returns
         the new generation when the write happened, None when the condition failed.
+        On a file store the present value is looked at first: TensorStore reads it to compare.
         """
+        self._look(key)
+        self._before_write(key)
         try:
             stamp = self.kv.write(key, value, if_equal=expected_generation).result()
         except Exception as err:  # noqa: BLE001
@@ -326,7 +360,16 @@ class TensorStoreStore:
         return self.compare_and_swap(key, value, NO_VALUE) is not None
 
     def exists(self, key: str) -> bool:
-        """Whether ``key`` holds a value."""
+        """Whether ``key`` holds a value; on a file store, a FIFO, socket or device there counts without being
+        opened (it is something in the value's place, which reading it reports as damage)."""
+        path = self.capabilities.file_path(key)
+        if path is not None:
+            try:
+                file_size(path, key)
+            except CkptRepoError:
+                return True
+            except OSError:
+                pass
         try:
             r = self.kv.read(key, byte_range=slice(0, 0)).result()
         except Exception as err:  # noqa: BLE001
@@ -349,6 +392,7 @@ class TensorStoreStore:
 
     def delete(self, key: str) -> None:
         """Delete ``key`` (no error when absent)."""
+        self._before_write(key)
         try:
             self.kv.write(key, None).result()
         except Exception as err:  # noqa: BLE001
@@ -371,6 +415,15 @@ class TensorStoreStore:
         spec = dict(self.spec)
         spec["path"] = spec.get("path", "") + _dir(key_prefix)
         return spec
+
+
+def _bounded(key: str, r: Any, max_bytes: int) -> bytes | None:
+    """A TensorStore read result's value, None when absent; one over ``max_bytes`` raises CorruptionError."""
+    if r.state != "value":
+        return None
+    if len(r.value) > max_bytes:
+        raise too_big(key, len(r.value), max_bytes)
+    return bytes(r.value)
 
 
 def _prefix_end(prefix: str) -> bytes:

@@ -19,6 +19,11 @@ Three things are outside plain key-value access:
   :class:`StoreCapabilities` (``local_root``); the direct read and write paths
   (``_localread``, ``_localwrite``) and local housekeeping (empty folders after
   deletes) use the files only when it does.
+
+Reads of whole values are bounded: ``get`` and its kin refuse a value over
+``max_bytes`` (default :data:`MAX_VALUE_BYTES`) with a CorruptionError naming the
+key, and a store of local files refuses any file that is not a regular file
+(a FIFO, socket or device, which would block or never end) the same way.
 """
 from __future__ import annotations
 
@@ -29,11 +34,16 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 if TYPE_CHECKING:
     import tensorstore as ts
 
-__all__ = ["NO_VALUE", "Store", "StoreCapabilities"]
+__all__ = ["MAX_VALUE_BYTES", "NO_VALUE", "Store", "StoreCapabilities"]
 
 # The generation of an absent key: what ``get_with_generation`` returns for one, and what ``compare_and_swap``
 # takes to mean "only if absent". TensorStore's StorageGeneration::NoValue(), so its generations pass unchanged.
 NO_VALUE = b"\x02"
+
+# The largest value ``get``, ``get_many`` and ``get_with_generation`` read unless told a smaller bound: the
+# format's largest object read whole, a manifest (docs/format.md, "Size limits"). Anything bigger is damage,
+# refused before it is read where the store can tell its size first (a local file).
+MAX_VALUE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -56,17 +66,28 @@ class StoreCapabilities:
     # Key endings the store uses for itself (a file store's lock files): such keys are never listed, and are
     # not the caller's to read or write.
     reserved_suffixes: tuple[str, ...] = ()
+    # The directory whose files are the store's keys even where its I/O is left to TensorStore (a file store
+    # with options): what the store looks at before TensorStore opens a file, which a FIFO would block.
+    # ``local_root`` implies it.
+    file_root: str | None = None
+
+    def file_path(self, key: str) -> str | None:
+        """The file that holds ``key`` under ``file_root`` (or ``local_root``), as ``local_path`` maps keys."""
+        return _key_path(self.file_root or self.local_root, key, self.reserved_suffixes)
 
     def local_path(self, key: str) -> str | None:
         """The file holding ``key`` under ``local_root``, for keys that map plainly onto a path; None otherwise
         (no local root, or a key with empty, ``.`` or ``..`` parts, a NUL or a reserved ending, which the
         store's own operations handle and report)."""
-        root = self.local_root
-        if root is None or not key or "\0" in key or key.endswith(self.reserved_suffixes):
-            return None
-        if any(part in ("", ".", "..") for part in key.split("/")):
-            return None
-        return os.path.join(root, key)
+        return _key_path(self.local_root, key, self.reserved_suffixes)
+
+
+def _key_path(root: str | None, key: str, reserved: tuple[str, ...]) -> str | None:
+    if root is None or not key or "\0" in key or key.endswith(reserved):
+        return None
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        return None
+    return os.path.join(root, key)
 
 
 @runtime_checkable
@@ -94,8 +115,8 @@ class Store(Protocol):
         ...
 
     # ---- reads ----------------------------------------------------------
-    def get(self, key: str) -> bytes | None:
-        """The value at ``key``, or None when absent."""
+    def get(self, key: str, max_bytes: int = MAX_VALUE_BYTES) -> bytes | None:
+        """The value at ``key``, or None when absent; a value over ``max_bytes`` raises CorruptionError."""
         ...
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
@@ -103,18 +124,19 @@ class Store(Protocol):
         first, empty from or past its end; None when absent. Negative numbers raise ValueError."""
         ...
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int = MAX_VALUE_BYTES) -> list[bytes | None]:
         """The values at ``keys`` in their order (None where absent), requested together so that a remote store
-        pays one round trip's latency rather than one per key."""
+        pays one round trip's latency rather than one per key; each bounded by ``max_bytes`` as in :meth:`get`."""
         ...
 
-    def get_with_generation(self, key: str) -> tuple[bytes | None, bytes]:
-        """The value at ``key`` and its generation (:data:`NO_VALUE` when absent), the token for
-        :meth:`compare_and_swap`."""
+    def get_with_generation(self, key: str, max_bytes: int = MAX_VALUE_BYTES) -> tuple[bytes | None, bytes]:
+        """The value at ``key`` (bounded by ``max_bytes`` as in :meth:`get`) and its generation
+        (:data:`NO_VALUE` when absent), the token for :meth:`compare_and_swap`."""
         ...
 
     def exists(self, key: str) -> bool:
-        """Whether ``key`` holds a value (an empty value counts)."""
+        """Whether ``key`` holds a value (an empty value counts, and so does a file that cannot be one, such
+        as a FIFO: something is there, which reading it reports)."""
         ...
 
     def list(self, prefix: str = "") -> list[str]:

@@ -91,6 +91,19 @@ class StoreTests:
         assert store.get_many(["large/value"]) == [value]
         assert store.get_range("large/value", _LARGE - 10, 100) == value[-10:]
 
+    def test_whole_value_reads_refuse_a_value_over_max_bytes(self, store: Store) -> None:
+        """Reads of whole values are bounded: a value over ``max_bytes`` is damage, a CorruptionError naming
+        the key (a repository's small objects have size limits, docs/format.md)."""
+        from ckptrepo.errors import CorruptionError
+        store.put("bounded", b"12345")
+        assert store.get("bounded", max_bytes=5) == b"12345"
+        assert store.get_many(["bounded"], max_bytes=5) == [b"12345"]
+        assert store.get_with_generation("bounded", max_bytes=5)[0] == b"12345"
+        for read in (lambda: store.get("bounded", max_bytes=4), lambda: store.get_many(["bounded"], max_bytes=4),
+                     lambda: store.get_with_generation("bounded", max_bytes=4)):
+            with pytest.raises(CorruptionError, match="bounded"):
+                read()
+
     def test_round_trip_of_nested_and_dotted_keys(self, store: Store) -> None:
         keys = ["HEAD", "refs/heads/main", "refs/tags/v1.2", "data/abc/0/float32.x/zarr.json", "config.json"]
         for i, key in enumerate(keys):

@@ -247,8 +247,8 @@ def test_deleting_a_tag_and_a_branch_that_moved_meanwhile(repo, monkeypatch):
     store = repo.plumbing.store
     read = store.get_with_generation
 
-    def read_then_move(key):
-        got = read(key)
+    def read_then_move(key, *args):
+        got = read(key, *args)
         if key == HEADS_PREFIX + "exp":
             store.put(key, second.encode())
         return got

@@ -127,7 +127,7 @@ def test_a_header_is_what_a_handle_caches_of_its_commits(tmp_path):
 
 def test_a_rank_part_and_a_rank_failure_round_trip_through_staging():
     from ckptrepo.core.schema import RankFailure, RankPart, decode_rank_part, encode_rank_part
-    info = ArrayInfo("data/v/1/float32", "float32", 32, 32, 32)
+    info = ArrayInfo("data/" + "ab" * 16 + "/1/float32", "float32", 32, 32, 32)
     part = RankPart(rank=1, step=3, tree=["T", 0], leaf_names=("model/w",), names=(("model/w", "float32", (8, 4)),),
                     coords={"tp": 1, "pp": 0, "dp": 0},
                     tensors=(("model/w", (Piece(((0, 0), (8, 4)), info.key, 0),)),),
