@@ -18,7 +18,7 @@ from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head
 from ckptrepo.core.schema import Manifest
-from ckptrepo.errors import CkptRepoError, first_line, is_storage_failure, some_names, storage_failure
+from ckptrepo.errors import CkptRepoError, CorruptionError, first_line, is_storage_failure, some_names, storage_failure
 from ckptrepo.maintenance._gc import (
     data_version_ids,
     graph_damage,
@@ -201,13 +201,17 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
     for key, info in arrays.items():
         try:
             arr = open_array(plumbing.store, info)
-            table = read_table(plumbing.store, info)
         except Exception as err:  # noqa: BLE001
             _raise_if_unreachable(err, f"opening array {key}")
             report.errors.append(f"version {vid[:12]}: array {key} cannot be opened: {first_line(err)}")
             continue
         stored, missing = StoredShards(plumbing.store, info), 0
         present = stored.present()
+        try:
+            table = read_table(plumbing.store, info)
+        except CorruptionError as err:
+            report.errors.append(f"version {vid[:12]}: {err}")
+            continue
         for s in info.shards():
             lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
             # looked at before it is read: a FIFO would block the read, and a shard or index larger than the
