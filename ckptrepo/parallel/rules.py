@@ -223,18 +223,25 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _seq(value: Any, name: str) -> Any:
+    """``value`` if it is a list-like argument (text is not: it would be read as a list of letters)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise LayoutError(f"Rules({name}=...) is a list, not {type(value).__name__} {value!r:.40}")
+    return value
+
+
 def _check_structure(params: Any, sections: Any, layer_prefix: Any, num_layers: Any, stage_sizes: Any) -> None:
     """Refuse rules that cannot describe a model, when they are made: a negative layer count made every stage
     empty, and a wrong type failed deep inside a snapshot or load."""
     if num_layers is not None and not _whole(num_layers):
         raise LayoutError(f"num_layers must be a whole number of at least 0 (the model's layer count), "
                           f"not {num_layers!r}")
-    if stage_sizes is not None and (isinstance(stage_sizes, (str, bytes)) or not all(_whole(n) for n in stage_sizes)):
+    if stage_sizes is not None and not all(_whole(n) for n in stage_sizes):
         raise LayoutError(f"stage_sizes must be the layer count of each pipeline stage, whole numbers of at least 0, "
                           f"not {stage_sizes!r}")
     if not isinstance(layer_prefix, str):
         raise LayoutError(f"layer_prefix must be text (e.g. 'layers.'), not {layer_prefix!r}")
-    if isinstance(sections, str) or not sections or not all(isinstance(x, str) for x in sections):
+    if not sections or not all(isinstance(x, str) for x in sections):
         raise LayoutError(f"sections must name at least one section of the state (e.g. ('model',)), not {sections!r}")
     for rule in params:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
@@ -251,13 +258,15 @@ class Rules:
                  num_layers: int | None = None, stage_sizes: Sequence[int] | None = None,
                  first_stage: Sequence[str] = (), last_stage: Sequence[str] = (),
                  param_shapes: ParamShapes | None = None) -> None:
+        params, sections = list(_seq(params, "params")), tuple(_seq(sections, "sections"))
+        stage_sizes = tuple(_seq(stage_sizes, "stage_sizes")) if stage_sizes is not None else None
         _check_structure(params, sections, layer_prefix, num_layers, stage_sizes)
-        self.params = list(params)
-        self.sections = tuple(sections)                    # sections keyed by parameter name
+        self.params = params
+        self.sections = sections                    # sections keyed by parameter name
         self.optimizer_sections = tuple(optimizer_sections)  # flat ZeRO partitions when zero >= 1
         self.layer_prefix = layer_prefix
         self.num_layers = num_layers
-        self.stage_sizes = tuple(stage_sizes) if stage_sizes is not None else None
+        self.stage_sizes = stage_sizes
         self.first_stage = tuple(first_stage)
         self.last_stage = tuple(last_stage)
         self._layer_re = re.compile(rf"^{re.escape(layer_prefix)}(\d+)(\..*)?$")
