@@ -1,7 +1,8 @@
 """The version manifest's schema: typed records for what ``versions/<id>`` holds, and its one encoder and decoder.
 
 docs/format.md describes the format; these classes are its shape in code. A manifest is decoded into them
-once (and cached by the handle that read it), and everything above reads attributes, never string keys.
+once (and cached by the handle that read it), every field checked on the way ("validation on decode"
+below), and everything above reads attributes, never string keys, and trusts their types.
 
 Byte compatibility: ``encode_manifest(decode_manifest(blob))`` gives back ``blob``. msgpack keeps map keys in
 insertion order, and the two writers order the top-level keys differently (a single-process snapshot
@@ -80,10 +81,6 @@ class TensorEntry(NamedTuple):
         return {"name": self.name, "dtype": self.dtype, "shape": self.shape,
                 "pieces": [p.to_raw() for p in self.pieces]}
 
-    @classmethod
-    def from_raw(cls, t: dict[str, Any]) -> "TensorEntry":
-        return cls(t["name"], t["dtype"], tuple(t["shape"]), tuple(map(_piece, t["pieces"])))
-
 
 @dataclass(frozen=True, slots=True)
 class RankRecord:
@@ -99,11 +96,6 @@ class RankRecord:
         if self.leaf_names is None:
             return {"rank": self.rank}
         return {"rank": self.rank, "coords": self.coords, "tree": self.tree, "leaf_names": self.leaf_names}
-
-    @classmethod
-    def from_raw(cls, r: dict[str, Any]) -> "RankRecord":
-        names = r.get("leaf_names")
-        return cls(r["rank"], r.get("coords"), r.get("tree"), None if names is None else tuple(names))
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +121,6 @@ class LayoutRecord:
             d["rules"] = self.rules
         d["ranks"] = ranks
         return d
-
-    @classmethod
-    def from_raw(cls, d: dict[str, Any]) -> "LayoutRecord":
-        return cls(d.get("world_size", 1), tuple(RankRecord.from_raw(r) for r in d.get("ranks", ())),
-                   d.get("tp"), d.get("pp"), d.get("dp"), d.get("zero"), d.get("rules"))
 
 
 SINGLE_PROCESS_LAYOUT = LayoutRecord(1, (RankRecord(0),))
