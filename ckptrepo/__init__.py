@@ -7,6 +7,7 @@ store (local directory, memory, S3, GCS).
 from ckptrepo import rules
 from ckptrepo.core._manifest import Version
 from ckptrepo.errors import (
+                     ArgumentError,
                      CkptRepoError,
                      ConflictError,
                      CorruptionError,
@@ -29,6 +30,7 @@ from ckptrepo.repository import Repository, VersionDetails, init, load, open
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
     "CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadError", "FormatVersionError", "LayoutError",
     "ParallelLayout", "RetentionPolicy", "load", "rules",
     "NotARepositoryError", "RefError", "RepositoryExistsError", "RetentionError", "RevisionError", "StateMismatchError",

@@ -76,6 +76,11 @@ class RetentionError(CkptRepoError):
     """A retention rule cannot be applied as given (a best-N rule without a metric, or one no version records)."""
 
 
+class ArgumentError(CkptRepoError, ValueError):
+    """An argument of a call has the wrong type or a value out of range (a ValueError too, as Python's own
+    checks of such arguments are)."""
+
+
 class LayoutError(CkptRepoError):
     """A parallel layout or sharding rule does not fit the state (wrong degrees, indivisible sizes)."""
 
@@ -143,7 +148,7 @@ def some_names(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
-__all__ = ["CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadError", "ExchangeError",
+__all__ = ["ArgumentError", "CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadError", "ExchangeError",
            "FormatVersionError", "LayoutError", "MissingDependencyError", "NotARepositoryError", "RefError",
            "RepositoryExistsError", "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError",
            "StorageError", "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line",

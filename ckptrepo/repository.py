@@ -31,11 +31,16 @@ from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
 from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
+    ArgumentError,
     CkptRepoError,
     CorruptionError,
+    ExchangeError,
+    LayoutError,
     RefError,
     RepositoryExistsError,
+    RevisionError,
     SnapshotFailedError,
+    StateMismatchError,
     StorageError,
     first_line,
 )
@@ -57,8 +62,82 @@ if TYPE_CHECKING:
 DEFAULT_BRANCH = "main"
 
 
-def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
+# ---- argument checks of the public API ----------------------------------------------------------------------
+# Each names the argument and what it takes, with ckptrepo's own exception, before anything is read or
+# written: a wrong type would otherwise surface as an AttributeError deep inside (``5.strip()``), or, for
+# ``into=5``, be ignored without a word.
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} {short_text(value, 40)}"
+
+
+def repo_url(url: Any) -> str:
+    """A repository's path or URL as text: a ``str``, or an ``os.PathLike`` such as ``pathlib.Path``."""
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str):
+        raise ArgumentError(f"a repository is a path or URL (a str or pathlib.Path), not {_shown(url)}")
+    return url
+
+
+def _rev(rev: Any) -> str:
+    if not isinstance(rev, str):
+        raise RevisionError(f"a revision is text (HEAD, a branch, a tag, an id, @STEP or REV~N), not {_shown(rev)}")
+    return rev
+
+
+def _ref_name(name: Any, kind: str) -> str:
+    if not isinstance(name, str):
+        raise RefError(f"a {kind} name is text, not {_shown(name)}")
+    return name
+
+
+def _whole(value: Any, name: str, least: int | None = None) -> None:
+    """``value`` must be None or an int (not a bool), at least ``least`` when given."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or (least is not None and value < least)):
+        bound = "" if least is None else f" of at least {least}"
+        raise ArgumentError(f"{name} must be a whole number{bound} or None, not {_shown(value)}")
+
+
+def _pattern(pattern: Any, required: bool = False) -> None:
+    if not isinstance(pattern, str) and (required or pattern is not None):
+        raise ArgumentError(f"a tensor name pattern is text (a glob such as 'model/*'), not {_shown(pattern)}")
+
+
+def _callback(fn: Any, name: str) -> None:
+    if fn is not None and not callable(fn):
+        raise ArgumentError(f"{name} must be a function or None, not {_shown(fn)}")
+
+
+def _layout(layout: Any) -> None:
+    from ckptrepo.parallel.layout import ParallelLayout
+    if layout is not None and not isinstance(layout, ParallelLayout):
+        raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not {_shown(layout)}")
+
+
+def _into(into: Any) -> None:
+    """``load(into=...)`` takes the state to fill in place; a value that cannot hold one is refused, where it was
+    ignored (the load returned a new state and the caller's was left as it was)."""
+    import numpy as np
+    import torch
+
+    from ckptrepo.state._providers import is_stateful
+    if into is None or isinstance(into, (dict, list, tuple, torch.Tensor, np.ndarray, np.random.Generator)) \
+            or is_stateful(into):
+        return
+    raise StateMismatchError(f"into= takes the state to fill in place (a dict, list, module, optimizer or tensor), "
+                             f"not {_shown(into)}; leave it out to get a new state")
+
+
+def _path(path: Any, what: str) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ExchangeError(f"the {what} is a path (a str or pathlib.Path), not {_shown(path)}")
+
+
+def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
     """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
+    url = repo_url(url)
     store = open_store(url, options)
     if not store.put_if_absent(CONFIG_KEY, encode_config({"created": time.time(), "default_branch": DEFAULT_BRANCH})):
         if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
@@ -80,9 +159,10 @@ def init(url: str, exist_ok: bool = False, options: dict[str, Any] | None = None
     return Repository(store)
 
 
-def open(url: str, options: dict[str, Any] | None = None) -> "Repository":  # noqa: A001 - mirrors the public API
-    """Open the repository at ``url``; NotARepositoryError when there is none."""
-    return Repository(open_store(url, options))
+def open(url: str | os.PathLike[str], options: dict[str, Any] | None = None  # noqa: A001 - the public API
+         ) -> "Repository":
+    """Open the repository at ``url`` (a path, ``pathlib.Path`` or URL); NotARepositoryError when there is none."""
+    return Repository(open_store(repo_url(url), options))
 
 
 def load_device(spec: Any) -> "torch.device | None":
@@ -97,18 +177,18 @@ def load_device(spec: Any) -> "torch.device | None":
     try:
         dev = torch.device(spec)
     except (TypeError, RuntimeError, ValueError):
-        raise ValueError(f"device {spec!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a torch.device "
+        raise ArgumentError(f"device {spec!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a torch.device "
                          f"(a map_location dict or function is not supported)") from None
     try:
         torch.empty(0, device=dev)
     except (AssertionError, RuntimeError) as e:
-        raise ValueError(f"cannot load onto device {str(dev)!r} in this process ({first_line(e)}); "
+        raise ArgumentError(f"cannot load onto device {str(dev)!r} in this process ({first_line(e)}); "
                          f"load with device='cpu' or pick an available device") from None
     return dev
 
 
-def load(url: str, rev: str = "HEAD", parallel_layout: "ParallelLayout | None" = None, rank: int | None = None,
-         into: Any = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+def load(url: str | os.PathLike[str], rev: str = "HEAD", parallel_layout: "ParallelLayout | None" = None,
+         rank: int | None = None, into: Any = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """``open(url).load(rev, ...)``: the rank defaults to this process's torch.distributed rank."""
     return open(url, options).load(rev, into=into, parallel_layout=parallel_layout, rank=rank, **kwargs)
 
@@ -145,12 +225,12 @@ class Repository:
     def version(self, rev: str = "HEAD") -> Version:
         """The header of the version ``rev`` names."""
         p = self._plumbing
-        vid = p.resolve(rev)
+        vid = p.resolve(_rev(rev))
         return version_from_manifest(p.header(vid), p.ref_names().get(vid, ()))
 
     def resolve(self, rev: str) -> str:
         """The full id of the version ``rev`` names (see ckptrepo.core._revisions for the syntax)."""
-        return self._plumbing.resolve(rev)
+        return self._plumbing.resolve(_rev(rev))
 
     # ---- snapshot -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
@@ -163,6 +243,7 @@ class Repository:
         moved the branch meanwhile (then nothing is committed).
         """
         from ckptrepo.saving._capture import Snapshotter
+        _layout(parallel_layout)
         with Snapshotter(self._plumbing, host_memory=self.host_memory, record_failures=False,
                          parallel_layout=parallel_layout, dedup=False) as snap:  # no previous version to dedup against
             handle = snap.snapshot(state, step=step, message=message, metrics=metrics)
@@ -210,6 +291,10 @@ class Repository:
         version saved by several ranks loads unsharded when no layout is given.
         """
         import torch
+        _rev(rev)
+        _into(into)
+        _layout(parallel_layout)
+        _callback(on_bytes, "on_bytes")
         target = load_device(device if device is not None else map_location)
         # no_grad: a load builds no graph (filling parameters in place is not a step to differentiate), and a
         # DTensor's to_local() is then its local tensor instead of an autograd Function call (a cost per tensor)
@@ -268,6 +353,10 @@ class Repository:
 
         ``since``/``until`` keep only versions whose step lies in that range (inclusive).
         """
+        _rev(rev)
+        _whole(limit, "limit", 0)
+        _whole(since, "since")
+        _whole(until, "until")
         starts: list[str] = []
         if all:
             # a damaged ref is left out, as git's "ignoring broken ref" (fsck names it; gc stops at it)
@@ -319,6 +408,8 @@ class Repository:
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
+        if branch is not None:
+            _ref_name(branch, "branch")
         refs = self._plumbing.refs
         head = refs.head(for_update=True)
         vid = self.resolve(rev)
@@ -346,12 +437,14 @@ class Repository:
     def branch(self, name: str, rev: str = "HEAD") -> Version:
         """Create branch ``name`` at ``rev`` (HEAD does not move)."""
         vid = self.resolve(rev)
+        _ref_name(name, "branch")
         self._plumbing.refs.create_branch(name, vid)
         return self.version(vid)
 
     def tag(self, name: str, rev: str = "HEAD") -> Version:
         """Create tag ``name`` at ``rev``; tags never move."""
         vid = self.resolve(rev)
+        _ref_name(name, "tag")
         self._plumbing.refs.create_tag(name, vid)
         return self.version(vid)
 
@@ -363,6 +456,7 @@ class Repository:
         until gc finds them unreferenced (and older than its grace period).
         """
         from ckptrepo.maintenance._gc import reaches
+        _ref_name(name, "branch")
         refs, store = self._plumbing.refs, self._plumbing.store
         head = refs.head()
         if head.branch == name:
@@ -385,7 +479,7 @@ class Repository:
 
     def delete_tag(self, name: str) -> str:
         """Delete tag ``name`` (``git tag -d``); returns the version it pointed at, which gc may then collect."""
-        return self._plumbing.refs.delete("tag", name)
+        return self._plumbing.refs.delete("tag", _ref_name(name, "tag"))
 
     def branches(self) -> dict[str, str]:
         """Branch name -> version id; a damaged branch ref is left out (``damaged_refs`` says what is wrong)."""
@@ -425,18 +519,29 @@ class Repository:
         Streamed chunk by chunk (memory stays bounded); see ckptrepo.tools._inspect.
         """
         from ckptrepo.tools._inspect import diff_versions
+        _rev(a)
+        _rev(b)
+        _pattern(pattern)
+        _callback(on_bytes, "on_bytes")
         return diff_versions(self._plumbing, a, b, pattern, on_bytes)
 
     def stats(self, rev: str = "HEAD", pattern: str | None = None,
               on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
         """Per tensor: norm, mean, std, min, max, NaN and Inf counts (streamed)."""
         from ckptrepo.tools._inspect import tensor_stats
+        _rev(rev)
+        _pattern(pattern)
+        _callback(on_bytes, "on_bytes")
         return tensor_stats(self._plumbing, rev, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                    until: int | None = None) -> list[TrajectoryPoint]:
         """A metric (norm, delta, relative-change) of tensors matching ``pattern`` over the history of ``rev``."""
         from ckptrepo.tools._inspect import trajectory
+        _pattern(pattern, required=True)
+        _rev(rev)
+        _whole(since, "since")
+        _whole(until, "until")
         return trajectory(self._plumbing, pattern, metric, rev, since, until)
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
@@ -456,7 +561,8 @@ class Repository:
         ``keep_best=N, best_metric="loss", best_mode="min"`` also keeps the N
         versions with the lowest loss (the metrics given to ``snapshot``).
         """
-        from ckptrepo.maintenance._gc import DEFAULT_GRACE_S, collect
+        from ckptrepo.maintenance._gc import DEFAULT_GRACE_S, check_best_rule, collect
+        check_best_rule(keep_best, best_metric, best_mode)
         return collect(self._plumbing, keep_last, keep_every, keep_tagged, keep_branch_heads,
                        DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run,
                        keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
@@ -465,6 +571,8 @@ class Repository:
              on_total: Callable[[int], None] | None = None) -> FsckReport:
         """Read every object and verify every checksum and reference."""
         from ckptrepo.maintenance._fsck import fsck
+        _callback(on_bytes, "on_bytes")
+        _callback(on_total, "on_total")
         return fsck(self._plumbing, on_bytes=on_bytes, on_total=on_total)
 
     def failures(self) -> list[dict[str, Any]]:
@@ -486,6 +594,7 @@ class Repository:
         """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors or dcp) to ``out``
         (outside the repository; an existing export there is replaced only with ``force``)."""
         from ckptrepo.tools._exchange import export_target, write_export
+        _path(out, "export's output")
         # refused before the version is resolved and loaded
         path = export_target(out, format, force=force, repo_root=self._plumbing.store.capabilities.local_root)
         vid = self.resolve(rev)
@@ -500,6 +609,7 @@ class Repository:
         metadata) can run code, so they are refused unless ``trust`` is set.
         """
         from ckptrepo.tools._exchange import read_checkpoint, state_step
+        _path(path, "checkpoint to import")
         state, source = read_checkpoint(path, trust)
         step = state_step(state) if step is None else step   # the step the state holds, unless told otherwise
         return self.snapshot(state, step=step, message=f"imported from {source}" if message is None else message)

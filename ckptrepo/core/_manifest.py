@@ -297,6 +297,9 @@ def plain_metrics(metrics: Any) -> dict[str, Any]:
         raise UnsupportedValueError(f"metrics must be a dict of numbers and strings, not {type(metrics).__name__}")
     out = {}
     for k, v in metrics.items():
+        if _is_tensor(v) and v.numel() != 1:   # .item() would raise a bare RuntimeError
+            raise UnsupportedValueError(f"metric {k!r} is a tensor of {v.numel()} elements, not one number; pass "
+                                        f"one (e.g. loss.item() or loss.mean())")
         if isinstance(v, np.generic) or _is_tensor(v):
             v = v.item()
         if not isinstance(v, (int, float, str, bool)) and v is not None:

@@ -118,8 +118,10 @@ class Binder:
                 raise StateMismatchError(f"{_p(path)}: shape {list(target.shape)} in `into` but {list(e.shape)} in "
                                          f"version {self.version[:12]}; build the state with the saved configuration")
             dest = fillable_array(target)
-            if dest is None:   # read-only, strided, big-endian: replaced by the saved array, as a plain value is
-                return lambda: self.build(node)
+            if dest is None:   # replacing it in its container would leave every other reference to it unfilled
+                raise StateMismatchError(f"{_p(path)}: the numpy array in `into` cannot be filled in place "
+                                         f"(read-only, not C-contiguous or not native byte order); pass a writable "
+                                         f"contiguous array (np.array(a)), or load without into=")
         if not isinstance(dest, torch.Tensor):
             if target is None:
                 return lambda: self.build(node)

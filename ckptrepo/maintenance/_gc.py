@@ -84,9 +84,13 @@ class RetentionPolicy:
     best_metric: str | None = None
     best_mode: str = "min"            # "min" (a loss) or "max" (an accuracy)
 
-    def __post_init__(self) -> None:   # refused when the snapshotter is made, not in a background pass
+    def __post_init__(self) -> None:   # refused when the policy is made, not in every background pass after it
         check_rule_counts(self.keep_last, self.keep_every, self.keep_best, self.grace_period_s)
         check_rule_counts(every_commits=self.every_commits)
+        check_best_rule(self.keep_best, self.best_metric, self.best_mode)
+        for name in ("keep_tagged", "keep_branch_heads"):
+            if not isinstance(getattr(self, name), bool):
+                raise RetentionError(f"RetentionPolicy({name}=...) is True or False, not {getattr(self, name)!r}")
 
     def apply(self, plumbing: Plumbing, protect_since: float | None = None,
               known: dict[str, "VersionFacts"] | None = None) -> GcReport:
@@ -270,6 +274,23 @@ def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: 
                                  f"use that rule")
     if not isinstance(grace_period_s, (int, float)) or not grace_period_s >= 0:   # NaN too: it compared as 0
         raise RetentionError(f"the grace period must be a number of seconds of at least 0, not {grace_period_s!r}")
+
+
+def check_best_rule(keep_best: Any, best_metric: Any, best_mode: Any) -> None:
+    """Refuse a best-N rule that cannot rank: no metric, a metric that is not a name, or a mode other than min
+    or max, and a metric or mode given without ``keep_best`` (a rule that would silently do nothing)."""
+    if best_metric is not None and not isinstance(best_metric, str):
+        raise RetentionError(f"best_metric is the name of a metric (e.g. 'loss'), not {best_metric!r}")
+    if best_mode not in ("min", "max"):
+        raise RetentionError(f"best_mode must be a mode of min or max ('min' for a loss, 'max' for an accuracy), "
+                             f"not {best_mode!r}")
+    if best_metric is not None and keep_best is None:
+        raise RetentionError(f"a metric ({best_metric!r}) ranks versions only for keep_best; add keep_best=N "
+                             f"(--keep-best N), or leave the metric out")
+    if keep_best is not None and best_metric is None:
+        raise RetentionError(f"keeping the best {keep_best} versions needs a metric to rank them by; e.g. "
+                             f"keep_best={keep_best}, best_metric='loss', best_mode='min' "
+                             f"(`ckptrepo gc --keep-best {keep_best} --metric loss --mode min`)")
 
 
 def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from ckptrepo.parallel.rules import Rules
 
 
+# The most ranks a layout may have: far beyond any job's, and small enough that every count a layout derives
+# (ranks, coordinates, partitions) stays an ordinary integer in a manifest.
+MAX_WORLD_SIZE = 1 << 24
+
+
 @dataclass(frozen=True)
 class Coords:
     """One rank's position in the layout."""
@@ -51,11 +56,19 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise LayoutError(f"ParallelLayout({name}={v!r}): each degree must be a positive integer")
-        if self.zero not in (0, 1, 2, 3):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WORLD_SIZE:
+                raise LayoutError(f"ParallelLayout({name}={v!r}): each degree must be a whole number from 1 to "
+                                  f"{MAX_WORLD_SIZE}")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise LayoutError(f"ParallelLayout(tp={self.tp}, pp={self.pp}, dp={self.dp}) has {self.world_size} ranks; "
+                              f"a layout has {MAX_WORLD_SIZE} at most")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"ParallelLayout(zero={self.zero!r}): the ZeRO stage is 0, 1, 2 or 3; "
                               f"for FSDP2 leave it 0 and save DTensor state dicts, which need no rules")
+        # told by what it does: rules.py imports this module, so this one cannot import Rules
+        if self.rules is not None and not all(callable(getattr(self.rules, a, None)) for a in ("spec", "to_json")):
+            raise LayoutError(f"ParallelLayout(rules=...) takes ckptrepo.rules.Rules (e.g. megatron_gpt(...)) or "
+                              f"None, not {type(self.rules).__name__}")
 
     @property
     def world_size(self) -> int:
@@ -121,4 +134,4 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, explicit: Sequence[int]
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-__all__ = ["Coords", "ParallelLayout", "stage_layers", "zero_partition"]
+__all__ = ["MAX_WORLD_SIZE", "Coords", "ParallelLayout", "stage_layers", "zero_partition"]

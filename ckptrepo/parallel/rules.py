@@ -37,6 +37,11 @@ Region = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]   # (local off
 ParamShapes = Union[Mapping[str, Sequence[int]], Iterable[Sequence[Any]]]   # {name: shape} or [(name, shape), ...]
 
 
+def _int(value: Any) -> bool:
+    """Whether ``value`` is an int and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Replicated:
     """The whole tensor on every tensor-parallel rank."""
@@ -50,6 +55,10 @@ class Split:
     """Split evenly along ``dim`` over the tensor-parallel ranks."""
 
     dim: int
+
+    def __post_init__(self) -> None:
+        if not _int(self.dim):
+            raise LayoutError(f"Split(dim={self.dim!r}): the dimension to split is a whole number")
 
     def to_json(self) -> list[Any]:
         return ["split", self.dim]
@@ -66,7 +75,7 @@ class VocabSplit:
 
     def __post_init__(self) -> None:
         # a zero multiple divides by zero when padding; a negative one pads the rows away
-        if self.size < 1 or self.multiple < 1:
+        if not _int(self.size) or not _int(self.multiple) or not _int(self.dim) or self.size < 1 or self.multiple < 1:
             raise LayoutError(f"VocabSplit(size={self.size}, multiple={self.multiple}): the vocabulary size and "
                               f"the padding multiple (make_vocab_size_divisible_by) must be at least 1")
 
@@ -91,7 +100,8 @@ class Fused:
     def __post_init__(self) -> None:
         # a zero count divides by zero; negative counts or sizes give regions outside the tensor, or none
         counts = (self.parts,) if isinstance(self.parts, int) else self.parts
-        if not counts or any(c < 1 for c in counts):
+        if not isinstance(counts, (tuple, list)) or not counts or not all(_int(c) and c >= 1 for c in counts) \
+                or not _int(self.dim):
             raise LayoutError(f"Fused({self.parts!r}): give a count of at least 1 equal parts, or part sizes "
                               f"of at least 1 each")
 
@@ -209,6 +219,37 @@ def regions(spec: Spec, gshape: Sequence[int], tp: int, tp_rank: int) -> list[Re
     return out
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seq(value: Any, name: str) -> Any:
+    """``value`` if it is a list-like argument (text is not: it would be read as a list of letters)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise LayoutError(f"Rules({name}=...) is a list, not {type(value).__name__} {value!r:.40}")
+    return value
+
+
+def _check_structure(params: Any, sections: Any, layer_prefix: Any, num_layers: Any, stage_sizes: Any) -> None:
+    """Refuse rules that cannot describe a model, when they are made: a negative layer count made every stage
+    empty, and a wrong type failed deep inside a snapshot or load."""
+    if num_layers is not None and not _whole(num_layers):
+        raise LayoutError(f"num_layers must be a whole number of at least 0 (the model's layer count), "
+                          f"not {num_layers!r}")
+    if stage_sizes is not None and not all(_whole(n) for n in stage_sizes):
+        raise LayoutError(f"stage_sizes must be the layer count of each pipeline stage, whole numbers of at least 0, "
+                          f"not {stage_sizes!r}")
+    if not isinstance(layer_prefix, str):
+        raise LayoutError(f"layer_prefix must be text (e.g. 'layers.'), not {layer_prefix!r}")
+    if not sections or not all(isinstance(x, str) for x in sections):
+        raise LayoutError(f"sections must name at least one section of the state (e.g. ('model',)), not {sections!r}")
+    for rule in params:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+                and isinstance(rule[1], (Replicated, Split, VocabSplit, Fused))):
+            raise LayoutError(f"each rule is (a name pattern, Replicated() / Split(dim) / VocabSplit(...) / "
+                              f"Fused(...)), not {rule!r}")
+
+
 class Rules:
     """Parameter split rules plus the pipeline structure of a model (see the module docstring)."""
 
@@ -217,12 +258,15 @@ class Rules:
                  num_layers: int | None = None, stage_sizes: Sequence[int] | None = None,
                  first_stage: Sequence[str] = (), last_stage: Sequence[str] = (),
                  param_shapes: ParamShapes | None = None) -> None:
-        self.params = list(params)
-        self.sections = tuple(sections)                    # sections keyed by parameter name
+        params, sections = list(_seq(params, "params")), tuple(_seq(sections, "sections"))
+        stage_sizes = tuple(_seq(stage_sizes, "stage_sizes")) if stage_sizes is not None else None
+        _check_structure(params, sections, layer_prefix, num_layers, stage_sizes)
+        self.params = params
+        self.sections = sections                    # sections keyed by parameter name
         self.optimizer_sections = tuple(optimizer_sections)  # flat ZeRO partitions when zero >= 1
         self.layer_prefix = layer_prefix
         self.num_layers = num_layers
-        self.stage_sizes = tuple(stage_sizes) if stage_sizes is not None else None
+        self.stage_sizes = stage_sizes
         self.first_stage = tuple(first_stage)
         self.last_stage = tuple(last_stage)
         self._layer_re = re.compile(rf"^{re.escape(layer_prefix)}(\d+)(\..*)?$")

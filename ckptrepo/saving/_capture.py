@@ -59,7 +59,16 @@ from ckptrepo.core._manifest import (
     version_id_time,
 )
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.errors import CkptRepoError, ConflictError, LayoutError, SnapshotFailedError, StorageError, first_line
+from ckptrepo.errors import (
+    ArgumentError,
+    CkptRepoError,
+    ConflictError,
+    LayoutError,
+    RetentionError,
+    SnapshotFailedError,
+    StorageError,
+    first_line,
+)
 from ckptrepo.maintenance._gc import RetentionPolicy, VersionFacts
 from ckptrepo.parallel._distributed import all_gather, assign_writers, process_group_rank
 from ckptrepo.parallel._replicas import fingerprints
@@ -86,6 +95,28 @@ from ckptrepo.storage._chunktable import chunk_count, chunk_crcs, write_table
 from ckptrepo.storage._localwrite import DirectWriter, LiveShard
 
 log = logging.getLogger("ckptrepo")
+
+
+def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, commit_timeout_s: Any, dedup: Any,
+                    retention: Any, max_in_flight: Any) -> None:
+    """Refuse a snapshotter's arguments that cannot work, when it is made: found later, a bad one would fail
+    in a background thread, once per snapshot (a retention policy of the wrong type made every commit's gc
+    pass fail, and ``close()`` report it as failed snapshots that were in fact committed)."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ArgumentError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
+    if isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float)) \
+            or not commit_timeout_s > 0:   # NaN too
+        raise ArgumentError(f"commit_timeout_s must be a number of seconds above 0, not {commit_timeout_s!r}")
+    for name, value in (("dedup", dedup), ("pin_memory", pin_memory)):
+        if not isinstance(value, bool) and not (name == "pin_memory" and value is None):
+            raise ArgumentError(f"{name} must be True or False, not {value!r}")
+    if retention is not None and not isinstance(retention, RetentionPolicy):
+        raise RetentionError(f"retention must be a ckptrepo.RetentionPolicy or None, not {type(retention).__name__} "
+                             f"{retention!r:.40}")
+    if parallel_layout is not None and not isinstance(parallel_layout, ParallelLayout):
+        raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not "
+                          f"{type(parallel_layout).__name__} {parallel_layout!r:.40}")
+    parse_size(host_memory)
 
 
 class Snapshotter:
@@ -117,8 +148,7 @@ class Snapshotter:
                  record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
                  retention: RetentionPolicy | None = None, max_in_flight: int = 4) -> None:
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
+        check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup, retention, max_in_flight)
         # backpressure when storage is slower than the snapshots: with nothing bounding them, snapshot() calls
         # pile up in flight without limit, and a state of small tensors (copied at snapshot(), outside the
         # staging pool) takes memory far beyond host_memory
@@ -312,6 +342,9 @@ class Snapshotter:
         self._check_process()
         if self._closed:
             raise CkptRepoError("this snapshotter is closed; attach the optimizer to a new one (repo.snapshotter())")
+        if not callable(getattr(optimizer, "register_step_pre_hook", None)):
+            raise ArgumentError(f"attach() takes a torch.optim.Optimizer, whose step() then waits for capture, not "
+                                f"{type(optimizer).__name__} {optimizer!r:.40}")
 
         def pre_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
             if os.getpid() == self._pid:   # in a forked child this snapshotter has nothing in flight

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+from ckptrepo.errors import ArgumentError
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|[KMGT]|B)?\s*$", re.IGNORECASE)
 _UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
           "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1}
@@ -21,7 +23,7 @@ def parse_size(size: int | str | None) -> int | None:
     else:
         n = 0
     if n <= 0:
-        raise ValueError(f"host_memory {size!r} is not a size; pass bytes (an int > 0) or a string like '8GiB'")
+        raise ArgumentError(f"host_memory {size!r} is not a size; pass bytes (an int > 0) or a string like '8GiB'")
     return n
 
 

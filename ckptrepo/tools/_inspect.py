@@ -19,6 +19,7 @@ from ckptrepo.core._boxes import flat_boxes, volume
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core.schema import Manifest, TensorEntry
 from ckptrepo.core.schema import Piece as SavedPiece
+from ckptrepo.errors import ArgumentError
 from ckptrepo.loading._engine import Engine
 from ckptrepo.loading._reader import read_tensors
 from ckptrepo.loading._reshard import VersionReader
@@ -355,8 +356,8 @@ def trajectory(plumbing: Plumbing, pattern: str, metric: str = "norm", rev: str 
     (a delta then spans the gap, from the previous kept version).
     Streamed like ``diff``: memory stays bounded.
     """
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
+    if not isinstance(metric, str) or metric not in METRICS:
+        raise ArgumentError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
     from ckptrepo.core._manifest_reads import HeaderWalk
     from ckptrepo.maintenance._gc import pruned_ids
     pruned = pruned_ids(plumbing)   # their data is gone: skipped, and a delta spans the gap to the previous kept one

@@ -103,8 +103,10 @@ def test_a_header_without_stats_is_read():
     assert with_stats.key_order[-1] == "stats" and unseal(encode_manifest(with_stats), "t")["stats"] == {"bytes": 1}
 
 
-@pytest.mark.parametrize("damage", ["no arrays", "piece not a map", "no header field"])
-def test_a_malformed_manifest_is_a_corruption_error(damage):
+@pytest.mark.parametrize("damage, fragment", [("no arrays", "field 'arrays' is missing"),
+                                              ("piece not a map", "a piece of tensor .* is int 5, not a map"),
+                                              ("no header field", "field 'parents' is missing")])
+def test_a_malformed_manifest_is_a_corruption_error_naming_the_field(damage, fragment):
     raw = unseal(FIXTURE_FILES[0].read_bytes(), "test")
     vid = raw["id"]
     if damage == "no arrays":
@@ -113,7 +115,8 @@ def test_a_malformed_manifest_is_a_corruption_error(damage):
         next(t for t in raw["tensors"] if t["pieces"])["pieces"][0] = 5
     else:
         del raw["parents"]
-    with pytest.raises(CorruptionError, match=rf"manifest {VERSIONS_PREFIX}{vid}: .*malformed"):
+    with pytest.raises(CorruptionError, match=rf"manifest {VERSIONS_PREFIX}{vid}: {fragment}; the manifest is "
+                                              rf"damaged, run `ckptrepo fsck`"):
         decode_manifest(seal(raw), vid)
 
 
