@@ -7,7 +7,8 @@ import contextlib
 import io
 import os
 import sys
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -114,3 +115,35 @@ def run(*args, repo=None, env_repo=None, cwd=None):
     r = Result(code, out.getvalue(), err.getvalue())
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
     return r
+
+
+def outcome_within(seconds: float, call: Callable[[], Any], on_hang: Callable[[], None] | None = None) -> Any:
+    """``call()``'s result, or the exception it raised (returned, not raised); fails the test if it has not
+    returned after ``seconds`` (a hang). ``on_hang`` is called a few times to unblock it first, so that the
+    blocked thread does not outlive the test."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            box["value"] = err
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    for _ in range(20 if on_hang is not None and t.is_alive() else 0):
+        on_hang()
+        t.join(0.5)
+        if not t.is_alive():
+            break
+    assert "value" in box, f"{call} still running after {seconds:.0f} s: a hang"
+    return box["value"]
+
+
+def reap(procs: list[Any], wait_s: float) -> None:
+    """Join each worker process, killing one still alive after ``wait_s``: none may outlive its test."""
+    for p in procs:
+        p.join(wait_s)
+        if p.is_alive():
+            p.kill()
+            p.join()

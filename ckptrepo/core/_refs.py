@@ -346,6 +346,26 @@ def head_ref_blocked(store: Store, head: Head) -> bool:
     return bool(store.list(key + "/"))
 
 
+def replaced_refs(store: Store) -> list[str]:
+    """Ref keys on a local store where an empty folder or a broken symbolic link sits: a ref replaced by
+    something that reads as "no ref", so the versions only it reached would look unreachable and be collected.
+    (Deleting a ref removes the folders it leaves empty, so an empty one is never a name's remains. An object
+    store has no folders: a key there is a ref or nothing.)"""
+    out = []
+    for prefix in (HEADS_PREFIX, TAGS_PREFIX):
+        root = store.capabilities.local_path(prefix.rstrip("/"))
+        if root is None or not os.path.isdir(root):
+            continue
+        for dirpath, dirnames, filenames in os.walk(root):
+            rel = os.path.relpath(dirpath, root)
+            here = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            if not dirnames and not filenames and here:
+                out.append(prefix + here.rstrip("/"))
+            out.extend(prefix + here + f for f in filenames
+                       if os.path.islink(os.path.join(dirpath, f)) and not os.path.exists(os.path.join(dirpath, f)))
+    return sorted(out)
+
+
 def head_branch_lost(branch: str, versions: int) -> str:
     """What to say of a HEAD branch whose ref ``head_ref_blocked`` found replaced, and how to restore it."""
     return (f"HEAD is on branch {branch!r}, whose ref is replaced by a folder or a broken link, and the repository "

@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 from ckptrepo.core._manifest import (
     DATA_PREFIX,
     FAILURES_PREFIX,
+    HEADS_PREFIX,
     PRUNED_PREFIX,
     STAGING_PREFIX,
     VERSIONS_PREFIX,
@@ -42,7 +43,7 @@ from ckptrepo.core._manifest import (
 )
 from ckptrepo.core._manifest_reads import find_cycle, missing_manifest, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import Head, lost_head_branch
+from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RetentionError
 
@@ -195,6 +196,10 @@ def graph_damage(plumbing: Plumbing, parents: Mapping[str, Sequence[str]], head:
     cycle = find_cycle(parents)
     if cycle is not None:
         damage.append(str(parent_cycle_error(cycle)))
+    damage.extend(f"{key} is an empty folder or a broken link, not a ref: the versions only it reached would look "
+                  f"unreachable; restore the ref (`ckptrepo branch` / `ckptrepo tag` NAME ID) or remove it"
+                  for key in replaced_refs(plumbing.store)
+                  if head.branch is None or key != HEADS_PREFIX + head.branch)   # that one is ``lost`` above
     return damage
 
 

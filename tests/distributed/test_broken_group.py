@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _ckpt_workers import mp_context
-from helpers import assert_bit_exact
+from helpers import assert_bit_exact, reap
 from megatron_ref import _worker
 
 import ckptrepo
@@ -110,11 +110,7 @@ def _run(url: str, victim: int, collective: bool = False, timeout_s: float = TIM
                 break
         procs[victim].join(10)
     finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs, 5)
     return procs[victim].exitcode, report
 
 

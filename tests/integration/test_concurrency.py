@@ -12,6 +12,7 @@ import queue
 
 import pytest
 from _ckpt_workers import BARRIER_TIMEOUT, assert_same, make_state, mp_context, race_writer, tag_racer
+from helpers import reap
 
 import ckptrepo
 
@@ -35,11 +36,7 @@ def _run_pair(target, args_for, n_results: int) -> list[tuple]:
             assert item[2] != "error", f"worker {item[1]} failed: {item[3]}"
             got.append(item)
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs, 30)
     assert [p.exitcode for p in procs] == [0, 0]
     return got
 

@@ -7,14 +7,13 @@ silently starts a new root in a repository that has versions.
 """
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
-from helpers import run
+from helpers import outcome_within, run
 
 import ckptrepo
 from ckptrepo.core._manifest import seal, unseal
@@ -27,21 +26,11 @@ def commit_steps(repo: ckptrepo.Repository, steps) -> list[str]:
 
 
 def within(seconds: float, call: Callable[[], Any]) -> Any:
-    """``call()``'s result or exception, failing the test if it has not returned after ``seconds`` (a hang)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            box["error"] = err
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"still running after {seconds} s: a hang"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    """``call()``'s result, raising its exception, failing the test if it has not returned after ``seconds``."""
+    got = outcome_within(seconds, call)
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 def stored(path: Path) -> set[str]:
@@ -197,6 +186,26 @@ def test_a_deleted_branch_ref_stops_log_snapshot_fsck_and_gc(five):
     # the repair the message names
     assert run("branch", "main", ids[4], repo=str(path)).returncode == 0
     assert ckptrepo.open(str(path)).fsck().ok and len(ckptrepo.open(str(path)).log()) == 5
+
+
+@pytest.mark.parametrize("ref", ["refs/tags/good", "refs/heads/side/x"])
+def test_an_empty_folder_in_place_of_a_ref_fails_fsck_and_stops_gc(tmp_path, ref):
+    """A folder reads as "no ref": the versions only it reached looked unreachable, and gc collected them."""
+    path = tmp_path / "r"
+    repo = ckptrepo.init(str(path))
+    root = repo.snapshot({"w": torch.zeros(4)}, step=0).id
+    repo.checkout(root, branch="side/x")
+    only_here = repo.snapshot({"w": torch.ones(4)}, step=1).id
+    repo.tag("good", only_here)
+    repo.checkout("main")
+    (path / ref).unlink()
+    (path / ref).mkdir()
+    report = ckptrepo.open(str(path)).fsck()
+    assert any(f"{ref} is an empty folder or a broken link, not a ref" in e for e in report.errors), report.errors
+    before = stored(path)
+    with pytest.raises(CorruptionError, match=f"{ref} is an empty folder"):
+        ckptrepo.open(str(path)).gc(grace_period_s=0)
+    assert stored(path) == before and (path / "versions" / only_here).exists()
 
 
 def test_a_bit_flip_in_head_naming_no_branch_fails_fsck_and_refuses_a_new_root(five):

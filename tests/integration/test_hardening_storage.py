@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import stat
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from helpers import run
+from helpers import outcome_within, run
 
 import ckptrepo
 from ckptrepo.core._manifest import seal, unseal
@@ -47,26 +46,9 @@ def _release(path: Path) -> None:
 
 
 def no_hang(fn: Callable[[], Any], repo: Path, deadline: float = DEADLINE_S) -> Any:
-    """``fn()``'s result (or the exception it raised, returned), failing the test if it runs past ``deadline``."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            box["value"] = err
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(deadline)
-    if t.is_alive():
-        for _ in range(20):   # the blocked thread must not outlive the test
-            _release(repo)
-            t.join(0.5)
-            if not t.is_alive():
-                break
-        pytest.fail(f"{fn} did not finish within {deadline:.0f} s (blocked on a FIFO?)")
-    return box["value"]
+    """``fn()``'s result (or the exception it raised, returned), failing the test if it runs past ``deadline``
+    (blocked on a FIFO?)."""
+    return outcome_within(deadline, fn, on_hang=lambda: _release(repo))
 
 
 @pytest.fixture

@@ -127,7 +127,7 @@ def test_init_and_open_errors(tmp_path):
 def test_unknown_format_version_is_refused(tmp_path):
     url = tmp_path / "r"
     ckptrepo.init(str(url))
-    cfg = (url / "ckptrepo.json").read_text().replace('"format_version": 1', '"format_version": 99')
+    cfg = (url / "ckptrepo.json").read_text().replace('"format_version": 2', '"format_version": 99')
     (url / "ckptrepo.json").write_text(cfg)
     with pytest.raises(ckptrepo.FormatVersionError, match="format 99.*upgrade"):
         ckptrepo.open(str(url))
