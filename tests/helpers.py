@@ -92,7 +92,9 @@ def run(*args, repo=None, env_repo=None, cwd=None):
     from ckptrepo.cli.main import main
     argv = ["ckptrepo"] + (["--repo", repo] if repo else []) + list(args)
     saved_argv, saved_cwd, saved_env = sys.argv, os.getcwd(), os.environ.get("CKPTREPO_REPO")
-    out, err = io.StringIO(), io.StringIO()
+    # text streams over bytes, as the console script's are: click writes some output (shell completion, from
+    # click 8.5 on) as bytes to the stream's buffer
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True) for _ in range(2))
     os.environ.pop("CKPTREPO_REPO", None)
     if env_repo:
         os.environ["CKPTREPO_REPO"] = env_repo
@@ -112,7 +114,7 @@ def run(*args, repo=None, env_repo=None, cwd=None):
         os.environ.pop("CKPTREPO_REPO", None)
         if saved_env is not None:
             os.environ["CKPTREPO_REPO"] = saved_env
-    r = Result(code, out.getvalue(), err.getvalue())
+    r = Result(code, out.buffer.getvalue().decode(), err.buffer.getvalue().decode())
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
     return r
 
