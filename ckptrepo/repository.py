@@ -319,7 +319,7 @@ class Repository:
         from ckptrepo.loading._binding import Binder
         from ckptrepo.loading._layout_load import load_layout, needs_layout_load
         from ckptrepo.loading._reader import read_tensors
-        from ckptrepo.state._providers import unflatten
+        from ckptrepo.state._providers import malformed_skeleton, unflatten
         store = self._plumbing.store
         if needs_layout_load(m, parallel_layout, into):
             return load_layout(store, m, parallel_layout, rank, into, target_device, read_stats)
@@ -340,7 +340,8 @@ class Repository:
             fresh.update(read_tensors(store, arrays, entries, list(range(len(entries))), on_bytes=on_bytes))
             return unflatten(m.tree, get_tensor)
         binder = Binder(entries, build, vid)
-        finalize = binder.bind(m.tree, into)
+        with malformed_skeleton():
+            finalize = binder.bind(m.tree, into)
         wanted = list(range(len(entries)))
         got = read_tensors(store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
         fresh.update({i: t for i, t in got.items() if i not in binder.destinations})

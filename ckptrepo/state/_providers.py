@@ -9,16 +9,17 @@ named below can be rebuilt, so a repository can never make us run its code.
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from ckptrepo.core._manifest import msgpack_int
-from ckptrepo.errors import StateMismatchError, UnsupportedValueError
+from ckptrepo.errors import CkptRepoError, CorruptionError, StateMismatchError, UnsupportedValueError, first_line
 from ckptrepo.state._skeleton import (  # noqa: F401
     BIGINT,
     DICT,
@@ -272,8 +273,25 @@ def unflatten(skeleton: Any, get_tensor: Callable[[int, bool], Any]) -> Any:
 
     Stateful objects come back as their state dicts (we never construct user
     classes); numpy Generators are rebuilt only for numpy's own bit generators.
+
+    A skeleton the crc32c vouches for may still be malformed (a re-sealed manifest, a hand-edited export):
+    a node of the wrong shape or a tensor index past the table is a CorruptionError, never a bare Python error.
     """
-    return _build(skeleton, get_tensor)
+    with malformed_skeleton():
+        return _build(skeleton, get_tensor)
+
+
+@contextlib.contextmanager
+def malformed_skeleton() -> Iterator[None]:
+    """Around a walk of a stored skeleton: the Python errors a malformed one raises become a CorruptionError
+    (ckptrepo's own errors, a state that does not match ``into=`` among them, pass through)."""
+    try:
+        yield
+    except CkptRepoError:
+        raise
+    except (IndexError, KeyError, TypeError, AttributeError, ValueError) as err:
+        raise CorruptionError(f"the state's skeleton is malformed ({type(err).__name__}: {first_line(err)}): the "
+                              f"manifest or export is damaged; run `ckptrepo fsck`") from None
 
 
 def _build(node: Any, get_tensor: Callable[[int, bool], Any]) -> Any:

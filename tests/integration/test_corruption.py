@@ -17,7 +17,7 @@ import torch
 from _ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
 
 import ckptrepo
-from ckptrepo.errors import CorruptionError
+from ckptrepo.errors import CorruptionError, StateMismatchError
 from ckptrepo.storage._arrays import INNER_BYTES
 
 INNER = INNER_BYTES // 4  # float32 elements per inner chunk
@@ -408,3 +408,22 @@ def test_a_folder_in_place_of_head_is_named_with_a_repair_that_works(repo_dir):
     shutil.rmtree(path / "HEAD")
     ckptrepo.init(str(path), exist_ok=True)
     assert ckptrepo.open(str(path)).log()[0].id == other
+
+
+@pytest.mark.parametrize("bad", [["T", 999], ["T", "x"], ["d", 5], ["l", None]])
+@pytest.mark.parametrize("into", [False, True])
+def test_a_malformed_skeleton_is_corruption_not_a_python_error(tmp_path, bad, into):
+    """A re-sealed manifest's tree is vouched for by its crc32c: a tensor index past the table or a node of the
+    wrong shape gave IndexError, KeyError or TypeError on load."""
+    import msgpack
+
+    from ckptrepo.core._manifest import seal
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    vid = repo.snapshot({"w": torch.randn(3), "b": torch.randn(2)}, step=1).id
+    path = tmp_path / "r" / "versions" / vid
+    raw = msgpack.unpackb(path.read_bytes()[:-4], raw=False, strict_map_key=False)
+    raw["tree"][1][1][1] = bad   # the value of "b"
+    path.write_bytes(seal(raw))
+    kwargs = {"into": {"w": torch.zeros(3), "b": torch.zeros(2)}} if into else {}
+    with pytest.raises((CorruptionError, StateMismatchError), match="skeleton is malformed|saved a"):
+        ckptrepo.open(str(tmp_path / "r")).load("HEAD", **kwargs)
