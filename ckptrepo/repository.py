@@ -23,6 +23,7 @@ from ckptrepo.core._manifest import (
     CONFIG_KEY,
     CONFIG_MAX_BYTES,
     HEADS_PREFIX,
+    PRUNED_PREFIX,
     Version,
     encode_config,
 )
@@ -226,7 +227,8 @@ class Repository:
         """The header of the version ``rev`` names."""
         p = self._plumbing
         vid = p.resolve(_rev(rev))
-        return version_from_manifest(p.header(vid), p.ref_names().get(vid, ()))
+        pruned = p.store.exists(PRUNED_PREFIX + vid)   # as log says: gc deleted its data
+        return version_from_manifest(p.header(vid), p.ref_names().get(vid, ()), pruned)
 
     def resolve(self, rev: str) -> str:
         """The full id of the version ``rev`` names (see ckptrepo.core._revisions for the syntax)."""

@@ -204,6 +204,7 @@ def test_diff_stats_and_trajectory_know_what_gc_pruned(repo):
     repo.gc(keep_every=2, keep_tagged=False, grace_period_s=0)    # steps 1 and 3 pruned, except the head (3)
     kept = {v.step for v in repo.log() if not v.pruned}
     assert kept == {0, 2, 3}
+    assert repo.version("@1").pruned and not repo.version("@2").pruned   # as log says (it said False always)
     for call in (lambda: repo.stats("@1"), lambda: repo.diff("@0", "@1")):
         with pytest.raises(RevisionError, match=r"\(step 1\) was pruned by gc"):
             call()
