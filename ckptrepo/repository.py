@@ -564,8 +564,7 @@ class Repository:
         ``keep_best=N, best_metric="loss", best_mode="min"`` also keeps the N
         versions with the lowest loss (the metrics given to ``snapshot``).
         """
-        from ckptrepo.maintenance._gc import DEFAULT_GRACE_S, check_best_rule, collect
-        check_best_rule(keep_best, best_metric, best_mode)
+        from ckptrepo.maintenance._gc import DEFAULT_GRACE_S, collect
         return collect(self._plumbing, keep_last, keep_every, keep_tagged, keep_branch_heads,
                        DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run,
                        keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)

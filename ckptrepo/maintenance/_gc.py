@@ -317,13 +317,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     ``known``: facts of earlier passes, brought up to date here (manifests never change).
     """
     check_rule_counts(keep_last, keep_every, keep_best, grace_period_s)
-    if best_metric is not None and keep_best is None:
-        raise RetentionError(f"a metric ({best_metric!r}) ranks versions only for keep_best; add --keep-best N "
-                             f"(keep_best=N), or leave the metric out")
-    if keep_best is not None and (best_metric is None or best_mode not in ("min", "max")):
-        raise RetentionError(f"keeping the best {keep_best} versions needs a metric and a mode of min or max "
-                             f"(got {best_metric!r}, {best_mode!r}); e.g. `ckptrepo gc --keep-best {keep_best} "
-                             f"--metric loss --mode min`")
+    check_best_rule(keep_best, best_metric, best_mode)
     now = time.time()
     report = GcReport(dry_run=dry_run)
     # the refs before the listing: a version committed after this read is young, and its ancestors are reached
