@@ -240,7 +240,7 @@ class _Execution:
         if self.direct is None:
             return self._submit_ts(run)
         info = self.arrays[run.array]
-        self.direct.expect(info, self.engine.table(run.array))
+        table = self.engine.table(run.array)
         try:
             dests = [r.direct_target(info) for r in run.reads]
             scratch = [torch.empty(r.numel, dtype=TORCH_DTYPES[info.dtype]) if d is None else None
@@ -251,7 +251,7 @@ class _Execution:
             raise _no_memory(run, info, err) from None
         where: dict[int, Any] = {k: d if d is not None else s for k, (d, s) in enumerate(zip(dests, scratch))}
         try:
-            futs = self.direct.submit(info, run, run.reads, where)
+            futs = self.direct.submit(info, run, run.reads, where, table)
         except Exception:  # noqa: BLE001 - e.g. a destination numpy cannot view: the fallback rule applies
             futs = [_failed()]
         # a read into scratch is handed its elements by the reader thread that finishes the last task covering
@@ -314,7 +314,6 @@ class _Execution:
         if self.on_bytes is not None:
             self.on_bytes(nbytes)
         return nbytes
-
 
     def _submit_batch(self) -> None:
         if self.batch is not None:   # every read issued so far goes out together

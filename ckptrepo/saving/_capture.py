@@ -91,17 +91,18 @@ from ckptrepo.saving._writer import (
 )
 from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor
 from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
-from ckptrepo.storage._chunktable import chunk_count, chunk_crcs, write_table
+from ckptrepo.storage._chunktable import chunk_crcs, write_table
 from ckptrepo.storage._localwrite import DirectWriter, LiveShard
 
 log = logging.getLogger("ckptrepo")
 
 
 def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, commit_timeout_s: Any, dedup: Any,
-                    retention: Any, max_in_flight: Any) -> None:
+                    retention: Any, max_in_flight: Any) -> int | None:
     """Refuse a snapshotter's arguments that cannot work, when it is made: found later, a bad one would fail
     in a background thread, once per snapshot (a retention policy of the wrong type made every commit's gc
-    pass fail, and ``close()`` report it as failed snapshots that were in fact committed)."""
+    pass fail, and ``close()`` report it as failed snapshots that were in fact committed). Returns the
+    staging bound ``host_memory`` names, in bytes (None: the default)."""
     if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise ArgumentError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
     if isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float)) \
@@ -116,7 +117,7 @@ def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, com
     if parallel_layout is not None and not isinstance(parallel_layout, ParallelLayout):
         raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not "
                           f"{type(parallel_layout).__name__} {parallel_layout!r:.40}")
-    parse_size(host_memory)
+    return parse_size(host_memory)
 
 
 class Snapshotter:
@@ -148,7 +149,8 @@ class Snapshotter:
                  record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
                  retention: RetentionPolicy | None = None, max_in_flight: int = 4) -> None:
-        check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup, retention, max_in_flight)
+        host_bytes = check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup, retention,
+                                     max_in_flight)
         # backpressure when storage is slower than the snapshots: with nothing bounding them, snapshot() calls
         # pile up in flight without limit, and a state of small tensors (copied at snapshot(), outside the
         # staging pool) takes memory far beyond host_memory
@@ -178,7 +180,7 @@ class Snapshotter:
         # reads HEAD: DetachedHeadError before anything starts
         self._committer = Committer(plumbing, parallel_layout, self.rank, self.world_size, self.sharded,
                                     commit_timeout_s)
-        self.host_memory = parse_size(host_memory) or default_host_memory()
+        self.host_memory = host_bytes or default_host_memory()
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -282,7 +284,7 @@ class Snapshotter:
         job.written = written
         job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
                       for d, (n, s, i) in plan.streams.items()}
-        job.chunk_crcs = {d: np.zeros(chunk_count(info), dtype="<u4") for d, info in job.arrays.items()}
+        job.chunk_crcs = {d: np.zeros(info.chunks, dtype="<u4") for d, info in job.arrays.items()}
         job.hashers = {pi: xxhash.xxh3_128() for pi, ri in enumerate(written) if ri in job.watch}
         job.handle.stats.bytes = plan.nbytes
         job.remaining = len(plan.segments)
@@ -616,10 +618,11 @@ class Snapshotter:
             else:
                 fut = None if self._direct is None else self._direct.submit(info, seg.start, view)
             if fut is None:
-                # TensorStore keeps the crc32cs it takes to itself: the chunk table's are taken here
-                job.record_crcs(seg, chunk_crcs(info, view))
                 fut = handle[seg.start:seg.stop].write(
                     view, can_reference_source_data_indefinitely=self._store_copies).commit
+                # TensorStore keeps the crc32cs it takes to itself: the chunk table's are taken here, while it
+                # writes (the buffer is the segment's until its write is over, and fastcrc lets go of the GIL)
+                job.record_crcs(seg, chunk_crcs(info, view))
         except BaseException as err:  # noqa: BLE001
             self._segment_over(view, buf)
             job.segment_done(_storage_error(job, seg, err))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ckptrepo.storage._localfs import file_kind, file_size
+from ckptrepo.storage._localfs import file_kind, look
 from ckptrepo.storage.protocol import Store
 
 SHARD_BYTES = 64 << 20
@@ -55,6 +55,11 @@ class ArrayInfo:
     def inner_bytes(self) -> int:
         """Bytes of one inner chunk (the unit every crc32c covers)."""
         return self.inner_elems * self.itemsize
+
+    @property
+    def chunks(self) -> int:
+        """How many inner chunks the array has (the last one padded)."""
+        return -(-self.numel // self.inner_elems)
 
     def shard_key(self, index: int) -> str:
         return f"{self.key}/c/{index}"
@@ -187,9 +192,8 @@ def layout_bytes(info: ArrayInfo) -> int:
     """The sharded layout's size of array ``info``: every inner chunk whole with its crc32c (the last one
     padded) and each shard's index. Its tensor bytes alone (``nbytes``) leave out the padding of small arrays'
     last chunks, so ``du`` would report less than the repository holds."""
-    chunks = -(-info.numel // info.inner_elems)
     per_shard = info.shard_elems // info.inner_elems
-    return chunks * (info.inner_bytes + 4) + len(info.shards()) * (per_shard * INDEX_ENTRY_BYTES + 4)
+    return info.chunks * (info.inner_bytes + 4) + len(info.shards()) * (per_shard * INDEX_ENTRY_BYTES + 4)
 
 
 def stored_bytes(store: Store, key: str, estimate: int) -> int:
@@ -295,12 +299,7 @@ def open_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
     """Open an existing array for reading; its metadata must match the manifest's. On a file store its
     ``zarr.json`` is looked at first: TensorStore would block on a FIFO, or read a huge file whole."""
     key = f"{info.key}/{ZARR_JSON}"
-    path = store.capabilities.file_path(key)
-    if path is not None:
-        try:
-            file_size(path, key, ZARR_JSON_MAX_BYTES)
-        except OSError:
-            pass   # TensorStore's open reports it
+    look(store.capabilities.file_path(key), key, ZARR_JSON_MAX_BYTES)
     spec = {"driver": "zarr3", "kvstore": store.child_spec(info.key), "metadata": zarr_metadata(info),
             "open": True, "fill_missing_data_reads": False, "recheck_cached_data": False}
     return ts.open(spec, context=store.context, read=True).result()

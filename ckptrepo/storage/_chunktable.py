@@ -31,10 +31,6 @@ def table_key(array_key: str) -> str:
     return f"{array_key}/{TABLE_NAME}"
 
 
-def chunk_count(info: ArrayInfo) -> int:
-    return -(-info.numel // info.inner_elems)
-
-
 def table_digest(table: np.ndarray) -> int:
     """The digest the manifest records of a table (its little-endian bytes)."""
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(table, dtype="<u4").data)
@@ -58,8 +54,8 @@ def chunk_crcs(info: ArrayInfo, raw: np.ndarray) -> np.ndarray:
 
 def write_table(store: Store, info: ArrayInfo, table: np.ndarray) -> ArrayInfo:
     """Store the array's chunk table; returns ``info`` with the digest the manifest records."""
-    if len(table) != chunk_count(info):
-        raise ValueError(f"a chunk table of {len(table)} entries for the {chunk_count(info)} chunks of {info.key}")
+    if len(table) != info.chunks:
+        raise ValueError(f"a chunk table of {len(table)} entries for the {info.chunks} chunks of {info.key}")
     table = np.ascontiguousarray(table, dtype="<u4")
     store.put(table_key(info.key), table.tobytes())
     return info.with_digest(table_digest(table))
@@ -71,12 +67,12 @@ def read_table(store: Store, info: ArrayInfo) -> np.ndarray | None:
     if info.digest is None:
         return None
     key = table_key(info.key)
-    raw = store.get(key, 4 * chunk_count(info))
+    raw = store.get(key, 4 * info.chunks)
     if raw is None:
         raise CorruptionError(f"object {key} is missing: array {info.key} cannot be checked against the "
                               f"manifest that names it; run `ckptrepo fsck`")
     table = np.frombuffer(raw, dtype="<u4") if len(raw) % 4 == 0 else np.empty(0, dtype="<u4")
-    if len(table) != chunk_count(info) or table_digest(table) != info.digest:
+    if len(table) != info.chunks or table_digest(table) != info.digest:
         raise CorruptionError(f"object {key} does not match the manifest: array {info.key} holds another "
                               f"version's or stale data; run `ckptrepo fsck`")
     return table
@@ -99,5 +95,5 @@ def foreign_chunk_error(info: ArrayInfo, chunk: int, names: list[str]) -> Corrup
                            f"run `ckptrepo fsck`")
 
 
-__all__ = ["TABLE_NAME", "chunk_count", "chunk_crcs", "first_mismatch", "foreign_chunk_error", "read_table",
+__all__ = ["TABLE_NAME", "chunk_crcs", "first_mismatch", "foreign_chunk_error", "read_table",
            "table_digest", "table_key", "write_table"]

@@ -103,6 +103,17 @@ def file_size(path: str, key: str, max_bytes: int | None = None) -> int | None:
     return st.st_size
 
 
+def look(path: str | None, key: str, max_bytes: int | None = None) -> None:
+    """Before TensorStore opens ``key`` from a file store (``path``: its file; None elsewhere), refuse with
+    CorruptionError what it must not open: a FIFO blocks its read forever, and a file over ``max_bytes`` would
+    be read whole. A failure to look is left to TensorStore's own read, which reports it."""
+    if path is not None:
+        try:
+            file_size(path, key, max_bytes)
+        except OSError:
+            pass
+
+
 def open_regular(path: str, key: str) -> int | None:
     """A read-only descriptor of the regular file at ``path`` holding ``key`` (None: no file holds it; see
     ``file_size``). Looked at before it is opened, so a device is never opened, and checked again once

@@ -82,20 +82,20 @@ class DirectReader:
     of little-endian uint64 per inner chunk, then the index's crc32c.
     """
 
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self._files = StoreCapabilities(local_root=root)   # maps keys onto files, refusing '..' and the like
+    def __init__(self, capabilities: StoreCapabilities) -> None:
+        assert capabilities.local_root is not None
+        self.root = capabilities.local_root
+        self._files = capabilities   # maps keys onto files, refusing '..', reserved endings and the like
         self.pool = _reader_pool()
         self._tasks: list[Future] = []
         self._shards: dict[str, _Shard] = {}                     # shard key -> its verified index
         self._metadata: dict[str, bool] = {}                    # array key -> zarr.json matches the manifest
-        self._tables: dict[str, np.ndarray] = {}                # array key -> its chunk table (content-bound arrays)
         self._lock = threading.Lock()
 
     @classmethod
     def for_store(cls, store: Store) -> "DirectReader | None":
         root = store.capabilities.local_root
-        return cls(root) if root is not None and hasattr(os, "preadv") else None
+        return cls(store.capabilities) if root is not None and hasattr(os, "preadv") else None
 
     def close(self) -> None:
         """Drop this reader's queued tasks, wait for its running ones (they use the files), close the files."""
@@ -126,17 +126,13 @@ class DirectReader:
                 self._metadata[info.key] = ok
         return ok
 
-    def expect(self, info: ArrayInfo, table: np.ndarray | None) -> None:
-        """Check the array's chunks against ``table`` (storage/_chunktable.py; None: not content-bound) too."""
-        if table is not None:
-            self._tables[info.key] = table
-
-    def submit(self, info: ArrayInfo, run: Any, entries: list[Any],
-               targets: dict[int, torch.Tensor]) -> list[Future]:
+    def submit(self, info: ArrayInfo, run: Any, entries: list[Any], targets: dict[int, torch.Tensor],
+               table: np.ndarray | None = None) -> list[Future]:
         """Queue the run as chunk-aligned tasks (never across a shard); the futures raise on any surprise.
 
         Each future's ``elems`` is the ``(start, stop)`` element range of the array its task reads, so a
-        caller can act on part of a run as soon as the tasks covering it are done.
+        caller can act on part of a run as soon as the tasks covering it are done. With ``table`` (the
+        array's chunk table, storage/_chunktable.py), each chunk's crc32c must also be its entry.
         """
         inner, shard = info.inner_elems, info.shard_elems
         if shard % inner:
@@ -151,7 +147,7 @@ class DirectReader:
             stop = min(last + 1, c + step, (c // per_shard + 1) * per_shard)
             lo, hi = c * inner, stop * inner
             mine = [p for p in pieces if p[0] < hi and p[1] > lo]
-            fut = self.pool.submit(self._read_chunks, info, c, stop, mine)
+            fut = self.pool.submit(self._read_chunks, info, c, stop, mine, table)
             fut.elems = (lo, hi)   # type: ignore[attr-defined]
             futs.append(fut)
             self._tasks.append(fut)
@@ -197,7 +193,8 @@ class DirectReader:
         with self._lock:
             return self._shards.setdefault(key, shard)
 
-    def _read_chunks(self, info: ArrayInfo, c0: int, c1: int, pieces: list[tuple[int, int, Any]]) -> None:
+    def _read_chunks(self, info: ArrayInfo, c0: int, c1: int, pieces: list[tuple[int, int, Any]],
+                     table: np.ndarray | None) -> None:
         """Read inner chunks ``[c0, c1)`` of one shard into the pieces (sorted, disjoint element ranges).
 
         Chunks that lie wholly inside one plain target (a numpy byte buffer) are read straight into it.
@@ -209,12 +206,12 @@ class DirectReader:
         s = c0 // (info.shard_elems // info.inner_elems)
         fd = self._open(info, s)
         try:
-            self._read_task(info, fd, self._shard(info, s, fd), c0, c1, pieces)
+            self._read_task(info, fd, self._shard(info, s, fd), c0, c1, pieces, table)
         finally:
             os.close(fd)
 
     def _read_task(self, info: ArrayInfo, fd: int, shard: "_Shard", c0: int, c1: int,
-                   pieces: list[tuple[int, int, Any]]) -> None:
+                   pieces: list[tuple[int, int, Any]], table: np.ndarray | None) -> None:
         inner, item, chunk_bytes = info.inner_elems, info.itemsize, info.inner_bytes
         step = max(1, ROW_SCRATCH_BYTES // chunk_bytes)   # chunks per scratch batch: one, if a chunk is bigger
         c, p = c0, 0
@@ -227,7 +224,7 @@ class DirectReader:
                 stop = min(c1, stop_elem // inner)
                 if stop > c:   # whole chunks of one plain target: straight into it
                     first = (lo - start) * item
-                    self._read_into(info, fd, shard, c, stop, buf[first:first + (stop - c) * chunk_bytes])
+                    self._read_into(info, fd, shard, c, stop, buf[first:first + (stop - c) * chunk_bytes], table)
                     c = stop
                     continue
             stop = min(c1, c + step)
@@ -240,7 +237,7 @@ class DirectReader:
                     break
             hi = stop * inner
             scratch = _thread_scratch(step * chunk_bytes)
-            self._read_into(info, fd, shard, c, stop, scratch[:(stop - c) * chunk_bytes])
+            self._read_into(info, fd, shard, c, stop, scratch[:(stop - c) * chunk_bytes], table)
             for a, b, buf in pieces[p:]:
                 if a >= hi:
                     break
@@ -252,7 +249,8 @@ class DirectReader:
                     buf.scatter(region, a2, b2)
             c = stop
 
-    def _read_into(self, info: ArrayInfo, fd: int, shard: "_Shard", c0: int, c1: int, dest: np.ndarray) -> None:
+    def _read_into(self, info: ArrayInfo, fd: int, shard: "_Shard", c0: int, c1: int, dest: np.ndarray,
+                   table: np.ndarray | None) -> None:
         """Read inner chunks ``[c0, c1)`` of one shard (open as ``fd``, its index ``shard``) into ``dest``
         (their bytes back to back), verified."""
         per_shard = info.shard_elems // info.inner_elems
@@ -275,7 +273,7 @@ class DirectReader:
                 m = b1 - b0
                 _preadv(fd, iov, shard.first + (k0 + b0) * stride, m * nbytes + (m - 1) * (stride - nbytes))
                 _verify(info, rows, crcs, b0, b1, c0, per_shard)
-            self._check_table(info, crcs, c0)
+            _check_table(info, table, crcs, c0)
             return
         else:   # chunks missing, resized or out of order somewhere in the shard: look at each
             entries = shard.index[k0:k0 + n]
@@ -296,14 +294,15 @@ class DirectReader:
                 expect = off + nbytes
             _preadv(fd, iov, file_off, size)
         _verify(info, rows, crcs, 0, n, c0, per_shard)
-        self._check_table(info, crcs, c0)
+        _check_table(info, table, crcs, c0)
 
-    def _check_table(self, info: ArrayInfo, crcs: np.ndarray, c0: int) -> None:
-        """The stored crc32cs of chunks ``c0...`` (verified against their bytes) must be the chunk table's: bytes
-        that are valid but not the version's own are sent to TensorStore's path, which names them."""
-        table = self._tables.get(info.key)
-        if table is not None and first_mismatch(table, c0, crcs.view("<u4")) is not None:
-            raise Unexpected(f"{info.key}: inner chunks from {c0} are not the manifest's")
+
+
+def _check_table(info: ArrayInfo, table: np.ndarray | None, crcs: np.ndarray, c0: int) -> None:
+    """The stored crc32cs of chunks ``c0...`` (verified against their bytes) must be the chunk table's: bytes
+    that are valid but not the version's own are sent to TensorStore's path, which names them."""
+    if table is not None and first_mismatch(table, c0, crcs.view("<u4")) is not None:
+        raise Unexpected(f"{info.key}: inner chunks from {c0} are not the manifest's")
 
 
 def _verify(info: ArrayInfo, rows: np.ndarray, crcs: np.ndarray, k0: int, k1: int, c0: int, per_shard: int) -> None:

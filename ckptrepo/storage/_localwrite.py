@@ -65,6 +65,7 @@ import numpy as np
 
 from ckptrepo import faults
 from ckptrepo.storage._arrays import MISSING_CHUNK, ArrayInfo
+from ckptrepo.storage._chunktable import chunk_crcs
 from ckptrepo.storage._crc import crc32c
 from ckptrepo.storage._localfs import LOCK_SUFFIX, ByteCounter
 from ckptrepo.storage._vectored import transfer_all
@@ -146,17 +147,13 @@ def encode_shard(info: ArrayInfo, data: np.ndarray) -> tuple[list[Any], int, np.
     are views of it, not copies (see ``_Shard`` for the layout).
     """
     shard = _Shard(info, data)
-    crcs = np.empty(shard.chunks, dtype="<u4")
+    crcs = chunk_crcs(info, shard.raw)
     iov: list[Any] = []
     for k in range(shard.chunks):
         part, padding = shard.chunk(k)
-        crc = crc32c(part)
         iov.append(part)
         if padding:   # the last inner chunk of the array
-            pad = np.zeros(padding, dtype=np.uint8)
-            crc = crc32c(pad, crc)
-            iov.append(pad)
-        crcs[k] = crc
+            iov.append(np.zeros(padding, dtype=np.uint8))
         iov.append(crcs[k:k + 1])
     iov.append(shard.tail)
     return iov, shard.total, crcs

@@ -25,6 +25,7 @@ from ckptrepo.storage._localfs import (
     ByteCounter,
     check_lock_file,
     file_size,
+    look,
     read_regular,
     remove_empty_folders,
     too_big,
@@ -242,15 +243,7 @@ class TensorStoreStore:
 
     # ---- plain objects -------------------------------------------------
     def _look(self, key: str, max_bytes: int | None = None) -> None:
-        """On a file store, refuse (CorruptionError) what TensorStore must not open for ``key``: a FIFO blocks
-        its read forever, and a file over ``max_bytes`` would be read whole. A failure to look is left to
-        TensorStore's read, which reports it."""
-        path = self.capabilities.file_path(key)
-        if path is not None:
-            try:
-                file_size(path, key, max_bytes)
-            except OSError:
-                pass
+        look(self.capabilities.file_path(key), key, max_bytes)
 
     def _before_write(self, key: str) -> None:
         """On a file store, refuse to write ``key`` past a lock file that is not a file (see check_lock_file)."""
