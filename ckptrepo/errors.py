@@ -102,10 +102,6 @@ def first_line(err: BaseException) -> str:
 _BULKY_PAYLOADS = (" [tensorstore_spec='", " [http_response_body='")
 
 
-# words of a read error's first line that mean the object is damaged or gone rather than unreachable
-# (TensorStore reports a bad crc32c as "DATA_LOSS: ... Digest mismatch")
-
-
 # TensorStore's status codes (the first word of its messages) for a store that could not be reached or
 # would not serve us: nothing is known about the object then, so it must not be reported as damaged
 _UNREACHABLE_CODES = frozenset(("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",

@@ -390,10 +390,9 @@ def check_array_types(arrays: Any) -> None:
             raise FieldError(f"array {key} has the digest {_short(digest)}, not an unsigned 64-bit int")
 
 
-def _dims(v: Any, rank: int | None) -> tuple[int, ...] | None:
-    """``v`` as a tuple of counts, ``rank`` of them (any number for None); None when it is not one (the
-    caller names the field: a message built for every piece would cost more than the check)."""
-    if type(v) is not list and type(v) is not tuple or (rank is not None and len(v) != rank):
+def _dims(v: Any) -> tuple[int, ...] | None:
+    """``v`` as a tuple of counts; None when it is not one (the caller names the field)."""
+    if type(v) is not list and type(v) is not tuple:
         return None
     for x in v:
         if type(x) is not int or not 0 <= x < _INT64:
@@ -459,7 +458,7 @@ def _entry(t: Any, i: int) -> TensorEntry:
     if type(dtype) is not str or dtype not in ZARR_DTYPES:
         raise FieldError(f"tensor {name} has the data type {_short(dtype)}, not one this release knows")
     raw_shape = t.get("shape")
-    shape = _dims(raw_shape, None)
+    shape = _dims(raw_shape)
     if shape is None:
         raise FieldError(f"tensor {name} has the shape {_short(raw_shape)}, not whole numbers of at least 0")
     raw_pieces = t.get("pieces")
@@ -661,41 +660,35 @@ def arrays_problem(arrays: dict[str, ArrayInfo]) -> str | None:
 
 
 def table_problem(m: Manifest) -> str | None:
-    """What is wrong with the tensor table's pieces against the arrays they point into, or None.
+    """What is wrong with the tensor table's pieces against the arrays they point into, or None (their boxes
+    were checked against the tensors' shapes as they were decoded).
 
     The crc32c proves the bytes are as written, not that a writer wrote them right (or that a hand-edited
     manifest was re-sealed consistently): a tensor of another dtype than its array, or a piece past its
-    array's end, would load uninitialised memory on one path and fail with an IndexError on another."""
+    array's end, would load uninitialised memory on one path and fail with an IndexError on another. And every
+    piece is stored once (dedup points a tensor at bytes no other tensor of the version uses), so two pieces
+    sharing elements of an array mean one was moved: a re-sealed manifest that points a tensor some elements
+    further on would load its neighbour's bytes, every checksum valid."""
     arrays = m.arrays
+    spans = []
     for t in m.tensors:
         covered = 0
-        rank = len(t.shape)
         for p in t.pieces:
             a = arrays.get(p.array)
-            offs, sizes = p.box
-            n = volume(sizes)
+            n = volume(p.box[1])
             if a is None:
                 return f"tensor {t.name} points into array {p.array}, which it does not list"
             if a.dtype != t.dtype:
                 return f"tensor {t.name} is {t.dtype} but its array {p.array} holds {a.dtype}"
-            if len(offs) != rank or len(sizes) != rank or min(sizes, default=0) < 0 \
-                    or p.offset < 0 or p.offset + n > a.numel:
+            if p.offset + n > a.numel:
                 return f"a piece of tensor {t.name} lies outside its box or array {p.array}"
+            if n:
+                spans.append((p.array, p.offset, p.offset + n, t.name))
             covered += n
         total = volume(t.shape)
         if covered != total:
             return f"the pieces of tensor {t.name} hold {covered} of its {total} elements"
-    return _shared_storage(m)
-
-
-def _shared_storage(m: Manifest) -> str | None:
-    """Two pieces of a version whose elements overlap in an array, or None.
-
-    Every piece is stored once (dedup points a tensor at bytes no other tensor of the version uses), so an
-    overlap means a piece was moved: a re-sealed manifest that points a tensor some elements further on would
-    load its neighbour's bytes, every checksum valid."""
-    spans = sorted((p.array, p.offset, p.offset + volume(p.box[1]), t.name)
-                   for t in m.tensors for p in t.pieces if volume(p.box[1]))
+    spans.sort()
     for (a0, _, end0, name0), (a1, start1, _, name1) in zip(spans, spans[1:]):
         if a0 == a1 and start1 < end0:
             return f"tensors {name0} and {name1} overlap in array {a0}"

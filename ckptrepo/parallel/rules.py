@@ -220,7 +220,7 @@ def regions(spec: Spec, gshape: Sequence[int], tp: int, tp_rank: int) -> list[Re
 
 
 def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _int(value) and value >= 0
 
 
 def _seq(value: Any, name: str) -> Any:
