@@ -9,6 +9,7 @@ they prove long (``HeaderWalk``), gc, fsck and du always (``iter_manifests``).
 """
 from __future__ import annotations
 
+import heapq
 from typing import Any, Iterator, Mapping, Sequence
 
 from ckptrepo.core._lru import LruCache
@@ -41,6 +42,31 @@ def parent_cycle_error(cycle: Sequence[str]) -> CorruptionError:
     shown = " -> ".join(v[:12] for v in cycle[:8]) + (" -> ..." if len(cycle) > 8 else "")
     return CorruptionError(f"versions {shown} form a parent cycle (their manifests are damaged: a version cannot be "
                            f"its own ancestor); restore those manifests from a backup, and run `ckptrepo fsck`")
+
+
+def children_first(ids: Sequence[str], parents: Mapping[str, Sequence[str]]) -> list[str]:
+    """``ids`` in their given order, except that each waits until all its children among them are placed (what
+    gc deletes first, and what ``log --graph`` draws first). Versions on a parent cycle, which never become
+    ready, come last, in their given order."""
+    position = {v: i for i, v in enumerate(ids)}
+    children = dict.fromkeys(position, 0)
+    for v in ids:
+        for p in set(parents[v]):
+            if p in children:
+                children[p] += 1
+    ready = [position[v] for v in ids if children[v] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        v = ids[heapq.heappop(ready)]
+        order.append(v)
+        for p in set(parents[v]):
+            if p in children:
+                children[p] -= 1
+                if children[p] == 0:
+                    heapq.heappush(ready, position[p])
+    placed = set(order)
+    return order + [v for v in ids if v not in placed]
 
 
 def find_cycle(parents: Mapping[str, Sequence[str]]) -> list[str] | None:

@@ -73,12 +73,12 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
             manifests[vid] = m
         elif plumbing.store.exists(VERSIONS_PREFIX + vid):
             report.errors.append(str(m))
-    head = _check_refs(plumbing, manifests, report, starts)
+    head, refs = _check_refs(plumbing, manifests, report, starts)
     report.versions = len(manifests)
     pruned = pruned_ids(plumbing)
     data_ids = data_version_ids(plumbing)
     reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})
-    marked = _check_graph(plumbing, manifests, head, pruned, data_ids, report)
+    marked = _check_graph(plumbing, manifests, head or Head(None, None, b""), refs, pruned, data_ids, report)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
         on_total(sum(a.nbytes for vid, m in manifests.items() if vid not in pruned for a in m.arrays.values()))
     stored: dict[str, set[tuple[str, int, int]]] = {}
@@ -134,25 +134,23 @@ def _check_parents(vid: str, m: Manifest, manifests: dict[str, Manifest], reacha
                                    f"is gone: an interrupted gc leaves this; the next `ckptrepo gc` removes it")
 
 
-def _check_graph(plumbing: Plumbing, manifests: dict[str, Manifest], head: Head | None, pruned: set[str],
-                 data_ids: set[str], report: FsckReport) -> set[str]:
+def _check_graph(plumbing: Plumbing, manifests: dict[str, Manifest], head: Head, refs: dict[str, dict[str, str]],
+                 pruned: set[str], data_ids: set[str], report: FsckReport) -> set[str]:
     """The ref and history checks gc refuses to run past (see ``graph_damage``; HEAD's only when it could be
-    read), and pruned markers on the versions refs point at whose data is still stored (``marked_refs``),
-    which are returned."""
+    read), and pruned markers on the versions the readable ``refs`` (by kind, as ``_check_refs`` read them)
+    point at whose data is still stored (``marked_refs``), which are returned."""
     parents = {vid: m.parents for vid, m in manifests.items()}
-    report.errors.extend(graph_damage(plumbing, parents, head or Head(None, None, b"")))
-    branches, _ = plumbing.refs.read_all("branch", strict=False)
-    tags, _ = plumbing.refs.read_all("tag", strict=False)
-    marked = marked_refs(pruned, data_ids, branches, tags, head or Head(None, None, b""))
+    report.errors.extend(graph_damage(plumbing, parents, head))
+    marked = marked_refs(pruned, data_ids, refs["branch"], refs["tag"], head)
     report.errors.extend(marked_ref_damage(vid, refs) for vid, refs in marked.items())
     return set(marked)
 
 
 def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: FsckReport,
-                starts: list[str]) -> Head | None:
+                starts: list[str]) -> tuple[Head | None, dict[str, dict[str, str]]]:
     """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
     ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``.
-    Returns HEAD, or None when it cannot be read (reported)."""
+    Returns HEAD, or None when it cannot be read (reported), and the readable refs by kind."""
     def missing(vid: str | None) -> bool:
         tip = True
         while vid is not None and vid not in manifests:
@@ -166,8 +164,10 @@ def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: Fsck
             tip, vid = False, next(iter(manifests[vid].parents), None)
         return False
 
+    refs: dict[str, dict[str, str]] = {}
     for kind in ("branch", "tag"):
         targets, damage = plumbing.refs.read_all(kind, strict=False)
+        refs[kind] = targets
         report.errors.extend(damage)   # damaged: named, and the other refs still checked
         for name, vid in targets.items():
             if missing(vid):
@@ -178,12 +178,12 @@ def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: Fsck
         head = plumbing.refs.head()
     except CkptRepoError as err:
         report.errors.append(str(err))
-        return None
+        return None, refs
     if head.branch is None and missing(head.version):
         report.errors.append(f"HEAD points at missing version {str(head.version)[:12]}")
     elif head.version is not None:
         starts.append(head.version)
-    return head
+    return head, refs
 
 
 def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckReport,

@@ -41,7 +41,7 @@ from ckptrepo.core._manifest import (
     is_version_id,
     version_id_time,
 )
-from ckptrepo.core._manifest_reads import find_cycle, missing_manifest, parent_cycle_error
+from ckptrepo.core._manifest_reads import children_first, find_cycle, missing_manifest, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
 from ckptrepo.core.schema import Manifest
@@ -201,28 +201,6 @@ def graph_damage(plumbing: Plumbing, parents: Mapping[str, Sequence[str]], head:
                   for key in replaced_refs(plumbing.store)
                   if head.branch is None or key != HEADS_PREFIX + head.branch)   # that one is ``lost`` above
     return damage
-
-
-def children_first(vids: Sequence[str], parents: Mapping[str, Sequence[str]]) -> list[str]:
-    """``vids`` ordered so that each comes before its parents among them: gc deletes manifests in this order, so
-    that a gc killed midway never leaves a manifest whose parent it deleted (fsck would call that damage)."""
-    todo = set(vids)
-    children = {v: 0 for v in todo}
-    for v in todo:
-        for p in set(parents[v]):
-            if p in children:
-                children[p] += 1
-    ready = sorted(v for v, n in children.items() if n == 0)
-    out: list[str] = []
-    while ready:
-        v = ready.pop()
-        out.append(v)
-        for p in set(parents[v]):
-            if p in children:
-                children[p] -= 1
-                if children[p] == 0:
-                    ready.append(p)
-    return out + sorted(todo - set(out))   # only a cycle is left over, and gc refuses to run on one
 
 
 def reaches(plumbing: Plumbing, starts: Sequence[str], target: str) -> bool:
@@ -399,6 +377,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
         # marker with content would fail, and gc, the way to free space, would free nothing
         plumbing.store.put(PRUNED_PREFIX + vid, b"")
+    # children first: a gc killed midway never leaves a manifest whose parent it deleted (fsck would call that damage)
     for vid in children_first(report.collected, {v: facts[v].parents for v in report.collected}):
         plumbing.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest
         plumbing.store.delete(PRUNED_PREFIX + vid)

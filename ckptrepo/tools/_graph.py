@@ -18,11 +18,11 @@ that a version always comes after every child of it (children before parents).
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
 from ckptrepo.core._manifest import Version
+from ckptrepo.core._manifest_reads import children_first
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,9 @@ def graph(versions: Sequence[Version]) -> list[GraphRow]:
     """
     columns: list[str] = []
     rows: list[GraphRow] = []
-    for v in _children_first(versions):
+    by_id = {v.id: v for v in versions}
+    for vid in children_first(list(by_id), {v.id: v.parents for v in versions}):
+        v = by_id[vid]
         if v.id not in columns:
             columns.append(v.id)
         col = columns.index(v.id)
@@ -57,28 +59,6 @@ def graph(versions: Sequence[Version]) -> list[GraphRow]:
             columns.insert(col + i, extra)
         rows.extend(_join_duplicates(columns))
     return rows
-
-
-def _children_first(versions: Sequence[Version]) -> list[Version]:
-    """``versions`` in their given order, except that a version waits until all its children are placed."""
-    position = {v.id: i for i, v in enumerate(versions)}
-    children = dict.fromkeys(position, 0)
-    for v in versions:
-        for p in set(v.parents):
-            if p in children:
-                children[p] += 1
-    ready = [position[v.id] for v in versions if children[v.id] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        v = versions[heapq.heappop(ready)]
-        order.append(v)
-        for p in set(v.parents):
-            if p in children:
-                children[p] -= 1
-                if children[p] == 0:
-                    heapq.heappush(ready, position[p])
-    return order
 
 
 def _line(chars: list[str]) -> GraphRow:
