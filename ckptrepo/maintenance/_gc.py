@@ -146,6 +146,11 @@ def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str
     return seen
 
 
+def staged_ids(plumbing: Plumbing) -> set[str]:
+    """The snapshots with objects under ``staging/`` (a distributed commit's parts and outcome)."""
+    return {k[len(STAGING_PREFIX):].split("/", 1)[0] for k in plumbing.store.list(STAGING_PREFIX)}
+
+
 def data_version_ids(plumbing: Plumbing) -> set[str]:
     """The versions with a folder under ``data/`` (whether or not a manifest names them); a stray file there (a
     Finder ``.DS_Store``) is no version."""
@@ -390,7 +395,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         if vid not in facts and not young(vid, version_id_time(vid)):
             plumbing.store.delete(key)
     # the commit handshakes of distributed snapshots, once stale
-    for vid in sorted({k[len(STAGING_PREFIX):].split("/", 1)[0] for k in plumbing.store.list(STAGING_PREFIX)}):
+    for vid in sorted(staged_ids(plumbing)):
         if not young(vid, version_id_time(vid)):
             plumbing.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
     return report

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptrepo.core._manifest import STAGING_PREFIX, is_version_id, version_id_time
+from ckptrepo.core._manifest import is_version_id, version_id_time
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import CkptRepoError
-from ckptrepo.maintenance._gc import data_version_ids
+from ckptrepo.maintenance._gc import data_version_ids, staged_ids
 from ckptrepo.tools._width import natural_key
 
 
@@ -69,7 +69,7 @@ def repo_status(plumbing: Plumbing) -> RepoStatus:
     failures = plumbing.failures()
     failed = {f.get("id") for f in failures}
     status.failures = failures
-    staged = {k[len(STAGING_PREFIX):].split("/", 1)[0] for k in plumbing.store.list(STAGING_PREFIX)}
+    staged = staged_ids(plumbing)
     pending = (data_version_ids(plumbing) | {v for v in staged if is_version_id(v)}) - versions - failed
     status.uncommitted = sorted((Uncommitted(v, version_id_time(v), v in staged) for v in pending),
                                 key=lambda u: u.started or 0.0, reverse=True)
