@@ -231,8 +231,8 @@ def _seq(value: Any, name: str) -> Any:
 
 
 def _check_structure(params: Any, sections: Any, layer_prefix: Any, num_layers: Any, stage_sizes: Any) -> None:
-    """Refuse rules that cannot describe a model, when they are made: a negative layer count made every stage
-    empty, and a wrong type failed deep inside a snapshot or load."""
+    """Refuse rules that cannot describe a model, when they are made: a negative layer count would make every
+    stage empty, and a wrong type would fail deep inside a snapshot or load."""
     if num_layers is not None and not _whole(num_layers):
         raise LayoutError(f"num_layers must be a whole number of at least 0 (the model's layer count), "
                           f"not {num_layers!r}")

@@ -100,8 +100,8 @@ log = logging.getLogger("ckptrepo")
 def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, commit_timeout_s: Any, dedup: Any,
                     retention: Any, max_in_flight: Any) -> int | None:
     """Refuse a snapshotter's arguments that cannot work, when it is made: found later, a bad one would fail
-    in a background thread, once per snapshot (a retention policy of the wrong type made every commit's gc
-    pass fail, and ``close()`` report it as failed snapshots that were in fact committed). Returns the
+    in a background thread, once per snapshot (a retention policy of the wrong type would make every commit's
+    gc pass fail, and ``close()`` report it as failed snapshots that were in fact committed). Returns the
     staging bound ``host_memory`` names, in bytes (None: the default)."""
     if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise ArgumentError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
