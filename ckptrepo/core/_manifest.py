@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 import msgpack
 import numpy as np
 
-from ckptrepo.errors import CorruptionError, FormatVersionError, NotARepositoryError, UnsupportedValueError, first_line
+from ckptrepo.errors import (
+    ConflictError,
+    CorruptionError,
+    FormatVersionError,
+    NotARepositoryError,
+    UnsupportedValueError,
+    first_line,
+)
 from ckptrepo.storage._crc import crc32c
 
 if TYPE_CHECKING:
@@ -177,6 +184,24 @@ def decode_config(blob: bytes, url: str) -> dict[str, Any]:
     if version < 1:
         raise FormatVersionError(f"{url} uses unknown repository format {version}{REPAIR_HINT}")
     return cfg
+
+
+def update_config(store: Store, changes: dict[str, Any], attempts: int = 8) -> dict[str, Any]:
+    """Set ``changes`` in ``ckptrepo.json`` by compare-and-swap, keeping every other setting, and return the
+    config as written. The config is written at init and changed only this way, for settings the repository
+    learns later (a store check's verdict, its identity): two writers adding different settings both land."""
+    for _ in range(attempts):
+        raw, gen = store.get_with_generation(CONFIG_KEY, CONFIG_MAX_BYTES)
+        if raw is None:
+            raise NotARepositoryError(f"{store.url} is not a ckptrepo repository (no {CONFIG_KEY}); create one "
+                                      f"with `ckptrepo init {store.url}`")
+        cfg = decode_config(raw, store.url)
+        if all(cfg.get(k) == v for k, v in changes.items()):
+            return cfg
+        cfg.update(changes)
+        if store.compare_and_swap(CONFIG_KEY, json.dumps(cfg, indent=2).encode(), gen) is not None:
+            return cfg
+    raise ConflictError(f"{store.url}: {CONFIG_KEY} kept changing while it was being updated; run the command again")
 
 
 def repair_config(store: Store) -> list[str]:
