@@ -15,7 +15,9 @@ from ckptrepo.errors import (
                      FormatVersionError,
                      LayoutError,
                      NotARepositoryError,
+                     PushRejectedError,
                      RefError,
+                     RemoteError,
                      RepositoryExistsError,
                      RetentionError,
                      RevisionError,
@@ -25,7 +27,7 @@ from ckptrepo.errors import (
 )
 from ckptrepo.maintenance._gc import RetentionPolicy
 from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.repository import Repository, VersionDetails, init, load, open
+from ckptrepo.repository import Repository, VersionDetails, clone, init, load, open
 
 __version__ = "0.1.0"
 
@@ -35,4 +37,5 @@ __all__ = [
     "ParallelLayout", "RetentionPolicy", "load", "rules",
     "NotARepositoryError", "RefError", "RepositoryExistsError", "RetentionError", "RevisionError", "StateMismatchError",
     "StorageError", "UnsupportedValueError", "Repository", "Version", "VersionDetails", "init", "open",
+    "clone", "PushRejectedError", "RemoteError",
 ]

@@ -81,6 +81,14 @@ class ArgumentError(CkptRepoError, ValueError):
     checks of such arguments are)."""
 
 
+class RemoteError(CkptRepoError):
+    """A remote cannot take part: it holds another repository, or none where one is needed."""
+
+
+class PushRejectedError(RemoteError):
+    """A push that would lose the remote's versions (not a fast-forward), as git rejects it: fetch first."""
+
+
 class LayoutError(CkptRepoError):
     """A parallel layout or sharding rule does not fit the state (wrong degrees, indivisible sizes)."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -26,10 +27,12 @@ from ckptrepo.core._manifest import (
     PRUNED_PREFIX,
     Version,
     encode_config,
+    update_config,
 )
 from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, find_cycle, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
+from ckptrepo.core._remotes import add_remote, check_remote_name, remotes, remove_remote
 from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
     ArgumentError,
@@ -45,6 +48,7 @@ from ckptrepo.errors import (
     StorageError,
     first_line,
 )
+from ckptrepo.remotes._remote import REPOSITORY_ID
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage import Store, open_store
 from ckptrepo.storage._arrays import itemsize
@@ -57,6 +61,8 @@ if TYPE_CHECKING:
     from ckptrepo.maintenance._gc import GcReport, RetentionPolicy
     from ckptrepo.maintenance._usage import DiskUsage
     from ckptrepo.parallel.layout import ParallelLayout
+    from ckptrepo.remotes._sync import SyncResult
+    from ckptrepo.remotes._transfer import Progress
     from ckptrepo.saving._capture import Snapshotter
     from ckptrepo.tools._inspect import TensorStats, TrajectoryPoint, VersionDiff
 
@@ -140,7 +146,8 @@ def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str,
     """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
     url = repo_url(url)
     store = open_store(url, options)
-    if not store.put_if_absent(CONFIG_KEY, encode_config({"created": time.time(), "default_branch": DEFAULT_BRANCH})):
+    settings = {"created": time.time(), "default_branch": DEFAULT_BRANCH, REPOSITORY_ID: uuid.uuid4().hex}
+    if not store.put_if_absent(CONFIG_KEY, encode_config(settings)):
         if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
             # bucket that does not exist as a failed condition; listing says why (NoSuchBucket, ...)
@@ -158,6 +165,37 @@ def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str,
         return Repository(store)
     init_head(store, DEFAULT_BRANCH)
     return Repository(store)
+
+
+def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth: int | None = None,
+          lazy: bool = False, remote: str = "origin", progress: "Progress | None" = None) -> "Repository":
+    """Clone the repository at ``url`` into ``directory`` (a new repository there, with ``url`` as ``remote``),
+    its HEAD on the remote HEAD's branch. ``lazy``: manifests and refs only, tensor bytes read from the remote
+    on demand (only the ranges a load needs); ``depth``: data copied for the newest ``depth`` versions of each
+    branch, the rest read lazily. Every version loads either way."""
+    from ckptrepo.remotes._sync import fetch
+    if depth is not None:
+        _whole(depth, "depth", least=1)
+    url = repo_url(url)
+    source = open(url)
+    theirs = source._plumbing
+    head = theirs.refs.head()
+    branch = head.branch or str(theirs.config.get("default_branch") or DEFAULT_BRANCH)
+    target = repo_url(directory)
+    store = open_store(target)
+    if store.list(""):
+        raise RepositoryExistsError(f"{target} is not empty; clone into a new directory")
+    settings = {"created": time.time(), "default_branch": branch,
+                REPOSITORY_ID: theirs.config.get(REPOSITORY_ID) or uuid.uuid4().hex}
+    store.put_if_absent(CONFIG_KEY, encode_config(settings))
+    init_head(store, branch)
+    repo = Repository(store)
+    add_remote(store, check_remote_name(remote), url)
+    fetch(repo._plumbing, remote, lazy=lazy, depth=depth, progress=progress)
+    tip = repo._plumbing.resolve(f"{remote}/{branch}") if head.version else None
+    if tip is not None:
+        repo._plumbing.refs.create_branch(branch, tip)
+    return repo
 
 
 def open(url: str | os.PathLike[str], options: dict[str, Any] | None = None  # noqa: A001 - the public API
@@ -322,7 +360,7 @@ class Repository:
         from ckptrepo.loading._layout_load import load_layout, needs_layout_load
         from ckptrepo.loading._reader import read_tensors
         from ckptrepo.state._providers import malformed_skeleton, unflatten
-        store = self._plumbing.store
+        store = self._plumbing.data_store(m)
         if needs_layout_load(m, parallel_layout, into):
             return load_layout(store, m, parallel_layout, rank, into, target_device, read_stats)
         entries = list(m.tensors)
@@ -616,5 +654,40 @@ class Repository:
         step = state_step(state) if step is None else step   # the step the state holds, unless told otherwise
         return self.snapshot(state, step=step, message=f"imported from {source}" if message is None else message)
 
+    # ---- remotes ----------------------------------------------------------
+    def remote_add(self, name: str, url: str | os.PathLike[str]) -> None:
+        """Record remote ``name`` at ``url`` (any repository URL), as ``git remote add``; nothing is contacted."""
+        check_remote_name(name)
+        url = repo_url(url)
+        if not self._plumbing.config.get(REPOSITORY_ID):   # made before repositories had one: give it one now
+            self._plumbing.config = update_config(self._plumbing.store, {REPOSITORY_ID: uuid.uuid4().hex})
+        add_remote(self._plumbing.store, name, url)
 
-__all__ = ["DEFAULT_BRANCH", "Repository", "VersionDetails", "init", "load", "load_device", "open"]
+    def remote_remove(self, name: str) -> None:
+        """Forget remote ``name`` and its remote-tracking refs (``git remote remove``)."""
+        remove_remote(self._plumbing.store, check_remote_name(name))
+
+    def remotes(self) -> dict[str, str]:
+        """Remote name -> URL."""
+        return remotes(self._plumbing.store)
+
+    def push(self, remote: str = "origin", branches: list[str] | None = None, tags: list[str] | None = None,
+             progress: "Progress | None" = None) -> "SyncResult":
+        """Copy what ``branches`` (default: the current one) and ``tags`` reach to ``remote`` and move its refs
+        there, as a fast-forward only (PushRejectedError otherwise: fetch first). See ckptrepo.remotes._sync."""
+        from ckptrepo.remotes._sync import push
+        return push(self._plumbing, check_remote_name(remote), branches, tags or (), progress)
+
+    def fetch(self, remote: str = "origin", lazy: bool = False, progress: "Progress | None" = None) -> "SyncResult":
+        """Copy the versions ``remote``'s branches and tags reach that are not here (``lazy``: manifests only,
+        tensor data read from the remote when loaded), and record where its branches are (``REMOTE/BRANCH``)."""
+        from ckptrepo.remotes._sync import fetch
+        return fetch(self._plumbing, check_remote_name(remote), lazy=lazy, progress=progress)
+
+    def pull(self, remote: str = "origin", lazy: bool = False, progress: "Progress | None" = None) -> "SyncResult":
+        """Fetch ``remote``, then fast-forward the current branch to its branch of the same name."""
+        from ckptrepo.remotes._sync import pull
+        return pull(self._plumbing, check_remote_name(remote), lazy=lazy, progress=progress)
+
+
+__all__ = ["DEFAULT_BRANCH", "Repository", "VersionDetails", "clone", "init", "load", "load_device", "open"]

@@ -22,8 +22,10 @@ from ckptrepo.core._manifest import (
 )
 from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
 from ckptrepo.core._refs import Refs, lost_head_branch
+from ckptrepo.core._remotes import evicted_remote, remote_url, tracking_tip
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError
+from ckptrepo.storage._tiered import TieredStore
 from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:   # the saving layer makes the cache; this handle only keeps it between snapshotters
@@ -50,6 +52,7 @@ class Plumbing:
         # write plans of this handle's snapshots, made by the first snapshotter (history tools never import
         # torch, which the saving layer needs) and shared by the next ones, so an unchanged state plans once
         self.plans: PlanCache | None = None
+        self._remote_stores: dict[str, Store] = {}
 
     def __repr__(self) -> str:
         return f"Plumbing({self.url!r})"
@@ -85,6 +88,23 @@ class Plumbing:
         if any(t.pieces for t in manifest.tensors) and self.store.exists(PRUNED_PREFIX + vid):
             raise RevisionError(f"version {vid[:12]} (step {manifest.step}) was pruned by gc: its tensor data is "
                                 f"deleted; pick a kept version from `ckptrepo log`")
+
+    def data_store(self, manifest: Manifest) -> Store:
+        """The store to read ``manifest``'s arrays from: this repository's, or, where a version whose arrays it
+        points into was evicted here after a push or cloned lazily, one that reads what is missing here from the
+        remote the eviction marker names (see core/_remotes.py)."""
+        owners = {key.split("/")[1] for key in manifest.arrays if key.count("/") >= 1}
+        remote = next((r for r in (evicted_remote(self.store, vid) for vid in sorted(owners)) if r), None)
+        if remote is None:
+            return self.store
+        return TieredStore(self.store, self.remote_store(remote))
+
+    def remote_store(self, name: str) -> Store:
+        """The store of remote ``name`` (opened once per handle)."""
+        if name not in self._remote_stores:
+            from ckptrepo.storage._tensorstore import TensorStoreStore
+            self._remote_stores[name] = TensorStoreStore.open(remote_url(self.store, name))
+        return self._remote_stores[name]
 
     def failures(self) -> list[dict[str, Any]]:
         """Records of background snapshots that failed (id, step, time, branch, message, error), newest first."""
@@ -166,7 +186,10 @@ class _WalkingSource:
         return self._plumbing.head_description()
 
     def branch_tip(self, name: str) -> str | None:
-        return self._plumbing.branch_tip(name)
+        tip = self._plumbing.branch_tip(name)
+        if tip is None and "/" in name:   # REMOTE/BRANCH, as git resolves origin/main: the remote-tracking ref
+            tip = tracking_tip(self._plumbing.store, name)
+        return tip
 
     def tag_target(self, name: str) -> str | None:
         return self._plumbing.tag_target(name)

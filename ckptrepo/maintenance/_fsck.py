@@ -17,6 +17,7 @@ from ckptrepo.core._boxes import check_coverage, volume
 from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head
+from ckptrepo.core._remotes import evicted_ids
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, CorruptionError, first_line, is_storage_failure, some_names, storage_failure
 from ckptrepo.maintenance._gc import (
@@ -76,6 +77,7 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
     head, refs = _check_refs(plumbing, manifests, report, starts)
     report.versions = len(manifests)
     pruned = pruned_ids(plumbing)
+    evicted = evicted_ids(plumbing.store)
     data_ids = data_version_ids(plumbing)
     reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})
     marked = _check_graph(plumbing, manifests, head or Head(None, None, b""), refs, pruned, data_ids, report)
@@ -92,10 +94,15 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
         _check_parents(vid, m, manifests, reachable, report)
         if vid not in pruned:
             before = len(report.errors)
-            _check_version_data(plumbing, vid, m, report, on_bytes)
+            _check_version_data(plumbing, vid, m, report, on_bytes, evicted)
             if len(report.errors) > before and plumbing.store.exists(PRUNED_PREFIX + vid):
                 del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
+    elsewhere = sorted(evicted & set(manifests))
+    if elsewhere:
+        report.warnings.append(f"{len(elsewhere)} version(s) keep their data on a remote (evicted after a push, or "
+                               f"cloned lazily: {some_names([v[:12] for v in elsewhere])}): what is not here is not "
+                               f"checked; run `ckptrepo fsck` on the remote")
     for vid in sorted(set(manifests) - reachable):
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
@@ -187,7 +194,7 @@ def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: Fsck
 
 
 def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckReport,
-                        on_bytes: Callable[[int], None] | None) -> None:
+                        on_bytes: Callable[[int], None] | None, evicted: set[str]) -> None:
     arrays = m.arrays
     for t in m.tensors:
         for piece in t.pieces:
@@ -199,6 +206,8 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
     except CkptRepoError as err:
         report.errors.append(f"version {vid[:12]}: {err}")
     for key, info in arrays.items():
+        if key.split("/")[1] in evicted and not plumbing.store.exists(f"{key}/zarr.json"):
+            continue   # on the remote the eviction marker names (a warning above)
         try:
             arr = open_array(plumbing.store, info)
         except Exception as err:  # noqa: BLE001

@@ -44,6 +44,7 @@ from ckptrepo.core._manifest import (
 from ckptrepo.core._manifest_reads import children_first, find_cycle, missing_manifest, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
+from ckptrepo.core._remotes import tracking_refs
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RetentionError
 
@@ -159,8 +160,10 @@ def data_version_ids(plumbing: Plumbing) -> set[str]:
 
 
 def ref_targets(plumbing: Plumbing) -> list[str]:
-    """The versions the branches, the tags and a detached HEAD point at."""
-    return _targets(plumbing.refs.branches(), plumbing.refs.tags(), plumbing.refs.head())
+    """The versions the branches, the tags, a detached HEAD and the remote-tracking refs point at (as in git, what
+    was last pushed or fetched stays until the tracking ref moves, even after its local branch is deleted)."""
+    return _targets(plumbing.refs.branches(), plumbing.refs.tags(), plumbing.refs.head()) + \
+        list(tracking_refs(plumbing.store).values())
 
 
 def _targets(branches: Mapping[str, str], tags: Mapping[str, str], head: Head) -> list[str]:

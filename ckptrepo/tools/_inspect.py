@@ -121,13 +121,14 @@ class _Chunks:
         self.plumbing = plumbing
         self.manifest = manifest
         self.arrays = dict(manifest.arrays)
-        self.engine = Engine(plumbing.store, self.arrays)   # for tensors saved whole: a flat range of one array
+        self.store = plumbing.data_store(manifest)
+        self.engine = Engine(self.store, self.arrays)   # for tensors saved whole: a flat range of one array
         self._pieces: VersionReader | None = None   # for tensors saved as several pieces, made on first need
 
     @property
     def pieces(self) -> VersionReader:
         if self._pieces is None:
-            self._pieces = VersionReader(self.plumbing.store, self.manifest)
+            self._pieces = VersionReader(self.store, self.manifest)
         return self._pieces
 
     def array_info(self, key: str) -> ArrayInfo:
@@ -145,7 +146,7 @@ class _Chunks:
             self.array_info(key)   # into self.arrays, where the engine looks: a dedup'd piece's is another version's
             n = stop - start
             entry_range = TensorEntry(entry.name, entry.dtype, (n,), (SavedPiece(((0,), (n,)), key, off + start),))
-            t = read_tensors(self.plumbing.store, self.arrays, [entry_range], [0], engine=self.engine)[0]
+            t = read_tensors(self.store, self.arrays, [entry_range], [0], engine=self.engine)[0]
         else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
             shape = entry.shape
             t = torch.empty(stop - start, dtype=TORCH_DTYPES[entry.dtype])

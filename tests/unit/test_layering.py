@@ -16,8 +16,8 @@ import ckptrepo
 PACKAGE = Path(ckptrepo.__file__).parent
 
 # Bottom to top. errors and faults are shared by every layer; rules re-exports parallel.rules for users.
-LAYERS = ("errors", "faults", "storage", "core", "state", "parallel", "rules", "loading", "maintenance", "saving",
-          "tools", "repository", "__init__", "cli", "testing")
+LAYERS = ("errors", "faults", "storage", "core", "state", "parallel", "rules", "loading", "maintenance", "remotes",
+          "saving", "tools", "repository", "__init__", "cli", "testing")
 BASE = {"errors", "faults"}   # importable from anywhere, and import nothing of the package themselves
 
 

@@ -1,0 +1,137 @@
+"""What a repository knows of its remotes: their URLs, where their branches were, and which versions' data
+lives only on one of them.
+
+A remote is another repository (usually on an object store) that versions are pushed to and fetched from, as
+in git. Three kinds of record hold what this repository knows of them:
+
+* ``ckptrepo.json``'s ``remotes`` setting: name -> ``{"url": ...}`` (changed by compare-and-swap, like git's
+  config);
+* remote-tracking refs, ``refs/remotes/<remote>/<branch>``: the version a remote branch was at when last
+  pushed or fetched. Every ancestor of one is on that remote, which is what makes a version remote-durable;
+* eviction markers, ``evicted/<id>``: this version's own data (``data/<id>/``) may be partly or wholly absent
+  here, and is read from the remote the marker names. Local retention after a push and lazy clones write
+  them; the marker goes first, the deletes after, so a crash between them leaves data that is merely
+  duplicated.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, REF_MAX_BYTES, decode_config, update_config
+from ckptrepo.core._refs import check_ref_name, ref_value
+from ckptrepo.errors import ArgumentError, CorruptionError, RefError
+from ckptrepo.storage.protocol import Store
+
+REMOTE_REFS_PREFIX = "refs/remotes/"
+EVICTED_PREFIX = "evicted/"
+REMOTES_SETTING = "remotes"
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def check_remote_name(name: Any) -> str:
+    """A remote's name: one ref-name part (no ``/``), as ``git remote add`` takes."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name.endswith((".", ".lock")):
+        raise ArgumentError(f"{name!r} is not a remote name; use letters, digits, '.', '_' and '-', "
+                            f"e.g. origin")
+    return name
+
+
+def remotes(store: Store) -> dict[str, str]:
+    """Remote name -> URL, as ``ckptrepo.json`` records them."""
+    raw = store.get(CONFIG_KEY, CONFIG_MAX_BYTES)
+    cfg = decode_config(raw, store.url) if raw is not None else {}
+    found = cfg.get(REMOTES_SETTING) or {}
+    if not isinstance(found, dict):
+        raise CorruptionError(f"{store.url}: {CONFIG_KEY}'s {REMOTES_SETTING!r} is not a map; fix it by hand or "
+                              f"remove it and add the remotes again")
+    return {str(k): str(v.get("url")) for k, v in found.items() if isinstance(v, dict) and v.get("url")}
+
+
+def remote_url(store: Store, name: str) -> str:
+    """The URL of remote ``name``; a one-line error naming the remotes there are when it is not one of them."""
+    found = remotes(store)
+    if name not in found:
+        known = ", ".join(sorted(found)) or "none"
+        raise RefError(f"no remote named {name!r} (remotes: {known}); add one with `ckptrepo remote add {name} URL`")
+    return found[name]
+
+
+def add_remote(store: Store, name: str, url: str) -> None:
+    """Record remote ``name`` at ``url``; refuses a name already taken, as git does."""
+    check_remote_name(name)
+    found = remotes(store)
+    if name in found:
+        raise RefError(f"remote {name!r} exists (at {found[name]}); remove it first with "
+                       f"`ckptrepo remote remove {name}`")
+    _write_remotes(store, {**found, name: url})
+
+
+def remove_remote(store: Store, name: str) -> None:
+    """Forget remote ``name`` and its remote-tracking refs. Versions whose data lives only there keep their
+    markers: loading them then says which remote to add back."""
+    found = remotes(store)
+    remote_url(store, name)
+    del found[name]
+    _write_remotes(store, found)
+    store.delete_prefix(f"{REMOTE_REFS_PREFIX}{name}/")
+
+
+def _write_remotes(store: Store, found: dict[str, str]) -> None:
+    update_config(store, {REMOTES_SETTING: {k: {"url": v} for k, v in sorted(found.items())}})
+
+
+def tracking_key(remote: str, branch: str) -> str:
+    return f"{REMOTE_REFS_PREFIX}{remote}/{branch}"
+
+
+def tracking_refs(store: Store, remote: str | None = None) -> dict[str, str]:
+    """``remote/branch`` -> version, for one remote or all; a damaged tracking ref is skipped (fetch rewrites it)."""
+    prefix = REMOTE_REFS_PREFIX + (f"{remote}/" if remote else "")
+    out = {}
+    for key in store.list(prefix):
+        try:
+            vid = ref_value(store.get(key), key)
+        except CorruptionError:
+            continue
+        if vid is not None:
+            out[key[len(REMOTE_REFS_PREFIX):]] = vid
+    return out
+
+
+def tracking_tip(store: Store, name: str) -> str | None:
+    """The version remote-tracking ref ``REMOTE/BRANCH`` records, or None."""
+    key = REMOTE_REFS_PREFIX + name
+    return ref_value(store.get(key, REF_MAX_BYTES), key)
+
+
+def set_tracking_ref(store: Store, remote: str, branch: str, vid: str) -> None:
+    """Record that ``remote``'s ``branch`` is at ``vid`` (a plain write: only this repository keeps it)."""
+    check_ref_name(branch, "branch")
+    store.put(tracking_key(remote, branch), vid.encode())
+
+
+def evicted_remote(store: Store, vid: str) -> str | None:
+    """The remote holding version ``vid``'s data when its marker says it may be absent here; None otherwise."""
+    raw = store.get(EVICTED_PREFIX + vid, CONFIG_MAX_BYTES)
+    if raw is None:
+        return None
+    try:
+        remote = json.loads(raw).get("remote")
+    except (ValueError, AttributeError):
+        remote = None
+    if not isinstance(remote, str):
+        raise CorruptionError(f"{EVICTED_PREFIX}{vid} is damaged (no remote named); it should read "
+                              f'{{"remote": "origin"}} with the remote that holds the data of version {vid[:12]}')
+    return remote
+
+
+def evicted_ids(store: Store) -> set[str]:
+    """Every version with an eviction marker (one listing)."""
+    return {k[len(EVICTED_PREFIX):] for k in store.list(EVICTED_PREFIX)}
+
+
+def mark_evicted(store: Store, vid: str, remote: str) -> None:
+    """Say that version ``vid``'s data is read from ``remote`` where it is absent here (before deleting any)."""
+    store.put(EVICTED_PREFIX + vid, json.dumps({"remote": remote}).encode())

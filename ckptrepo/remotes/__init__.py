@@ -1,0 +1,1 @@
+"""Remotes: push, fetch, pull and clone between repositories, and local retention after a push."""

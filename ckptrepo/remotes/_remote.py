@@ -1,0 +1,87 @@
+"""Opening a remote as a repository, and the history questions push and fetch ask of two repositories."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from ckptrepo.core._manifest import CONFIG_KEY, VERSIONS_PREFIX, encode_config, is_version_id
+from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._refs import init_head
+from ckptrepo.core._remotes import remote_url
+from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError
+
+REPOSITORY_ID = "id"   # ckptrepo.json: the identity a repository shares with its clones and pushes
+
+
+def open_remote(local: Plumbing, name: str, create_with_branch: str | None = None) -> Plumbing:
+    """Remote ``name`` of ``local`` as a repository handle.
+
+    An empty location is made a repository when ``create_with_branch`` is given (a first push, as to a bare
+    repository), its HEAD on that branch. A location holding other objects, or another repository (its
+    ``id`` differs and it has versions), is refused: a push would mix two histories.
+    """
+    url = remote_url(local.store, name)
+    store = local.remote_store(name)
+    if store.get(CONFIG_KEY) is None:
+        if create_with_branch is None:
+            raise NotARepositoryError(f"remote {name!r} ({url}) holds no ckptrepo repository; push to it first, or "
+                                      f"fix its URL with `ckptrepo remote remove {name}` and `remote add`")
+        if store.list(""):
+            raise RemoteError(f"remote {name!r} ({url}) holds objects but no ckptrepo repository; point it at an "
+                              f"empty prefix")
+        settings = {"created": time.time(), "default_branch": create_with_branch}
+        if local.config.get(REPOSITORY_ID):
+            settings[REPOSITORY_ID] = local.config[REPOSITORY_ID]
+        if not store.put_if_absent(CONFIG_KEY, encode_config(settings)) and store.get(CONFIG_KEY) is None:
+            raise StorageError(f"could not create a repository at remote {name!r} ({url}); check that the bucket "
+                               f"exists and is writable")
+        init_head(store, create_with_branch)
+    remote = Plumbing(store)
+    mine, theirs = local.config.get(REPOSITORY_ID), remote.config.get(REPOSITORY_ID)
+    if mine and theirs and mine != theirs and remote.all_version_ids():
+        raise RemoteError(f"remote {name!r} ({url}) holds another repository (id {str(theirs)[:12]}, this one is "
+                          f"{str(mine)[:12]}); check the URL, or clone it into a directory of its own")
+    return remote
+
+
+def version_ids(plumbing: Plumbing) -> set[str]:
+    """Every version manifest the repository holds (one listing)."""
+    return {k[len(VERSIONS_PREFIX):] for k in plumbing.store.list(VERSIONS_PREFIX)
+            if is_version_id(k[len(VERSIONS_PREFIX):])}
+
+
+def missing_ancestors(parents_of: Callable[[str], Iterable[str]], tips: Iterable[str], present: set[str],
+                      known: set[str]) -> list[str]:
+    """The versions reachable from ``tips`` (themselves included) that are not ``present``, parents first, so
+    that a copy in this order never holds a version without its parents. A parent outside ``known`` (the source
+    holds no manifest of it) ends the walk there."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for tip in tips:
+        stack: list[tuple[str, bool]] = [(tip, False)]
+        while stack:
+            vid, expanded = stack.pop()
+            if expanded:
+                out.append(vid)
+                continue
+            if vid in seen or vid in present or vid not in known:
+                continue
+            seen.add(vid)
+            stack.append((vid, True))
+            stack.extend((p, False) for p in parents_of(vid))
+    return out
+
+
+def is_ancestor(plumbing: Plumbing, ancestor: str, tip: str, known: set[str]) -> bool:
+    """Whether ``ancestor`` is ``tip`` or reachable from it through parents (versions outside ``known`` end the
+    walk): what makes moving a ref from one to the other a fast-forward."""
+    stack, seen = [tip], set()
+    while stack:
+        vid = stack.pop()
+        if vid == ancestor:
+            return True
+        if vid in seen or vid not in known:
+            continue
+        seen.add(vid)
+        stack.extend(plumbing.header(vid).parents)
+    return False

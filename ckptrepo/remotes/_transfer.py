@@ -1,0 +1,116 @@
+"""Copying versions between two repositories: their arrays, then their manifests, parents first.
+
+What a version consists of is immutable, so a copy never overwrites anything: an array already at the
+destination (another version's, shared through dedup, or copied by an earlier interrupted run) is skipped,
+and a manifest is created only if absent. Order is what makes an interrupted copy invisible: an array's
+``zarr.json`` is written after its shards and chunk table, a manifest after all its arrays, and a version's
+parents before it, so the destination never holds a manifest whose data is not all there; refs move last
+(the callers'), so nothing half-copied is reachable.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from ckptrepo.core._manifest import PRUNED_PREFIX, VERSIONS_PREFIX
+from ckptrepo.core.schema import Manifest
+from ckptrepo.errors import CorruptionError
+from ckptrepo.storage.protocol import Store
+
+# Objects copied at once: enough to keep an object store's pipe full, few enough that the shards held in
+# memory meanwhile (64 MiB each at most, as this release writes them) stay well under a GiB.
+COPY_WORKERS = 8
+# The largest object a copy reads whole: a shard's data (at most 4 GiB, docs/format.md) and its index.
+MAX_OBJECT_BYTES = (4 << 30) + (16 << 20)
+
+Progress = Callable[[int, int], None]   # (bytes copied so far, bytes to copy in all)
+
+
+@dataclass
+class CopyTally:
+    """What one copy did: versions and arrays created at the destination, bytes moved."""
+
+    versions: list[str] = field(default_factory=list)
+    arrays: int = 0
+    bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_bytes(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+
+
+class VersionCopier:
+    """Copies versions from ``src`` to ``dst`` (see the module docstring); one per push or fetch."""
+
+    def __init__(self, src: Store, dst: Store, progress: Progress | None = None) -> None:
+        self.src, self.dst = src, dst
+        self.progress = progress
+        self.tally = CopyTally()
+        self.total = 0
+        self._present: set[str] = set()   # arrays known to be complete at dst
+
+    def plan_bytes(self, manifests: Iterable[Manifest], with_data: Callable[[str], bool]) -> int:
+        """The bytes of the arrays a copy of ``manifests`` would move (those not at dst yet), for progress."""
+        seen: set[str] = set()
+        total = 0
+        for m in manifests:
+            if not with_data(m.id):
+                continue
+            for key, info in m.arrays.items():
+                if key not in seen:
+                    seen.add(key)
+                    if not self._array_at_dst(key):
+                        total += info.nbytes
+        self.total = total
+        return total
+
+    def _array_at_dst(self, key: str) -> bool:
+        if key in self._present:
+            return True
+        if self.dst.exists(f"{key}/zarr.json"):
+            self._present.add(key)
+            return True
+        return False
+
+    def copy_arrays(self, m: Manifest, src: Store | None = None) -> None:
+        """Every array ``m`` points into that dst lacks, each completed by its ``zarr.json``; read from ``src``
+        (default: the copier's), which for a version evicted here reads through to the remote holding it."""
+        src = src or self.src
+        for key in sorted(m.arrays):
+            if self._array_at_dst(key):
+                continue
+            keys = src.list(f"{key}/")
+            if f"{key}/zarr.json" not in keys:
+                raise CorruptionError(f"array {key} of version {m.id[:12]} is not in {src.url} (deleted, or "
+                                      f"never written there); run `ckptrepo fsck` on it")
+            body = [k for k in keys if k != f"{key}/zarr.json"]
+            with ThreadPoolExecutor(COPY_WORKERS) as pool:
+                for _ in pool.map(lambda k: self._copy_object(src, k), body):
+                    pass
+            self._copy_object(src, f"{key}/zarr.json")
+            self._present.add(key)
+            self.tally.arrays += 1
+
+    def _copy_object(self, src: Store, key: str) -> None:
+        value = src.get(key, MAX_OBJECT_BYTES)
+        if value is None:
+            raise CorruptionError(f"object {key} vanished from {src.url} while it was copied; is a gc running "
+                                  f"there? run the command again")
+        self.dst.put(key, value)
+        self.tally.add_bytes(len(value))
+        if self.progress is not None:
+            self.progress(self.tally.bytes, self.total)
+
+    def copy_manifest(self, vid: str, pruned: bool = False) -> None:
+        """Create ``versions/<vid>`` at dst from src's bytes (unchanged: the crc32c they carry is checked by every
+        reader), after a pruned version's marker, so that it never reads there as a version with data."""
+        raw = self.src.get(VERSIONS_PREFIX + vid)
+        if raw is None:
+            raise CorruptionError(f"version {vid[:12]} has no manifest in {self.src.url}; run `ckptrepo fsck` there")
+        if pruned:
+            self.dst.put(PRUNED_PREFIX + vid, b"")
+        self.dst.put_if_absent(VERSIONS_PREFIX + vid, raw)
+        self.tally.versions.append(vid)
