@@ -234,7 +234,10 @@ def _scatter(src: torch.Tensor, span_start: int, tp: Piece, sbox: Box, part: Box
     if len(starts) * length == volume(part[1]):
         # the span holds the whole part: one strided view of it, one copy
         first = int(starts[0]) - span_start
-        whole = src.as_strided(part[1], row_major_strides(sbox[1]), first) if part[1] else src[first:first + 1].view(())
+        # as_strided counts its offset from the storage's start: src may be a slice of a wider read (whole
+        # inner chunks around the span), so its own offset comes first
+        whole = src.as_strided(part[1], row_major_strides(sbox[1]), src.storage_offset() + first) if part[1] \
+            else src[first:first + 1].view(())
         _copy(dest, whole)
         return
     # the part is split over several spans: copy run by run (through a buffer when dest is not contiguous)
