@@ -311,12 +311,13 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     branches = plumbing.refs.branches()
     tags = plumbing.refs.tags()
     head = plumbing.refs.head()
+    tracking = tracking_refs(plumbing.store)   # what a remote holds: kept here like a branch (see ref_targets)
     facts = _facts(plumbing, {} if known is None else known)
     already_pruned = pruned_ids(plumbing)
     damage = graph_damage(plumbing, {vid: f.parents for vid, f in facts.items()}, head)
     if damage:
         raise CorruptionError(f"gc stopped before deleting anything: {damage[0]}")
-    reachable = _reachable(plumbing, _targets(branches, tags, head), facts)
+    reachable = _reachable(plumbing, _targets(branches, tags, head) + list(tracking.values()), facts)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None
     keep: set[str] = set()
@@ -324,6 +325,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         keep = set(reachable)
     if keep_branch_heads:
         keep.update(branches.values())
+        keep.update(tracking.values())
         if head.version:
             keep.add(head.version)
     if keep_tagged:

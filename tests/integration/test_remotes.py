@@ -1,0 +1,214 @@
+"""Remotes through the API: push, fetch, pull and clone between repositories, on local and S3 remotes.
+
+Each test checks what a user relies on: bit-exact versions on both sides, only missing objects moved, shared
+(dedup) arrays stored once on the remote, lazy clones that read only what a load needs, and refs that move
+only as fast-forwards.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bit_exact
+
+import ckptrepo
+from ckptrepo.core._remotes import EVICTED_PREFIX
+from ckptrepo.loading._engine import ReadStats, kvstore_bytes_read
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.rules import Replicated, Rules, Split
+from ckptrepo.storage._arrays import INNER_BYTES
+
+
+def _state(i: int, n: int = 4096) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return {"w": torch.randn(n, generator=g), "b": torch.full((7,), float(i)), "step": i}
+
+
+def _keys(repo: ckptrepo.Repository, prefix: str) -> list[str]:
+    return repo.plumbing.store.list(prefix)
+
+
+@pytest.fixture(params=["file", "s3"])
+def remote_url(request, tmp_path: Path) -> str:
+    return str(tmp_path / "remote") if request.param == "file" else request.getfixturevalue("s3_url")
+
+
+def test_push_then_clone_gives_every_version_bit_exact(tmp_path: Path, remote_url: str) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    states = [_state(i) for i in range(3)]
+    for i, s in enumerate(states):
+        a.snapshot(s, step=i)
+    a.remote_add("origin", remote_url)
+    pushed = a.push()
+    assert [r.status for r in pushed.refs] == ["created"]
+    assert len(pushed.versions) == 3
+    assert [v.id for v in ckptrepo.open(remote_url).log()] == [v.id for v in a.log()]
+
+    c = ckptrepo.clone(remote_url, tmp_path / "c")
+    assert c.current_branch() == "main"
+    assert [v.id for v in c.log()] == [v.id for v in a.log()]
+    for i, s in enumerate(states):
+        assert_bit_exact(c.load(f"@{i}"), s)
+    assert c.fsck().ok
+    assert ckptrepo.open(remote_url).fsck().ok
+
+
+def test_a_second_push_moves_only_the_new_version(tmp_path: Path, remote_url: str) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.remote_add("origin", remote_url)
+    first = a.push()
+    a.snapshot(_state(1), step=1)
+    second = a.push()
+    assert second.versions == [a.resolve("HEAD")]
+    assert second.refs[0].status == "fast-forward"
+    assert 0 < second.bytes <= first.bytes * 1.05   # one version's arrays, not the history's
+    again = a.push()
+    assert again.versions == [] and again.bytes == 0 and again.refs[0].status == "up to date"
+
+
+def test_arrays_shared_through_dedup_are_stored_once_on_the_remote(tmp_path: Path) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    frozen = torch.randn(64 << 10)   # 256 KiB that never change
+    with a.snapshotter() as snap:
+        for i in range(4):
+            snap.snapshot({"frozen": frozen, "adapter": torch.full((16,), float(i))}, step=i)
+            snap.wait()   # dedup compares with the last committed version
+    local_frozen = [k for k in _keys(a, "data/") if k.endswith("zarr.json")]
+    a.remote_add("origin", tmp_path / "remote")
+    a.push()
+    remote = ckptrepo.open(tmp_path / "remote")
+    assert sorted(k for k in remote.plumbing.store.list("data/") if k.endswith("zarr.json")) == sorted(local_frozen)
+    stored = sum(len(remote.plumbing.store.get(k) or b"") for k in remote.plumbing.store.list("data/"))
+    assert stored < 2 * frozen.numel() * 4   # the frozen tensor once, not four times
+    for i in range(4):
+        assert torch.equal(remote.load(f"@{i}")["frozen"], frozen)
+
+
+def test_a_push_that_is_not_a_fast_forward_is_rejected_and_changes_nothing(tmp_path: Path) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push()
+    b = ckptrepo.clone(tmp_path / "remote", tmp_path / "b")
+    b.snapshot(_state(1), step=1)
+    b.push()
+    tip = ckptrepo.open(tmp_path / "remote").resolve("main")
+    a.snapshot(_state(2), step=2)
+    with pytest.raises(ckptrepo.PushRejectedError, match="fetch first"):
+        a.push()
+    assert ckptrepo.open(tmp_path / "remote").resolve("main") == tip
+    with pytest.raises(ckptrepo.PushRejectedError, match="diverged"):
+        a.pull()
+    # the remote's history is fetched all the same, and reachable as origin/main
+    assert_bit_exact(a.load("origin/main"), _state(1))
+
+
+def test_pull_fast_forwards_the_current_branch(tmp_path: Path) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push()
+    b = ckptrepo.clone(tmp_path / "remote", tmp_path / "b")
+    a.snapshot(_state(1), step=1)
+    a.push()
+    pulled = b.pull()
+    assert pulled.refs[-1].status == "fast-forward"
+    assert b.resolve("HEAD") == a.resolve("HEAD")
+    assert_bit_exact(b.load("HEAD"), _state(1))
+
+
+def test_a_lazy_clone_holds_no_data_and_loads_every_version(tmp_path: Path, remote_url: str) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    for i in range(3):
+        a.snapshot(_state(i), step=i)
+    a.remote_add("origin", remote_url)
+    a.push()
+    c = ckptrepo.clone(remote_url, tmp_path / "c", lazy=True)
+    assert _keys(c, "data/") == []
+    assert len(_keys(c, EVICTED_PREFIX)) == 3
+    for i in range(3):
+        assert_bit_exact(c.load(f"@{i}"), _state(i))
+    report = c.fsck()
+    assert report.ok and any("remote" in w for w in report.warnings)
+    # a snapshot on top of the lazy history is local, and pushes back
+    c.snapshot(_state(3), step=3)
+    assert c.push().versions == [c.resolve("HEAD")]
+    assert_bit_exact(ckptrepo.open(remote_url).load("HEAD"), _state(3))
+
+
+def test_a_clone_with_depth_copies_only_the_newest_data(tmp_path: Path) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    for i in range(4):
+        a.snapshot(_state(i), step=i)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push()
+    c = ckptrepo.clone(tmp_path / "remote", tmp_path / "c", depth=2)
+    assert len(c.log()) == 4   # every manifest: the whole history
+    owners = {k.split("/")[1] for k in _keys(c, "data/")}
+    assert owners == {a.resolve("HEAD"), a.resolve("HEAD~1")}
+    for i in range(4):
+        assert_bit_exact(c.load(f"@{i}"), _state(i))
+
+
+def test_a_resharded_load_from_a_lazy_clone_reads_only_what_it_needs(tmp_path: Path, s3_url: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(2048, 512, generator=g)   # 4 MiB
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot({"model": {"col.weight": weight, "other": torch.randn(1 << 20, generator=g)}}, step=1)
+    a.remote_add("origin", s3_url)
+    a.push()
+    c = ckptrepo.clone(s3_url, tmp_path / "c", lazy=True)
+    rules = Rules([("col.weight", Split(0)), ("other", Replicated())])
+    for rank in range(2):
+        into = {"model": {"col.weight": torch.empty(1024, 512)}}
+        stats = ReadStats()
+        before = kvstore_bytes_read()
+        c.load("HEAD", parallel_layout=ParallelLayout(tp=2, rules=rules), rank=rank, into=into, read_stats=stats)
+        read = kvstore_bytes_read() - before
+        assert torch.equal(into["model"]["col.weight"], weight.chunk(2)[rank])
+        assert stats.needed_bytes == 1024 * 512 * 4
+        # the slice, whole inner chunks at its ends, the shard index and the chunk table: <= 1.1x
+        assert read <= 1.1 * stats.needed_bytes, (read, stats.needed_bytes, INNER_BYTES)
+
+
+def test_a_remote_holding_another_repository_is_refused(tmp_path: Path) -> None:
+    other = ckptrepo.init(tmp_path / "other")
+    other.snapshot(_state(9), step=9)
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.remote_add("origin", tmp_path / "other")
+    with pytest.raises(ckptrepo.RemoteError, match="another repository"):
+        a.push()
+    assert [v.step for v in other.log()] == [9]
+
+
+def test_gc_keeps_what_a_remote_tracking_ref_reaches(tmp_path: Path) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.checkout("HEAD", branch="exp")
+    a.snapshot(_state(1), step=1)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push(branches=["exp"])
+    exp_tip = a.resolve("exp")
+    a.checkout("main")
+    a.delete_branch("exp", force=True)
+    a.gc(grace_period_s=0)
+    assert_bit_exact(a.load("origin/exp"), _state(1))
+    assert a.resolve("origin/exp") == exp_tip
+
+
+def test_pushing_a_pruned_version_pushes_its_history_without_data(tmp_path: Path) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    for i in range(3):
+        a.snapshot(_state(i), step=i)
+    a.gc(keep_last=1, grace_period_s=0)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push()
+    remote = ckptrepo.open(tmp_path / "remote")
+    assert [v.pruned for v in remote.log()] == [False, True, True]
+    assert_bit_exact(remote.load("HEAD"), _state(2))
+    with pytest.raises(ckptrepo.RevisionError, match="pruned"):
+        remote.load("@0")
+    assert remote.fsck().ok
