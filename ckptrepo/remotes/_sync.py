@@ -86,7 +86,6 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
     there = open_remote(local, remote, create_with_branch=next(iter(tips), None) or "main")
     result = SyncResult(remote, there.url)
     known = version_ids(local)
-    present = version_ids(there)
     remote_tips = {b: there.refs.branch_tip_with_generation(b) for b in tips}
     for b, (rtip, _) in remote_tips.items():
         if rtip is not None and rtip != tips[b] and not is_ancestor(local, rtip, tips[b], known):
@@ -98,7 +97,8 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
         if rt is not None and rt != target:
             raise PushRejectedError(f"push to {remote} rejected: its tag {t!r} points at {rt[:12]}, here at "
                                     f"{target[:12]}, and tags never move; delete one of them first")
-    todo = missing_ancestors(lambda v: local.header(v).parents, [*tips.values(), *tag_tips.values()], present, known)
+    todo = _to_push(local, there, [*tips.values(), *tag_tips.values()],
+                    {rtip for rtip, _ in remote_tips.values() if rtip is not None}, known)
     pruned = {v for v in todo if local.store.exists(PRUNED_PREFIX + v)}
     copier = VersionCopier(local.store, there.store, progress)
     manifests = {v: local.manifest(v) for v in todo}
@@ -126,6 +126,25 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
         result.refs.append(RefUpdate(f"refs/tags/{t}", rt, target, "up to date" if rt == target else "created"))
     result._count(copier)
     return result
+
+
+def _to_push(local: Plumbing, there: Plumbing, tips: list[str], remote_tips: set[str], known: set[str]) -> list[str]:
+    """The versions ``tips`` reach that the remote lacks, parents first. A push that fast-forwards a remote
+    branch finds them by walking back to that branch's tip (everything a remote ref reaches is there), without
+    listing the remote's versions: a local tier pushing after every snapshot would otherwise list a history
+    of thousands of versions each time. Where the walk does not end at remote tips alone (a first push, a new
+    branch, a merge), the remote's listing decides."""
+    parents = {}
+
+    def parents_of(vid: str) -> tuple[str, ...]:
+        parents[vid] = local.header(vid).parents
+        return parents[vid]
+
+    todo = missing_ancestors(parents_of, tips, remote_tips, known)
+    ends = {p for ps in parents.values() for p in ps} - set(parents)
+    if remote_tips and ends <= remote_tips and all(len(ps) <= 1 for ps in parents.values()):
+        return todo
+    return missing_ancestors(lambda v: local.header(v).parents, tips, version_ids(there), known)
 
 
 def _status(old: str | None, new: str) -> str:
