@@ -940,11 +940,11 @@ def _push_refs(repo: ckptrepo.Repository, names: Sequence[str]) -> tuple[list[st
     return out_branches, out_tags
 
 
-def _ref_lines(result: Any) -> list[str]:
-    """The refs a push or fetch moved, as git prints them: ``* [new branch]  main -> main``,
+def _ref_lines(refs: Iterable[Any]) -> list[str]:
+    """The refs a push or fetch moved (its RefUpdates), as git prints them: ``* [new branch]  main -> main``,
     ``abc..def  main -> origin/main``; refs already up to date are left out, as git does."""
     rows = []
-    for u in result.refs:
+    for u in refs:
         parts = u.ref.split("/")
         if u.status == "up to date" or len(parts) < 3:
             continue
@@ -983,7 +983,7 @@ def push(ctx: click.Context, remote_name: str, refs: tuple[str, ...], as_json: b
     if as_json:
         _emit_json(result.to_json())
         return
-    lines = _ref_lines(result)
+    lines = _ref_lines(result.refs)
     _echo_fit(printable(f"To {result.url}"))
     for line in lines or ["Everything up-to-date"]:
         _echo_fit(line)
@@ -1009,8 +1009,7 @@ def fetch(ctx: click.Context, remote_name: str, lazy: bool, as_json: bool) -> No
 
 
 def _print_fetched(result: Any, lazy: bool) -> None:
-    lines = _ref_lines(type(result)(result.remote, result.url, [u for u in result.refs
-                                                               if not u.ref.startswith("refs/heads/")]))
+    lines = _ref_lines(u for u in result.refs if not u.ref.startswith("refs/heads/"))   # pull's own: below
     if lines:
         _echo_fit(printable(f"From {result.url}"))
         for line in lines:
