@@ -32,7 +32,16 @@ from ckptrepo.core._manifest import (
 from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, find_cycle, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
-from ckptrepo.core._remotes import add_remote, check_remote_name, remotes, remove_remote
+from ckptrepo.core._remotes import (
+    EVICTED_PREFIX,
+    add_remote,
+    check_remote_name,
+    evicted_ids,
+    remote_holders,
+    remotes,
+    remove_remote,
+    tracking_refs,
+)
 from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
     ArgumentError,
@@ -173,12 +182,12 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     its HEAD on the remote HEAD's branch. ``lazy``: manifests and refs only, tensor bytes read from the remote
     on demand (only the ranges a load needs); ``depth``: data copied for the newest ``depth`` versions of each
     branch, the rest read lazily. Every version loads either way."""
+    from ckptrepo.remotes._remote import open_source
     from ckptrepo.remotes._sync import fetch
     if depth is not None:
         _whole(depth, "depth", least=1)
     url = repo_url(url)
-    source = open(url)
-    theirs = source._plumbing
+    theirs = open_source(url)
     head = theirs.refs.head()
     branch = head.branch or str(theirs.config.get("default_branch") or DEFAULT_BRANCH)
     target = repo_url(directory)
@@ -191,7 +200,11 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     init_head(store, branch)
     repo = Repository(store)
     add_remote(store, check_remote_name(remote), url)
-    fetch(repo._plumbing, remote, lazy=lazy, depth=depth, progress=progress)
+    try:
+        fetch(repo._plumbing, remote, lazy=lazy, depth=depth, progress=progress)
+    except CkptRepoError as err:   # what is copied stays: a pull copies the rest and sets the branch, as clone does
+        raise type(err)(f"{first_line(err)}; the clone in {target} is incomplete: finish it with "
+                        f"`ckptrepo --repo {target} pull{' --lazy' if lazy else ''} {remote}`") from err
     tip = repo._plumbing.resolve(f"{remote}/{branch}") if head.version else None
     if tip is not None:
         repo._plumbing.refs.create_branch(branch, tip)
@@ -265,8 +278,15 @@ class Repository:
         """The header of the version ``rev`` names."""
         p = self._plumbing
         vid = p.resolve(_rev(rev))
+        return self._described(vid, p.header(vid))
+
+    def _described(self, vid: str, header: ManifestHeader) -> Version:
+        """One version as ``log`` describes it: its refs, and where its data is durable (see ``log``)."""
+        p = self._plumbing
         pruned = p.store.exists(PRUNED_PREFIX + vid)   # as log says: gc deleted its data
-        return version_from_manifest(p.header(vid), p.ref_names().get(vid, ()), pruned)
+        evicted = p.store.exists(EVICTED_PREFIX + vid)
+        return version_from_manifest(header, p.ref_names().get(vid, ()), pruned, evicted,
+                                     remote_holders(p.store, [header], p.header).get(vid, ()))
 
     def resolve(self, rev: str) -> str:
         """The full id of the version ``rev`` names (see ckptrepo.core._revisions for the syntax)."""
@@ -390,9 +410,12 @@ class Repository:
     # ---- history and refs -----------------------------------------------
     def log(self, rev: str = "HEAD", all: bool = False, limit: int | None = None,  # noqa: A002
             since: int | None = None, until: int | None = None) -> list[Version]:
-        """Versions reachable from ``rev`` (or from every ref with ``all``), newest first.
+        """Versions reachable from ``rev`` (or from every ref with ``all``, remote-tracking refs included), newest
+        first.
 
-        ``since``/``until`` keep only versions whose step lies in that range (inclusive).
+        ``since``/``until`` keep only versions whose step lies in that range (inclusive). Each version says
+        where it is durable: ``local`` (its data is here: not pruned, not evicted to a remote) and ``remotes``
+        (those whose remote-tracking refs reach it, read back only as far as the versions listed).
         """
         _rev(rev)
         _whole(limit, "limit", 0)
@@ -403,6 +426,7 @@ class Repository:
             # a damaged ref is left out, as git's "ignoring broken ref" (fsck names it; gc stops at it)
             refs = self._plumbing.refs
             starts = list(refs.branches(strict=False).values()) + list(refs.tags(strict=False).values())
+            starts += tracking_refs(self._plumbing.store).values()   # as git's --all: origin/main too
             head = self._plumbing.head_version()
             if head:
                 starts.append(head)
@@ -445,7 +469,10 @@ class Repository:
         names = self._plumbing.ref_names()
         from ckptrepo.maintenance._gc import pruned_ids
         pruned = pruned_ids(self._plumbing)
-        return [version_from_manifest(h, names.get(h.id, ()), h.id in pruned) for h in found]
+        evicted = evicted_ids(self._plumbing.store) if found else set()
+        held = remote_holders(self._plumbing.store, found, walk)
+        return [version_from_manifest(h, names.get(h.id, ()), h.id in pruned, h.id in evicted, held.get(h.id, ()))
+                for h in found]
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
@@ -548,9 +575,7 @@ class Repository:
                    for t in m.tensors]
         saved = {} if m.layout is None else m.layout.to_raw()
         layout = {k: v for k, v in saved.items() if k not in ("ranks", "rules")}  # summary only
-        from ckptrepo.maintenance._gc import pruned_ids
-        pruned = vid in pruned_ids(self._plumbing)   # as log says: its data is gone (the table lists what was saved)
-        return VersionDetails(version_from_manifest(m, self._plumbing.ref_names().get(vid, ()), pruned), layout,
+        return VersionDetails(self._described(vid, self._plumbing.header(vid)), layout,
                               tensors, [(p, short_text(v, 80)) for p, v in plain_values(m.tree, summarize_after=8)])
 
     def diff(self, a: str, b: str, pattern: str | None = None,

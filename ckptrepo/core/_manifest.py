@@ -149,6 +149,10 @@ class Version:
     size: int
     refs: tuple[str, ...] = field(default=(), compare=False)
     pruned: bool = field(default=False, compare=False)   # gc deleted its data; the manifest remains
+    # local-durable: its data is in this repository (not pruned, not evicted to a remote after a push or a lazy
+    # clone); remotes: those holding it, as far as their remote-tracking refs say (remote-durable)
+    local: bool = field(default=True, compare=False)
+    remotes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def short_id(self) -> str:
@@ -157,7 +161,7 @@ class Version:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "parents": list(self.parents), "step": self.step, "time": self.time,
                 "message": self.message, "metrics": self.metrics, "size": self.size, "refs": list(self.refs),
-                "pruned": self.pruned}
+                "pruned": self.pruned, "local": self.local, "remotes": list(self.remotes)}
 
 
 def encode_config(settings: dict[str, Any]) -> bytes:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, REF_MAX_BYTES, decode_config, update_config
 from ckptrepo.core._refs import check_ref_name, ref_value
+from ckptrepo.core.schema import ManifestHeader
 from ckptrepo.errors import ArgumentError, CorruptionError, RefError
 from ckptrepo.storage.protocol import Store
 
@@ -135,3 +136,39 @@ def evicted_ids(store: Store) -> set[str]:
 def mark_evicted(store: Store, vid: str, remote: str) -> None:
     """Say that version ``vid``'s data is read from ``remote`` where it is absent here (before deleting any)."""
     store.put(EVICTED_PREFIX + vid, json.dumps({"remote": remote}).encode())
+
+
+def remote_holders(store: Store, shown: Sequence[ManifestHeader],
+                   header: Callable[[str], ManifestHeader]) -> dict[str, tuple[str, ...]]:
+    """Version id -> the remotes holding it (those a remote-tracking ref of reaches), for the versions ``shown``.
+
+    Each remote's walk starts at its tracking refs' tips and goes back only while versions are no older than the
+    oldest one shown: a parent is never newer than its child (the order ``log`` lists by), so nothing past that
+    point can be shown. ``log -n 10`` thus reads about the headers it lists, however long the history.
+    """
+    if not shown:
+        return {}
+    tips: dict[str, list[str]] = {}
+    for name, vid in tracking_refs(store).items():
+        tips.setdefault(name.split("/", 1)[0], []).append(vid)
+    wanted = {h.id for h in shown}
+    oldest = min(h.time for h in shown)
+    held: dict[str, list[str]] = {}
+    for remote in sorted(tips):
+        stack, seen, found = list(tips[remote]), set(), 0
+        while stack and found < len(wanted):
+            vid = stack.pop()
+            if vid in seen:
+                continue
+            seen.add(vid)
+            try:
+                h = header(vid)
+            except CorruptionError:   # a tracking ref or parent naming a missing version: fsck names it
+                continue
+            if h.time < oldest:
+                continue
+            if vid in wanted:
+                held.setdefault(vid, []).append(remote)
+                found += 1
+            stack.extend(h.parents)
+    return {vid: tuple(names) for vid, names in held.items()}

@@ -186,10 +186,13 @@ class Manifest(ManifestHeader):
 _KNOWN_KEYS = frozenset(f.name for f in dataclasses.fields(Manifest)) - {"key_order", "extra"}
 
 
-def version_from_manifest(m: ManifestHeader, refs: tuple[str, ...] = (), pruned: bool = False) -> Version:
-    """The ``Version`` that ``log`` lists for manifest (or header) ``m``."""
+def version_from_manifest(m: ManifestHeader, refs: tuple[str, ...] = (), pruned: bool = False,
+                          evicted: bool = False, remotes: tuple[str, ...] = ()) -> Version:
+    """The ``Version`` that ``log`` lists for manifest (or header) ``m``; ``evicted``: its data is read from a
+    remote (not local-durable), ``remotes``: those holding it."""
     return Version(id=m.id, parents=m.parents, step=m.step, time=m.time, message=m.message,
-                   metrics=dict(m.metrics), size=0 if pruned else m.size, refs=refs, pruned=pruned)
+                   metrics=dict(m.metrics), size=0 if pruned else m.size, refs=refs, pruned=pruned,
+                   local=not (pruned or evicted), remotes=remotes)
 
 
 def _header_fields(d: dict[str, Any]) -> dict[str, Any]:

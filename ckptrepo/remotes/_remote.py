@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
 
 from ckptrepo.core._manifest import CONFIG_KEY, VERSIONS_PREFIX, encode_config, is_version_id
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
 from ckptrepo.core._remotes import remote_url
-from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError
+from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
+from ckptrepo.storage import open_store
 
 REPOSITORY_ID = "id"   # ckptrepo.json: the identity a repository shares with its clones and pushes
 
@@ -21,14 +23,21 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
     ``id`` differs and it has versions), is refused: a push would mix two histories.
     """
     url = remote_url(local.store, name)
+    with remote_errors(f"remote {name!r} ({url})", f"fix the URL with `ckptrepo remote remove {name}`, then "
+                                                    f"`ckptrepo remote add {name} URL`"):
+        return _open_remote(local, name, url, create_with_branch)
+
+
+def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str | None) -> Plumbing:
     store = local.remote_store(name)
     if store.get(CONFIG_KEY) is None:
+        held = store.list("")   # also what says that a bucket does not exist: a read of one absent key does not
         if create_with_branch is None:
             raise NotARepositoryError(f"remote {name!r} ({url}) holds no ckptrepo repository; push to it first, or "
                                       f"fix its URL with `ckptrepo remote remove {name}` and `remote add`")
-        if store.list(""):
+        if held:
             raise RemoteError(f"remote {name!r} ({url}) holds objects but no ckptrepo repository; point it at an "
-                              f"empty prefix")
+                              f"empty prefix (`ckptrepo remote remove {name}`, then `remote add` with another URL)")
         settings = {"created": time.time(), "default_branch": create_with_branch}
         if local.config.get(REPOSITORY_ID):
             settings[REPOSITORY_ID] = local.config[REPOSITORY_ID]
@@ -42,6 +51,41 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
         raise RemoteError(f"remote {name!r} ({url}) holds another repository (id {str(theirs)[:12]}, this one is "
                           f"{str(mine)[:12]}); check the URL, or clone it into a directory of its own")
     return remote
+
+
+def open_source(url: str) -> Plumbing:
+    """The repository at ``url`` that a clone copies, with one-line errors that name it and say what to check."""
+    with remote_errors(f"cannot clone {url}", "check the URL"):
+        store = open_store(url)
+        if store.get(CONFIG_KEY) is None:
+            store.list("")   # a bucket that does not exist says so here
+            raise NotARepositoryError(f"cannot clone {url}: there is no ckptrepo repository there; check the URL")
+        return Plumbing(store)
+
+
+@contextmanager
+def remote_errors(label: str, fix: str) -> Iterator[None]:
+    """Storage errors met while talking to a remote, named by ``label`` (``remote 'origin' (s3://b/r)``), with
+    what to do where the cause says it: a bucket that does not exist, credentials the store refuses. An
+    unreachable endpoint's error already says what to check (errors.storage_failure_hint)."""
+    try:
+        yield
+    except StorageError as err:
+        raise StorageError(remote_failure(label, first_line(err), fix)) from err
+
+
+_DENIED = ("PERMISSION_DENIED", "UNAUTHENTICATED", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+           "http_response_code='403'", "http_response_code='401'")
+
+
+def remote_failure(label: str, reason: str, fix: str) -> str:
+    """The one-line message of a remote's storage error ``reason`` (see ``remote_errors``)."""
+    if "NoSuchBucket" in reason or "bucket does not exist" in reason:
+        return f"{label}: the bucket does not exist ({reason}); create it, or {fix}"
+    if any(code in reason for code in _DENIED):
+        return (f"{label}: access denied ({reason}); check the credentials: AWS_ACCESS_KEY_ID and "
+                f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://")
+    return f"{label}: {reason}"
 
 
 def version_ids(plumbing: Plumbing) -> set[str]:
