@@ -856,7 +856,7 @@ def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException, store_url
     if disk_full(err):
         what = ("free space there, or keep less here: a lower local_keep_last, or local_max_bytes" if tier
                 else "free space there (`ckptrepo gc` deletes old versions)")
-        return StorageError(f"the local disk of {store_url} is full (writing {key}): {what}")
+        return StorageError(f"the local disk of {store_url} is full (writing {key}: {reason}): {what}")
     return StorageError(f"writing {key} elements [{seg.start}, {seg.stop}) failed: {reason}")
 
 
