@@ -24,6 +24,9 @@ Reported per mode:
   remote-tracking ref moving (polled every 5 ms) for ``tier``, the upload's end for ``dcp+upload``; for
   ``local``, until committed locally
 * drain: after the loop, until every checkpoint is on the remote (committed, for ``local``)
+* extra CPU/ckpt: this process's CPU seconds (all threads) beyond the baseline's during the loop, and
+  moto's server's CPU seconds during the loop, per checkpoint. On a machine of few cores the server's CPU
+  (which a real object store spends elsewhere) is taken from the training loop, and shows in its overhead
 
 Then the upload throughput of the same bytes through the S3 API: ``repo.push`` of one version of the local
 repository to a fresh prefix, and boto3 ``upload_file`` (default TransferConfig: multipart, 10 threads) of
@@ -37,7 +40,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -50,10 +55,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import figure, report  # noqa: E402
-from training_overhead import Trainer, choose_embd, dcp_setup  # noqa: E402
+from training_overhead import Trainer, choose_embd, dcp_setup, free_port  # noqa: E402
 
 import ckptrepo  # noqa: E402
-from ckptrepo.core._remotes import tracking_tip  # noqa: E402
 
 MODES = ("none", "local", "s3", "tier", "dcp+upload")
 MB = 1e6
@@ -61,13 +65,23 @@ MB = 1e6
 
 # ---------------------------------------------------------------- moto
 
-def start_moto() -> tuple[Any, str]:
-    """moto's threaded S3 server on 127.0.0.1 (a free port), with the environment ckptrepo and boto3 read."""
-    from moto.server import ThreadedMotoServer
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server on 127.0.0.1 (a free port), in a process of its own so that it does not share this
+    one's GIL with the training loop, and the environment ckptrepo and boto3 read."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError("moto's server did not start (pip install 'moto[server]')") from None
+            time.sleep(0.1)
+    endpoint = f"http://127.0.0.1:{port}"
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                       AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
     os.environ.pop("AWS_ENDPOINT_URL_S3", None)
@@ -190,12 +204,17 @@ class Tier(Snapshots):
                                      local_keep_last=self.args.keep_last)
 
     def _poll(self, repo: ckptrepo.Repository) -> None:
-        """When each version reaches the remote: the remote-tracking ref moving past it (a local file)."""
-        store = repo.plumbing.store
+        """When each version reaches the remote: the remote-tracking ref moving past it, read as a plain file
+        every 5 ms (cheap: the loop's CPU is what is measured)."""
+        ref = os.path.join(self.root, "repo", "refs", "remotes", "origin", "main")
         seen = None
         while not self._stop.is_set():
-            tip = tracking_tip(store, "origin/main")
-            if tip is not None and tip != seen:
+            try:
+                with open(ref) as f:
+                    tip: str | None = f.read().strip()
+            except OSError:
+                tip = None
+            if tip and tip != seen:
                 now = time.perf_counter()
                 vid: str | None = tip
                 while vid is not None and vid not in self.arrived:
@@ -271,7 +290,17 @@ MODE_CLASSES = {"none": Mode, "local": Local, "s3": DirectS3, "tier": Tier, "dcp
 
 # ---------------------------------------------------------------- running
 
-def run_mode(name: str, trainer: Trainer, args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from /proc (0 where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def run_mode(name: str, trainer: Trainer, args: argparse.Namespace, endpoint: str, moto_pid: int) -> dict[str, Any]:
     root = tempfile.mkdtemp(dir=args.dir, prefix=name.replace("+", "-") + "-")
     mode = MODE_CLASSES[name](trainer, root, args, endpoint)
     try:
@@ -282,6 +311,7 @@ def run_mode(name: str, trainer: Trainer, args: argparse.Namespace, endpoint: st
             mode.drain()
             mode.reset()
         t0 = time.perf_counter()
+        cpu0, moto0 = proc_cpu_s(os.getpid()), proc_cpu_s(moto_pid)
         ckpts = 0
         for i in range(args.steps):
             trainer.step()
@@ -289,10 +319,11 @@ def run_mode(name: str, trainer: Trainer, args: argparse.Namespace, endpoint: st
                 mode.checkpoint(i + 1)
                 ckpts += 1
         loop = time.perf_counter() - t0
+        cpu, moto = proc_cpu_s(os.getpid()) - cpu0, proc_cpu_s(moto_pid) - moto0
         t1 = time.perf_counter()
         mode.drain()
         drain = time.perf_counter() - t1
-        out = {"mode": name, "loop_s": loop, "drain_s": drain, "checkpoints": ckpts,
+        out = {"mode": name, "loop_s": loop, "drain_s": drain, "checkpoints": ckpts, "cpu_s": cpu, "moto_cpu_s": moto,
                "to_remote_s": mode.to_remote()}
         mode.close()
         if name == "tier":
@@ -337,6 +368,7 @@ def upload_throughput(trainer: Trainer, args: argparse.Namespace, endpoint: str)
 
 def summarize(results: list[dict[str, Any]], upload: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     base = min(r["loop_s"] for r in results if r["mode"] == "none")
+    base_cpu = min(r["cpu_s"] for r in results if r["mode"] == "none")
     rows = []
     for r in results:
         if r["mode"] == "none":
@@ -344,6 +376,8 @@ def summarize(results: list[dict[str, Any]], upload: dict[str, Any], meta: dict[
         rows.append({"mode": r["mode"], "overhead_s": (r["loop_s"] - base) / r["checkpoints"],
                      "to_remote_s": statistics.mean(r["to_remote_s"]) if r["to_remote_s"] else float("nan"),
                      "drain_s": r["drain_s"], "checkpoints": r["checkpoints"],
+                     "extra_cpu_s": (r["cpu_s"] - base_cpu) / r["checkpoints"],
+                     "moto_cpu_s": r["moto_cpu_s"] / r["checkpoints"],
                      **({"local_versions_with_data": r["local_versions_with_data"]}
                         if "local_versions_with_data" in r else {})})
     push_s, boto_s = min(upload["push_s"]), min(upload["boto3_s"])
@@ -356,11 +390,12 @@ def print_table(s: dict[str, Any]) -> None:
     m = s["meta"]
     print(f"\nstate {m['state_mb']:.0f} MB, {m['steps']} steps, a checkpoint every {m['every']}, baseline loop "
           f"{s['baseline_loop_s']:.1f} s, local_keep_last={m['keep_last']}")
-    print("| mode | overhead s/ckpt | on remote s/ckpt | drain s |")
-    print("| --- | ---: | ---: | ---: |")
+    print("| mode | overhead s/ckpt | on remote s/ckpt | drain s | extra CPU-s/ckpt | moto CPU-s/ckpt |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in s["rows"]:
         remote = figure(r["to_remote_s"]) + (" (local)" if r["mode"] == "local" else "")
-        print(f"| {r['mode']} | {figure(r['overhead_s'])} | {remote} | {figure(r['drain_s'], '{:.2f}')} |")
+        print(f"| {r['mode']} | {figure(r['overhead_s'])} | {remote} | {figure(r['drain_s'], '{:.2f}')} | "
+              f"{figure(r['extra_cpu_s'])} | {figure(r['moto_cpu_s'])} |")
     rows = {r["mode"]: r for r in s["rows"]}
     if "tier" in rows and "local" in rows and rows["local"]["overhead_s"] > 0:
         print(f"\ntier overhead / local overhead: {rows['tier']['overhead_s'] / rows['local']['overhead_s']:.2f}")
@@ -397,7 +432,7 @@ def main() -> int:
         dcp_setup(["dcp"] if "dcp+upload" in args.modes else [], args.dir or tempfile.gettempdir(), "auto")
         results = []
         for name in ["none", *args.modes, "none"]:
-            results.append(run_mode(name, trainer, args, endpoint))
+            results.append(run_mode(name, trainer, args, endpoint, server.pid))
             r = results[-1]
             print(f"{name}: loop {r['loop_s']:.2f} s, drain {r['drain_s']:.2f} s", flush=True)
         upload = upload_throughput(trainer, args, endpoint)
@@ -405,7 +440,8 @@ def main() -> int:
                 "keep_last": args.keep_last, "n_embd": args.n_embd, "n_layer": args.n_layer}
         return report(summarize(results, upload, meta), print_table, args.json)
     finally:
-        server.stop()
+        server.terminate()
+        server.wait()
 
 
 if __name__ == "__main__":
