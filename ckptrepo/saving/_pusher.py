@@ -132,6 +132,8 @@ class BackgroundPusher:
                     return
                 target = self._asked
             ok = self._push_once()
+            if ok and self.keep_last is not None:   # before the push counts as done: wait() covers it too
+                self._evict()
             with self._cond:
                 self._covered = target
                 if ok:
@@ -142,8 +144,6 @@ class BackgroundPusher:
                 else:
                     self._failures += 1
                 self._cond.notify_all()
-            if ok and self.keep_last is not None:
-                self._evict()
 
     def _push_once(self) -> bool:
         try:

@@ -221,6 +221,24 @@ def _hold_pushes() -> threading.Event:
     return release
 
 
+def test_pushes_coalesce_when_the_remote_falls_behind(tmp_path):
+    repo, url = _tier(tmp_path)
+    pushes = []
+    release = threading.Event()
+
+    def slow_remote(_point: str) -> None:
+        pushes.append(1)
+        release.wait(JOIN_TIMEOUT)
+    faults.set_hook("push_before_ref", slow_remote)
+    with repo.snapshotter(push_to="origin") as snap:
+        for step in range(4):   # the first push holds; the three commits made meanwhile wait for the next
+            snap.snapshot(make_state(step, big=False), step=step)
+            snap.wait(remote=False)
+        release.set()
+    assert len(pushes) == 2
+    assert [v.step for v in ckptrepo.open(url).log()] == [3, 2, 1, 0]
+
+
 def test_backpressure_wait_holds_the_snapshot_until_the_push_makes_room(tmp_path):
     repo, url = _tier(tmp_path)
     state = make_state(0, big=False)
