@@ -89,6 +89,11 @@ class PushRejectedError(RemoteError):
     """A push that would lose the remote's versions (not a fast-forward), as git rejects it: fetch first."""
 
 
+class BackpressureWarning(UserWarning):
+    """A snapshot waited, or was skipped, because the local tier holds as much data not pushed to its remote yet
+    as ``local_max_bytes`` allows (a snapshotter with ``push_to``)."""
+
+
 class LayoutError(CkptRepoError):
     """A parallel layout or sharding rule does not fit the state (wrong degrees, indivisible sizes)."""
 

@@ -2,9 +2,10 @@
 
 Production code calls :func:`point` at each step that matters for crash safety
 (after a data shard is durable, after all data, after the manifest, before the
-ref moves). By default it does nothing. Tests register a callable for a point
-name, e.g. one that SIGKILLs the process, to prove every interruption leaves
-the repository consistent.
+ref moves; the same steps of a push, and local retention's deletes). By default
+it does nothing. Tests register a callable for a point name, e.g. one that
+SIGKILLs the process, to prove every interruption leaves the repository
+consistent.
 """
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ POINTS = (
     "after_data",           # every data shard is durable
     "after_manifest",       # the version manifest is durable; the ref has not moved
     "after_ref",            # the ref has moved (the version is committed)
+    "push_after_array",     # push: one array is complete on the remote (its zarr.json written last)
+    "push_after_manifest",  # push: one version's manifest is on the remote; no remote ref has moved yet
+    "push_before_ref",      # push: every version is on the remote; its branch is about to move
+    "evict_before_delete",  # local retention: a version's eviction marker is written, its data not deleted yet
 )
 
 

@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from ckptrepo.maintenance._gc import GcReport, RetentionPolicy
     from ckptrepo.maintenance._usage import DiskUsage
     from ckptrepo.parallel.layout import ParallelLayout
+    from ckptrepo.remotes._evict import EvictReport
     from ckptrepo.remotes._sync import SyncResult
     from ckptrepo.remotes._transfer import Progress
     from ckptrepo.saving._capture import Snapshotter
@@ -315,7 +316,9 @@ class Repository:
     def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None,
                     parallel_layout: "ParallelLayout | None" = None, group: Any = None,
                     commit_timeout_s: float = 600.0, dedup: bool = True,
-                    retention: "RetentionPolicy | None" = None, max_in_flight: int = 4) -> "Snapshotter":
+                    retention: "RetentionPolicy | None" = None, max_in_flight: int = 4,
+                    push_to: str | None = None, local_keep_last: int | None = None,
+                    local_max_bytes: int | str | None = None, on_full: str = "wait") -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.saving._capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
@@ -327,11 +330,17 @@ class Repository:
         ``retention``: a :class:`ckptrepo.RetentionPolicy` applied in the
         background after commits (what ``repo.gc(...)`` does by hand).
         ``max_in_flight``: snapshots not yet committed, at most; one more waits in ``snapshot()`` for the oldest.
+        ``push_to``: a remote's name; each version is committed here, then pushed there in the background (a
+        local tier). ``local_keep_last``: once pushed, only the newest N versions keep their data here (older
+        ones load from the remote). ``local_max_bytes`` ("20GiB"; default: half the free disk) bounds the data
+        here not pushed yet; a snapshot that would pass it waits (``on_full="wait"``) or is skipped
+        (``"skip"``), with a ``BackpressureWarning``.
         """
         from ckptrepo.saving._capture import Snapshotter
         return Snapshotter(self._plumbing, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
                            parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
-                           dedup=dedup, retention=retention, max_in_flight=max_in_flight)
+                           dedup=dedup, retention=retention, max_in_flight=max_in_flight, push_to=push_to,
+                           local_keep_last=local_keep_last, local_max_bytes=local_max_bytes, on_full=on_full)
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,
@@ -702,6 +711,15 @@ class Repository:
         there, as a fast-forward only (PushRejectedError otherwise: fetch first). See ckptrepo.remotes._sync."""
         from ckptrepo.remotes._sync import push
         return push(self._plumbing, check_remote_name(remote), branches, tags or (), progress)
+
+    def evict(self, remote: str = "origin", keep_last: int = 1, branch: str | None = None) -> "EvictReport":
+        """Delete here the tensor data of ``branch``'s versions (default: the current one) beyond its newest
+        ``keep_last`` that ``remote`` holds (as pushed or fetched); they still load, diff and fsck, reading from
+        the remote. Never a version the remote lacks, nor an array a kept version points into (dedup)."""
+        from ckptrepo.remotes._evict import evict
+        if branch is not None:
+            _ref_name(branch, "branch")
+        return evict(self._plumbing, check_remote_name(remote), keep_last, branch)
 
     def fetch(self, remote: str = "origin", lazy: bool = False, progress: "Progress | None" = None) -> "SyncResult":
         """Copy the versions ``remote``'s branches and tags reach that are not here (``lazy``: manifests only,

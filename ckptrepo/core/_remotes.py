@@ -11,15 +11,28 @@ in git. Three kinds of record hold what this repository knows of them:
 * eviction markers, ``evicted/<id>``: this version's own data (``data/<id>/``) may be partly or wholly absent
   here, and is read from the remote the marker names. Local retention after a push and lazy clones write
   them; the marker goes first, the deletes after, so a crash between them leaves data that is merely
-  duplicated.
+  duplicated;
+* push failure records, ``failures/push-<remote>/<branch>``: the last background push of that branch to that
+  remote failed (a snapshotter's ``push_to``), so its newest versions are committed here but not there yet.
+  ``log --all`` and fsck list them beside the failed snapshots; the next push of the branch that succeeds,
+  by hand or in the background, removes the record.
 """
 from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any, Callable, Sequence
 
-from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, REF_MAX_BYTES, decode_config, update_config
+from ckptrepo.core._manifest import (
+    CONFIG_KEY,
+    CONFIG_MAX_BYTES,
+    FAILURES_PREFIX,
+    REF_MAX_BYTES,
+    decode_config,
+    seal,
+    update_config,
+)
 from ckptrepo.core._refs import check_ref_name, ref_value
 from ckptrepo.core.schema import ManifestHeader
 from ckptrepo.errors import ArgumentError, CorruptionError, RefError
@@ -172,3 +185,25 @@ def remote_holders(store: Store, shown: Sequence[ManifestHeader],
                 found += 1
             stack.extend(h.parents)
     return {vid: tuple(names) for vid, names in held.items()}
+
+
+def push_failure_key(remote: str, branch: str) -> str:
+    """Where the failure of the last push of ``branch`` to ``remote`` is recorded (see the module docstring):
+    among the failed snapshots' records, under a name no version id takes, which gc leaves alone."""
+    return f"{FAILURES_PREFIX}push-{remote}/{branch}"
+
+
+def record_push_failure(store: Store, remote: str, branch: str, tip: str | None, step: int | None,
+                        error: str) -> None:
+    """Record that pushing ``branch`` (at ``tip``) to ``remote`` failed with ``error``; best effort is the
+    caller's (storage may be what failed)."""
+    store.put(push_failure_key(remote, branch), seal({
+        "id": tip or "", "step": step, "time": time.time(), "branch": branch, "message": "", "remote": remote,
+        "error": error}))
+
+
+def clear_push_failure(store: Store, remote: str, branch: str) -> None:
+    """Forget a failed push of ``branch`` to ``remote``: a push of it has succeeded since."""
+    key = push_failure_key(remote, branch)
+    if store.exists(key):
+        store.delete(key)

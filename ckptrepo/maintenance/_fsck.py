@@ -107,6 +107,10 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
         report.warnings.append(f"version {vid[:12]} is not reachable from any branch or tag "
                                f"(an interrupted or abandoned snapshot); gc will remove it")
     for f in plumbing.failures():
+        if f.get("remote"):   # a failed background push (core/_remotes.py): committed here, not there
+            report.warnings.append(f"branch {f.get('branch')!r} (at {str(f['id'])[:12]}) is not on remote "
+                                   f"{f['remote']!r} yet: {f.get('error')}")
+            continue
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
     limbo = sorted((pruned & data_ids & set(manifests)) - marked)   # a ref's version: an error above

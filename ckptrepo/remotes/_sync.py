@@ -20,9 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ckptrepo import faults
 from ckptrepo.core._manifest import PRUNED_PREFIX
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import mark_evicted, set_tracking_ref, tracking_refs
+from ckptrepo.core._remotes import clear_push_failure, mark_evicted, set_tracking_ref, tracking_refs
 from ckptrepo.errors import ConflictError, PushRejectedError, RefError
 from ckptrepo.remotes._remote import is_ancestor, missing_ancestors, open_remote, version_ids
 from ckptrepo.remotes._transfer import Progress, VersionCopier
@@ -107,6 +108,7 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
         if vid not in pruned:
             copier.copy_arrays(manifests[vid], local.data_store(manifests[vid]))
         copier.copy_manifest(vid, pruned=vid in pruned)
+    faults.point("push_before_ref")
     for b, tip in tips.items():
         rtip, gen = remote_tips[b]
         if rtip != tip:
@@ -114,6 +116,7 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
                 raise PushRejectedError(f"push to {remote} rejected: its branch {b!r} moved while pushing (another "
                                         f"writer); fetch first (`ckptrepo pull {remote}`), then push again")
         set_tracking_ref(local.store, remote, b, tip)
+        clear_push_failure(local.store, remote, b)
         result.refs.append(RefUpdate(f"refs/heads/{b}", rtip, tip, _status(rtip, tip)))
     for t, target in tag_tips.items():
         rt = there.tag_target(t)

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from ckptrepo import faults
 from ckptrepo.core._manifest import PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError
@@ -93,6 +94,7 @@ class VersionCopier:
             self._copy_object(src, f"{key}/zarr.json")
             self._present.add(key)
             self.tally.arrays += 1
+            faults.point("push_after_array")
 
     def _copy_object(self, src: Store, key: str) -> None:
         value = src.get(key, MAX_OBJECT_BYTES)
@@ -114,3 +116,4 @@ class VersionCopier:
             self.dst.put(PRUNED_PREFIX + vid, b"")
         self.dst.put_if_absent(VERSIONS_PREFIX + vid, raw)
         self.tally.versions.append(vid)
+        faults.point("push_after_manifest")

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -59,8 +62,10 @@ from ckptrepo.core._manifest import (
     version_id_time,
 )
 from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._remotes import remote_url
 from ckptrepo.errors import (
     ArgumentError,
+    BackpressureWarning,
     CkptRepoError,
     ConflictError,
     LayoutError,
@@ -78,6 +83,7 @@ from ckptrepo.saving._commit import Committer
 from ckptrepo.saving._dedup import DedupIndex, dedup_key
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change
 from ckptrepo.saving._host_memory import default_host_memory, parse_size
+from ckptrepo.saving._pusher import BackgroundPusher
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import (
@@ -90,7 +96,7 @@ from ckptrepo.saving._writer import (
     live_residues,
 )
 from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor
-from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array
+from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array, itemsize
 from ckptrepo.storage._chunktable import chunk_crcs, write_table
 from ckptrepo.storage._localwrite import DirectWriter, LiveShard
 
@@ -98,11 +104,24 @@ log = logging.getLogger("ckptrepo")
 
 
 def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, commit_timeout_s: Any, dedup: Any,
-                    retention: Any, max_in_flight: Any) -> int | None:
+                    retention: Any, max_in_flight: Any, push_to: Any = None, local_keep_last: Any = None,
+                    local_max_bytes: Any = None, on_full: Any = "wait") -> tuple[int | None, int | None]:
     """Refuse a snapshotter's arguments that cannot work, when it is made: found later, a bad one would fail
     in a background thread, once per snapshot (a retention policy of the wrong type would make every commit's
     gc pass fail, and ``close()`` report it as failed snapshots that were in fact committed). Returns the
-    staging bound ``host_memory`` names, in bytes (None: the default)."""
+    staging bound ``host_memory`` names and the local tier's bound ``local_max_bytes`` names, in bytes (None:
+    the default)."""
+    if push_to is not None and not isinstance(push_to, str):
+        raise ArgumentError(f"push_to must be the name of a remote (text, e.g. 'origin') or None, not {push_to!r:.40}")
+    if local_keep_last is not None and (isinstance(local_keep_last, bool) or not isinstance(local_keep_last, int)
+                                        or local_keep_last < 1):
+        raise ArgumentError(f"local_keep_last must be a whole number of at least 1 or None, not {local_keep_last!r}")
+    if on_full not in ("wait", "skip"):
+        raise ArgumentError(f"on_full must be 'wait' or 'skip', not {on_full!r:.40}")
+    if push_to is None and (local_keep_last is not None or local_max_bytes is not None):
+        raise ArgumentError("local_keep_last and local_max_bytes bound a local tier that pushes to a remote: pass "
+                            "push_to='origin' (a remote added with repo.remote_add) as well")
+    tier_bytes = parse_size(local_max_bytes, "local_max_bytes")
     if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise ArgumentError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
     if isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float)) \
@@ -117,7 +136,20 @@ def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, com
     if parallel_layout is not None and not isinstance(parallel_layout, ParallelLayout):
         raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not "
                           f"{type(parallel_layout).__name__} {parallel_layout!r:.40}")
-    return parse_size(host_memory)
+    return parse_size(host_memory), tier_bytes
+
+
+def default_local_max_bytes(store: Any) -> int | None:
+    """The default bound of a local tier's unpushed data: half the space free on its file system when the
+    snapshotter starts, so that a remote falling behind holds the run up instead of filling the disk; None
+    (no bound) for a store that is not a local directory."""
+    root = store.capabilities.local_root
+    if root is None:
+        return None
+    try:
+        return max(1, shutil.disk_usage(root).free // 2)
+    except OSError:
+        return None
 
 
 class Snapshotter:
@@ -143,14 +175,26 @@ class Snapshotter:
     committed is not written again: its piece points at the stored bytes. The
     training thread only compares (data_ptr, version counter, dtype, shape,
     stride); the capture thread confirms with an xxh3-128 of the bytes.
+
+    With ``push_to`` (a remote's name), the snapshotter is a local tier in front of that remote: each version
+    is committed here, then pushed in the background (saving/_pusher.py; rank 0 under torch.distributed),
+    starting with whatever an earlier run left unpushed. ``local_keep_last`` deletes here the data of the
+    branch's versions beyond the newest N once the remote holds them (remotes/_evict.py: they still load,
+    from the remote). ``local_max_bytes`` bounds the data here that the remote lacks (default: half the
+    free disk); a snapshot that would pass it waits for the pusher (``on_full="wait"``) or is skipped
+    (``"skip"``: its handle says ``skipped``), with a ``BackpressureWarning`` either way. A failed push is
+    raised by the next call, like a failed snapshot; ``wait()`` also waits for the pushes.
     """
 
     def __init__(self, plumbing: Plumbing, host_memory: int | str | None = None, pin_memory: bool | None = None,
                  record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
-                 retention: RetentionPolicy | None = None, max_in_flight: int = 4) -> None:
-        host_bytes = check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup, retention,
-                                     max_in_flight)
+                 retention: RetentionPolicy | None = None, max_in_flight: int = 4, push_to: str | None = None,
+                 local_keep_last: int | None = None, local_max_bytes: int | str | None = None,
+                 on_full: str = "wait") -> None:
+        host_bytes, tier_bytes = check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup,
+                                                 retention, max_in_flight, push_to, local_keep_last,
+                                                 local_max_bytes, on_full)
         # backpressure when storage is slower than the snapshots: with nothing bounding them, snapshot() calls
         # pile up in flight without limit, and a state of small tensors (copied at snapshot(), outside the
         # staging pool) takes memory far beyond host_memory
@@ -196,7 +240,7 @@ class Snapshotter:
         self._flush_q: queue.Queue = queue.Queue()
         self._commit_q: queue.Queue = queue.Queue()
         self._inflight: list[SnapshotJob] = []
-        self._errors: list[SnapshotFailedError] = []
+        self._errors: list[CkptRepoError] = []   # failed snapshots, background gc passes and pushes
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._hooks: list[Any] = []
@@ -211,6 +255,18 @@ class Snapshotter:
             if s is not None:
                 s._close_at_exit()
         self._atexit = close_at_exit
+        self.push_to = push_to
+        self.on_full = on_full
+        self._pusher: BackgroundPusher | None = None
+        if push_to is not None:
+            remote_url(plumbing.store, push_to)   # an unknown remote: one line naming the ones there are
+            if on_full == "skip" and self.distributed:
+                raise ArgumentError("on_full='skip' needs a single process (every rank would have to skip the "
+                                    "same snapshot); use on_full='wait'")
+            if self.rank == 0:   # one pusher per version: the rank that commits it
+                self._pusher = BackgroundPusher(
+                    plumbing, push_to, self._committer.branch, local_keep_last,
+                    tier_bytes or default_local_max_bytes(plumbing.store), self._pusher_failed, self._reusable)
         atexit.register(self._atexit)
 
     # ---- public API -------------------------------------------------------
@@ -228,6 +284,12 @@ class Snapshotter:
             self._wait_for_room()
             step, message, metrics = checked_step(step), checked_message(message), plain_metrics(metrics)
             skeleton, records = flatten(state)
+            if self._pusher is not None:
+                nbytes = sum(r.numel * itemsize(r.dtype) for r in records)
+                if not self._pusher.make_room(nbytes, self.on_full == "wait", lambda u: self._warn_full(u, nbytes,
+                                                                                                        step)):
+                    return self._skipped(step, t0)
+                self._raise_pending()   # a push that failed while snapshot() waited for room
             # DTensors in a single process (a mesh of one device) are pieces of global tensors all the same: the
             # fill paths below cannot read a tensor subclass's memory, and the version must hold them by their
             # global names and shapes, as a larger mesh would
@@ -266,6 +328,8 @@ class Snapshotter:
         # these steps would leave a job in flight that no thread ever finishes, and wait(), close() and exit would hang
         with interrupts_deferred(), self._lock:
             self._start_threads()
+            if self._pusher is not None:
+                self._pusher.reserve(vid, sum(r.numel * itemsize(r.dtype) for r in records))
             self._inflight.append(job)
             self._capture_q.put(job)   # unbounded queues: never blocks under the lock
             self._commit_q.put(job)
@@ -374,8 +438,9 @@ class Snapshotter:
         self._wait_for_capture()
         self._raise_pending()
 
-    def wait(self, progress: bool | None = None) -> None:
-        """Block until every snapshot taken so far is committed (or failed); raise the first failure."""
+    def wait(self, progress: bool | None = None, remote: bool = True) -> None:
+        """Block until every snapshot taken so far is committed (or failed); raise the first failure. With
+        ``push_to``, also until the remote holds them (``remote=False``: committed here is enough)."""
         self._check_process()
         jobs = self._pending_jobs()
         show = progress if progress is not None else stderr_is_terminal()
@@ -384,6 +449,8 @@ class Snapshotter:
         for job in jobs:
             job.handle._done.wait()
         self._retention_idle.wait()   # a gc pass after the last commit: its failure is raised here too
+        if remote and self._pusher is not None:
+            self._pusher.wait()
         self._raise_pending()
 
     def close(self) -> None:
@@ -395,6 +462,8 @@ class Snapshotter:
         for job in self._pending_jobs():
             job.handle._done.wait()
         self._shutdown()
+        if self._pusher is not None:   # the last versions reach the remote before close returns
+            self._pusher.close()
         self._raise_pending()
 
     def __enter__(self) -> "Snapshotter":
@@ -453,6 +522,36 @@ class Snapshotter:
             raise SnapshotFailedError(f"{first} (and {rest} more failed snapshot(s); see `ckptrepo log --all`)") \
                 from first.__cause__
         raise first
+
+    def _warn_full(self, unpushed: int, nbytes: int, step: int | None) -> None:
+        assert self._pusher is not None and self._pusher.max_bytes is not None
+        what = "waits for the push" if self.on_full == "wait" else "is skipped"
+        at = "" if step is None else f" at step {step}"
+        warnings.warn(f"ckptrepo: the local tier holds {_size(unpushed)} not pushed to {self.push_to!r} yet; the "
+                      f"snapshot{at} ({_size(nbytes)}) would pass local_max_bytes={_size(self._pusher.max_bytes)}, "
+                      f"so it {what} (on_full={self.on_full!r}); the remote is slower than the snapshots: "
+                      f"snapshot less often or raise local_max_bytes", BackpressureWarning, stacklevel=4)
+
+    def _skipped(self, step: int | None, t0: float) -> SnapshotHandle:
+        """The handle of a snapshot not taken (``on_full="skip"``): done at once, ``skipped`` set."""
+        handle = SnapshotHandle(new_version_id(), checked_step(step))
+        reason = SnapshotFailedError(f"the snapshot{'' if step is None else f' at step {step}'} was skipped: the "
+                                     f"local tier was full (local_max_bytes) while the push to {self.push_to!r} "
+                                     f"caught up (on_full='skip')")
+        handle._skip(reason)
+        handle.stats.blocking_s = time.perf_counter() - t0
+        return handle
+
+    def _pusher_failed(self, failure: CkptRepoError) -> None:
+        with self._lock:
+            self._errors.append(failure)
+
+    def _reusable(self) -> set[str]:
+        """The arrays the next snapshots may point at instead of writing (dedup): local retention keeps them."""
+        out = set() if self._dedup is None else {s.array for s in self._dedup.stored.values()}
+        for job in self._pending_jobs():
+            out.update(s.array for s in job.match.values())
+        return out
 
     def _start_threads(self) -> None:
         """Start the capture, flush and commit threads, or whichever of them an interrupted start left unstarted."""
@@ -625,7 +724,7 @@ class Snapshotter:
                 job.record_crcs(seg, chunk_crcs(info, view))
         except BaseException as err:  # noqa: BLE001
             self._segment_over(view, buf)
-            job.segment_done(_storage_error(job, seg, err))
+            job.segment_done(_storage_error(job, seg, err, self.plumbing.url, self.push_to is not None))
             return
         def written(f: Any, job: SnapshotJob = job, seg: Any = seg, buf: torch.Tensor = buf, view: Any = view) -> None:
             self._written(job, seg, buf, view, f)
@@ -645,7 +744,7 @@ class Snapshotter:
             if isinstance(crcs, np.ndarray):   # the direct writer's; TensorStore's were taken before its write
                 job.record_crcs(seg, crcs)
         except BaseException as e:  # noqa: BLE001
-            err = _storage_error(job, seg, e)
+            err = _storage_error(job, seg, e, self.plumbing.url, self.push_to is not None)
         self._segment_over(view, buf)
         if err is None:
             faults.point("after_shard_write")
@@ -692,10 +791,14 @@ class Snapshotter:
             if self.distributed:
                 self._committer.publish_failure(job, err)
             self._record_failure(job, err)
+            if self._pusher is not None:
+                self._pusher.dropped(job.vid)
         else:
             stats.total_s = time.perf_counter() - job.started
             job.handle._version = version
             self._commits += 1
+            if self._pusher is not None:
+                self._pusher.committed(job.vid, stats.bytes)
             if self.retention is not None and self.rank == 0 \
                     and self._commits % max(1, self.retention.every_commits) == 0:
                 retain = True
@@ -745,11 +848,31 @@ class Snapshotter:
         self._committer.record_failure(job, cause)   # rank 0 records the failure of a distributed version
 
 
-def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException) -> BaseException:
+def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException, store_url: str, tier: bool) -> BaseException:
     if isinstance(err, CkptRepoError):
         return err
     reason = first_line(err)
-    return StorageError(f"writing {job.arrays[seg.dtype].key} elements [{seg.start}, {seg.stop}) failed: {reason}")
+    key = job.arrays[seg.dtype].key
+    if disk_full(err):
+        what = ("free space there, or keep less here: a lower local_keep_last, or local_max_bytes" if tier
+                else "free space there (`ckptrepo gc` deletes old versions)")
+        return StorageError(f"the local disk of {store_url} is full (writing {key}: {reason}): {what}")
+    return StorageError(f"writing {key} elements [{seg.start}, {seg.stop}) failed: {reason}")
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether a write failed because its disk is full: ENOSPC from the direct writer, or TensorStore's text
+    for it."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "no space left on device" in str(err).lower()
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 __all__ = ["Snapshotter", "SnapshotHandle", "SnapshotStats"]   # the handle and stats: re-exported API

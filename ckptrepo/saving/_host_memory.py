@@ -10,7 +10,7 @@ _UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 
           "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1}
 
 
-def parse_size(size: int | str | None) -> int | None:
+def parse_size(size: int | str | None, name: str = "host_memory") -> int | None:
     """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes; None for the default. Anything else (negative, zero,
     "abc", a float) is refused in one line rather than read as a tiny pool or as the default."""
     if size is None:
@@ -23,7 +23,7 @@ def parse_size(size: int | str | None) -> int | None:
     else:
         n = 0
     if n <= 0:
-        raise ArgumentError(f"host_memory {size!r} is not a size; pass bytes (an int > 0) or a string like '8GiB'")
+        raise ArgumentError(f"{name} {size!r} is not a size; pass bytes (an int > 0) or a string like '8GiB'")
     return n
 
 

@@ -53,6 +53,14 @@ class SnapshotHandle:
         self._done = threading.Event()
         self._version: Version | None = None
         self._error: BaseException | None = None
+        self.skipped = False   # never taken: the local tier was full (``on_full="skip"``); ``result()`` says so
+
+    def _skip(self, reason: BaseException) -> None:
+        """Finish the handle of a snapshot that is not taken at all: done, nothing to wait for, no version."""
+        self.skipped = True
+        self._error = reason
+        self._captured.set()
+        self._done.set()
 
     def captured(self) -> bool:
         """Whether the state may be mutated again as far as this snapshot is concerned."""
@@ -75,7 +83,8 @@ class SnapshotHandle:
         return self._version
 
     def __repr__(self) -> str:
-        state = ("failed" if self._error else "committed" if self.done() else "captured" if self.captured()
+        state = ("skipped" if self.skipped else "failed" if self._error else "committed" if self.done()
+                 else "captured" if self.captured()
                  else "capturing")
         return f"SnapshotHandle({self.id[:12]}, step={self.step}, {state})"
 

@@ -1,0 +1,181 @@
+"""The second level of a local tier: a snapshotter's versions pushed to a remote in the background.
+
+With ``push_to``, a snapshotter commits each version locally (local-durable: the training loop never waits for
+the remote), then announces the commit to this pusher. Its thread pushes the branch (remotes/_sync.py:
+only what the remote lacks, refs last), so one push covers every commit announced before it started: pushes
+coalesce when the remote falls behind. After each successful push, local retention (remotes/_evict.py)
+deletes here the data of the versions beyond the newest ``keep_last`` that the remote now holds.
+
+The pusher also keeps the account that bounds local disk use: the bytes of the snapshots in flight and of
+the versions committed but not pushed yet. ``make_room`` is the backpressure a snapshot meets when they
+would pass ``max_bytes``: it waits for the pusher, or tells the snapshotter to skip the snapshot
+(docs/decisions/024-local-tier.md).
+
+A failed push never raises here: it is handed to ``on_error`` (the snapshotter raises it at its next call),
+recorded where ``log --all`` and fsck show it (core/_remotes.py), and the next commit pushes again. The
+versions stay local, and local retention never evicts what the remote does not hold.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Iterable
+
+from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._remotes import record_push_failure
+from ckptrepo.errors import CkptRepoError, RemoteError, first_line
+from ckptrepo.remotes._evict import evict
+from ckptrepo.remotes._sync import push
+
+log = logging.getLogger("ckptrepo")
+
+
+class BackgroundPusher:
+    """Pushes ``branch`` of ``plumbing`` to ``remote`` after each announced commit (see the module docstring)."""
+
+    def __init__(self, plumbing: Plumbing, remote: str, branch: str, keep_last: int | None,
+                 max_bytes: int | None, on_error: Callable[[CkptRepoError], None],
+                 protect: Callable[[], Iterable[str]]) -> None:
+        # a handle of its own: this thread reads manifests and refs beside the commit thread, which keeps the
+        # snapshotter's handle and its caches to itself
+        self.plumbing = Plumbing(plumbing.store)
+        self.remote, self.branch = remote, branch
+        self.keep_last, self.max_bytes = keep_last, max_bytes
+        self._on_error, self._protect = on_error, protect
+        self._cond = threading.Condition()
+        # pushes asked for and the last one an attempt covered: a commit asks for one; an attempt covers
+        # every ask made before it began
+        self._asked = 1 if self.plumbing.branch_tip(branch) else 0   # resume what a crash left unpushed
+        self._covered = 0
+        self._failures = 0
+        self._pending: dict[str, int] = {}       # version -> bytes here that the remote lacks (in flight too)
+        self._committed: dict[str, int] = {}     # version -> the ask its commit made
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="ckptrepo-push", daemon=True)
+        self._thread.start()
+
+    # ---- the snapshotter's side -------------------------------------------------------
+    def reserve(self, vid: str, nbytes: int) -> None:
+        """A snapshot is in flight: its bytes count against ``max_bytes`` until pushed (or failed)."""
+        with self._cond:
+            self._pending[vid] = nbytes
+
+    def committed(self, vid: str, nbytes: int) -> None:
+        """Version ``vid`` is committed here with ``nbytes`` of its own data: push it."""
+        with self._cond:
+            if vid in self._pending:
+                self._pending[vid] = nbytes
+            self._asked += 1
+            self._committed[vid] = self._asked
+            self._cond.notify_all()
+
+    def dropped(self, vid: str) -> None:
+        """Snapshot ``vid`` failed: nothing of it is to push."""
+        with self._cond:
+            self._pending.pop(vid, None)
+            self._cond.notify_all()
+
+    def unpushed_bytes(self) -> int:
+        with self._cond:
+            return sum(self._pending.values())
+
+    def make_room(self, nbytes: int, wait: bool, warn: Callable[[int], None]) -> bool:
+        """Whether a snapshot of ``nbytes`` may start: at once while what is unpushed stays within
+        ``max_bytes`` (or nothing is unpushed: a snapshot larger than the bound alone still goes); otherwise,
+        after ``warn(unpushed bytes)``, once pushes have made room (``wait``) or never (False: skip it). A push
+        that fails meanwhile ends the wait (True): the snapshotter raises its error."""
+        with self._cond:
+            if not self._over(nbytes):
+                return True
+            warn(sum(self._pending.values()))
+            if not wait:
+                return False
+            failures = self._failures
+            while self._over(nbytes) and self._failures == failures and not self._stop:
+                if self._covered >= self._asked and self._committed:   # idle, with committed versions left
+                    self._asked += 1   # after a failed push: try again
+                    self._cond.notify_all()
+                self._cond.wait()
+            return True
+
+    def _over(self, nbytes: int) -> bool:
+        unpushed = sum(self._pending.values())
+        return self.max_bytes is not None and unpushed > 0 and unpushed + nbytes > self.max_bytes
+
+    def wait(self) -> None:
+        """Block until a push has covered every commit announced so far (pushed, or failed: see on_error). When
+        the last push failed and left versions unpushed, one more is tried: after ``wait`` they are on the
+        remote, or a failure says why not."""
+        with self._cond:
+            if self._committed and self._covered >= self._asked:
+                self._asked += 1
+                self._cond.notify_all()
+            target = self._asked
+            while self._covered < target and self._thread.is_alive():
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Finish the pushes asked for, then stop the thread."""
+        self.wait()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # ---- the pusher thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and self._covered >= self._asked:
+                    self._cond.wait()
+                if self._covered >= self._asked:
+                    return
+                target = self._asked
+            ok = self._push_once()
+            if ok and self.keep_last is not None:   # before the push counts as done: wait() covers it too
+                self._evict()
+            with self._cond:
+                self._covered = target
+                if ok:
+                    done = [v for v, ask in self._committed.items() if ask <= target]
+                    for v in done:
+                        del self._committed[v]
+                        self._pending.pop(v, None)
+                else:
+                    self._failures += 1
+                self._cond.notify_all()
+
+    def _push_once(self) -> bool:
+        try:
+            push(self.plumbing, self.remote, [self.branch])
+        except Exception as err:  # noqa: BLE001 - never kills the pusher; raised by the snapshotter's next call
+            failure = RemoteError(f"background push of branch {self.branch!r} to {self.remote!r} failed: "
+                                  f"{first_line(err)}; the versions are committed here, and the next snapshot "
+                                  f"pushes them again (or run `ckptrepo push {self.remote}`)")
+            failure.__cause__ = err
+            self._fail(failure)
+            try:
+                tip = self.plumbing.branch_tip(self.branch)
+                step = self.plumbing.header(tip).step if tip else None
+                record_push_failure(self.plumbing.store, self.remote, self.branch, tip, step, first_line(err))
+            except Exception as record_err:  # noqa: BLE001 - the local store may be what failed
+                log.error("ckptrepo: could not record the failed push: %s", first_line(record_err))
+            return False
+        return True
+
+    def _evict(self) -> None:
+        assert self.keep_last is not None
+        try:
+            evict(self.plumbing, self.remote, self.keep_last, self.branch, protect=set(self._protect()))
+        except Exception as err:  # noqa: BLE001 - as a failed push
+            failure = RemoteError(f"local retention after a push to {self.remote!r} failed: {first_line(err)}; "
+                                  f"the versions are safe (here and there); run `ckptrepo fsck`")
+            failure.__cause__ = err
+            self._fail(failure)
+
+    def _fail(self, failure: CkptRepoError) -> None:
+        log.error("ckptrepo: %s", failure)
+        self._on_error(failure)
+
+
+__all__ = ["BackgroundPusher"]
