@@ -31,6 +31,25 @@ _ctx: Any = None
 _ctx_lock = threading.Lock()
 
 
+DEATH_TIMEOUT_S = 60
+
+
+def run_to_death(target: Any, *args: Any) -> None:
+    """Run ``target(*args)`` in a fresh process and insist it dies by SIGKILL (a fault hook's doing) within a
+    minute; a worker that finishes, fails otherwise or hangs fails the test."""
+    import signal
+
+    import pytest
+    p = mp_context().Process(target=target, args=args)
+    p.start()
+    p.join(DEATH_TIMEOUT_S)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        pytest.fail("the worker neither finished nor died")
+    assert p.exitcode == -signal.SIGKILL, f"worker exit code {p.exitcode}, expected death by SIGKILL"
+
+
 def mp_context() -> Any:
     """The forkserver context, with ckptrepo (and so torch and TensorStore) preloaded in the server."""
     global _ctx

@@ -18,7 +18,7 @@ the next one copies only what is still missing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ckptrepo import faults
 from ckptrepo.core._manifest import PRUNED_PREFIX
@@ -72,18 +72,8 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
         if current is None:
             raise RefError("HEAD is detached: name the branches to push (`ckptrepo push origin BRANCH`)")
         branches = [current]
-    tips: dict[str, str] = {}
-    for b in branches:
-        tip = local.branch_tip(b)
-        if tip is None:
-            raise RefError(f"no branch named {b!r} here; list them with `ckptrepo branch`")
-        tips[b] = tip
-    tag_tips: dict[str, str] = {}
-    for t in tags:
-        target = local.tag_target(t)
-        if target is None:
-            raise RefError(f"no tag named {t!r} here; list them with `ckptrepo tag`")
-        tag_tips[t] = target
+    tips = _targets(branches, local.branch_tip, "branch")
+    tag_tips = _targets(tags, local.tag_target, "tag")
     there = open_remote(local, remote, create_with_branch=next(iter(tips), None) or "main")
     result = SyncResult(remote, there.url)
     known = version_ids(local)
@@ -129,6 +119,17 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
         result.refs.append(RefUpdate(f"refs/tags/{t}", rt, target, "up to date" if rt == target else "created"))
     result._count(copier)
     return result
+
+
+def _targets(names: Sequence[str], target: Callable[[str], str | None], kind: str) -> dict[str, str]:
+    """Each branch or tag name (``kind``) -> the version it names here; a name that is not here is refused."""
+    out = {}
+    for name in names:
+        vid = target(name)
+        if vid is None:
+            raise RefError(f"no {kind} named {name!r} here; list them with `ckptrepo {kind}`")
+        out[name] = vid
+    return out
 
 
 def _to_push(local: Plumbing, there: Plumbing, tips: list[str], remote_tips: set[str], known: set[str]) -> list[str]:

@@ -18,6 +18,7 @@ versions stay local, and local retention never evicts what the remote does not h
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Callable, Iterable
 
@@ -28,6 +29,20 @@ from ckptrepo.remotes._evict import evict
 from ckptrepo.remotes._sync import push
 
 log = logging.getLogger("ckptrepo")
+
+# The pusher's niceness: above the training loop's, so that where cores are few the upload takes what training
+# leaves instead of slowing its steps. Threads inherit it from the thread that starts them, so the copy workers,
+# and TensorStore's HTTP threads when this thread's push is the process's first request to the remote, run at it.
+PUSH_NICENESS = 10
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority (Linux: niceness is per thread); nothing where that is not
+    possible."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUSH_NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 class BackgroundPusher:
@@ -124,6 +139,7 @@ class BackgroundPusher:
 
     # ---- the pusher thread ------------------------------------------------------------
     def _loop(self) -> None:
+        _yield_to_training()
         while True:
             with self._cond:
                 while not self._stop and self._covered >= self._asked:

@@ -15,23 +15,12 @@ import signal
 import time
 
 import pytest
-from _ckpt_workers import assert_same, crash_writer, loop_writer, make_state, mp_context
+from _ckpt_workers import assert_same, crash_writer, loop_writer, make_state, mp_context, run_to_death
 
 import ckptrepo
 
 COMMITS = 3
 JOIN_TIMEOUT = 60
-
-
-def _run_to_death(target, *args) -> None:
-    p = mp_context().Process(target=target, args=args)
-    p.start()
-    p.join(JOIN_TIMEOUT)
-    if p.is_alive():
-        p.kill()
-        p.join()
-        pytest.fail("the worker neither finished nor died")
-    assert p.exitcode == -signal.SIGKILL, f"worker exit code {p.exitcode}, expected death by SIGKILL"
 
 
 def _check(url: str, steps: list[int]) -> tuple[ckptrepo.Repository, list]:
@@ -58,7 +47,7 @@ def _check(url: str, steps: list[int]) -> tuple[ckptrepo.Repository, list]:
 ])
 def test_kill_at_fault_point(tmp_path, point, nth):
     url = str(tmp_path / "repo")
-    _run_to_death(crash_writer, url, COMMITS, point, nth)
+    run_to_death(crash_writer, url, COMMITS, point, nth)
 
     committed = point == "after_ref"  # the ref moved before the kill: the version is in
     expected = list(range(COMMITS + 1 if committed else COMMITS))

@@ -10,7 +10,6 @@ leaves both repositories consistent and is finished by the next one.
 from __future__ import annotations
 
 import errno
-import signal
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _ckpt_workers import make_state, mp_context
+from _ckpt_workers import make_state, run_to_death
 from _tier_workers import push_crash_writer
 from helpers import assert_bit_exact
 
@@ -318,14 +317,7 @@ def test_snapshotter_tier_arguments_are_checked(tmp_path):
 @pytest.mark.parametrize("point", ["push_after_array", "push_after_manifest", "push_before_ref"])
 def test_kill_during_a_push_then_resume(tmp_path, point):
     local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
-    p = mp_context().Process(target=push_crash_writer, args=(local, remote, point))
-    p.start()
-    p.join(JOIN_TIMEOUT)
-    if p.is_alive():
-        p.kill()
-        p.join()
-        pytest.fail("the worker neither finished nor died")
-    assert p.exitcode == -signal.SIGKILL, f"worker exit code {p.exitcode}, expected death by SIGKILL"
+    run_to_death(push_crash_writer, local, remote, point)
     here, there = ckptrepo.open(local), ckptrepo.open(remote)
     for r in (here, there):
         report = r.fsck()
