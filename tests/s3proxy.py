@@ -13,14 +13,15 @@ Every request is forwarded as it came (method, path, query, headers, body) and t
 ``lose_reply``, when set, picks requests whose reply is lost: such a request is forwarded (so it takes
 effect), ``on_lost`` runs, and the client's connection is closed without a reply, so the client retries
 the request. ``before_forward``, when set, runs before each request is forwarded (to let another writer
-act in between a client's requests). ``requests`` records the method and path of every request seen.
+act in between a client's requests). ``requests`` records the method and path of every request seen,
+``conditional_puts`` counts the conditional PUTs per path.
 """
 from __future__ import annotations
 
 import http.client
 import socket
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -61,6 +62,7 @@ class S3Proxy:
         self.before_forward: Callable[[Request], None] | None = None
         self.lost: list[Request] = []
         self.requests: list[tuple[str, str]] = []
+        self.conditional_puts: Counter[str] = Counter()
         self._key_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -104,6 +106,8 @@ class S3Proxy:
         """Record ``req``; whether its reply is to be lost."""
         with self._lock:
             self.requests.append((req.method, req.path))
+            if req.method == "PUT" and req.conditional:
+                self.conditional_puts[req.path] += 1
         pick = self.lose_reply
         return pick is not None and pick(req)
 
