@@ -8,7 +8,10 @@ Every request is forwarded as it came (method, path, query, headers, body) and t
 * ``"atomic"``: mutating requests (PUT, POST, DELETE) to one key are forwarded one at a time, which makes
   moto's check-then-write atomic: what AWS S3 promises for ``If-Match`` / ``If-None-Match``;
 * ``"strip"``: ``If-Match`` / ``If-None-Match`` are removed from requests, as by a gateway that ignores
-  conditions: every conditional write then succeeds.
+  conditions: every conditional write then succeeds;
+* ``"strip-writes"``: they are removed from mutating requests only, as by a server that honours them on
+  GET and HEAD (HTTP's conditional reads) and ignores them on PUT: a write whose HEAD check passed
+  succeeds even if the object changed in between.
 
 ``lose_reply``, when set, picks requests whose reply is lost: such a request is forwarded (so it takes
 effect), ``on_lost`` runs, and the client's connection is closed without a reply, so the client retries
@@ -27,7 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import urlsplit
 
-MODES = ("plain", "atomic", "strip")
+MODES = ("plain", "atomic", "strip", "strip-writes")
+MUTATING = ("PUT", "POST", "DELETE")
 CONDITIONS = ("if-match", "if-none-match")
 # not forwarded: they describe this hop (the body is forwarded whole, with its length; 100-continue is answered here)
 HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -114,7 +118,7 @@ class S3Proxy:
     def forward(self, req: Request, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
         """Send ``req`` upstream and return its whole reply: status, reason, headers, body."""
         headers = {k: v for k, v in req.headers.items() if k not in HOP_BY_HOP}
-        if self.mode == "strip":
+        if self.mode == "strip" or (self.mode == "strip-writes" and req.method in MUTATING):
             headers = {k: v for k, v in headers.items() if k not in CONDITIONS}
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
@@ -161,7 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
         lose = owner.record(req)
         if owner.before_forward is not None:
             owner.before_forward(req)
-        if owner.mode == "atomic" and req.method in ("PUT", "POST", "DELETE"):
+        if owner.mode == "atomic" and req.method in MUTATING:
             with owner.key_lock(path):
                 status, reason, headers, data = owner.forward(req, body)
         else:
