@@ -46,6 +46,36 @@ def s3_url(s3_endpoint):
     return f"s3://{bucket}/repo"
 
 
+@pytest.fixture
+def s3_proxy(s3_endpoint, monkeypatch):
+    """A proxy in front of the moto server (tests/s3proxy.py), in ``"atomic"`` mode until a test sets another;
+    AWS_ENDPOINT_URL points at it for the test, so every store opened meanwhile goes through it."""
+    from s3proxy import S3Proxy
+
+    proxy = S3Proxy(s3_endpoint, mode="atomic").start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture
+def atomic_s3_url(s3_proxy, s3_url):
+    """A repository URL on an S3 server whose conditional writes are atomic, as AWS promises: moto behind
+    the proxy that serialises writes per key."""
+    s3_proxy.mode = "atomic"
+    return s3_url
+
+
+@pytest.fixture
+def strip_s3_url(s3_proxy, s3_url):
+    """A repository URL on an S3 server that ignores If-Match/If-None-Match: moto behind the proxy that strips
+    them, as some S3-compatible gateways do."""
+    s3_proxy.mode = "strip"
+    return s3_url
+
+
 @pytest.fixture(params=["file", "memory", "s3"])
 def repo_url(request, tmp_path):
     """A URL for a new repository on each backend."""

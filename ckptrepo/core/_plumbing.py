@@ -9,6 +9,8 @@ shared ``HeaderWalk``.
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from ckptrepo.core import _revisions as revisions
@@ -19,17 +21,28 @@ from ckptrepo.core._manifest import (
     PRUNED_PREFIX,
     decode_config,
     unseal,
+    update_config,
 )
 from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
 from ckptrepo.core._refs import Refs, lost_head_branch
 from ckptrepo.core._remotes import evicted_remote, remote_url, tracking_tip
 from ckptrepo.core.schema import Manifest, ManifestHeader
-from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError
+from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError, StorageError
+from ckptrepo.storage._store_check import needs_check, probe_conditional_writes, refusal, store_identity
 from ckptrepo.storage._tiered import TieredStore
 from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:   # the saving layer makes the cache; this handle only keeps it between snapshotters
     from ckptrepo.saving._writer import PlanCache
+
+# The config field that holds a passed store check (docs/format.md): which server, when. Only a pass is kept.
+STORE_CHECK_FIELD = "store_check"
+
+
+def store_check_passed(config: dict[str, Any], server: str) -> bool:
+    """Whether ``config`` records a passed store check of ``server`` (see ``storage._store_check``)."""
+    verdict = config.get(STORE_CHECK_FIELD)
+    return isinstance(verdict, dict) and verdict.get("conditional_writes") == "ok" and verdict.get("server") == server
 
 
 class Plumbing:
@@ -47,15 +60,52 @@ class Plumbing:
         self.config = decode_config(raw, store.url)
         self.store = store
         self.url = store.url
-        self.refs = Refs(store)
+        self.refs = Refs(store, before_write=self.require_atomic_store)
         self.reads = ManifestReads(store)
         # write plans of this handle's snapshots, made by the first snapshotter (history tools never import
         # torch, which the saving layer needs) and shared by the next ones, so an unchanged state plans once
         self.plans: PlanCache | None = None
         self._remote_stores: dict[str, Store] = {}
+        self._store_trusted = False
+        self._store_refusal: StorageError | None = None
+        self._store_check_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Plumbing({self.url!r})"
+
+    # ---- the store check ---------------------------------------------------
+    def require_atomic_store(self) -> None:
+        """Refuse to commit or move a ref on a store whose server ignores the conditions of conditional writes
+        (there, of two racing commits both would "win" and one would be lost without a word).
+
+        Called before every commit and ref write. A store whose capabilities promise atomic conditional
+        writes is trusted as it is; another is probed once (``storage._store_check``), unless the config
+        records a pass for its server, and a pass is recorded there so that later processes skip the probe.
+        A failure is not recorded: the next writer probes again (the server may be fixed, or the failure a
+        fluke). One probe per handle at most: this handle remembers its verdict either way.
+        """
+        if self._store_trusted:
+            return
+        with self._store_check_lock:
+            if self._store_refusal is None and not self._store_trusted and needs_check(self.store):
+                self._check_store()
+            if self._store_refusal is not None:
+                raise StorageError(str(self._store_refusal))
+            self._store_trusted = True
+
+    def _check_store(self) -> None:
+        server = store_identity(self.store)
+        if store_check_passed(self.config, server):
+            return
+        raw = self.store.get(CONFIG_KEY, CONFIG_MAX_BYTES)   # another process may have checked since this opened
+        if raw is not None and store_check_passed(decode_config(raw, self.url), server):
+            return
+        failed = probe_conditional_writes(self.store)
+        if failed:
+            self._store_refusal = refusal(self.store, failed)
+            return
+        self.config = update_config(self.store, {STORE_CHECK_FIELD: {
+            "conditional_writes": "ok", "server": server, "checked": time.time()}})
 
     # ---- manifests ---------------------------------------------------------
     def manifest(self, vid: str) -> Manifest:

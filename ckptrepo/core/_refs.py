@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from ckptrepo.core._manifest import (
     HEAD_KEY,
@@ -127,11 +128,30 @@ def _exists(kind: str, name: str) -> RefError:
     return RefError(f"{kind} {name!r} already exists; {hint}")
 
 
-class Refs:
-    """Reads and compare-and-swap updates of HEAD, branches and tags."""
+@dataclass(frozen=True)
+class BranchMove:
+    """A branch move that happened. ``generation``: the branch's generation with the new version at its tip,
+    to move it on from; None when another writer had already committed on top of the version before this
+    writer read the branch back (its own reply lost): the version is committed, the branch no longer this
+    writer's to move."""
 
-    def __init__(self, store: Store) -> None:
+    generation: bytes | None
+
+
+# How far back from a branch's tip a writer whose reply was lost looks for its version: commits others made
+# on top of it between its write and its read-back (a retry's backoff), never a long history.
+LANDED_WALK = 1000
+
+
+class Refs:
+    """Reads and compare-and-swap updates of HEAD, branches and tags.
+
+    ``before_write`` runs before every ref write (the handle's store check, which refuses a store whose
+    server ignores the conditions these writes rely on)."""
+
+    def __init__(self, store: Store, before_write: Callable[[], None] | None = None) -> None:
         self.store = store
+        self._before_write = before_write
 
     def head(self, for_update: bool = False) -> Head:
         """What HEAD says; its storage generation (for ``set_head``) only ``for_update``: a plain read is
@@ -185,14 +205,35 @@ class Refs:
         raw, gen = self.store.get_with_generation(HEADS_PREFIX + name, REF_MAX_BYTES)
         return ref_value(raw, HEADS_PREFIX + name), gen
 
-    def move_branch(self, name: str, version: str, expected: bytes) -> bytes | None:
-        """Point branch ``name`` at ``version`` if it is still at ``expected``; the new generation, or None."""
-        return self._swap(HEADS_PREFIX + name, version.encode(), expected)
+    def move_branch(self, name: str, version: str, expected: bytes, base: str | None,
+                    first_parent: Callable[[str], str | None]) -> BranchMove | None:
+        """Point branch ``name`` at ``version`` (committed on top of ``base``) if it is still at ``expected``;
+        None when it was not (another writer moved it first).
+
+        A write whose reply was lost reads back as done (see ``_swap``), and so does one another writer has
+        since committed on top of: ``version`` is then on the branch's first-parent chain, found by walking
+        back from the tip (``first_parent``) until ``base``, which the branch left only by some writer's move
+        off it. Counted as a conflict, the version would be reported lost while the branch holds it.
+        """
+        key = HEADS_PREFIX + name
+        gen = self._swap(key, version.encode(), expected)
+        if gen is not None:
+            return BranchMove(gen)
+        tip = self.branch_tip(name)
+        for _ in range(LANDED_WALK):
+            if tip is None or tip == base:
+                return None
+            if tip == version:
+                return BranchMove(None)
+            tip = first_parent(tip)
+        return None
 
     def _swap(self, key: str, value: bytes | None, expected: bytes) -> bytes | None:
         """``store.compare_and_swap``, with a write whose reply was lost counted as done: an object store retries
         the request, finds the ref already changed (by that very write) and reports the condition as failed.
         Read back, a ref that holds exactly ``value`` (ids are unique) was written; the new generation."""
+        if self._before_write is not None:
+            self._before_write()
         gen = self.store.compare_and_swap(key, value, expected)
         if gen is None:
             raw, now = self.store.get_with_generation(key, REF_MAX_BYTES)

@@ -102,7 +102,7 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
     for b, tip in tips.items():
         rtip, gen = remote_tips[b]
         if rtip != tip:
-            if there.refs.move_branch(b, tip, gen if rtip is not None else NO_VALUE) is None:
+            if there.refs.move_branch(b, tip, gen if rtip is not None else NO_VALUE, rtip, there.first_parent) is None:
                 raise PushRejectedError(f"push to {remote} rejected: its branch {b!r} moved while pushing (another "
                                         f"writer); fetch first (`ckptrepo pull {remote}`), then push again")
         set_tracking_ref(local.store, remote, b, tip)
@@ -231,7 +231,8 @@ def pull(local: Plumbing, remote: str, lazy: bool = False, progress: Progress | 
     if mine == theirs or (mine is not None and is_ancestor(local, theirs, mine, known)):
         status = "up to date"
     elif mine is None or is_ancestor(local, mine, theirs, known):
-        if local.refs.move_branch(head.branch, theirs, gen if mine is not None else NO_VALUE) is None:
+        if local.refs.move_branch(head.branch, theirs, gen if mine is not None else NO_VALUE, mine,
+                                  local.first_parent) is None:
             raise ConflictError(f"branch {head.branch!r} moved while pulling (a snapshot landed); pull again")
         status = "fast-forward"
     else:

@@ -60,6 +60,7 @@ class Committer:
 
     def __init__(self, plumbing: Plumbing, layout: ParallelLayout | None, rank: int, world_size: int, sharded: bool,
                  commit_timeout_s: float) -> None:
+        plumbing.require_atomic_store()   # refused before any data is written, not at the first commit
         head = plumbing.refs.head()
         if head.branch is None:
             raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
@@ -147,8 +148,9 @@ class Committer:
         manifest = manifest.with_stats(job.handle.stats.to_json())
         self.plumbing.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
         faults.point("after_manifest")
-        gen = self.plumbing.refs.move_branch(self.branch, job.vid, self.generation)
-        if gen is None:
+        moved = self.plumbing.refs.move_branch(self.branch, job.vid, self.generation, self.tip,
+                                               self.plumbing.first_parent)
+        if moved is None:
             now = self.plumbing.refs.branch_tip(self.branch)
             base = f"version {self.tip[:12]}" if self.tip else "an empty branch"
             # every later snapshot of this snapshotter was taken from the diverged state too (those in flight
@@ -158,7 +160,13 @@ class Committer:
                              f"tip and snapshot with a new snapshotter, or give each writer a branch of its own")
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         first = self.tip is None
-        self.tip, self.generation = job.vid, gen
+        self.tip = job.vid
+        if moved.generation is not None:
+            self.generation = moved.generation
+        else:   # committed, and another writer committed on top of it before this one read the branch back
+            self.conflict = (f"branch {self.branch!r} moved on past version {job.vid[:12]} (another writer "
+                             f"committed on top of it), so this snapshotter commits nothing more to it: load the "
+                             f"branch tip and snapshot with a new snapshotter, or give each writer a branch of its own")
         faults.point("after_ref")
         if first and self.orphan:
             try:

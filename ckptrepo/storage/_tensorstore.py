@@ -198,8 +198,10 @@ def _capabilities(spec: dict[str, Any]) -> StoreCapabilities:
         plain = not set(spec) - {"driver", "path"}
         return StoreCapabilities(local_root=spec["path"] if plain else None, reserved_suffixes=(LOCK_SUFFIX,),
                                  file_root=spec["path"])
-    # the memory kvstore keeps the bytes it is handed as the value, not a copy of them
-    return StoreCapabilities(keeps_written_buffers=driver == "memory")
+    # the memory kvstore keeps the bytes it is handed as the value, not a copy of them; an object store's
+    # conditional writes are as atomic as its server makes them, which the store check finds out
+    return StoreCapabilities(keeps_written_buffers=driver == "memory",
+                             atomic_conditional_writes=driver not in ("s3", "gcs"))
 
 
 @dataclass

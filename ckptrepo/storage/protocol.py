@@ -57,8 +57,10 @@ class StoreCapabilities:
     # The directory whose files are the store's keys (``root + key``, "/" separated, ending in "/"), for direct
     # local I/O; None where keys are not plain files this process may read and write itself.
     local_root: str | None = None
-    # Whether compare_and_swap and put_if_absent are atomic across processes and machines: of racing writers
-    # with the same expected generation, at most one succeeds. Commits and ref updates rely on it.
+    # Whether compare_and_swap and put_if_absent are atomic across processes and machines by the store's own
+    # making: of racing writers with the same expected generation, at most one succeeds. Commits and ref
+    # updates rely on it. False where a server decides (an object store, whose server or gateway may ignore
+    # the conditions): a repository then probes the server once before its first ref write (_store_check).
     atomic_conditional_writes: bool = True
     # Whether the store may keep a reference to the buffer passed to ``put`` as the stored value (an in-memory
     # store) instead of copying it before ``put`` returns: a caller that reuses the buffer must pass a copy.

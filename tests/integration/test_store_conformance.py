@@ -66,4 +66,5 @@ class TestS3Store(StoreTests):
 
     def test_capabilities(self, store: Store) -> None:
         caps = store.capabilities
-        assert caps.local_root is None and caps.atomic_conditional_writes and not caps.keeps_written_buffers
+        # the server decides, which the store check probes (tests/integration/test_store_check.py)
+        assert caps.local_root is None and not caps.atomic_conditional_writes and not caps.keeps_written_buffers
