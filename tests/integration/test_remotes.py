@@ -212,3 +212,55 @@ def test_pushing_a_pruned_version_pushes_its_history_without_data(tmp_path: Path
     with pytest.raises(ckptrepo.RevisionError, match="pruned"):
         remote.load("@0")
     assert remote.fsck().ok
+
+
+def test_a_push_to_a_store_that_ignores_conditions_is_refused_with_nothing_reachable(tmp_path: Path,
+                                                                                     strip_s3_url: str) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.remote_add("origin", strip_s3_url)
+    with pytest.raises(ckptrepo.StorageError, match="conditional"):
+        a.push()
+    assert a.plumbing.store.list("refs/remotes/") == []   # not remote-durable: nothing moved there
+    assert ckptrepo.open(strip_s3_url).branches() == {}
+
+
+def test_racing_pushers_fast_forward_one_at_a_time(tmp_path: Path, atomic_s3_url: str) -> None:
+    """Two clones push on top of the same remote tip at the same moment: the remote branch moves by CAS, so one
+    push lands, the other is rejected with "fetch first", and after a pull and a push both versions are there."""
+    import threading
+
+    from ckptrepo import faults
+
+    seed = ckptrepo.init(tmp_path / "seed")
+    seed.snapshot(_state(0), step=0)
+    seed.remote_add("origin", atomic_s3_url)
+    seed.push()
+    clones = [ckptrepo.clone(atomic_s3_url, tmp_path / f"c{i}") for i in range(2)]
+    for i, c in enumerate(clones):
+        c.snapshot(_state(10 + i), step=10 + i)
+    lined_up = threading.Barrier(2)
+    faults.set_hook("push_before_ref", lambda _p: lined_up.wait(30))
+    outcomes: list[BaseException | None] = [None, None]
+
+    def push(i: int) -> None:
+        try:
+            clones[i].push()
+        except BaseException as err:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes[i] = err
+
+    try:
+        threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        faults.clear()
+    rejected = [i for i, o in enumerate(outcomes) if o is not None]
+    assert len(rejected) == 1 and isinstance(outcomes[rejected[0]], ckptrepo.PushRejectedError), outcomes
+    winner, loser = clones[1 - rejected[0]], clones[rejected[0]]
+    assert ckptrepo.open(atomic_s3_url).resolve("main") == winner.resolve("HEAD")
+    with pytest.raises(ckptrepo.PushRejectedError, match="diverged"):
+        loser.pull()   # its own version stays on its branch; the winner's is origin/main
+    assert_bit_exact(loser.load("origin/main"), _state(10 + 1 - rejected[0]))
