@@ -65,12 +65,14 @@ MB = 1e6
 
 # ---------------------------------------------------------------- moto
 
-def start_moto() -> tuple[subprocess.Popen, str]:
+def start_moto(niceness: int = 0) -> tuple[subprocess.Popen, str]:
     """moto's S3 server on 127.0.0.1 (a free port), in a process of its own so that it does not share this
-    one's GIL with the training loop, and the environment ckptrepo and boto3 read."""
+    one's GIL with the training loop, and the environment ckptrepo and boto3 read. ``niceness`` > 0 models an
+    object store on other machines: the server then runs on the CPU training leaves, not on training's."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
     deadline = time.time() + 60
     while True:
         try:
@@ -421,12 +423,14 @@ def main() -> int:
     p.add_argument("--upload-repeat", type=int, default=2, help="turns of the upload comparison (fastest counts)")
     p.add_argument("--dir", default=None, help="where local checkpoints are written (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-nice", type=int, default=0,
+                   help="run moto's server at this niceness (19: as if the object store were another machine)")
     p.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     args = p.parse_args()
     args.device = "cpu"
     args.n_embd = choose_embd(args.model_mb, args.n_layer, args.vocab, args.block_size)
     torch.set_num_threads(os.cpu_count() or 1)
-    server, endpoint = start_moto()
+    server, endpoint = start_moto(args.server_nice)
     try:
         trainer = Trainer(args)
         dcp_setup(["dcp"] if "dcp+upload" in args.modes else [], args.dir or tempfile.gettempdir(), "auto")
