@@ -30,8 +30,10 @@ from ckptrepo.core._manifest import (
     FAILURES_PREFIX,
     REF_MAX_BYTES,
     decode_config,
+    new_version_id,
     seal,
     update_config,
+    version_id_time,
 )
 from ckptrepo.core._refs import check_ref_name, ref_value
 from ckptrepo.core.schema import ManifestHeader
@@ -39,6 +41,7 @@ from ckptrepo.errors import ArgumentError, CorruptionError, RefError
 from ckptrepo.storage.protocol import Store
 
 REMOTE_REFS_PREFIX = "refs/remotes/"
+PUSHES_PREFIX = "pushes/"   # on a remote: a push in progress and the versions it copies (see push_lease)
 EVICTED_PREFIX = "evicted/"
 REMOTES_SETTING = "remotes"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
@@ -207,3 +210,56 @@ def clear_push_failure(store: Store, remote: str, branch: str) -> None:
     key = push_failure_key(remote, branch)
     if store.exists(key):
         store.delete(key)
+
+
+# How long a push's lease holds without being renewed: a push renews it while it copies, so only a push killed
+# midway leaves one, which then holds its versions' leftovers from gc this long at most.
+PUSH_LEASE_S = 3600.0
+
+
+class PushLease:
+    """Records, on the remote a push copies into, the versions it is copying, until the push ends.
+
+    gc judges leftover data by its version id's time, and a pushed version may be older than the grace period
+    (or gc may run with none): without a lease, a gc on the remote would collect a version mid-push (its
+    arrays before the manifest is there, or its manifest before the ref moves). Each lease's key is a fresh
+    version id, so its age reads like any id's; it holds for ``PUSH_LEASE_S`` whatever gc's grace period, and
+    a long push renews it."""
+
+    def __init__(self, store: Store, vids: list[str]) -> None:
+        self.store, self.body = store, json.dumps(sorted(vids)).encode()
+        self.key = self._open()
+
+    def _open(self) -> str:
+        key = PUSHES_PREFIX + new_version_id()
+        self.store.put(key, self.body)
+        self.opened = time.time()
+        return key
+
+    def renew_if_due(self) -> None:
+        """A fresh lease in place of one half its life old (the new one first: never a moment without)."""
+        if time.time() - self.opened > PUSH_LEASE_S / 2:
+            old, self.key = self.key, self._open()
+            self.store.delete(old)
+
+    def close(self) -> None:
+        self.store.delete(self.key)
+
+
+def leased_versions(store: Store, now: float) -> tuple[set[str], list[str]]:
+    """The versions pushes in progress are copying (their leases younger than ``PUSH_LEASE_S``), and the keys of
+    stale leases (a push killed midway), which gc deletes."""
+    held: set[str] = set()
+    stale: list[str] = []
+    for key in store.list(PUSHES_PREFIX):
+        born = version_id_time(key[len(PUSHES_PREFIX):])
+        if born is None or now - born >= PUSH_LEASE_S:
+            stale.append(key)
+            continue
+        try:
+            named = json.loads(store.get(key, CONFIG_MAX_BYTES) or b"[]")
+        except (ValueError, CorruptionError):
+            named = []
+        if isinstance(named, list):
+            held.update(v for v in named if isinstance(v, str))
+    return held, stale

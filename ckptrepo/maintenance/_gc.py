@@ -44,7 +44,7 @@ from ckptrepo.core._manifest import (
 from ckptrepo.core._manifest_reads import children_first, find_cycle, missing_manifest, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
-from ckptrepo.core._remotes import tracking_refs
+from ckptrepo.core._remotes import leased_versions, tracking_refs
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RetentionError
 
@@ -363,13 +363,16 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
             report.kept.append(vid)
         elif vid not in already_pruned:
             report.pruned.append(vid)
+    # a push copying into this repository: its versions are older than their ids say (see open_push_lease)
+    leased, stale_leases = leased_versions(plumbing.store, now)
     for vid in sorted(set(facts) - reachable):
-        if young(vid, facts[vid].time):
+        if young(vid, facts[vid].time) or vid in leased:
             report.too_young.append(vid)
         else:
             report.collected.append(vid)
     for vid in sorted(data_ids - set(facts)):
-        (report.too_young if young(vid, version_id_time(vid)) else report.orphan_data).append(vid)
+        young_data = young(vid, version_id_time(vid)) or vid in leased
+        (report.too_young if young_data else report.orphan_data).append(vid)
     # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now, by any
     # pass (a plain gc keeps every reachable version, and would leave such data on disk, unloadable, for good)
     unfinished = sorted(already_pruned & data_ids & reachable)
@@ -393,8 +396,12 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         plumbing.store.delete(PRUNED_PREFIX + vid)
     for key in sorted(doomed_arrays):
         plumbing.store.delete_prefix(key + "/")
+    leased_now, _ = leased_versions(plumbing.store, time.time())
     for vid in report.orphan_data:
-        plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
+        if vid not in leased_now:   # a push that began since the listing above copies into it
+            plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
+    for key in stale_leases:
+        plumbing.store.delete(key)
     for key in plumbing.store.list(FAILURES_PREFIX):
         vid = key[len(FAILURES_PREFIX):]
         if vid not in facts and not young(vid, version_id_time(vid)):

@@ -23,7 +23,13 @@ from typing import Any, Callable, Sequence
 from ckptrepo import faults
 from ckptrepo.core._manifest import PRUNED_PREFIX
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import clear_push_failure, mark_evicted, set_tracking_ref, tracking_refs
+from ckptrepo.core._remotes import (
+    PushLease,
+    clear_push_failure,
+    mark_evicted,
+    set_tracking_ref,
+    tracking_refs,
+)
 from ckptrepo.errors import ConflictError, PushRejectedError, RefError
 from ckptrepo.remotes._remote import is_ancestor, missing_ancestors, open_remote, version_ids
 from ckptrepo.remotes._transfer import Progress, VersionCopier
@@ -94,11 +100,27 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
     copier = VersionCopier(local.store, there.store, progress)
     manifests = {v: local.manifest(v) for v in todo}
     copier.plan_bytes(manifests.values(), lambda v: v not in pruned)
-    for vid in todo:
-        if vid not in pruned:
-            copier.copy_arrays(manifests[vid], local.data_store(manifests[vid]))
-        copier.copy_manifest(vid, pruned=vid in pruned)
-    faults.point("push_before_ref")
+    lease = PushLease(there.store, todo) if todo else None
+    try:
+        for vid in todo:
+            if lease is not None:
+                lease.renew_if_due()
+            if vid not in pruned:
+                copier.copy_arrays(manifests[vid], local.data_store(manifests[vid]))
+            copier.copy_manifest(vid, pruned=vid in pruned)
+        faults.point("push_before_ref")
+        _move_remote_refs(local, there, remote, tips, tag_tips, remote_tips, result)
+    finally:
+        if lease is not None:
+            lease.close()
+    result._count(copier)
+    return result
+
+
+def _move_remote_refs(local: Plumbing, there: Plumbing, remote: str, tips: dict[str, str], tag_tips: dict[str, str],
+                      remote_tips: dict[str, tuple[str | None, bytes]], result: SyncResult) -> None:
+    """Last step of a push: each remote branch moved by CAS as a fast-forward, then its tracking ref here; each
+    tag created there if absent."""
     for b, tip in tips.items():
         rtip, gen = remote_tips[b]
         if rtip != tip:
@@ -117,8 +139,6 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
                 if there.tag_target(t) != target:
                     raise PushRejectedError(f"push to {remote} rejected: {err}") from err
         result.refs.append(RefUpdate(f"refs/tags/{t}", rt, target, "up to date" if rt == target else "created"))
-    result._count(copier)
-    return result
 
 
 def _targets(names: Sequence[str], target: Callable[[str], str | None], kind: str) -> dict[str, str]:

@@ -264,3 +264,27 @@ def test_racing_pushers_fast_forward_one_at_a_time(tmp_path: Path, atomic_s3_url
     with pytest.raises(ckptrepo.PushRejectedError, match="diverged"):
         loser.pull()   # its own version stays on its branch; the winner's is origin/main
     assert_bit_exact(loser.load("origin/main"), _state(10 + 1 - rejected[0]))
+
+
+def test_gc_on_the_remote_during_a_push_collects_nothing_it_copies(tmp_path: Path) -> None:
+    """A pushed version can be older than gc's grace period (its id's time is when it was snapshotted): the
+    push's lease keeps a gc on the remote from collecting its data and manifest before the ref moves."""
+    from ckptrepo import faults
+
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push()
+    a.snapshot(_state(1), step=1)
+    reports = []
+    faults.set_hook("push_before_ref",
+                    lambda _p: reports.append(ckptrepo.open(tmp_path / "remote").gc(grace_period_s=0)))
+    try:
+        a.push()
+    finally:
+        faults.clear()
+    assert reports and reports[0].collected == [] and reports[0].orphan_data == []
+    remote = ckptrepo.open(tmp_path / "remote")
+    assert_bit_exact(remote.load("HEAD"), _state(1))
+    assert remote.plumbing.store.list("pushes/") == []   # the lease ends with the push
+    assert remote.fsck().ok
