@@ -96,6 +96,14 @@ def _metrics(m: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
 
 
+def _failed_what(record: dict[str, Any]) -> str:
+    """What a failure record is about, before its version id: nothing for a snapshot (most are), ``push of
+    BRANCH to REMOTE at`` for a local tier's background push."""
+    if record.get("remote"):
+        return f"push of {record.get('branch')} to {record.get('remote')} at "
+    return ""
+
+
 def _durability(v: ckptrepo.Version) -> str:
     """Where a version's data is durable, as ``log`` marks it: ``[local origin]`` (here, and on remote origin),
     ``[origin]`` (evicted here, or cloned lazily: read from origin), ``[local]`` (not pushed yet), ``[-]``
@@ -292,7 +300,7 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
             for line in _change_lines(repo, row.version):
                 _echo_fit("    " + line)
     for f in failures:
-        line = fit(printable(f"FAILED {str(f.get('id'))[:12]}  step {f.get('step')}  "
+        line = fit(printable(f"FAILED {_failed_what(f)}{str(f.get('id'))[:12]}  step {f.get('step')}  "
                              f"{_when(_number(f.get('time')))}  {f.get('error')}"), _width())
         _out().print(f"[red]{line[:6]}[/]{escape(line[6:])}" if line.startswith("FAILED") else escape(line),
                      markup=True)
@@ -559,10 +567,11 @@ def status(ctx: click.Context, as_json: bool) -> None:
         for u in st.uncommitted:
             _echo_fit(f"  {u.id[:12]}  started {age(u.started)} ago" + ("  (distributed)" if u.distributed else ""))
     if st.failures:
-        click.echo(f"\n{len(st.failures)} failed snapshot(s) (see `ckptrepo log --all`):")
+        click.echo(f"\n{len(st.failures)} failed snapshot(s) or push(es) (see `ckptrepo log --all`):")
         for f in st.failures:
             when = age(_number(f.get("time")) or None)
-            _echo_fit(printable(f"  {str(f.get('id'))[:12]}  step {f.get('step')}  {when} ago  {f.get('error')}"))
+            _echo_fit(printable(f"  {_failed_what(f)}{str(f.get('id'))[:12]}  step {f.get('step')}  {when} ago  "
+                                f"{f.get('error')}"))
     if not st.uncommitted and not st.failures:
         click.echo("no snapshots in flight, none failed")
 

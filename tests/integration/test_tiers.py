@@ -19,7 +19,7 @@ import pytest
 import torch
 from _ckpt_workers import make_state, run_to_death
 from _tier_workers import push_crash_writer
-from helpers import assert_bit_exact
+from helpers import assert_bit_exact, run
 
 import ckptrepo
 from ckptrepo import faults
@@ -113,6 +113,8 @@ def test_a_version_not_on_the_remote_is_never_evicted(tmp_path):
     assert failure["remote"] == "origin" and failure["id"] == log[0].id
     report = repo.fsck()
     assert report.ok and any("is not on remote 'origin' yet" in w for w in report.warnings), report.warnings
+    for command in (("log", "--all"), ("status",)):   # named as a push, not as a failed snapshot
+        assert f"push of main to origin at {log[0].id[:12]}" in run(*command, repo=repo.url).stdout
     # the remote fixed, the next push sends all four and clears the record; eviction then goes ahead
     repo.remote_remove("origin")
     repo.remote_add("origin", str(tmp_path / "remote"))
