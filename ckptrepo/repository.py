@@ -41,6 +41,7 @@ from ckptrepo.core._remotes import (
     remotes,
     remove_remote,
     tracking_refs,
+    tracking_tip,
 )
 from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
@@ -206,9 +207,13 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     except CkptRepoError as err:   # what is copied stays: a pull copies the rest and sets the branch, as clone does
         raise type(err)(f"{first_line(err)}; the clone in {target} is incomplete: finish it with "
                         f"`ckptrepo --repo {target} pull{' --lazy' if lazy else ''} {remote}`") from err
-    tip = repo._plumbing.resolve(f"{remote}/{branch}") if head.version else None
-    if tip is not None:
-        repo._plumbing.refs.create_branch(branch, tip)
+    refs = repo._plumbing.refs
+    if head.branch is not None:
+        tip = tracking_tip(store, f"{remote}/{head.branch}")
+        if tip is not None:   # else the remote's HEAD branch has no versions yet: HEAD waits on it here too
+            refs.create_branch(branch, tip)
+    elif head.version is not None:   # the remote's HEAD is detached: so is the clone's, at the same version
+        refs.set_head(None, head.version, refs.head(for_update=True).generation)
     return repo
 
 

@@ -143,7 +143,9 @@ class Plumbing:
         """The store to read ``manifest``'s arrays from: this repository's, or, where a version whose arrays it
         points into was evicted here after a push or cloned lazily, one that reads what is missing here from the
         remote the eviction marker names (see core/_remotes.py)."""
-        owners = {key.split("/")[1] for key in manifest.arrays if key.count("/") >= 1}
+        # the version's own marker too: a lazy fetch marks each version it fetches, not the (pruned, or
+        # unreachable) versions whose arrays it reuses through dedup
+        owners = {key.split("/")[1] for key in manifest.arrays if key.count("/") >= 1} | {manifest.id}
         remote = next((r for r in (evicted_remote(self.store, vid) for vid in sorted(owners)) if r), None)
         if remote is None:
             return self.store

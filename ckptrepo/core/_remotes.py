@@ -257,7 +257,7 @@ def leased_versions(store: Store, now: float) -> tuple[set[str], list[str]]:
             stale.append(key)
             continue
         try:
-            named = json.loads(store.get(key, CONFIG_MAX_BYTES) or b"[]")
+            named = json.loads(store.get(key) or b"[]")   # a first push of a long history names thousands
         except (ValueError, CorruptionError):
             named = []
         if isinstance(named, list):

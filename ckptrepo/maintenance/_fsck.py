@@ -210,7 +210,7 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
     except CkptRepoError as err:
         report.errors.append(f"version {vid[:12]}: {err}")
     for key, info in arrays.items():
-        if key.split("/")[1] in evicted and not plumbing.store.exists(f"{key}/zarr.json"):
+        if (vid in evicted or key.split("/")[1] in evicted) and not plumbing.store.exists(f"{key}/zarr.json"):
             continue   # on the remote the eviction marker names (a warning above)
         try:
             arr = open_array(plumbing.store, info)

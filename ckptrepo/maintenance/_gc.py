@@ -377,8 +377,15 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     # pass (a plain gc keeps every reachable version, and would leave such data on disk, unloadable, for good)
     unfinished = sorted(already_pruned & data_ids & reachable)
 
+    # read again just before the deletes: a push that began since the listing copies into what it names
+    leased_now, _ = leased_versions(plumbing.store, time.time())
+    for found in (report.collected, report.orphan_data):
+        held = [vid for vid in found if vid in leased_now]
+        found[:] = [vid for vid in found if vid not in leased_now]
+        report.too_young.extend(held)
     doomed_arrays = {key: (nbytes, layout) for vid in report.pruned + report.collected + unfinished
-                     for key, nbytes, layout in facts[vid].arrays if key not in live_arrays}
+                     for key, nbytes, layout in facts[vid].arrays
+                     if key not in live_arrays and key.split("/")[1] not in leased_now}
     from ckptrepo.storage._arrays import stored_bytes
     report.bytes_freed = sum(nbytes for nbytes, _ in doomed_arrays.values())
     report.stored_bytes_freed = sum(stored_bytes(plumbing.store, key, layout)
@@ -396,10 +403,8 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         plumbing.store.delete(PRUNED_PREFIX + vid)
     for key in sorted(doomed_arrays):
         plumbing.store.delete_prefix(key + "/")
-    leased_now, _ = leased_versions(plumbing.store, time.time())
     for vid in report.orphan_data:
-        if vid not in leased_now:   # a push that began since the listing above copies into it
-            plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
+        plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
     for key in stale_leases:
         plumbing.store.delete(key)
     for key in plumbing.store.list(FAILURES_PREFIX):

@@ -94,13 +94,13 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
         if rt is not None and rt != target:
             raise PushRejectedError(f"push to {remote} rejected: its tag {t!r} points at {rt[:12]}, here at "
                                     f"{target[:12]}, and tags never move; delete one of them first")
-    todo = _to_push(local, there, [*tips.values(), *tag_tips.values()],
-                    {rtip for rtip, _ in remote_tips.values() if rtip is not None}, known)
+    todo, newly_reachable = _to_push(local, there, [*tips.values(), *tag_tips.values()],
+                                     {rtip for rtip, _ in remote_tips.values() if rtip is not None}, known)
     pruned = {v for v in todo if local.store.exists(PRUNED_PREFIX + v)}
     copier = VersionCopier(local.store, there.store, progress)
     manifests = {v: local.manifest(v) for v in todo}
     copier.plan_bytes(manifests.values(), lambda v: v not in pruned)
-    lease = PushLease(there.store, todo) if todo else None
+    lease = PushLease(there.store, newly_reachable) if newly_reachable else None
     try:
         for vid in todo:
             if lease is not None:
@@ -152,23 +152,27 @@ def _targets(names: Sequence[str], target: Callable[[str], str | None], kind: st
     return out
 
 
-def _to_push(local: Plumbing, there: Plumbing, tips: list[str], remote_tips: set[str], known: set[str]) -> list[str]:
-    """The versions ``tips`` reach that the remote lacks, parents first. A push that fast-forwards a remote
-    branch finds them by walking back to that branch's tip (everything a remote ref reaches is there), without
-    listing the remote's versions: a local tier pushing after every snapshot would otherwise list a history
-    of thousands of versions each time. Where the walk does not end at remote tips alone (a first push, a new
-    branch, a merge), the remote's listing decides."""
+def _to_push(local: Plumbing, there: Plumbing, tips: list[str], remote_tips: set[str],
+             known: set[str]) -> tuple[list[str], list[str]]:
+    """The versions ``tips`` reach that the remote lacks, parents first; and the versions the push makes
+    reachable there (those, and any an interrupted push left there unreachable), which its lease names.
+
+    A push that fast-forwards a remote branch finds them by walking back to that branch's tip (everything a
+    remote ref reaches is there), without listing the remote's versions: a local tier pushing after every
+    snapshot would otherwise list a history of thousands of versions each time. Where any walk ends elsewhere
+    (a root: a first push, a new branch forking off old history, a tag on an old version; or a merge), the
+    remote's listing decides what is missing."""
     parents = {}
 
     def parents_of(vid: str) -> tuple[str, ...]:
         parents[vid] = local.header(vid).parents
         return parents[vid]
 
-    todo = missing_ancestors(parents_of, tips, remote_tips, known)
+    walked = missing_ancestors(parents_of, tips, remote_tips, known)
     ends = {p for ps in parents.values() for p in ps} - set(parents)
-    if remote_tips and ends <= remote_tips and all(len(ps) <= 1 for ps in parents.values()):
-        return todo
-    return missing_ancestors(lambda v: local.header(v).parents, tips, version_ids(there), known)
+    if remote_tips and ends <= remote_tips and all(len(ps) == 1 for ps in parents.values()):
+        return walked, walked
+    return missing_ancestors(lambda v: local.header(v).parents, tips, version_ids(there), known), walked
 
 
 def _status(old: str | None, new: str) -> str:
@@ -185,10 +189,12 @@ def fetch(local: Plumbing, remote: str, lazy: bool = False, depth: int | None = 
     result = SyncResult(remote, there.url)
     branches = there.refs.branches()
     tags = there.refs.tags()
+    head = there.refs.head()
+    detached = [head.version] if head.branch is None and head.version else []   # as git fetches HEAD's commit
     known = version_ids(there)
     present = version_ids(local)
-    todo = missing_ancestors(lambda v: there.header(v).parents, [*branches.values(), *tags.values()], present,
-                             known)
+    todo = missing_ancestors(lambda v: there.header(v).parents, [*branches.values(), *tags.values(), *detached],
+                             present, known)
     with_data = set() if lazy else _within_depth(there, branches.values(), depth, set(todo))
     pruned = {v for v in todo if there.store.exists(PRUNED_PREFIX + v)}
     copier = VersionCopier(there.store, local.store, progress)

@@ -109,6 +109,8 @@ class VersionCopier:
     def copy_manifest(self, vid: str, pruned: bool = False) -> None:
         """Create ``versions/<vid>`` at dst from src's bytes (unchanged: the crc32c they carry is checked by every
         reader), after a pruned version's marker, so that it never reads there as a version with data."""
+        if pruned and self.dst.exists(VERSIONS_PREFIX + vid):
+            return   # there already, with its data: a marker would make the remote's gc delete it
         raw = self.src.get(VERSIONS_PREFIX + vid)
         if raw is None:
             raise CorruptionError(f"version {vid[:12]} has no manifest in {self.src.url}; run `ckptrepo fsck` there")

@@ -288,3 +288,105 @@ def test_gc_on_the_remote_during_a_push_collects_nothing_it_copies(tmp_path: Pat
     assert_bit_exact(remote.load("HEAD"), _state(1))
     assert remote.plumbing.store.list("pushes/") == []   # the lease ends with the push
     assert remote.fsck().ok
+
+
+def test_pushing_a_branch_off_old_history_never_marks_the_remote_s_versions_pruned(tmp_path: Path) -> None:
+    """Versions pruned here but on the remote with their data stay loadable there: a push that walks down to
+    them (a new branch forking off old history) neither re-sends them nor writes a pruned marker over them."""
+    a = ckptrepo.init(tmp_path / "a")
+    for i in range(4):
+        a.snapshot(_state(i), step=i)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push()
+    a.checkout("@1", branch="feat")
+    a.snapshot(_state(10), step=10)
+    a.checkout("main")
+    a.gc(keep_last=1, grace_period_s=0)
+    assert [v.pruned for v in a.log()] == [False, True, True, True]
+    assert len(a.push(branches=["main", "feat"]).versions) == 1
+    remote = ckptrepo.open(tmp_path / "remote")
+    assert [v.pruned for v in remote.log()] == [False] * 4
+    assert remote.gc(grace_period_s=0).bytes_freed == 0
+    for i in range(4):
+        assert_bit_exact(remote.load(f"@{i}"), _state(i))
+
+
+def test_a_resumed_push_leases_what_an_interrupted_one_left_unreachable(tmp_path: Path) -> None:
+    """Manifests an interrupted push left on the remote are no longer missing there, but are not reachable
+    yet either: the resumed push's lease names them, so a gc on the remote meanwhile keeps them."""
+    from ckptrepo import faults
+
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push()
+    a.checkout("HEAD", branch="feat")
+    for i in range(1, 4):
+        a.snapshot(_state(i), step=i)
+    copied = []
+
+    def interrupt(_point: str) -> None:
+        copied.append(_point)
+        if len(copied) == 2:
+            raise KeyboardInterrupt("the push dies after two manifests")
+
+    faults.set_hook("push_after_manifest", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        a.push(branches=["feat"])
+    reports = []
+    faults.set_hook("push_after_manifest", None)
+    faults.set_hook("push_before_ref", lambda _p: reports.append(ckptrepo.open(tmp_path / "remote").gc(
+        grace_period_s=0)))
+    try:
+        a.push(branches=["feat"])
+    finally:
+        faults.clear()
+    assert reports[0].collected == []
+    remote = ckptrepo.open(tmp_path / "remote")
+    assert [v.step for v in remote.log("feat")] == [3, 2, 1, 0]
+    assert remote.fsck().ok
+
+
+def test_a_lazy_clone_loads_a_version_whose_tensors_all_live_in_a_pruned_version_s_array(tmp_path: Path) -> None:
+    frozen = torch.randn(4096)
+    a = ckptrepo.init(tmp_path / "a")
+    with a.snapshotter() as snap:
+        for i in range(2):
+            snap.snapshot({"frozen": frozen}, step=i)
+            snap.wait()
+    a.gc(keep_last=1, grace_period_s=0)   # step 0 pruned; its array stays, step 1 points into it
+    c = ckptrepo.clone(tmp_path / "a", tmp_path / "c", lazy=True)
+    assert torch.equal(c.load("HEAD")["frozen"], frozen)
+    assert c.fsck().ok
+    c.remote_add("other", tmp_path / "other")
+    c.push("other")
+    assert torch.equal(ckptrepo.open(tmp_path / "other").load("HEAD")["frozen"], frozen)
+
+
+def test_a_clone_of_a_detached_head_is_detached_at_that_version(tmp_path: Path) -> None:
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.checkout("HEAD", branch="exp")
+    a.snapshot(_state(1), step=1)
+    a.delete_branch("main", force=True)
+    a.checkout("@0")   # detached, at a version only exp's history reaches
+    c = ckptrepo.clone(tmp_path / "a", tmp_path / "c")
+    assert c.current_branch() is None and c.resolve("HEAD") == a.resolve("@0")
+    assert_bit_exact(c.load("HEAD"), _state(0))
+    assert c.resolve("origin/exp") == a.resolve("exp")
+
+
+def test_a_lease_of_a_long_history_is_read_whole(tmp_path: Path) -> None:
+    """A first push of thousands of versions leases them all: gc must read a lease of ~100 KB, not drop it."""
+    import time
+
+    from ckptrepo.core._manifest import new_version_id
+    from ckptrepo.core._remotes import PushLease, leased_versions
+
+    repo = ckptrepo.init(tmp_path / "r")
+    ids = [new_version_id() for _ in range(3000)]
+    lease = PushLease(repo.plumbing.store, ids)
+    held, stale = leased_versions(repo.plumbing.store, time.time())
+    assert held == set(ids) and stale == []
+    lease.close()
+    assert leased_versions(repo.plumbing.store, time.time()) == (set(), [])
