@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from ckptrepo.core._manifest import (
     DATA_PREFIX,
@@ -95,10 +95,10 @@ class RetentionPolicy:
                 raise RetentionError(f"RetentionPolicy({name}=...) is True or False, not {getattr(self, name)!r}")
 
     def apply(self, plumbing: Plumbing, protect_since: float | None = None,
-              known: dict[str, "VersionFacts"] | None = None) -> GcReport:
+              known: dict[str, "VersionFacts"] | None = None, keep_also: Collection[str] = ()) -> GcReport:
         return collect(plumbing, self.keep_last, self.keep_every, self.keep_tagged, self.keep_branch_heads,
                        self.grace_period_s, protect_since=protect_since, known=known, keep_best=self.keep_best,
-                       best_metric=self.best_metric, best_mode=self.best_mode)
+                       best_metric=self.best_metric, best_mode=self.best_mode, keep_also=keep_also)
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
             keep_branch_heads: bool = True, grace_period_s: float = DEFAULT_GRACE_S,
             dry_run: bool = False, protect_since: float | None = None,
             known: dict[str, VersionFacts] | None = None, keep_best: int | None = None,
-            best_metric: str | None = None, best_mode: str = "min") -> GcReport:
+            best_metric: str | None = None, best_mode: str = "min", keep_also: Collection[str] = ()) -> GcReport:
     """Apply the retention rules and collect garbage; see the module docstring.
 
     Without ``keep_last``/``keep_every`` every version in the history is kept
@@ -343,6 +343,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         keep.update(v for v in reachable if (step := facts[v].step) is not None and step % keep_every == 0)
     if keep_best is not None:
         keep.update(_best(facts, reachable - already_pruned, keep_best, str(best_metric), best_mode))
+    keep.update(keep_also)   # whatever the rules: a local tier's versions not on its remote yet
     keep &= reachable
     data_ids = data_version_ids(plumbing)
     # a marker on a ref's version whose data is stored: finishing that prune deletes live data, unless these

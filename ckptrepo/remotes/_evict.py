@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import DATA_PREFIX
+from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._remotes import evicted_ids, mark_evicted, remote_url, tracking_tip
 from ckptrepo.errors import ArgumentError, RefError
@@ -60,6 +60,9 @@ def evict(plumbing: Plumbing, remote: str, keep_last: int, branch: str | None = 
     pruned = pruned_ids(plumbing)
     marked = evicted_ids(plumbing.store)
     todo = _candidates(plumbing, tip, on_remote, keep_last, pruned, marked)
+    if todo:   # a version the remote's own gc pruned since it was pushed: the copy here is the last one
+        there = plumbing.remote_store(remote)
+        todo = [vid for vid in todo if vid in marked or not there.exists(PRUNED_PREFIX + vid)]
     if not todo:
         return report
     gone = marked | set(todo)

@@ -825,7 +825,9 @@ class Snapshotter:
         since = min(born + [time.time()]) - 1.0
         assert self.retention is not None   # called only when a policy was given
         try:
-            self.retention.apply(self.plumbing, protect_since=since, known=self._gc_facts)
+            # a version the remote does not hold yet keeps its data here, or it would reach the remote as history only
+            unpushed = self._pusher.unpushed() if self._pusher is not None else []
+            self.retention.apply(self.plumbing, protect_since=since, known=self._gc_facts, keep_also=unpushed)
         except Exception as err:  # noqa: BLE001 - never kills the commit thread
             failure = SnapshotFailedError(f"background retention (gc) failed: {first_line(err)}; "
                                           f"run `ckptrepo gc` by hand")

@@ -90,6 +90,11 @@ class BackgroundPusher:
             self._pending.pop(vid, None)
             self._cond.notify_all()
 
+    def unpushed(self) -> list[str]:
+        """The versions committed or in flight that the remote does not hold yet."""
+        with self._cond:
+            return list(self._pending)
+
     def unpushed_bytes(self) -> int:
         with self._cond:
             return sum(self._pending.values())

@@ -353,3 +353,37 @@ def test_push_to_s3(tmp_path, s3_url):
         assert_bit_exact(remote.load(v.id), make_state(v.step, big=False))
         assert_bit_exact(repo.load(v.id), make_state(v.step, big=False))   # evicted ones read from S3
     assert repo.fsck().ok and remote.fsck().ok
+
+
+def test_retention_never_prunes_a_version_the_remote_does_not_hold_yet(tmp_path):
+    """A snapshotter's retention rules run after each commit; with push_to, a version not pushed yet keeps its
+    data (pruned first, it would reach the remote as history without data)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    repo, _ = _tier(tmp_path, remote=str(blocker / "remote"))   # every push fails
+    states = [make_state(step, big=False) for step in range(4)]
+    snap = repo.snapshotter(push_to="origin", retention=ckptrepo.RetentionPolicy(keep_last=1, grace_period_s=0))
+    for step, state in enumerate(states):
+        snap.snapshot(state, step=step)
+        with pytest.raises(ckptrepo.CkptRepoError, match="background push"):
+            snap.wait()
+    with pytest.raises(ckptrepo.CkptRepoError, match="background push"):
+        snap.close()
+    assert [v.pruned for v in repo.log()] == [False] * 4
+    repo.remote_remove("origin")
+    repo.remote_add("origin", str(tmp_path / "remote"))
+    repo.push("origin")
+    remote = ckptrepo.open(str(tmp_path / "remote"))
+    for step, state in enumerate(states):
+        assert_bit_exact(remote.load(f"@{step}"), state)
+
+
+def test_a_version_the_remote_pruned_is_not_evicted_here(tmp_path):
+    repo, url = _tier(tmp_path)
+    for step in range(3):
+        repo.snapshot(make_state(step, big=False), step=step)
+    repo.push("origin")
+    ckptrepo.open(url).gc(keep_last=1, grace_period_s=0)   # the remote keeps only the newest's data
+    repo.evict("origin", keep_last=1)
+    for step in range(3):   # the two older ones' data is here alone now: kept
+        assert_bit_exact(repo.load(f"@{step}"), make_state(step, big=False))
