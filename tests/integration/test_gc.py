@@ -167,7 +167,7 @@ def test_a_snapshotter_retention_policy_prunes_in_the_background(repo):
 
 
 def test_a_failing_background_retention_is_raised_at_the_next_call(repo, monkeypatch):
-    def broken(self, _repo, protect_since=None, known=None):
+    def broken(self, _repo, protect_since=None, known=None, keep_also=()):
         raise ckptrepo.StorageError("disk on fire")
     monkeypatch.setattr(ckptrepo.RetentionPolicy, "apply", broken)
     snap = repo.snapshotter(retention=ckptrepo.RetentionPolicy(keep_last=1))
