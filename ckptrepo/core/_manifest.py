@@ -16,7 +16,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import msgpack
 import numpy as np
@@ -190,7 +190,8 @@ def decode_config(blob: bytes, url: str) -> dict[str, Any]:
     return cfg
 
 
-def update_config(store: Store, changes: dict[str, Any], attempts: int = 8) -> dict[str, Any]:
+def update_config(store: Store, changes: dict[str, Any], attempts: int = 8,
+                  settled: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """Set ``changes`` in ``ckptrepo.json`` by compare-and-swap, keeping every other setting, and return the
     config as written. The config is written at init and changed only this way, for settings the repository
     learns later (a store check's verdict, its identity): two writers adding different settings both land."""
@@ -200,8 +201,8 @@ def update_config(store: Store, changes: dict[str, Any], attempts: int = 8) -> d
             raise NotARepositoryError(f"{store.url} is not a ckptrepo repository (no {CONFIG_KEY}); create one "
                                       f"with `ckptrepo init {store.url}`")
         cfg = decode_config(raw, store.url)
-        if all(cfg.get(k) == v for k, v in changes.items()):
-            return cfg
+        if all(cfg.get(k) == v for k, v in changes.items()) or (settled is not None and settled(cfg)):
+            return cfg   # as asked, or as good (``settled``: another writer recorded the same fact its own way)
         cfg.update(changes)
         if store.compare_and_swap(CONFIG_KEY, json.dumps(cfg, indent=2).encode(), gen) is not None:
             return cfg

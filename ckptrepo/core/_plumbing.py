@@ -104,8 +104,10 @@ class Plumbing:
         if failed:
             self._store_refusal = refusal(self.store, failed)
             return
+        # every rank of a job may probe at once: a pass another one recorded meanwhile is as good as this one
         self.config = update_config(self.store, {STORE_CHECK_FIELD: {
-            "conditional_writes": "ok", "server": server, "checked": time.time()}})
+            "conditional_writes": "ok", "server": server, "checked": time.time()}},
+            settled=lambda cfg: store_check_passed(cfg, server))
 
     # ---- manifests ---------------------------------------------------------
     def manifest(self, vid: str) -> Manifest:

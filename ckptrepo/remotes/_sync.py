@@ -24,6 +24,7 @@ from ckptrepo import faults
 from ckptrepo.core._manifest import PRUNED_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._remotes import (
+    REMOTE_REFS_PREFIX,
     PushLease,
     clear_push_failure,
     mark_evicted,
@@ -81,6 +82,7 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
     tips = _targets(branches, local.branch_tip, "branch")
     tag_tips = _targets(tags, local.tag_target, "tag")
     there = open_remote(local, remote, create_with_branch=next(iter(tips), None) or "main")
+    there.require_atomic_store()   # before any copy: a server that would refuse the ref move gets no data
     result = SyncResult(remote, there.url)
     known = version_ids(local)
     remote_tips = {b: there.refs.branch_tip_with_generation(b) for b in tips}
@@ -210,6 +212,11 @@ def fetch(local: Plumbing, remote: str, lazy: bool = False, depth: int | None = 
             mark_evicted(local.store, vid, remote)
         copier.copy_manifest(vid, pruned=vid in pruned)
     before = tracking_refs(local.store, remote)
+    for name in sorted(set(before) - {f"{remote}/{b}" for b in branches}):
+        # deleted there: its versions may be collected there too, so nothing here may count them as held
+        # (git's fetch --prune; eviction and log's durability trust these refs)
+        local.store.delete(REMOTE_REFS_PREFIX + name)
+        result.refs.append(RefUpdate(REMOTE_REFS_PREFIX + name, before[name], "", "deleted"))
     for b, tip in branches.items():
         set_tracking_ref(local.store, remote, b, tip)
         old = before.get(f"{remote}/{b}")

@@ -17,6 +17,7 @@ from ckptrepo.core._remotes import EVICTED_PREFIX
 from ckptrepo.loading._engine import ReadStats, kvstore_bytes_read
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.rules import Replicated, Rules, Split
+from ckptrepo.storage import open_store
 from ckptrepo.storage._arrays import INNER_BYTES
 
 
@@ -223,6 +224,7 @@ def test_a_push_to_a_store_that_ignores_conditions_is_refused_with_nothing_reach
         a.push()
     assert a.plumbing.store.list("refs/remotes/") == []   # not remote-durable: nothing moved there
     assert ckptrepo.open(strip_s3_url).branches() == {}
+    assert open_store(strip_s3_url).list("data/") == []   # refused before any data was copied
 
 
 def test_racing_pushers_fast_forward_one_at_a_time(tmp_path: Path, atomic_s3_url: str) -> None:
@@ -390,3 +392,21 @@ def test_a_lease_of_a_long_history_is_read_whole(tmp_path: Path) -> None:
     assert held == set(ids) and stale == []
     lease.close()
     assert leased_versions(repo.plumbing.store, time.time()) == (set(), [])
+
+
+def test_fetch_drops_the_tracking_refs_of_branches_deleted_on_the_remote(tmp_path: Path) -> None:
+    """Once a branch is gone there, its versions may be collected there: nothing here may still count them
+    as held by the remote (log's durability, local eviction)."""
+    a = ckptrepo.init(tmp_path / "a")
+    a.snapshot(_state(0), step=0)
+    a.checkout("HEAD", branch="old")
+    a.snapshot(_state(1), step=1)
+    a.remote_add("origin", tmp_path / "remote")
+    a.push(branches=["main", "old"])
+    assert a.version("old").remotes == ("origin",)
+    ckptrepo.open(tmp_path / "remote").delete_branch("old", force=True)
+    fetched = a.fetch()
+    assert [(u.ref, u.status) for u in fetched.refs if u.status == "deleted"] == [("refs/remotes/origin/old",
+                                                                                    "deleted")]
+    assert a.version("old").remotes == ()
+    assert a.version("main").remotes == ("origin",)

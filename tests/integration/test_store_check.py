@@ -249,3 +249,32 @@ def test_a_recorded_pass_is_kept_by_later_config_changes(atomic_s3_url) -> None:
     update_config(open_store(atomic_s3_url), {"other": 1})
     cfg = _config(atomic_s3_url)
     assert cfg["other"] == 1 and cfg[STORE_CHECK_FIELD]["conditional_writes"] == "ok"
+
+
+def test_every_rank_checking_a_fresh_store_at_once_all_pass(atomic_s3_url) -> None:
+    """Each rank of a job makes a committer, so each probes a fresh repository at the same moment; each records
+    its pass with a time of its own, and a pass another rank recorded first must count, not read as a conflict."""
+    import threading
+
+    from ckptrepo.core._plumbing import Plumbing
+
+    ckptrepo.init(atomic_s3_url)
+    ranks = [Plumbing(open_store(atomic_s3_url)) for _ in range(16)]
+    lined_up = threading.Barrier(len(ranks))
+    errors: list[BaseException] = []
+
+    def check(p: Plumbing) -> None:
+        lined_up.wait()
+        try:
+            p.require_atomic_store()
+        except BaseException as err:  # noqa: BLE001 - what the test counts
+            errors.append(err)
+
+    threads = [threading.Thread(target=check, args=(p,)) for p in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert _config(atomic_s3_url)[STORE_CHECK_FIELD]["conditional_writes"] == "ok"
+    assert open_store(atomic_s3_url).list("store-check/") == []
