@@ -34,7 +34,6 @@ from ckptrepo.core._remotes import (
 from ckptrepo.errors import ConflictError, PushRejectedError, RefError
 from ckptrepo.remotes._remote import is_ancestor, missing_ancestors, open_remote, version_ids
 from ckptrepo.remotes._transfer import Progress, VersionCopier
-from ckptrepo.storage.protocol import NO_VALUE
 
 
 @dataclass
@@ -100,16 +99,17 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
                                      {rtip for rtip, _ in remote_tips.values() if rtip is not None}, known)
     pruned = {v for v in todo if local.store.exists(PRUNED_PREFIX + v)}
     copier = VersionCopier(local.store, there.store, progress)
-    manifests = {v: local.manifest(v) for v in todo}
-    copier.plan_bytes(manifests.values(), lambda v: v not in pruned)
+    manifests = copier.read_manifests(todo)
+    copier.plan_bytes((m for _, m in manifests.values()), lambda v: v not in pruned)
     lease = PushLease(there.store, newly_reachable) if newly_reachable else None
     try:
         for vid in todo:
             if lease is not None:
                 lease.renew_if_due()
+            raw, m = manifests[vid]
             if vid not in pruned:
-                copier.copy_arrays(manifests[vid], local.data_store(manifests[vid]))
-            copier.copy_manifest(vid, pruned=vid in pruned)
+                copier.copy_arrays(m, local.data_store(m))
+            copier.copy_manifest(vid, raw, pruned=vid in pruned)
         faults.point("push_before_ref")
         _move_remote_refs(local, there, remote, tips, tag_tips, remote_tips, result)
     finally:
@@ -126,7 +126,7 @@ def _move_remote_refs(local: Plumbing, there: Plumbing, remote: str, tips: dict[
     for b, tip in tips.items():
         rtip, gen = remote_tips[b]
         if rtip != tip:
-            if there.refs.move_branch(b, tip, gen if rtip is not None else NO_VALUE, rtip, there.first_parent) is None:
+            if there.refs.move_branch(b, tip, gen, rtip, there.first_parent) is None:
                 raise PushRejectedError(f"push to {remote} rejected: its branch {b!r} moved while pushing (another "
                                         f"writer); fetch first (`ckptrepo pull {remote}`), then push again")
         set_tracking_ref(local.store, remote, b, tip)
@@ -200,17 +200,17 @@ def fetch(local: Plumbing, remote: str, lazy: bool = False, depth: int | None = 
     with_data = set() if lazy else _within_depth(there, branches.values(), depth, set(todo))
     pruned = {v for v in todo if there.store.exists(PRUNED_PREFIX + v)}
     copier = VersionCopier(there.store, local.store, progress)
-    manifests = {v: there.manifest(v) for v in todo}
-    copier.plan_bytes(manifests.values(), lambda v: v in with_data and v not in pruned)
+    manifests = copier.read_manifests(todo)
+    copier.plan_bytes((m for _, m in manifests.values()), lambda v: v in with_data and v not in pruned)
     for vid in todo:
-        m = manifests[vid]
+        raw, m = manifests[vid]
         if vid in pruned:
             pass
         elif vid in with_data:
             copier.copy_arrays(m, there.data_store(m))
         elif any(t.pieces for t in m.tensors):
             mark_evicted(local.store, vid, remote)
-        copier.copy_manifest(vid, pruned=vid in pruned)
+        copier.copy_manifest(vid, raw, pruned=vid in pruned)
     before = tracking_refs(local.store, remote)
     for name in sorted(set(before) - {f"{remote}/{b}" for b in branches}):
         # deleted there: its versions may be collected there too, so nothing here may count them as held
@@ -264,8 +264,7 @@ def pull(local: Plumbing, remote: str, lazy: bool = False, progress: Progress | 
     if mine == theirs or (mine is not None and is_ancestor(local, theirs, mine, known)):
         status = "up to date"
     elif mine is None or is_ancestor(local, mine, theirs, known):
-        if local.refs.move_branch(head.branch, theirs, gen if mine is not None else NO_VALUE, mine,
-                                  local.first_parent) is None:
+        if local.refs.move_branch(head.branch, theirs, gen, mine, local.first_parent) is None:
             raise ConflictError(f"branch {head.branch!r} moved while pulling (a snapshot landed); pull again")
         status = "fast-forward"
     else:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 from ckptrepo import faults
 from ckptrepo.core._manifest import PRUNED_PREFIX, VERSIONS_PREFIX
-from ckptrepo.core.schema import Manifest
+from ckptrepo.core.schema import Manifest, decode_manifest
 from ckptrepo.errors import CorruptionError
 from ckptrepo.storage.protocol import Store
 
@@ -106,14 +106,23 @@ class VersionCopier:
         if self.progress is not None:
             self.progress(self.tally.bytes, self.total)
 
-    def copy_manifest(self, vid: str, pruned: bool = False) -> None:
-        """Create ``versions/<vid>`` at dst from src's bytes (unchanged: the crc32c they carry is checked by every
-        reader), after a pruned version's marker, so that it never reads there as a version with data."""
+    def read_manifests(self, vids: list[str]) -> dict[str, tuple[bytes, Manifest]]:
+        """Each version's manifest at src, as stored and decoded (so checked: crc32c, fields), requested
+        together: one round trip's latency on an object store, and the bytes a copy writes are the ones
+        checked."""
+        out = {}
+        for vid, raw in zip(vids, self.src.get_many([VERSIONS_PREFIX + v for v in vids])):
+            if raw is None:
+                raise CorruptionError(f"version {vid[:12]} has no manifest in {self.src.url}; run `ckptrepo fsck` "
+                                      f"there")
+            out[vid] = (raw, decode_manifest(raw, vid))
+        return out
+
+    def copy_manifest(self, vid: str, raw: bytes, pruned: bool = False) -> None:
+        """Create ``versions/<vid>`` at dst from src's bytes ``raw`` (unchanged: the crc32c they carry is checked
+        by every reader), after a pruned version's marker, so that it never reads there as a version with data."""
         if pruned and self.dst.exists(VERSIONS_PREFIX + vid):
             return   # there already, with its data: a marker would make the remote's gc delete it
-        raw = self.src.get(VERSIONS_PREFIX + vid)
-        if raw is None:
-            raise CorruptionError(f"version {vid[:12]} has no manifest in {self.src.url}; run `ckptrepo fsck` there")
         if pruned:
             self.dst.put(PRUNED_PREFIX + vid, b"")
         self.dst.put_if_absent(VERSIONS_PREFIX + vid, raw)
