@@ -669,20 +669,23 @@ class Repository:
         return disk_usage(self._plumbing, self.log(all=True))
 
     def export(self, rev: str, out: str | os.PathLike[str], format: str = "torch",  # noqa: A002
-               force: bool = False) -> Version:
-        """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors or dcp) to ``out``
-        (outside the repository; an existing export there is replaced only with ``force``)."""
+               force: bool = False, max_shard_size: int | str | None = None) -> Version:
+        """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors, dcp or hf) to ``out``
+        (outside the repository; an existing export there is replaced only with ``force``). ``hf``: the model
+        under the state's ``model`` as an HF model folder, in files of at most ``max_shard_size`` ("5GB")."""
         from ckptrepo.tools._exchange import export_target, write_export
         _path(out, "export's output")
         # refused before the version is resolved and loaded
-        path = export_target(out, format, force=force, repo_root=self._plumbing.store.capabilities.local_root)
+        path = export_target(out, format, force=force, repo_root=self._plumbing.store.capabilities.local_root,
+                             max_shard_size=max_shard_size)
         vid = self.resolve(rev)
-        write_export(self.load(vid), vid, path, format)
+        write_export(self.load(vid), vid, path, format, max_shard_size)
         return self.version(vid)
 
     def import_state(self, path: str | os.PathLike[str], trust: bool = False, step: int | None = None,
                      message: str | None = None) -> Version:
-        """Commit a torch.save file, DCP checkpoint or safetensors export as a new version on the current branch.
+        """Commit a torch.save file, DCP checkpoint, safetensors export or HF model folder (its weights under
+        ``model``, its config.json under ``hf_config``) as a new version on the current branch.
 
         Pickles (torch files that need more than the restricted unpickler, DCP
         metadata) can run code, so they are refused unless ``trust`` is set.

@@ -1,4 +1,5 @@
-"""Export a version as a plain checkpoint (torch.save, safetensors, DCP) and import one as a new version.
+"""Export a version as a plain checkpoint (torch.save, safetensors, DCP, an HF model folder) and import one as a
+new version (the HF folder's code: tools/_hf_export.py).
 
 ``Repository.export`` loads through ``Repository.load`` and hands the state to
 ``write_export``, so it writes the full, unsharded state whatever layout it was
@@ -35,9 +36,17 @@ import torch
 
 from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line
 from ckptrepo.state._providers import flatten, unflatten
+from ckptrepo.tools._hf_export import (
+    INDEX_FILE,
+    is_model_folder,
+    load_model_folder,
+    looks_like_model_folder,
+    save_model_folder,
+    shard_bytes,
+)
 from ckptrepo.tools._paths import check_parent, local_path, refuse_inside
 
-FORMATS = ("torch", "safetensors", "dcp")
+FORMATS = ("torch", "safetensors", "dcp", "hf")
 SAFETENSORS_FILE = "model.safetensors"
 OBJECTS_FILE = "objects.json"
 OBJECTS_FORMAT = "ckptrepo-objects"
@@ -48,22 +57,29 @@ _NO_PG_WARNING = "torch.distributed is disabled"   # DCP's notice that it runs i
 
 
 def export_target(out: str | os.PathLike[str], format: str, force: bool = False,  # noqa: A002
-                  repo_root: str | None = None) -> Path:
+                  repo_root: str | None = None, max_shard_size: int | str | None = None) -> Path:
     """The local path an export of ``format`` writes, checked before the version is loaded: ``torch`` writes a
-    file, ``safetensors`` and ``dcp`` a directory, created if missing. An existing file, or a non-empty
+    file, ``safetensors``, ``dcp`` and ``hf`` a directory, created if missing. An existing file, or a non-empty
     directory, is an error unless ``force``; even then a directory is replaced only if it holds an export of
     that format (``--force`` must never empty a folder of other files). Nothing is written inside the
-    repository at ``repo_root`` (a local repository's folder)."""
+    repository at ``repo_root`` (a local repository's folder). ``max_shard_size`` (``hf`` only) is checked here
+    too."""
     if format not in FORMATS:
         raise ExchangeError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
+    if max_shard_size is not None:
+        if format != "hf":
+            raise ExchangeError(f"a max shard size applies to the hf format only, not {format}")
+        shard_bytes(max_shard_size)
     path = local_path(out, "export to")
     refuse_inside(path, repo_root, "export to")
     _check_free(path, directory=format != "torch", force=force, format=format)
     return path
 
 
-def write_export(state: Any, vid: str, path: Path, format: str) -> None:  # noqa: A002
-    """Write ``state``, the full state of version ``vid``, to ``path`` (from ``export_target``) as ``format``."""
+def write_export(state: Any, vid: str, path: Path, format: str,  # noqa: A002
+                 max_shard_size: int | str | None = None) -> None:
+    """Write ``state``, the full state of version ``vid``, to ``path`` (from ``export_target``) as ``format``;
+    ``max_shard_size``: the largest safetensors file of an ``hf`` export (tools/_hf_export.py)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:   # a file where a folder of the path should be, no permission, ...
@@ -74,6 +90,8 @@ def write_export(state: Any, vid: str, path: Path, format: str) -> None:  # noqa
         _write_then_rename(path, lambda tmp: torch.save(plain, tmp))
     elif format == "safetensors":
         _write_then_rename(path, lambda tmp: _save_safetensors(state, tmp, vid))
+    elif format == "hf":
+        _write_then_rename(path, lambda tmp: save_model_folder(state, tmp, max_shard_size))
     else:
         _write_then_rename(path, lambda tmp: _save_dcp(state, tmp))
 
@@ -116,21 +134,26 @@ def read_checkpoint(path: str | os.PathLike[str], trust: bool = False) -> tuple[
         state = _load_torch(p, trust)
     elif kind == "dcp":
         state = _load_dcp(p, trust)
+    elif kind == "hf":
+        state = load_model_folder(p)
     else:
         state = _load_safetensors(p)
     return state, f"{p} ({kind})"
 
 
 def detect_format(path: Path) -> str:
-    """The format at ``path``: ``dcp`` (a directory with ``.metadata``), ``safetensors`` (a directory with
+    """The format at ``path``: ``dcp`` (a directory with ``.metadata``), ``hf`` (an HF model folder:
+    ``config.json`` and ``model.safetensors``, or a sharded one's index), ``safetensors`` (a directory with
     ``model.safetensors``) or ``torch`` (a file)."""
     if path.is_dir():
         if (path / DCP_METADATA).is_file():
             return "dcp"
+        if not (path / OBJECTS_FILE).is_file() and looks_like_model_folder(path):
+            return "hf"
         if (path / SAFETENSORS_FILE).is_file():
             return "safetensors"
-        raise ExchangeError(f"{path} is a directory but neither a DCP checkpoint (no {DCP_METADATA}) nor a safetensors "
-                            f"export (no {SAFETENSORS_FILE})")
+        raise ExchangeError(f"{path} is a directory but neither a DCP checkpoint (no {DCP_METADATA}), a safetensors "
+                            f"export nor an HF model folder (no {SAFETENSORS_FILE} or {INDEX_FILE})")
     if path.is_file():
         return "torch"
     raise ExchangeError(f"{path} does not exist; import a torch.save file, a DCP checkpoint directory or a "
@@ -161,6 +184,8 @@ def _is_export(path: Path, format: str) -> bool:  # noqa: A002
     names = {p.name for p in path.iterdir()}
     if format == "safetensors":
         return names <= {SAFETENSORS_FILE, OBJECTS_FILE} and SAFETENSORS_FILE in names
+    if format == "hf":
+        return is_model_folder(names)
     return DCP_METADATA in names and all(n == DCP_METADATA or n.endswith(".distcp") for n in names)
 
 

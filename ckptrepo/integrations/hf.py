@@ -1,0 +1,245 @@
+"""Hugging Face ``Trainer``: snapshots through a callback, and resuming from any version.
+
+    from ckptrepo.integrations.hf import CkptRepoCallback, checkpoint_folder
+    trainer = Trainer(..., callbacks=[CkptRepoCallback("/data/run-repo", every_n_steps=100)])
+    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint_folder("/data/run-repo", "@1000"))
+
+``CkptRepoCallback`` takes a snapshot where ``Trainer._save_checkpoint`` would
+save (after the step and its log), through one asynchronous snapshotter whose
+wait runs only before the next optimizer step. ``checkpoint_folder`` writes a
+version as the checkpoint folder ``resume_from_checkpoint`` reads, because that
+argument, a folder path, is the one public way in: the data skip, the RNG
+restore and the optimizer load all key off it (docs/decisions/026-hf-integration.md).
+
+transformers is imported only when ``CkptRepoCallback`` is first used (it must
+subclass ``TrainerCallback``); ``checkpoint_folder`` never imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ckptrepo.errors import ArgumentError, ExchangeError
+from ckptrepo.repository import Repository, init, repo_url
+from ckptrepo.repository import open as open_repo
+from ckptrepo.tools._hf_export import (
+    CONFIG_KEY,
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    RNG_KEY,
+    SCHEDULER_KEY,
+    TRAINER_STATE_FILE,
+    TRAINER_STATE_KEY,
+    save_trainer_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from ckptrepo.saving._capture import Snapshotter
+    from ckptrepo.saving._snapshot_job import SnapshotHandle
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and any wrapper that keeps it as
+    ``.optimizer``): the wrapper's ``step()`` does not run hooks registered on itself, only the inner one's."""
+    seen = 0
+    while not _is_plain_optimizer(optimizer) and isinstance(getattr(optimizer, "optimizer", None),
+                                                            torch.optim.Optimizer) and seen < 8:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer
+
+
+def _is_plain_optimizer(optimizer: Any) -> bool:
+    return type(optimizer).__module__.split(".")[0] == "torch"
+
+
+def rng_states() -> dict[str, Any]:
+    """The RNG states ``Trainer._save_rng_state`` saves in a single process, under its keys."""
+    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                              "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.random.get_rng_state()
+    return states
+
+
+def hf_config(model: Any) -> dict[str, Any] | None:
+    """``model.config.to_dict()`` with the architecture named (as ``save_pretrained`` records it), or None for a
+    model without an HF config."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    out = dict(config.to_dict())
+    if not out.get("architectures"):
+        out["architectures"] = [type(model).__name__]
+    return out
+
+
+def _repository(repo: Repository | str | os.PathLike[str]) -> Repository:
+    return repo if isinstance(repo, Repository) else init(repo_url(repo), exist_ok=True)
+
+
+class _Hooks:
+    """The work of ``CkptRepoCallback``, apart from transformers' base class (see ``_callback_class``)."""
+
+    def __init__(self, repo: Repository | str | os.PathLike[str], every_n_steps: int = 500, *,
+                 save_final: bool = True, message: str = "hf step {step}", **snapshotter_options: Any) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ArgumentError(f"every_n_steps must be a whole number of at least 1, not {every_n_steps!r}")
+        if not isinstance(message, str):
+            raise ArgumentError(f"message must be text (with {{step}} for the step), not {message!r:.40}")
+        self.repo = _repository(repo)
+        self.every_n_steps = every_n_steps
+        self.save_final = save_final
+        self.message = message
+        self.snapshotter_options = snapshotter_options
+        self.snapshotter: Snapshotter | None = None
+        self.handles: list[SnapshotHandle] = []   # one per snapshot taken, oldest first
+        self._objects: dict[str, Any] = {}
+        self._pending: int | None = None   # the step whose snapshot waits for that step's log
+
+    # ---- Trainer events -------------------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+        if getattr(args, "world_size", 1) > 1:
+            raise ArgumentError("CkptRepoCallback snapshots a single-process Trainer; under several processes save "
+                                "through ckptrepo.dcp (FSDP) or one snapshotter shared by all ranks")
+        if model is None or optimizer is None:
+            raise ArgumentError("the Trainer passed no model or optimizer to CkptRepoCallback.on_train_begin")
+        self.close()   # a second train() on the same Trainer: the first one's snapshots are finished first
+        inner = unwrap_optimizer(optimizer)
+        self._objects = {MODEL_KEY: model, OPTIMIZER_KEY: inner, SCHEDULER_KEY: lr_scheduler}
+        self._config = hf_config(model)
+        self.snapshotter = self.repo.snapshotter(**self.snapshotter_options)
+        self.snapshotter.attach(inner)   # the loop waits for capture only before the parameters change
+        self._pending = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._pending is not None:   # a log that never came: the state is still the step's
+            self._take(state, control, None)
+        if not self._due(state):
+            return
+        if control.should_log:   # the step's log comes next, before anything changes the state
+            self._pending = state.global_step
+        else:
+            self._take(state, control, None)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        if self._pending == state.global_step:
+            self._take(state, control, logs)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._pending is not None:
+            self._take(state, control, None)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._pending is not None:
+            self._take(state, control, None)
+        self.close()
+
+    # ---- the rest -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for every snapshot to commit and stop the snapshotter; a failed snapshot is raised here."""
+        snap, self.snapshotter = self.snapshotter, None
+        if snap is not None:
+            snap.close()
+
+    def _due(self, state: Any) -> bool:
+        step = state.global_step
+        return step % self.every_n_steps == 0 or (self.save_final and bool(state.max_steps)
+                                                  and step >= state.max_steps)
+
+    def _take(self, state: Any, control: Any, logs: dict[str, Any] | None) -> None:
+        self._pending = None
+        if self.snapshotter is None:
+            return
+        snapshot: dict[str, Any] = dict(self._objects)
+        snapshot[RNG_KEY] = rng_states()
+        snapshot[TRAINER_STATE_KEY] = trainer_state(state, control)
+        if self._config is not None:
+            snapshot[CONFIG_KEY] = self._config
+        metrics = {k: v for k, v in (logs or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        step = state.global_step
+        self.handles.append(self.snapshotter.snapshot(snapshot, step=step, message=self.message.format(step=step),
+                                                      metrics=metrics))
+
+
+def trainer_state(state: Any, control: Any) -> dict[str, Any]:
+    """``TrainerState`` as the plain data ``trainer_state.json`` holds, the control's flags recorded as
+    ``Trainer._save_checkpoint`` records them."""
+    out = dataclasses.asdict(state)
+    callbacks = out.get("stateful_callbacks")
+    if isinstance(callbacks, dict) and callable(getattr(control, "state", None)):
+        callbacks[type(control).__name__] = control.state()
+    return out
+
+
+@functools.cache
+def _callback_class() -> type:
+    from transformers import TrainerCallback
+
+    class CkptRepoCallback(_Hooks, TrainerCallback):
+        """A ``TrainerCallback`` that snapshots the training state into a ckptrepo repository, asynchronously,
+        every ``every_n_steps`` optimizer steps (and at the last step, unless ``save_final=False``).
+
+        Each version holds the model, the optimizer, the LR scheduler, the RNG states (Python, numpy, torch; CUDA
+        when present), ``TrainerState`` as plain data and the model's config (``hf_config``); its metrics are
+        those the Trainer logs at that step. ``repo`` is a ``Repository`` or a path/URL (created if missing);
+        other keywords go to ``repo.snapshotter()``. Resume with ``checkpoint_folder``.
+        """
+
+    CkptRepoCallback.__module__ = __name__
+    return CkptRepoCallback
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CkptRepoCallback":
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    CkptRepoCallback = _Hooks
+
+
+def default_folder(vid: str, step: int | None) -> Path:
+    """Where ``checkpoint_folder`` writes version ``vid`` when not told: a folder of this user's in the temp
+    directory, one per version (a version never changes, so one written there before is used again)."""
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"ckptrepo-hf-{user}" / f"checkpoint-{step}-{vid[:16]}"
+
+
+def checkpoint_folder(repo: Repository | str | os.PathLike[str], rev: str = "HEAD",
+                      out: str | os.PathLike[str] | None = None) -> str:
+    """Write version ``rev`` (saved by ``CkptRepoCallback``) as a Trainer checkpoint folder and return its path,
+    for ``trainer.train(resume_from_checkpoint=checkpoint_folder(url, "@1000"))``: the run goes on exactly as
+    from the Trainer's own checkpoint of that step.
+
+    ``out``: the folder to write (new, or empty); default: one per version in the temp directory, reused."""
+    from ckptrepo.tools._exchange import _write_then_rename, export_target
+    r = repo if isinstance(repo, Repository) else open_repo(repo_url(repo))
+    vid = r.resolve(rev)
+    if out is None:
+        path = default_folder(vid, r.version(vid).step)
+        if (path / TRAINER_STATE_FILE).is_file():   # written whole (renamed into place) for this version
+            return str(path)
+    else:
+        path = export_target(out, "hf", repo_root=r.plumbing.store.capabilities.local_root)
+    state = r.load(vid)
+    try:
+        _write_then_rename(path, lambda tmp: save_trainer_checkpoint(state, tmp))
+    except ExchangeError as err:
+        raise ExchangeError(f"version {vid[:12]}: {err}") from None
+    return str(path)
+
+
+__all__ = ["CkptRepoCallback", "checkpoint_folder", "hf_config", "rng_states", "trainer_state", "unwrap_optimizer"]
