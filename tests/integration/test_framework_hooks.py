@@ -35,6 +35,7 @@ def test_tag_and_meta_at_snapshot_time(tmp_path):
     assert_bit_exact(reopened.load("last.ckpt"), _state(3))
     out = run("log", "--json", repo=str(tmp_path / "r"))
     assert {"wandb_run": "abc123"} in [v["meta"] for v in json.loads(out.stdout)]
+    assert "meta    wandb_run=abc123" in run("show", "epoch=0.ckpt", repo=str(tmp_path / "r")).stdout
     # synchronous snapshots take the same keywords; the version returned lists its tag
     v = repo.snapshot(_state(4), step=4, tag="best", meta={"file": "best.ckpt"})
     assert "tag: best" in " ".join(v.refs) or "best" in " ".join(v.refs)
