@@ -31,6 +31,7 @@ import torch
 from ckptrepo.errors import ArgumentError, ExchangeError
 from ckptrepo.repository import Repository, init, repo_url
 from ckptrepo.repository import open as open_repo
+from ckptrepo.saving._capture import unwrapped_optimizer
 from ckptrepo.tools._hf_export import (
     CONFIG_KEY,
     MODEL_KEY,
@@ -45,20 +46,6 @@ from ckptrepo.tools._hf_export import (
 if TYPE_CHECKING:
     from ckptrepo.saving._capture import Snapshotter
     from ckptrepo.saving._snapshot_job import SnapshotHandle
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and any wrapper that keeps it as
-    ``.optimizer``): the wrapper's ``step()`` does not run hooks registered on itself, only the inner one's."""
-    seen = 0
-    while not _is_plain_optimizer(optimizer) and isinstance(getattr(optimizer, "optimizer", None),
-                                                            torch.optim.Optimizer) and seen < 8:
-        optimizer, seen = optimizer.optimizer, seen + 1
-    return optimizer
-
-
-def _is_plain_optimizer(optimizer: Any) -> bool:
-    return type(optimizer).__module__.split(".")[0] == "torch"
 
 
 def rng_states() -> dict[str, Any]:
@@ -103,6 +90,7 @@ class _Hooks:
         self.snapshotter: Snapshotter | None = None
         self.handles: list[SnapshotHandle] = []   # one per snapshot taken, oldest first
         self._objects: dict[str, Any] = {}
+        self._config: dict[str, Any] | None = None
         self._pending: int | None = None   # the step whose snapshot waits for that step's log
 
     # ---- Trainer events -------------------------------------------------------------------------------------
@@ -114,7 +102,7 @@ class _Hooks:
         if model is None or optimizer is None:
             raise ArgumentError("the Trainer passed no model or optimizer to CkptRepoCallback.on_train_begin")
         self.close()   # a second train() on the same Trainer: the first one's snapshots are finished first
-        inner = unwrap_optimizer(optimizer)
+        inner = unwrapped_optimizer(optimizer)   # what the state holds, and what attach() hooks into
         self._objects = {MODEL_KEY: model, OPTIMIZER_KEY: inner, SCHEDULER_KEY: lr_scheduler}
         self._config = hf_config(model)
         self.snapshotter = self.repo.snapshotter(**self.snapshotter_options)
@@ -242,4 +230,4 @@ def checkpoint_folder(repo: Repository | str | os.PathLike[str], rev: str = "HEA
     return str(path)
 
 
-__all__ = ["CkptRepoCallback", "checkpoint_folder", "hf_config", "rng_states", "trainer_state", "unwrap_optimizer"]
+__all__ = ["CkptRepoCallback", "checkpoint_folder", "hf_config", "rng_states", "trainer_state"]

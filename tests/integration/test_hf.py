@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 from helpers import assert_bit_exact, run  # noqa: E402
 
 from ckptrepo.errors import ExchangeError  # noqa: E402
-from ckptrepo.integrations.hf import CkptRepoCallback, checkpoint_folder, unwrap_optimizer  # noqa: E402
+from ckptrepo.integrations.hf import CkptRepoCallback, checkpoint_folder  # noqa: E402
+from ckptrepo.saving._capture import unwrapped_optimizer  # noqa: E402
 
 STEPS = 20
 BATCH = 4
@@ -67,16 +68,16 @@ class OptimizerProbe(transformers.TrainerCallback):
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         self.optimizer = optimizer
-        seen = (type(optimizer).__name__, len(unwrap_optimizer(optimizer)._optimizer_step_pre_hooks))
+        seen = (type(optimizer).__name__, len(unwrapped_optimizer(optimizer)._optimizer_step_pre_hooks))
         if seen not in self.seen:
             self.seen.append(seen)
 
 
-def train(tmp_path, name: str, model, callbacks=(), resume: str | None = None) -> dict[int, float]:
+def train(tmp_path, name: str, model, callbacks=(), resume: str | None = None, **options) -> dict[int, float]:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1,
-        save_strategy="no", report_to=[], seed=3, use_cpu=True, disable_tqdm=True, learning_rate=3e-3,
-        warmup_steps=3, dataloader_num_workers=0, dataloader_pin_memory=False)
+        save_strategy="no", report_to=[], seed=3, disable_tqdm=True, learning_rate=3e-3,
+        warmup_steps=3, dataloader_num_workers=0, dataloader_pin_memory=False, **{"use_cpu": True, **options})
     losses = Losses()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(),
                                    callbacks=[losses, *callbacks])
@@ -95,7 +96,7 @@ def test_resume_from_a_version_continues_bit_for_bit(tmp_path):
     assert snapshotted == expected   # snapshots never change the run
     # the trial's failure: accelerate's AcceleratedOptimizer.step() runs no hook registered on itself, so the
     # callback waits for capture in the torch optimizer inside it
-    assert probe.seen == [("AcceleratedOptimizer", 1)] and unwrap_optimizer(probe.optimizer) is not probe.optimizer
+    assert probe.seen == [("AcceleratedOptimizer", 1)] and unwrapped_optimizer(probe.optimizer) is not probe.optimizer
 
     import ckptrepo
     repo = ckptrepo.open(url)
