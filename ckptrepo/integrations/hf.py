@@ -110,8 +110,6 @@ class _Hooks:
         self._pending = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._pending is not None:   # a log that never came: the state is still the step's
-            self._take(state, control, None)
         if not self._due(state):
             return
         if control.should_log:   # the step's log comes next, before anything changes the state
@@ -125,7 +123,7 @@ class _Hooks:
             self._take(state, control, logs)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._pending is not None:
+        if self._pending is not None:   # a log that never came: before the next step, the state is still the step's
             self._take(state, control, None)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
