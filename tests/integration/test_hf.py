@@ -201,3 +201,13 @@ def test_export_hf_refuses_a_bad_shard_size_before_loading(repo, tmp_path):
         repo.export("HEAD", tmp_path / "x", format="hf", max_shard_size="lots")
     with pytest.raises(ExchangeError, match="hf format only"):
         repo.export("HEAD", tmp_path / "y", format="safetensors", max_shard_size="1GB")
+
+
+def test_ckptrepo_and_the_resume_helper_never_import_transformers():
+    import subprocess
+    import sys
+    code = ("import sys, ckptrepo, ckptrepo.cli.main; from ckptrepo.integrations.hf import checkpoint_folder; "
+            "assert 'transformers' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-500:]
