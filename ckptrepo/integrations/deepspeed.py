@@ -370,6 +370,35 @@ def _register_with_deepspeed() -> None:
             CheckpointEngine.register(CkptRepoCheckpointEngine)
 
 
+def checkout(url: str | os.PathLike[str], save_dir: str | os.PathLike[str], rev: str = "HEAD",
+             tag: str | None = None) -> list[str]:
+    """Write what DeepSpeed's ``load_checkpoint(save_dir)`` needs on disk for version ``rev`` of the repository
+    at ``url``: a stub per file under ``<save_dir>/<tag>/`` and ``<save_dir>/latest`` naming ``tag``.
+
+    For a machine that has the repository (a clone, a remote) but not the directory that saved it. ``tag``
+    defaults to the DeepSpeed tag the version recorded. Returns the stub paths. Needs no DeepSpeed.
+    """
+    from ckptrepo.loading._entry import entry_keys
+    from ckptrepo.repository import open as open_repo
+    repo = open_repo(url)
+    vid = repo.resolve(rev)
+    version = repo.version(vid)
+    tag = tag or version.meta.get("deepspeed.tag")
+    if not tag:
+        raise ArgumentError(f"version {vid[:12]} was not saved by the DeepSpeed engine (it records no DeepSpeed "
+                            f"tag); pass tag= to name the directory")
+    root = os.path.join(os.fspath(save_dir), tag)
+    paths = []
+    for entry in entry_keys(repo.plumbing.manifest(vid)):
+        path = os.path.join(root, *str(entry).split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_stub(path, repo.url, vid, tag, str(entry))
+        paths.append(path)
+    with open(os.path.join(os.fspath(save_dir), "latest"), "w") as f:
+        f.write(tag)
+    return paths
+
+
 # ---- swapping the engine in -------------------------------------------------------------------------------------
 
 def step_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -406,5 +435,5 @@ def install(engine: Any, url: str | os.PathLike[str], **kwargs: Any) -> CkptRepo
     return ours
 
 
-__all__ = ["CkptRepoCheckpointEngine", "ENGINE_NAME", "from_plain", "install", "read_stub", "step_optimizers",
-           "to_plain", "write_stub"]
+__all__ = ["CkptRepoCheckpointEngine", "ENGINE_NAME", "checkout", "from_plain", "install", "read_stub",
+           "step_optimizers", "to_plain", "write_stub"]

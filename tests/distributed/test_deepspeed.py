@@ -1,6 +1,6 @@
 """DeepSpeed's checkpoint engine over a repository: real DeepSpeed engines on the CPU accelerator, gloo.
 
-One process and two processes train a tiny model under ZeRO stages 0 to 3 (see RUNS), save a
+One process and two processes train a tiny model under ZeRO stages 0, 2 and 3 (see RUNS), save a
 tag through ``CkptRepoCheckpointEngine``, train on, and a fresh engine (other initial weights) loads the tag
 through it (no tag given: DeepSpeed reads its ``latest`` file) and trains the same steps: the losses must be
 equal bit for bit. The engine's own pieces (the call order create -> save -> commit, stubs, the conversion of
@@ -138,6 +138,13 @@ def test_create_save_commit_load_in_one_process(tmp_path) -> None:
     assert opt["zero_stage"] is ZeroStageEnum.gradients
     assert opt["param_slice_mappings"] == [{"w": fragment_address(numel=6, start=0)}]
     assert got["args"] == sd["args"] and got["names"] == {"a", "b"}
+    # another machine, with the repository but not the directory: checkout writes the stubs and `latest`
+    from ckptrepo.integrations.deepspeed import checkout
+    assert checkout(tmp_path / "repo", tmp_path / "elsewhere") == [str(tmp_path / "elsewhere" / "t1" /
+                                                                       "mp_rank_00_model_states.pt")]
+    assert (tmp_path / "elsewhere" / "latest").read_text() == "t1"
+    again = eng.load(str(tmp_path / "elsewhere" / "t1" / "mp_rank_00_model_states.pt"), map_location="cpu")
+    assert torch.equal(again["module"]["w"], sd["module"]["w"])
     # a file outside <save_dir>/<tag>/ (save_16bit_model's export) is a plain torch file, and no version
     eng.create(_info("global_step12", str(tmp_path)))
     eng.save({"w": torch.ones(2)}, str(tmp_path / "pytorch_model.bin"))
