@@ -652,6 +652,15 @@ class Repository:
                 for vid, h in HeaderWalk(self._plumbing.reads).chain(self.resolve(rev))]
         return rows[::-1]
 
+    def metrics_to_tensorboard(self, log_dir: str | os.PathLike[str], rev: str = "HEAD") -> int:
+        """Write the metrics and capture statistics of the first-parent history of ``rev`` as TensorBoard
+        scalars (``ckptrepo/<metric>``, ``ckptrepo/capture/<stat>``, at each version's step) to ``log_dir``;
+        returns how many were written. Needs ``ckptrepo[tensorboard]``."""
+        from ckptrepo.tools._tensorboard import write_scalars
+        _path(log_dir, "TensorBoard log directory")
+        chain = list(HeaderWalk(self._plumbing.reads).chain(self.resolve(rev)))[::-1]
+        return write_scalars(log_dir, ((h.step, h.metrics, h.stats) for _, h in chain))
+
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
            keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,
            keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min") -> GcReport:

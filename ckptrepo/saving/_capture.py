@@ -88,6 +88,7 @@ from ckptrepo.saving._eager_copies import copy_what_forward_may_change
 from ckptrepo.saving._host_memory import default_host_memory, parse_size
 from ckptrepo.saving._pusher import BackgroundPusher
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
+from ckptrepo.saving._trackers import tracker_meta
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import (
     LIVE_ALIGN,
@@ -305,7 +306,9 @@ class Snapshotter:
                 raise ConflictError(self._committer.conflict)
             self._wait_for_room()
             step, message, metrics = checked_step(step), checked_message(message), plain_metrics(metrics)
+            # the tracker runs active in this process (W&B, MLflow), unless the caller's meta says otherwise
             meta = checked_meta(meta)
+            meta = {**tracker_meta(), **(meta or {})} or None
             self._check_tag(tag, force_tag)
             skeleton, records = flatten(state)
             if self._pusher is not None:

@@ -35,6 +35,7 @@ def test_tag_and_meta_at_snapshot_time(tmp_path):
     assert_bit_exact(reopened.load("last.ckpt"), _state(3))
     out = run("log", "--json", repo=str(tmp_path / "r"))
     assert {"wandb_run": "abc123"} in [v["meta"] for v in json.loads(out.stdout)]
+    assert "meta    wandb_run=abc123" in run("show", "epoch=0.ckpt", repo=str(tmp_path / "r")).stdout
     # synchronous snapshots take the same keywords; the version returned lists its tag
     v = repo.snapshot(_state(4), step=4, tag="best", meta={"file": "best.ckpt"})
     assert "tag: best" in " ".join(v.refs) or "best" in " ".join(v.refs)
@@ -164,3 +165,19 @@ def test_attach_reaches_the_optimizer_inside_accelerates_wrapper(tmp_path):
         before = len(inner._optimizer_step_pre_hooks)
         snap.attach(wrapped)
         assert len(inner._optimizer_step_pre_hooks) == before + 1   # the step that really runs waits
+
+
+def test_cli_moves_a_tag_with_f_and_prunes_one_version(tmp_path):
+    repo = ckptrepo.init(tmp_path / "r")
+    a = repo.snapshot({"w": torch.ones(100)}, step=1)
+    b = repo.snapshot({"w": torch.zeros(100)}, step=2)
+    where = str(tmp_path / "r")
+    assert run("tag", "last", a.id, repo=where).returncode == 0
+    refused = run("tag", "last", b.id, repo=where)
+    assert refused.returncode != 0 and "tag -f" in refused.stderr and refused.stderr.count("\n") == 1
+    assert "set tag 'last'" in run("tag", "-f", "last", b.id, repo=where).stdout
+    assert repo.resolve("last") == b.id
+    assert "400 B freed" in run("prune", "@1", repo=where).stdout
+    kept = run("prune", "@2", repo=where)
+    assert kept.returncode != 0 and "named by tag 'last'" in kept.stderr
+    assert repo.version(a.id).pruned and not repo.version(b.id).pruned
