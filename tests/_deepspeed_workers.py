@@ -77,6 +77,10 @@ def worker(rank: int, world: int, port: int, stages: list[int], url: str, out_di
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         torch.set_num_threads(1)
         import deepspeed
+        import deepspeed.ops
+        # gloo does the collectives here: skip DeepSpeed's shared-memory all-reduce for CPUs, which it would
+        # otherwise compile on first use (minutes on a fresh 2-core machine, for a kernel these tests never need)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="gloo")
         results = {s: run_stage(s, url, os.path.join(out_dir, f"ckpt-{world}"), rank) for s in stages}
         with open(os.path.join(out_dir, f"result-{world}-{rank}.json"), "w") as f:
