@@ -389,6 +389,8 @@ def show(ctx: click.Context, rev: str, with_stat: bool, as_json: bool) -> None:
         _echo_fit(f"layout  {degrees + ', ' if degrees else ''}{d.layout['world_size']} ranks")
     if v.metrics:
         _echo_fit(printable(f"metrics {_metrics(v.metrics)}"))
+    for key, text in v.meta.items():   # a tracker's run id and URL: each whole on its line, to copy
+        click.echo(printable(f"meta    {key}={text}"))
     if v.message:
         click.echo("")
         for line in printable(v.message).splitlines():   # folded as text: git leaves this to the pager
@@ -806,13 +808,21 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
 @click.option("--png", "png_path", metavar="FILE", default=None,
               help="Also plot them to a PNG file, one panel per metric (needs ckptrepo[plot]).")
 @click.option("--force", is_flag=True, help="Overwrite the --png file if it exists.")
+@click.option("--tensorboard", "tb_dir", metavar="DIR", default=None,
+              help="Also write them, with the capture statistics, as TensorBoard scalars to DIR "
+                   "(needs ckptrepo[tensorboard]).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, as_json: bool) -> None:
+def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, tb_dir: str | None,
+            as_json: bool) -> None:
     """The recorded metrics (loss, lr, ...) along the first-parent history of REV, with a terminal sparkline."""
     if png_path:
         plot.require_matplotlib()
     repo = _repo(ctx)
+    if tb_dir:
+        n = repo.metrics_to_tensorboard(tb_dir, rev)
+        if not as_json:
+            click.echo(f"wrote {n} scalars to {tb_dir}", err=True)
     png_path = _output(repo, png_path, force, "the plot")
     rows = repo.metrics(rev)
     if png_path:
