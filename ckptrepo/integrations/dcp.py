@@ -56,8 +56,9 @@ from torch.futures import Future
 import ckptrepo
 from ckptrepo.core._manifest import new_version_id
 from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._refs import check_ref_name
 from ckptrepo.core.schema import Manifest
-from ckptrepo.errors import CkptRepoError, CorruptionError, UnsupportedValueError
+from ckptrepo.errors import CkptRepoError, CorruptionError, RefError, UnsupportedValueError
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.saving._pieces import (
     BranchBase,
@@ -118,16 +119,22 @@ def _has_tag(node: Any, tags: tuple[str, ...]) -> bool:
 
 class Writer(StorageWriter):
     """A DCP ``StorageWriter`` that makes each ``dcp.save`` (or ``dcp.async_save``) one version of the
-    repository at ``url``, on ``branch`` (default: HEAD's), with ``step``, ``message`` and ``metrics``.
+    repository at ``url``, on ``branch`` (default: HEAD's), with ``step``, ``message``, ``metrics`` and
+    ``meta`` (free text in the manifest header); ``tag`` names the version once committed (``force_tag``
+    moves an existing tag of that name to it).
 
     ``version`` is the committed Version on the coordinator once the save returned (None elsewhere).
     """
 
     def __init__(self, url: str | os.PathLike[str], step: int | None = None, message: str = "",
-                 metrics: dict[str, Any] | None = None, branch: str | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, branch: str | None = None, *, tag: str | None = None,
+                 force_tag: bool = False, meta: dict[str, str] | None = None) -> None:
         super().__init__()
         self.url = str(url)
         self.step, self.message, self.metrics, self.branch = step, message, dict(metrics or {}), branch
+        self.tag, self.force_tag, self.meta = tag, force_tag, dict(meta) if meta else None
+        if tag is not None:
+            check_ref_name(tag, "tag")   # a bad name is refused now, not after the data is written
         self._plumbing: Plumbing = ckptrepo.open(self.url).plumbing   # not a repository: the error at once
         self.is_coordinator = True
         self.rank = 0
@@ -155,6 +162,9 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: read the branch the version goes on and draw its id, which every rank's plan carries."""
         self._base = read_branch_base(self._plumbing, self.branch)
+        if self.tag is not None and not self.force_tag and self._plumbing.tag_target(self.tag) is not None:
+            raise RefError(f"tag {self.tag!r} already exists; pass force_tag=True to move it to the new version, "
+                           f"or pick another name")
         self._vid = new_version_id()
         return [dataclasses.replace(p, storage_data=self._vid) for p in plans]
 
@@ -228,7 +238,9 @@ class Writer(StorageWriter):
                 leaves[path] = [TENSOR, order[names[fqn] + (PICKLED_SUFFIX if kind.kind == "pickle" else "")]]
         assert self._vid is not None, "finish runs on the coordinator, after prepare_global_plan"
         self.version = commit_chunks(self._plumbing, self._vid, renamed, _tree(leaves), len(results), step=self.step,
-                                     message=self.message, metrics=self.metrics, base=self._base)
+                                     message=self.message, metrics=self.metrics, meta=self.meta, base=self._base)
+        if self.tag is not None:
+            self.version = ckptrepo.open(self.url).tag(self.tag, self._vid, force=self.force_tag)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -16,8 +16,6 @@ layout.
 """
 from __future__ import annotations
 
-import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -26,12 +24,11 @@ import torch
 
 from ckptrepo import faults
 from ckptrepo.core._boxes import check_coverage, volume
-from ckptrepo.core._manifest import FORMAT_VERSION, VERSIONS_PREFIX, Version
+from ckptrepo.core._manifest import VERSIONS_PREFIX, Version
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core.schema import (
     SINGLE_PROCESS_LAYOUT,
     Manifest,
-    ManifestHeader,
     Piece,
     TensorEntry,
     encode_manifest,
@@ -41,7 +38,7 @@ from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, Lay
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.loading._reshard import read_pieces
 from ckptrepo.parallel._sharding import Piece as TargetPiece
-from ckptrepo.saving._commit import refuse_new_root
+from ckptrepo.saving._commit import refuse_new_root, version_header
 from ckptrepo.saving._writer import fill_segment, make_plan
 from ckptrepo.state._providers import DTYPE_NAMES, TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo, create_array, itemsize
@@ -172,16 +169,13 @@ def commit_chunks(plumbing: Plumbing, vid: str, writes: Sequence[RankWrite], tre
     The chunks must cover each tensor exactly once. ``base``: the branch and tip read when the save started
     (default: HEAD's branch, read now); the commit is a ConflictError if the branch moved since.
     ``world_size`` is the framework's (every rank wrote into arrays of its own); the version records a single
-    process's layout, since nothing in it is per rank. ``meta`` is accepted for the manifest header's free-text
-    fields and not recorded yet.
+    process's layout, since nothing in it is per rank (docs/decisions/025-dcp-backend.md). ``meta``: free-text
+    names and values for the manifest header (``Version.meta``).
     """
-    del world_size, meta   # see the docstring: the layout is one process's; meta awaits its header field
+    del world_size   # see the docstring: the layout is one process's
     base = base if base is not None else read_branch_base(plumbing)
-    names, tensors, arrays = _merge(writes)
-    del names
-    header = ManifestHeader(format_version=FORMAT_VERSION, id=vid, parents=(base.tip,) if base.tip else (),
-                            step=step, time=time.time(), message=message, metrics=dict(metrics or {}),
-                            host=socket.gethostname(), size=0)
+    _, tensors, arrays = _merge(writes)
+    header = version_header(vid, base.tip, step, message, dict(metrics or {}), dict(meta) if meta else None)
     size = sum(volume(p.box[1]) * arrays[p.array].itemsize for t in tensors for p in t.pieces)
     manifest = Manifest.of(header, size=size, layout=SINGLE_PROCESS_LAYOUT, arrays=arrays, tensors=tensors,
                            tree=tree)

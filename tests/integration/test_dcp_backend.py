@@ -11,7 +11,7 @@ import torch
 from helpers import assert_bit_exact
 
 import ckptrepo
-from ckptrepo.errors import NotARepositoryError, RevisionError
+from ckptrepo.errors import NotARepositoryError, RefError, RevisionError
 from ckptrepo.loading._engine import kvstore_bytes_read
 from ckptrepo.storage._arrays import INNER_BYTES
 
@@ -48,8 +48,16 @@ def test_dcp_save_is_one_version_that_repo_load_returns_in_the_saved_nesting(tmp
     assert v is not None and v.step == 10 and v.message == "first" and v.metrics == {"loss": 0.25}
     assert repo.version("HEAD").id == v.id and len(repo.log()) == 1
     assert_bit_exact(state, repo.load("HEAD"))   # plain values recorded as plain data, in the same order
-    v2 = _save(_state(1), url, step=11)
+    v2 = _save(_state(1), url, step=11, tag="last", meta={"run": "abc"})
     assert repo.version("HEAD").id == v2.id and repo.version("HEAD").parents == (v.id,)
+    assert repo.tags() == {"last": v2.id} and repo.version("last").meta == {"run": "abc"}
+    v3 = _save(_state(2), url, step=12, tag="last", force_tag=True)   # a tag that moves, as last.ckpt does
+    assert repo.tags() == {"last": v3.id}
+    with pytest.raises(BaseException) as failed:   # DCP's CheckpointException, around ours: before any write
+        _save(_state(3), url, step=13, tag="last")
+    ours = failed.value.failures[0][0]
+    assert isinstance(ours, RefError) and "tag 'last' already exists" in str(ours)
+    assert [x.step for x in repo.log()] == [12, 11, 10]
 
 
 def test_a_snapshot_loads_through_dcp_and_a_dcp_save_back(tmp_path) -> None:
