@@ -39,10 +39,11 @@ from ckptrepo.loading._engine import ReadStats
 from ckptrepo.loading._reshard import read_pieces
 from ckptrepo.parallel._sharding import Piece as TargetPiece
 from ckptrepo.saving._commit import refuse_new_root, version_header
-from ckptrepo.saving._writer import fill_segment, make_plan
+from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
 from ckptrepo.state._providers import DTYPE_NAMES, TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo, create_array, itemsize
 from ckptrepo.storage._chunktable import chunk_crcs, write_table
+from ckptrepo.storage._localwrite import DirectWriter
 from ckptrepo.storage.protocol import Store
 
 __all__ = ["BranchBase", "ChunkRecord", "GlobalChunk", "RankWrite", "commit_chunks", "read_branch_base",
@@ -108,40 +109,69 @@ def _check_chunk(c: GlobalChunk) -> None:
                           f"fit in the global shape {list(c.gshape)}")
 
 
-def write_rank_chunks(plumbing: Plumbing, vid: str, rank: int, chunks: Sequence[GlobalChunk]) -> RankWrite:
+def write_rank_chunks(plumbing: Plumbing, vid: str, rank: int, chunks: Sequence[GlobalChunk],
+                      shard_bytes: int | None = None) -> RankWrite:
     """Write this rank's chunks of version ``vid``, coalesced per dtype into ``data/<vid>/<rank>/<dtype>``
-    (the snapshotter's plan and segment filling; each array's chunk table and digest), durable on return."""
+    (the snapshotter's plan and segment filling; each array's chunk table and digest), durable on return.
+    ``shard_bytes``: the arrays' shard size (default: the snapshotter's)."""
     for c in chunks:
         _check_chunk(c)
     records = [TensorRecord(c.name, c.tensor.detach(), _dtype_name(c.tensor, c.name), tuple(c.tensor.shape))
                for c in chunks]
-    plan = make_plan(records)
+    plan = make_plan(records, shard_bytes)
     arrays = {dtype: ArrayInfo(f"data/{vid}/{rank}/{dtype}", dtype, numel, shard, inner)
               for dtype, (numel, shard, inner) in plan.streams.items()}
-    crcs: dict[str, list[np.ndarray]] = {d: [] for d in arrays}
-    handles: dict[str, Any] = {}
-    store = plumbing.store
-    biggest = max((seg.stop - seg.start) * arrays[seg.dtype].itemsize for seg in plan.segments) \
-        if plan.segments else 0
-    buf = torch.empty(biggest, dtype=torch.uint8)
-
-    def source(i: int) -> torch.Tensor:
-        return records[i].tensor.resolve_conj().resolve_neg()
-
-    for seg in plan.segments:   # in plan order: each dtype's chunk crc32cs come in array order
-        info = arrays[seg.dtype]
-        if seg.dtype not in handles:
-            handles[seg.dtype] = create_array(store, info)
-        view = fill_segment(seg, source, buf)
-        faults.point("before_shard_write")
-        handles[seg.dtype][seg.start:seg.stop].write(view).result()
-        crcs[seg.dtype].append(chunk_crcs(info, view))
-    written = {d: write_table(store, info, np.concatenate(crcs[d])) for d, info in arrays.items()}
+    written = {d: write_table(plumbing.store, info, table) for d, info, table in
+               _write_segments(plumbing.store, plan, arrays, [r.tensor for r in records])}
     out = []
     for c, r, p in zip(chunks, records, plan.placements):
         piece = Piece((tuple(c.offsets), tuple(r.shape)), written[r.dtype].key, p.offset) if p.numel else None
         out.append(ChunkRecord(c.name, r.dtype, tuple(c.gshape), piece))
     return RankWrite(rank, {a.key: a for a in written.values()}, tuple(out))
+
+
+WRITE_BUFFERS = 4   # staging buffers in flight per rank: a shard being filled while others are written
+
+
+def _write_segments(store: Store, plan: WritePlan, arrays: dict[str, ArrayInfo],
+                    tensors: Sequence[torch.Tensor]) -> list[tuple[str, ArrayInfo, np.ndarray]]:
+    """Write every segment of ``plan``, filling the next staging buffer while earlier ones are written (by the
+    direct writer on a local store, else TensorStore), all durable on return; each array's chunk table."""
+    direct = DirectWriter.for_store(store)
+    biggest = max((seg.stop - seg.start) * arrays[seg.dtype].itemsize for seg in plan.segments) \
+        if plan.segments else 0
+    pool = StagingPool(biggest, WRITE_BUFFERS, align=LIVE_ALIGN if direct is not None and direct.direct_io else 0)
+    handles = {d: create_array(store, info) for d, info in arrays.items()}
+    crcs: list[np.ndarray | None] = [None] * len(plan.segments)
+    futures: list[tuple[int, Any]] = []
+
+    def source(i: int) -> torch.Tensor:
+        return tensors[i].resolve_conj().resolve_neg()
+
+    try:
+        for k, seg in enumerate(plan.segments):
+            info = arrays[seg.dtype]
+            buf = pool.take()
+            view = fill_segment(seg, source, buf)
+            faults.point("before_shard_write")
+            fut: Any = None if direct is None else direct.submit(info, seg.start, view)
+            if fut is None:
+                crcs[k] = chunk_crcs(info, view)
+                fut = handles[seg.dtype][seg.start:seg.stop].write(view).commit
+            fut.add_done_callback(lambda _f, buf=buf: pool.give(buf))
+            futures.append((k, fut))
+        for k, fut in futures:
+            got = fut.result()
+            if isinstance(got, np.ndarray):   # the direct writer's crc32cs; TensorStore's were taken before
+                crcs[k] = got
+    finally:
+        if direct is not None:
+            direct.close()
+    out = []
+    for dtype, info in arrays.items():
+        parts = [c for seg, c in zip(plan.segments, crcs) if seg.dtype == dtype and c is not None]
+        out.append((dtype, info, np.concatenate(parts)))
+    return out
 
 
 def read_branch_base(plumbing: Plumbing, branch: str | None = None) -> BranchBase:

@@ -23,7 +23,7 @@ from ckptrepo.storage._arrays import INNER_BYTES
 
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(300, 256, generator=g), "b": torch.arange(7, dtype=torch.int64),
+    return {"w": torch.randn(600, 256, generator=g), "b": torch.arange(7, dtype=torch.int64),
             "h": torch.randn(5, 3, generator=g).to(torch.bfloat16), "e": torch.empty(0, 4)}
 
 
@@ -31,18 +31,19 @@ def _rank_chunks(state: dict[str, torch.Tensor], rank: int) -> list[GlobalChunk]
     """Rank 0 holds rows [0, 170) of w and all of b and e, rank 1 the rest of w and all of h (a strided view)."""
     w, h = state["w"], state["h"]
     if rank == 0:
-        return [GlobalChunk("model/w", (300, 256), (0, 0), w[:170]), GlobalChunk("model/b", (7,), (0,), state["b"]),
+        return [GlobalChunk("model/w", (600, 256), (0, 0), w[:170]), GlobalChunk("model/b", (7,), (0,), state["b"]),
                 GlobalChunk("model/e", (0, 4), (0, 0), state["e"])]
-    return [GlobalChunk("model/w", (300, 256), (170, 0), w[170:]),
+    return [GlobalChunk("model/w", (600, 256), (170, 0), w[170:]),
             GlobalChunk("model/h", (5, 3), (0, 0), h.t().contiguous().t())]
 
 
-def _commit(repo: ckptrepo.Repository, state: dict[str, torch.Tensor], step: int) -> str:
+def _commit(repo: ckptrepo.Repository, state: dict[str, torch.Tensor], step: int, shard_bytes: int | None = None
+            ) -> str:
     from ckptrepo.core._manifest import new_version_id
     plumbing = repo.plumbing
     base = read_branch_base(plumbing)
     vid = new_version_id()
-    writes = [write_rank_chunks(plumbing, vid, r, _rank_chunks(state, r)) for r in (1, 0)]
+    writes = [write_rank_chunks(plumbing, vid, r, _rank_chunks(state, r), shard_bytes) for r in (1, 0)]
     order = tensor_order(writes)
     tree, _ = flatten({"model": {n.split("/")[1]: torch.empty(0) for n in order}})
     # the skeleton's leaf i must be tensor i of the version: rebuild it in the commit's order
@@ -50,10 +51,12 @@ def _commit(repo: ckptrepo.Repository, state: dict[str, torch.Tensor], step: int
     return vid
 
 
-def test_chunks_of_two_ranks_commit_one_version_that_loads_bit_exact(tmp_path) -> None:
-    repo = ckptrepo.init(str(tmp_path / "repo"))
+@pytest.mark.parametrize("where", ["local", "memory"])   # the direct writer's shards, and TensorStore's
+def test_chunks_of_two_ranks_commit_one_version_that_loads_bit_exact(tmp_path, where: str) -> None:
+    repo = ckptrepo.init(str(tmp_path / "repo") if where == "local" else f"memory://pieces-{tmp_path.name}")
     state = _state()
-    vid = _commit(repo, state, step=3)
+    # small shards: more segments than staging buffers, each buffer written and reused several times
+    vid = _commit(repo, state, step=3, shard_bytes=INNER_BYTES)
     v = repo.version("HEAD")
     assert v.id == vid and v.step == 3 and v.metrics == {"loss": 1.5}
     loaded = repo.load("HEAD")["model"]
@@ -61,6 +64,7 @@ def test_chunks_of_two_ranks_commit_one_version_that_loads_bit_exact(tmp_path) -
     m = repo.plumbing.manifest(vid)
     assert {k.split("/")[2] for k in m.arrays} == {"0", "1"}   # each rank wrote arrays of its own
     assert len({t.name: t for t in m.tensors}["model/w"].pieces) == 2
+    assert max(len(list(a.shards())) for a in m.arrays.values()) > 4
     report = repo.fsck()
     assert report.ok and not report.warnings, (report.errors, report.warnings)
 
@@ -72,19 +76,19 @@ def test_read_chunks_fills_any_box_and_reads_only_its_bytes(tmp_path) -> None:
     m = repo.plumbing.manifest(vid)
     # a box across both ranks' pieces, and a column slice: only the elements wanted are needed
     rows = torch.empty(40, 256)
-    cols = torch.empty(300, 16)
+    cols = torch.empty(600, 16)
     before = kvstore_bytes_read()
-    stats = read_chunks(repo.plumbing, m, [GlobalChunk("model/w", (300, 256), (150, 0), rows)])
+    stats = read_chunks(repo.plumbing, m, [GlobalChunk("model/w", (600, 256), (150, 0), rows)])
     read = kvstore_bytes_read() - before
     assert torch.equal(rows, state["w"][150:190])
     assert stats.needed_bytes == 40 * 256 * 4
     # the rows' bytes, the verified inner chunks at their ends in both ranks' arrays, and the shard indexes
     assert read <= stats.needed_bytes + 4 * INNER_BYTES + 2 * 4096
-    read_chunks(repo.plumbing, m, [GlobalChunk("model/w", (300, 256), (0, 64), cols)])
+    read_chunks(repo.plumbing, m, [GlobalChunk("model/w", (600, 256), (0, 64), cols)])
     assert torch.equal(cols, state["w"][:, 64:80])
     with pytest.raises(LayoutError, match="saved as float32"):
         read_chunks(repo.plumbing, m,
-                    [GlobalChunk("model/w", (300, 256), (0, 0), torch.zeros(1, 1, dtype=torch.int32))])
+                    [GlobalChunk("model/w", (600, 256), (0, 0), torch.zeros(1, 1, dtype=torch.int32))])
 
 
 def test_a_branch_moved_during_the_save_is_a_conflict_and_gaps_are_refused(tmp_path) -> None:
