@@ -115,3 +115,23 @@ def test_bad_input_is_one_line_of_ours(tmp_path) -> None:
     # dcp.load(checkpoint_id=...) resets the reader to another url: checked there too
     with pytest.raises(NotARepositoryError, match="not a ckptrepo repository"):
         cdcp.Reader(url).reset(str(tmp_path / "nothing"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_save_and_load_through_dcp(tmp_path) -> None:
+    url = str(tmp_path / "repo")
+    repo = ckptrepo.init(url)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {"model": {"w": torch.randn(1024, 256, device="cuda", generator=g),
+                       "h": torch.randn(33, 7, device="cuda", generator=g).to(torch.bfloat16),
+                       "t": torch.randn(64, 32, device="cuda", generator=g).t()}, "step": 7}
+    cpu = {k: v.cpu() for k, v in state["model"].items()}
+    _save(state, url, step=1)
+    dcp.async_save(state, storage_writer=cdcp.Writer(url, step=2), no_dist=True).result()
+    for rev in ("@1", "@2"):
+        assert_bit_exact({"model": cpu, "step": 7}, repo.load(rev))
+    into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0}
+    _load(into, url, "@1")
+    assert all(t.is_cuda for t in into["model"].values())
+    assert_bit_exact({"model": cpu, "step": 7}, {"model": {k: v.cpu() for k, v in into["model"].items()},
+                                                  "step": into["step"]})
