@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import ckptrepo
-from ckptrepo.core._manifest import new_version_id
+from ckptrepo.core._manifest import checked_meta, checked_step, new_version_id, plain_metrics
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import check_ref_name
 from ckptrepo.core.schema import Manifest
@@ -131,8 +131,12 @@ class Writer(StorageWriter):
                  force_tag: bool = False, meta: dict[str, str] | None = None) -> None:
         super().__init__()
         self.url = str(url)
-        self.step, self.message, self.metrics, self.branch = step, message, dict(metrics or {}), branch
-        self.tag, self.force_tag, self.meta = tag, force_tag, dict(meta) if meta else None
+        # checked now, as snapshot() checks them, not when the coordinator writes the manifest after the data
+        self.step, self.message, self.branch = checked_step(step), message, branch
+        self.metrics, self.meta = plain_metrics(metrics), checked_meta(meta)
+        self.tag, self.force_tag = tag, force_tag
+        if not isinstance(message, str):
+            raise UnsupportedValueError(f"message must be text, not {type(message).__name__}")
         if tag is not None:
             check_ref_name(tag, "tag")   # a bad name is refused now, not after the data is written
         self._plumbing: Plumbing = ckptrepo.open(self.url).plumbing   # not a repository: the error at once

@@ -6,12 +6,13 @@ from __future__ import annotations
 import io
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_bit_exact
 
 import ckptrepo
-from ckptrepo.errors import NotARepositoryError, RefError, RevisionError
+from ckptrepo.errors import NotARepositoryError, RefError, RevisionError, UnsupportedValueError
 from ckptrepo.loading._engine import kvstore_bytes_read
 from ckptrepo.storage._arrays import INNER_BYTES
 
@@ -66,11 +67,12 @@ def test_a_snapshot_loads_through_dcp_and_a_dcp_save_back(tmp_path) -> None:
     state = _state()
     opt_state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(4)}},
                  "param_groups": [{"lr": 0.1, "params": [0]}]}
-    repo.snapshot({**state, "optim": opt_state}, step=1)
+    extra = {"pair": (torch.arange(3), "x"), "arr": np.arange(4.0)}   # values DCP sees as byte items
+    repo.snapshot({**state, "optim": opt_state, **extra}, step=1)
     into = {**_state(1), "optim": {"state": {0: {"step": torch.tensor(0.0), "exp_avg": torch.zeros(4)}},
-                                   "param_groups": [{"lr": 9.0, "params": [0]}]}}
+                                   "param_groups": [{"lr": 9.0, "params": [0]}]}, "pair": None, "arr": None}
     _load(into, url)
-    assert_bit_exact({**state, "optim": opt_state}, into)
+    assert_bit_exact({**state, "optim": opt_state, **extra}, into)
 
 
 def test_a_partial_load_reads_only_the_bytes_it_needs(tmp_path) -> None:
@@ -112,6 +114,8 @@ def test_bad_input_is_one_line_of_ours(tmp_path) -> None:
         cdcp.Reader(url, "@999")
     with pytest.raises(RevisionError):
         cdcp.Reader(url, "nosuchbranch")
+    with pytest.raises(UnsupportedValueError, match="metric 'loss'"):   # refused before DCP starts
+        cdcp.Writer(url, metrics={"loss": torch.ones(3)})
     # dcp.load(checkpoint_id=...) resets the reader to another url: checked there too
     with pytest.raises(NotARepositoryError, match="not a ckptrepo repository"):
         cdcp.Reader(url).reset(str(tmp_path / "nothing"))
