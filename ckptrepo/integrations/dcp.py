@@ -420,16 +420,16 @@ class Reader(StorageReader):
 
     def _bytes_of(self, found: Any) -> bytes:
         """A byte item's bytes: DCP's pickle as stored, or ``torch.save`` of a plain value (its tensors read)."""
-        m = self._manifest
-        kind, value = found if isinstance(found, tuple) else ("tensor", found)
+        out = io.BytesIO()
+        if isinstance(found, int):   # a tensor asked for as bytes: the tensor, as DCP would have pickled it
+            torch.save(self._read_whole([found])[found], out)
+            return out.getvalue()
+        kind, value = found
         if kind == "pickle":
             return bytes(self._read_whole([value])[value].numpy().tobytes())
         needed: list[int] = []
         _collect(value, self._indices, needed)
-        got = self._read_whole(needed)
-        out = io.BytesIO()
-        torch.save(_replace(value, self._indices, got), out)
-        del m
+        torch.save(_replace(value, self._indices, self._read_whole(needed)), out)
         return out.getvalue()
 
     def _read_whole(self, indices: Sequence[int]) -> dict[int, torch.Tensor]:
