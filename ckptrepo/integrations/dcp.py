@@ -146,6 +146,15 @@ class Writer(StorageWriter):
         self._vid: str | None = None
         self.version: ckptrepo.Version | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for ``dcp.async_save(..., async_checkpointer_type=PROCESS)``: the repository handle (locks,
+        open stores) is not sent; the other process opens its own."""
+        return {k: v for k, v in self.__dict__.items() if k != "_plumbing"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._plumbing = ckptrepo.open(self.url).plumbing
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.url:
             self.url = str(checkpoint_id)

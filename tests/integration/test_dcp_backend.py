@@ -4,6 +4,7 @@ The multi-rank cases (FSDP2 on 2 and 3 gloo ranks, async_save) are tests/distrib
 from __future__ import annotations
 
 import io
+import pickle
 from fractions import Fraction
 
 import numpy as np
@@ -59,6 +60,9 @@ def test_dcp_save_is_one_version_that_repo_load_returns_in_the_saved_nesting(tmp
     ours = failed.value.failures[0][0]
     assert isinstance(ours, RefError) and "tag 'last' already exists" in str(ours)
     assert [x.step for x in repo.log()] == [12, 11, 10]
+    copy = pickle.loads(pickle.dumps(cdcp.Writer(url, step=14)))   # as DCP's process-based async_save sends it
+    dcp.save(_state(4), storage_writer=copy, no_dist=True)
+    assert copy.version is not None and repo.version("HEAD").step == 14
 
 
 def test_a_snapshot_loads_through_dcp_and_a_dcp_save_back(tmp_path) -> None:
