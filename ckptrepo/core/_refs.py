@@ -124,7 +124,7 @@ def _head_target(raw: bytes) -> tuple[str, bool] | None:
 
 
 def _exists(kind: str, name: str) -> RefError:
-    hint = "pick another name or check it out" if kind == "branch" else "tags never move, so pick another name"
+    hint = "pick another name or check it out" if kind == "branch" else "pick another name, or move it (`tag -f`)"
     return RefError(f"{kind} {name!r} already exists; {hint}")
 
 

@@ -165,3 +165,19 @@ def test_attach_reaches_the_optimizer_inside_accelerates_wrapper(tmp_path):
         before = len(inner._optimizer_step_pre_hooks)
         snap.attach(wrapped)
         assert len(inner._optimizer_step_pre_hooks) == before + 1   # the step that really runs waits
+
+
+def test_cli_moves_a_tag_with_f_and_prunes_one_version(tmp_path):
+    repo = ckptrepo.init(tmp_path / "r")
+    a = repo.snapshot({"w": torch.ones(100)}, step=1)
+    b = repo.snapshot({"w": torch.zeros(100)}, step=2)
+    where = str(tmp_path / "r")
+    assert run("tag", "last", a.id, repo=where).returncode == 0
+    refused = run("tag", "last", b.id, repo=where)
+    assert refused.returncode != 0 and "tag -f" in refused.stderr and refused.stderr.count("\n") == 1
+    assert "set tag 'last'" in run("tag", "-f", "last", b.id, repo=where).stdout
+    assert repo.resolve("last") == b.id
+    assert "400 B freed" in run("prune", "@1", repo=where).stdout
+    kept = run("prune", "@2", repo=where)
+    assert kept.returncode != 0 and "named by tag 'last'" in kept.stderr
+    assert repo.version(a.id).pruned and not repo.version(b.id).pruned
