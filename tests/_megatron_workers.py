@@ -166,6 +166,7 @@ def on_one_rank(url: str, gpt_url: str, out_dir: str) -> None:
     check_hand_loaded(loaded, 0, 1, ROWS)
     assert [o["n"] for o in loaded["rng"]] == [0, 1]
     assert loaded["iteration"] == 7   # Megatron's own common.pt, read by its default common strategy
+    more_loads(ckpt)
 
     model = gpt_model(tp=1, seed=1)
     gpt = os.path.join(out_dir, GPT_DIR, "iter_0000003")
@@ -193,4 +194,43 @@ def on_one_rank(url: str, gpt_url: str, out_dir: str) -> None:
     except UnsupportedValueError as err:
         errors["flat"] = str(err)
     errors["steps"] = [step_from_dir(os.path.join(out_dir, "iter_0000100")), step_from_dir(out_dir)]
+    errors["pickle_only"] = common_only_pickle_can_store(out_dir)
     _write_json(out_dir, "errors.json", errors)
+
+
+def more_loads(ckpt: str) -> None:
+    """Megatron's whole-tensor loader (load_tensors_metadata), and a load into another dtype (a cast)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    plain = dist_checkpointing.load_plain_tensors(ckpt)
+    for key, value in GLOBALS.items():
+        assert torch.equal(plain[key], value) and plain[key].dtype == value.dtype, key
+    wide = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6, dtype=torch.float64))}
+    loaded = dist_checkpointing.load(wide, ckpt)
+    assert loaded["w"].dtype == torch.float64 and torch.equal(loaded["w"], GLOBALS["w"].double())
+
+
+def common_only_pickle_can_store(out_dir: str) -> str:
+    """A common state only pickle can store (Megatron-LM's ``args`` Namespace): the save still commits, the
+    version keeps no common state, and loading it from the version says where it is instead."""
+    import argparse
+
+    from megatron.core import dist_checkpointing
+
+    import ckptrepo
+    from ckptrepo.errors import CkptRepoError
+    from ckptrepo.integrations.megatron import CkptRepoLoadCommonStrategy, CkptRepoSaveStrategy
+    url = os.path.join(out_dir, "repo-args")
+    ckptrepo.init(url)
+    ckpt = os.path.join(out_dir, "args", "iter_0000009")
+    os.makedirs(ckpt)
+    state = {**hand_state(0, 1, ROWS), "args": argparse.Namespace(lr=0.1)}
+    strategy = CkptRepoSaveStrategy(url)
+    dist_checkpointing.save(state, ckpt, sharded_strategy=strategy)
+    saved = ckptrepo.open(url).load(strategy.last_version)
+    assert "common" not in saved and torch.equal(saved["sharded"]["w"], GLOBALS["w"])
+    try:
+        CkptRepoLoadCommonStrategy().load_common(ckpt)
+    except CkptRepoError as err:
+        return str(err)
+    return "no error"

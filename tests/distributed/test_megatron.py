@@ -3,7 +3,8 @@
 Two gloo ranks save a hand-built sharded state dict (split one way, a replicated tensor, a stacked layer
 axis, per-rank objects, common values) and a tensor-parallel (TP=2) GPTModel through
 ``CkptRepoSaveStrategy``, then load the hand-built one back split another way; one process loads both
-(whole, and into a TP=1 GPTModel) and saves the GPT again. See tests/_megatron_workers.py.
+(whole, through Megatron's load_plain_tensors, cast to float64, and into a TP=1 GPTModel) and saves the
+GPT again. See tests/_megatron_workers.py.
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def test_tp2_gpt_model_loads_into_tp1_bit_exact(saved):
 
 def test_what_is_refused(saved):
     """A save into a non-repository fails on every rank with ckptrepo's error and commits nothing; a directory
-    without a pointer file and a flattened_range (a slice of a box) are refused, saying what to do."""
+    without a pointer file and a flattened_range (a slice of a box) are refused, saying what to do; a common
+    state only pickle can store is left to common.pt, and loading it from the version says so."""
     out, _, _ = saved
     with open(out / "errors.json") as f:
         errors = json.load(f)
@@ -86,3 +88,4 @@ def test_what_is_refused(saved):
     assert "CkptRepoLoadStrategy(url, rev)" in errors["pointer"]
     assert "flattened_range" in errors["flat"] and "fully_sharded_model_space" in errors["flat"]
     assert errors["steps"] == [100, None]
+    assert "holds no common state" in errors["pickle_only"] and "default common strategy" in errors["pickle_only"]
