@@ -18,7 +18,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import ckptrepo
 from ckptrepo.core._refs import is_new_ref_name
@@ -178,7 +178,6 @@ class CheckpointFiles:
         self._pending: dict[str, list[threading.Event]] = {}   # path -> its saves whose pointer is not written yet
         self._releasable: list[str] = []   # versions of removed checkpoints, pruned once nothing names them
         self._errors: list[CkptRepoError] = []   # failures on the commit thread, raised by the next call
-        self.step_wait: Callable[[], None] | None = None   # set by an adapter that makes the step wait for capture
 
     # ---- the repository and its snapshotter ----------------------------------------------------------------
     @property
@@ -191,6 +190,11 @@ class CheckpointFiles:
     def snapshotter(self) -> Snapshotter:
         if self._snap is None:
             self._snap = self.repo.snapshotter(**self._options)
+        return self._snap
+
+    @property
+    def current_snapshotter(self) -> Snapshotter | None:
+        """The snapshotter saves go through now; None before the first save and after ``close``."""
         return self._snap
 
     # ---- save ------------------------------------------------------------------------------------------------
@@ -221,8 +225,8 @@ class CheckpointFiles:
         try:
             old = read_pointer(path)
             write_pointer(path, Pointer(self.repo.url, version.id, tag, version.step))
-            if old is not None and old.version != version.id:   # the file was overwritten (last.ckpt): as on disk,
-                self._release(old.version)                     # the old one's data goes once nothing names it
+            if old is not None and old.version != version.id and self._owns(path, old):
+                self._release(old.version)   # overwritten (last.ckpt): as on disk, the old data goes once unnamed
             self._prune_released()
         except Exception as err:  # noqa: BLE001 - the commit thread must go on; the next call raises it
             failure = StorageError(f"version {version.id[:12]} is committed, but its checkpoint file {path} was not "
@@ -245,12 +249,14 @@ class CheckpointFiles:
     # ---- remove ----------------------------------------------------------------------------------------------
     def remove(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint at ``path``: its pointer and tag at once, its version's data once no tag or
-        branch tip names it. A file that is no pointer is deleted as the framework would."""
+        branch tip names it. A file that is no pointer is deleted as the framework would; so is a link or a copy
+        of another checkpoint's pointer (``save_last="link"``), whose version stays with that checkpoint."""
         path = os.fspath(path)
         self._wait_for(path)   # a save of this path still in flight would write its pointer after the delete
-        pointer = read_pointer(path)
+        linked = not _is_remote(path) and os.path.islink(_local(path))
+        pointer = None if linked else read_pointer(path)
         delete_file(path)
-        if pointer is None:
+        if pointer is None or not self._owns(path, pointer):
             return
         repo = self.repo
         if pointer.tag is not None and repo.tags().get(pointer.tag) == pointer.version:
@@ -258,9 +264,13 @@ class CheckpointFiles:
                 repo.delete_tag(pointer.tag)
             except RefError as err:   # deleted meanwhile by someone else: nothing left to do
                 log.debug("ckptrepo: tag %s: %s", pointer.tag, err)
-        if pointer.repository == repo.url:   # a pointer into another repository: its data is not ours to prune
-            self._release(pointer.version)
+        self._release(pointer.version)
         self._prune_released()
+
+    def _owns(self, path: str, pointer: Pointer) -> bool:
+        """Whether the pointer at ``path`` is the one its save wrote there (not a copy of another checkpoint's)
+        into this repository: only then do its tag and data go with the file."""
+        return pointer.repository == self.url and pointer.tag == tag_for(path, self.tag_prefix)
 
     def _release(self, vid: str) -> None:
         with self._lock:

@@ -14,9 +14,10 @@ Lightning is imported only when ``CkptRepoIO`` is first used (``import ckptrepo`
 from __future__ import annotations
 
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
-from ckptrepo.errors import CkptRepoError
+from ckptrepo.errors import ArgumentError, CkptRepoError
 from ckptrepo.integrations._checkpoint_files import CheckpointFiles
 
 if TYPE_CHECKING:
@@ -39,6 +40,43 @@ def _single_process() -> None:
                             "through ckptrepo.dcp or a snapshotter on every rank instead")
 
 
+class _StepWatch:
+    """Attaches each optimizer that steps while checkpoints are being saved to the snapshotter, so that its
+    ``step()`` waits for capture and ``save_checkpoint`` need not: the plugin never sees Lightning's optimizers,
+    but a global step pre-hook of torch sees every one (Lightning's ``LightningOptimizer`` steps the inner one).
+    Until an optimizer is attached, a save waits for its capture itself."""
+
+    def __init__(self, files: CheckpointFiles) -> None:
+        self.files = files
+        self._hook: Any = None
+        self._snap: Any = None   # the snapshotter the optimizers below are attached to
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def start(self) -> None:
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+            self._hook = register_optimizer_step_pre_hook(self._pre_step)
+
+    def stop(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def attached(self) -> bool:
+        return self._snap is self.files.current_snapshotter and len(self._seen) > 0
+
+    def _pre_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        snap = self.files.current_snapshotter
+        if snap is None:
+            return
+        if snap is not self._snap:   # a new snapshotter (after teardown): attach again
+            self._snap, self._seen = snap, weakref.WeakSet()
+        if optimizer not in self._seen:
+            snap.attach(optimizer)   # from the next step on, its own pre-hook waits for capture
+            self._seen.add(optimizer)
+            snap.wait_captured()     # this step: wait here
+
+
 def _define() -> type[CheckpointIO]:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -56,6 +94,7 @@ def _define() -> type[CheckpointIO]:
             super().__init__()
             self.files = CheckpointFiles(url, tag_prefix=tag_prefix, **snapshotter_options)
             self._torch_io = TorchCheckpointIO()
+            self._steps = _StepWatch(self.files)
 
         @property
         def url(self) -> str:
@@ -64,11 +103,13 @@ def _define() -> type[CheckpointIO]:
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
             """One version of ``checkpoint``, tagged with ``path``'s file name; returns once it is captured."""
             if storage_options is not None:
-                raise TypeError(f"CkptRepoIO takes no storage_options (got {storage_options!r}); pass the "
+                raise ArgumentError(f"CkptRepoIO takes no storage_options (got {storage_options!r}); pass the "
                                 f"snapshotter's options to CkptRepoIO(...) instead")
             _single_process()
             step = checkpoint.get("global_step")
-            self.files.save(checkpoint, path, step=step if isinstance(step, int) else None)
+            self._steps.start()
+            self.files.save(checkpoint, path, step=step if isinstance(step, int) else None,
+                            wait_captured=not self._steps.attached())
 
         def load_checkpoint(self, path: Any, map_location: Any | None = None,
                             weights_only: bool | None = None) -> dict[str, Any]:
@@ -89,6 +130,7 @@ def _define() -> type[CheckpointIO]:
 
         def teardown(self) -> None:
             """At the end of ``fit``: every save is committed and its pointer written (failures raised here)."""
+            self._steps.stop()
             self.files.close()
 
     CkptRepoIO.__module__ = __name__

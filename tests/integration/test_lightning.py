@@ -73,7 +73,8 @@ def fit(epochs: int, callbacks: list[Any], plugins: list[Any] | None = None, ckp
     return losses, trainer
 
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")   # Lightning's own
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",   # Lightning's own
+                                        "ignore::FutureWarning")
 
 
 @pytest.fixture(autouse=True)
@@ -189,4 +190,40 @@ def test_load_right_after_save_and_lightning_files(tmp_path: Path) -> None:
     assert not (tmp_path / "own.ckpt").exists()
     with pytest.raises(RevisionError, match="no checkpoint file"):
         io.load_checkpoint(tmp_path / "nothing.ckpt")
+    # save_last="link": removing a link (or a copy) of a checkpoint's pointer leaves that checkpoint alone
+    os.symlink(tmp_path / "x.ckpt", tmp_path / "last.ckpt")
+    io.remove_checkpoint(tmp_path / "last.ckpt")
+    (tmp_path / "copy.ckpt").write_bytes((tmp_path / "x.ckpt").read_bytes())
+    io.remove_checkpoint(tmp_path / "copy.ckpt")
+    assert "x.ckpt" in ckptrepo.open(tmp_path / "repo").tags()
+    assert io.load_checkpoint(tmp_path / "x.ckpt")["global_step"] == 4
+    io.teardown()
+
+
+def test_save_returns_before_capture_once_the_optimizer_is_attached(tmp_path: Path) -> None:
+    """After an optimizer has stepped under the plugin, a save returns before its capture, and that optimizer's
+    next step waits for it: the version holds the state of the save, not the one after the step."""
+    import time
+    io = CkptRepoIO(tmp_path / "repo")
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def train_step() -> None:
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 0}, tmp_path / "a.ckpt")
+    train_step()   # the plugin attaches the optimizer here
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def slow(_name: str) -> None:
+        time.sleep(0.5)
+    faults.set_hook("before_capture", slow)
+    t0 = time.perf_counter()
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 1}, tmp_path / "b.ckpt")
+    assert time.perf_counter() - t0 < 0.4   # did not wait for the (slowed) capture
+    train_step()   # waits for it
+    faults.clear()
+    saved = io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]
+    assert all(torch.equal(saved[k], before[k]) for k in before)
+    assert not torch.equal(model.weight, before["weight"])
     io.teardown()
