@@ -118,6 +118,11 @@ def _whole(value: Any, name: str, least: int | None = None) -> None:
         raise ArgumentError(f"{name} must be a whole number{bound} or None, not {_shown(value)}")
 
 
+def _flag(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{name} must be True or False, not {_shown(value)}")
+
+
 def _pattern(pattern: Any, required: bool = False) -> None:
     if not isinstance(pattern, str) and (required or pattern is not None):
         raise ArgumentError(f"a tensor name pattern is text (a glob such as 'model/*'), not {_shown(pattern)}")
@@ -300,8 +305,12 @@ class Repository:
 
     # ---- snapshot -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
-                 metrics: dict[str, Any] | None = None, parallel_layout: "ParallelLayout | None" = None) -> Version:
+                 metrics: dict[str, Any] | None = None, parallel_layout: "ParallelLayout | None" = None, *,
+                 tag: str | None = None, force_tag: bool = False, meta: dict[str, str] | None = None) -> Version:
         """Save ``state`` as a new version on the current branch and return it.
+
+        ``tag`` names the new version (``force_tag`` moves an existing tag of that name to it); ``meta`` records
+        text key/values in its header (``Version.meta``).
 
         Synchronous: returns once the version is durable and the branch points
         at it (the same pipeline as :meth:`snapshotter`, waited on). Raises
@@ -312,11 +321,14 @@ class Repository:
         _layout(parallel_layout)
         with Snapshotter(self._plumbing, host_memory=self.host_memory, record_failures=False,
                          parallel_layout=parallel_layout, dedup=False) as snap:  # no previous version to dedup against
-            handle = snap.snapshot(state, step=step, message=message, metrics=metrics)
+            handle = snap.snapshot(state, step=step, message=message, metrics=metrics, tag=tag, force_tag=force_tag,
+                                   meta=meta)
             try:
-                return handle.result()
+                version = handle.result()
             except SnapshotFailedError as err:
                 raise (err.__cause__ if isinstance(err.__cause__, CkptRepoError) else err) from None
+        # closed: a tag that could not be set was raised there; the version as log lists it, with that tag
+        return self.version(version.id) if tag is not None else version
 
     def snapshotter(self, host_memory: int | str | None = None, pin_memory: bool | None = None,
                     parallel_layout: "ParallelLayout | None" = None, group: Any = None,
@@ -523,12 +535,22 @@ class Repository:
         self._plumbing.refs.create_branch(name, vid)
         return self.version(vid)
 
-    def tag(self, name: str, rev: str = "HEAD") -> Version:
-        """Create tag ``name`` at ``rev``; tags never move."""
+    def tag(self, name: str, rev: str = "HEAD", force: bool = False) -> Version:
+        """Create tag ``name`` at ``rev``. A tag does not move by itself; ``force`` moves an existing one to
+        ``rev`` (``git tag -f``), as a framework re-using one file name (``last.ckpt``) needs."""
         vid = self.resolve(rev)
         _ref_name(name, "tag")
-        self._plumbing.refs.create_tag(name, vid)
+        _flag(force, "force")
+        self._plumbing.refs.set_tag(name, vid, force=force)
         return self.version(vid)
+
+    def prune(self, rev: str) -> int:
+        """Delete the data of one version now, as gc's retention prunes it: its header stays in ``log`` (marked
+        pruned), arrays other versions still use stay, and a load of it then says it was pruned. Refused for a
+        version a tag, a branch tip, HEAD or a remote-tracking ref names (untag it first). Returns the bytes
+        freed. What a framework's "delete this checkpoint" maps to, where the version sits inside a history."""
+        from ckptrepo.maintenance._gc import prune_version
+        return prune_version(self._plumbing, self.resolve(rev))
 
     def delete_branch(self, name: str, force: bool = False) -> str:
         """Delete branch ``name`` (``git branch -d``); returns the version it pointed at.
@@ -629,6 +651,15 @@ class Repository:
         rows = [{"version": vid, "step": h.step, **h.metrics}
                 for vid, h in HeaderWalk(self._plumbing.reads).chain(self.resolve(rev))]
         return rows[::-1]
+
+    def metrics_to_tensorboard(self, log_dir: str | os.PathLike[str], rev: str = "HEAD") -> int:
+        """Write the metrics and capture statistics of the first-parent history of ``rev`` as TensorBoard
+        scalars (``ckptrepo/<metric>``, ``ckptrepo/capture/<stat>``, at each version's step) to ``log_dir``;
+        returns how many were written. Needs ``ckptrepo[tensorboard]``."""
+        from ckptrepo.tools._tensorboard import write_scalars
+        _path(log_dir, "TensorBoard log directory")
+        chain = list(HeaderWalk(self._plumbing.reads).chain(self.resolve(rev)))[::-1]
+        return write_scalars(log_dir, ((h.step, h.metrics, h.stats) for _, h in chain))
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
            keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,

@@ -389,6 +389,8 @@ def show(ctx: click.Context, rev: str, with_stat: bool, as_json: bool) -> None:
         _echo_fit(f"layout  {degrees + ', ' if degrees else ''}{d.layout['world_size']} ranks")
     if v.metrics:
         _echo_fit(printable(f"metrics {_metrics(v.metrics)}"))
+    for key, text in v.meta.items():   # a tracker's run id and URL: each whole on its line, to copy
+        click.echo(printable(f"meta    {key}={text}"))
     if v.message:
         click.echo("")
         for line in printable(v.message).splitlines():   # folded as text: git leaves this to the pager
@@ -464,7 +466,7 @@ def _ref_command(kind: str, doc: str):
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (listing).")
     @click.pass_context
     def command(ctx: click.Context, name: str | None, rev: str, delete: bool, as_json: bool,
-                force: bool = False) -> None:
+                force: bool = False, move: bool = False) -> None:
         repo = _repo(ctx)
         if name is None:
             if delete or force:
@@ -474,23 +476,40 @@ def _ref_command(kind: str, doc: str):
                 click.echo(f"warning: ignoring {damage}", err=True)
             _list_refs(refs, repo.current_branch() if kind == "branch" else None, as_json)
             return
+        if move and delete:
+            raise click.UsageError("-f moves a tag; -d deletes one: give one of them")
         if delete or force:
             if rev != "HEAD":
                 raise click.UsageError(f"-d takes one {kind} name, not a revision")
             was = repo.delete_branch(name, force=force) if kind == "branch" else repo.delete_tag(name)
             click.echo(f"deleted {kind} {name!r} (was {was[:12] or 'damaged'})")
             return
-        v = (repo.branch if kind == "branch" else repo.tag)(name, rev)
-        click.echo(f"created {kind} {name!r} at {v.short_id}")
+        v = repo.branch(name, rev) if kind == "branch" else repo.tag(name, rev, force=move)
+        click.echo(f"{'set' if move else 'created'} {kind} {name!r} at {v.short_id}")
     if kind == "branch":
         command = click.option("-D", "force", is_flag=True,
                                help="Delete branch NAME even if no other ref reaches its versions (gc may then "
                                     "collect them).")(command)
+    else:
+        command = click.option("-f", "--force", "move", is_flag=True,
+                               help="Move tag NAME to REV if it exists (git tag -f).")(command)
     return command
 
 
 branch = _ref_command("branch", "List branches, create branch NAME at REV (default HEAD), or delete one (-d, -D).")
-tag = _ref_command("tag", "List tags, create tag NAME at REV (default HEAD; tags never move), or delete one (-d).")
+tag = _ref_command("tag", "List tags, create tag NAME at REV (default HEAD; a tag moves only with -f), or delete "
+                          "one (-d).")
+
+
+@cli.command()
+@click.argument("rev", shell_complete=_complete_revision)
+@click.pass_context
+def prune(ctx: click.Context, rev: str) -> None:
+    """Delete the data of version REV now (its place in the history stays, as gc's pruning leaves it)."""
+    repo = _repo(ctx)
+    vid = repo.resolve(rev)
+    freed = repo.prune(vid)
+    click.echo(f"pruned {vid[:12]}: " + (f"{_size(freed)} freed" if freed else "nothing of its own to free"))
 
 
 @cli.command()
@@ -806,13 +825,21 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
 @click.option("--png", "png_path", metavar="FILE", default=None,
               help="Also plot them to a PNG file, one panel per metric (needs ckptrepo[plot]).")
 @click.option("--force", is_flag=True, help="Overwrite the --png file if it exists.")
+@click.option("--tensorboard", "tb_dir", metavar="DIR", default=None,
+              help="Also write them, with the capture statistics, as TensorBoard scalars to DIR "
+                   "(needs ckptrepo[tensorboard]).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, as_json: bool) -> None:
+def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, tb_dir: str | None,
+            as_json: bool) -> None:
     """The recorded metrics (loss, lr, ...) along the first-parent history of REV, with a terminal sparkline."""
     if png_path:
         plot.require_matplotlib()
     repo = _repo(ctx)
+    if tb_dir:
+        n = repo.metrics_to_tensorboard(tb_dir, rev)
+        if not as_json:
+            click.echo(f"wrote {n} scalars to {tb_dir}", err=True)
     png_path = _output(repo, png_path, force, "the plot")
     rows = repo.metrics(rev)
     if png_path:

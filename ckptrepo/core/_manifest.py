@@ -153,6 +153,7 @@ class Version:
     # clone); remotes: those holding it, as far as their remote-tracking refs say (remote-durable)
     local: bool = field(default=True, compare=False)
     remotes: tuple[str, ...] = field(default=(), compare=False)
+    meta: dict[str, str] = field(default_factory=dict)   # free text recorded with the snapshot (``snapshot(meta=)``)
 
     @property
     def short_id(self) -> str:
@@ -161,14 +162,15 @@ class Version:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "parents": list(self.parents), "step": self.step, "time": self.time,
                 "message": self.message, "metrics": self.metrics, "size": self.size, "refs": list(self.refs),
-                "pruned": self.pruned, "local": self.local, "remotes": list(self.remotes)}
+                "pruned": self.pruned, "local": self.local, "remotes": list(self.remotes),
+                "meta": self.meta}
 
 
 def encode_config(settings: dict[str, Any]) -> bytes:
     return json.dumps({"format": "ckptrepo", "format_version": FORMAT_VERSION, **settings}, indent=2).encode()
 
 
-_BRANCH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]*")   # a name a branch may have (core/_refs.py)
+_BRANCH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/=+,-]*")   # a name a branch may have (core/_refs.py)
 REPAIR_HINT = "; rebuild it with `ckptrepo fsck --repair-config`"
 
 
@@ -351,6 +353,22 @@ def checked_step(step: Any) -> int | None:
     if not -(1 << 63) <= step < (1 << 63):
         raise UnsupportedValueError(f"step {step} does not fit in 64 bits")
     return step
+
+
+def checked_meta(meta: Any) -> dict[str, str] | None:
+    """Free-text key/values for a version's header (a tracker's run id and URL, the file name a framework chose):
+    text only, so that any reader can show them; None or empty records nothing."""
+    if not meta:
+        return None
+    if not isinstance(meta, Mapping):
+        raise UnsupportedValueError(f"meta must be a dict of names to text, not {type(meta).__name__}")
+    out = {}
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise UnsupportedValueError(f"meta {k!r} = {v!r:.40} is not text; meta maps names to strings (use "
+                                        f"metrics for numbers)")
+        out[_text(k, f"meta name {k!r}")] = _text(v, f"meta {k!r}")
+    return out
 
 
 def checked_message(message: Any) -> str:

@@ -33,7 +33,7 @@ from ckptrepo.storage.protocol import NO_VALUE, Store
 
 _HEX_RE = re.compile(r"[0-9a-f]{4,32}")
 # matched whole (fullmatch): `$` also matches before a final newline, which let a branch be named "evil\n"
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]*")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/=+,-]*")   # "=", "+", ",": file names frameworks choose
 ORPHAN_PREFIX = "orphan: "   # HEAD of `checkout --orphan NAME` until NAME's first snapshot
 
 
@@ -124,7 +124,7 @@ def _head_target(raw: bytes) -> tuple[str, bool] | None:
 
 
 def _exists(kind: str, name: str) -> RefError:
-    hint = "pick another name or check it out" if kind == "branch" else "tags never move, so pick another name"
+    hint = "pick another name or check it out" if kind == "branch" else "pick another name, or move it (`tag -f`)"
     return RefError(f"{kind} {name!r} already exists; {hint}")
 
 
@@ -282,6 +282,27 @@ class Refs:
         self._check_new_name("tag", name)
         if self._swap(TAGS_PREFIX + name, version.encode(), NO_VALUE) is None:
             raise _exists("tag", name)
+
+    def set_tag(self, name: str, version: str, force: bool = False) -> None:
+        """Create tag ``name`` at ``version``; with ``force`` an existing tag moves there (``git tag -f``).
+
+        A move is a compare-and-swap on the tag as read: two writers moving one tag at once each land or lose
+        whole, and the loser retries on what it then reads (the last writer wins, as with git)."""
+        if not force:
+            self.create_tag(name, version)
+            return
+        check_ref_name(name, "tag")
+        key = TAGS_PREFIX + name
+        for _ in range(16):
+            raw, gen = self.store.get_with_generation(key, REF_MAX_BYTES)
+            if raw is None:
+                self._check_new_name("tag", name)
+                if self._swap(key, version.encode(), NO_VALUE) is not None:
+                    return
+                continue
+            if self._swap(key, version.encode(), gen) is not None:
+                return
+        raise ConflictError(f"tag {name!r} kept moving under other writers; try again")
 
     def delete(self, kind: str, name: str, seen: tuple[str | None, bytes] | None = None) -> str:
         """Delete branch or tag ``name`` (``kind``) unless it moved meanwhile; returns what it pointed at.

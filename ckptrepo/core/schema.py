@@ -142,6 +142,7 @@ class ManifestHeader:
     host: str | None
     size: int
     stats: dict[str, Any] | None = None   # the snapshotter's timings; absent from some versions
+    meta: dict[str, str] | None = None    # free text the snapshot was given (a tracker's run id, a file name)
     key_order: tuple[str, ...] = field(default=SINGLE_PROCESS_ORDER, compare=False, repr=False)
     extra: dict[str, Any] = field(default_factory=dict, repr=False)   # keys this release does not know
 
@@ -174,6 +175,8 @@ class Manifest(ManifestHeader):
         """A new version's manifest: ``header``'s fields with the bulky ones and ``size``, whose keys the
         encoder writes in ``key_order`` (the writer's)."""
         fields = _header_values(header)
+        if header.meta is not None and "meta" not in key_order:
+            key_order = (*key_order, "meta")
         fields.update(size=size, key_order=key_order)
         return cls(**fields, layout=layout, arrays=arrays, tensors=tensors, tree=tree)
 
@@ -192,13 +195,14 @@ def version_from_manifest(m: ManifestHeader, refs: tuple[str, ...] = (), pruned:
     remote (not local-durable), ``remotes``: those holding it."""
     return Version(id=m.id, parents=m.parents, step=m.step, time=m.time, message=m.message,
                    metrics=dict(m.metrics), size=0 if pruned else m.size, refs=refs, pruned=pruned,
-                   local=not (pruned or evicted), remotes=remotes)
+                   local=not (pruned or evicted), remotes=remotes, meta=dict(m.meta or {}))
 
 
 def _header_fields(d: dict[str, Any]) -> dict[str, Any]:
     return {"format_version": d.get("format_version"), "id": d["id"], "parents": tuple(d["parents"]),
             "step": d["step"], "time": d["time"], "message": d["message"], "metrics": d["metrics"],
-            "host": d.get("host"), "size": d["size"], "stats": d.get("stats"), "key_order": tuple(d),
+            "host": d.get("host"), "size": d["size"], "stats": d.get("stats"), "meta": d.get("meta"),
+            "key_order": tuple(d),
             "extra": {k: v for k, v in d.items() if k not in _KNOWN_KEYS}}
 
 
@@ -341,6 +345,13 @@ def _check_stats(v: Any) -> None:
         raise FieldError(f"field 'stats' is {_short(v)}, not a map of names to numbers")
 
 
+def _check_meta(v: Any) -> None:
+    if v is None:
+        return
+    if type(v) is not dict or not all(type(k) is str and type(x) is str for k, x in v.items()):
+        raise FieldError(f"field 'meta' is {_short(v)}, not a map of names to text")
+
+
 def _check_optional_text(name: str) -> Any:
     def check(v: Any) -> None:
         if v is not None:
@@ -364,6 +375,7 @@ _HEADER_CHECKS: tuple[tuple[str, Any, bool], ...] = (
     ("host", _check_optional_text("host"), False),
     ("size", lambda v: _count(v, "field 'size'"), True),
     ("stats", _check_stats, False),
+    ("meta", _check_meta, False),
 )
 
 
@@ -576,7 +588,7 @@ def manifest_raw(m: Manifest) -> dict[str, Any]:
     values: dict[str, Any] = {
         "format_version": m.format_version, "id": m.id, "parents": m.parents, "step": m.step, "time": m.time,
         "message": m.message, "metrics": m.metrics, "host": m.host, "size": m.size, "stats": m.stats,
-        "layout": None if m.layout is None else m.layout.to_raw(),
+        "meta": m.meta, "layout": None if m.layout is None else m.layout.to_raw(),
         "arrays": {k: a.to_json() for k, a in m.arrays.items()},
         "tensors": [t.to_raw() for t in m.tensors], "tree": m.tree}
     return {k: values[k] if k in _KNOWN_KEYS else m.extra[k] for k in m.key_order}

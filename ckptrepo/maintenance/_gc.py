@@ -46,7 +46,7 @@ from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
 from ckptrepo.core._remotes import leased_versions, tracking_refs
 from ckptrepo.core.schema import Manifest
-from ckptrepo.errors import CorruptionError, RetentionError
+from ckptrepo.errors import CorruptionError, RefError, RetentionError
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -452,3 +452,37 @@ def _facts(plumbing: Plumbing, known: dict[str, VersionFacts]) -> dict[str, Vers
         else:
             gone.add(vid)      # deleted since the listing (another gc collected it): not damage
     return {vid: known[vid] for vid in ids if vid not in gone}
+
+
+def prune_version(plumbing: Plumbing, vid: str) -> int:
+    """Delete the data of version ``vid`` now, as a retention pass prunes it (module docstring): mark it pruned,
+    then delete the arrays no other unpruned version points into. Returns the bytes freed.
+
+    Refused for a version a tag, a branch tip, HEAD or a remote-tracking ref names, and for one a push is copying:
+    those are what a user or a remote still loads. Every other version's manifest is read (facts), since any of
+    them, committed or in flight, may share an array through dedup.
+    """
+    refs = plumbing.refs
+    head = refs.head()
+    named = [f"tag {t!r}" for t, v in refs.tags().items() if v == vid] + \
+        [f"branch {b!r}" for b, v in refs.branches().items() if v == vid] + \
+        [f"remote-tracking ref {r!r}" for r, v in tracking_refs(plumbing.store).items() if v == vid] + \
+        (["HEAD"] if head.version == vid else [])
+    if named:
+        raise RefError(f"version {vid[:12]} is named by {named[0]}, so its data stays; delete or move that ref "
+                       f"first (`ckptrepo tag -d NAME`)")
+    leased, _ = leased_versions(plumbing.store, time.time())
+    if vid in leased:
+        raise RefError(f"version {vid[:12]} is being pushed right now; prune it once the push is done")
+    already = pruned_ids(plumbing)
+    if vid in already:
+        return 0
+    facts = _facts(plumbing, {})
+    if vid not in facts:
+        raise RefError(f"version {vid[:12]} has no manifest here; nothing to prune")
+    live = {key for other, f in facts.items() if other != vid and other not in already for key in f.referenced}
+    doomed = [(key, nbytes) for key, nbytes, _ in facts[vid].arrays if key not in live]
+    plumbing.store.put(PRUNED_PREFIX + vid, b"")   # marker first: a crash leaves data, never a lie (as collect)
+    for key, _ in sorted(doomed):
+        plumbing.store.delete_prefix(key + "/")
+    return sum(nbytes for _, nbytes in doomed)

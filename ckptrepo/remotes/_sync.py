@@ -3,7 +3,7 @@
 **push** copies to the remote every version the pushed refs reach that it lacks (arrays, then manifests,
 parents first: see ``_transfer``), then moves each remote branch by compare-and-swap from the version it
 was read at, only as a fast-forward; a remote branch that moved meanwhile, or that holds versions this
-repository lacks, rejects the push ("fetch first"). Tags are created there only if absent: tags never move.
+repository lacks, rejects the push ("fetch first"). Tags are created there only if absent: a push never moves a tag.
 Last, the remote-tracking ref ``refs/remotes/<remote>/<branch>`` records what the remote now holds, which is
 what makes a version remote-durable.
 
@@ -94,7 +94,7 @@ def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, ta
         rt = there.tag_target(t)
         if rt is not None and rt != target:
             raise PushRejectedError(f"push to {remote} rejected: its tag {t!r} points at {rt[:12]}, here at "
-                                    f"{target[:12]}, and tags never move; delete one of them first")
+                                    f"{target[:12]}, and a push never moves a tag; delete one of them first")
     todo, newly_reachable = _to_push(local, there, [*tips.values(), *tag_tips.values()],
                                      {rtip for rtip, _ in remote_tips.values() if rtip is not None}, known)
     pruned = {v for v in todo if local.store.exists(PRUNED_PREFIX + v)}

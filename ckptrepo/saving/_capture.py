@@ -56,12 +56,14 @@ from ckptrepo.core._manifest import (
     DATA_PREFIX,
     Version,
     checked_message,
+    checked_meta,
     checked_step,
     new_version_id,
     plain_metrics,
     version_id_time,
 )
 from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core._refs import check_ref_name
 from ckptrepo.core._remotes import remote_url
 from ckptrepo.errors import (
     ArgumentError,
@@ -69,6 +71,7 @@ from ckptrepo.errors import (
     CkptRepoError,
     ConflictError,
     LayoutError,
+    RefError,
     RetentionError,
     SnapshotFailedError,
     StorageError,
@@ -85,6 +88,7 @@ from ckptrepo.saving._eager_copies import copy_what_forward_may_change
 from ckptrepo.saving._host_memory import default_host_memory, parse_size
 from ckptrepo.saving._pusher import BackgroundPusher
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
+from ckptrepo.saving._trackers import tracker_meta
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import (
     LIVE_ALIGN,
@@ -137,6 +141,18 @@ def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, com
         raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not "
                           f"{type(parallel_layout).__name__} {parallel_layout!r:.40}")
     return parse_size(host_memory), tier_bytes
+
+
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The optimizer whose ``step()`` really runs: accelerate's ``AcceleratedOptimizer`` and Lightning's
+    ``LightningOptimizer`` wrap one in ``.optimizer`` and call its ``step()``, so a hook on the wrapper would
+    never fire for steps the framework takes on the inner one."""
+    for _ in range(8):   # wrappers of wrappers, never a cycle
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer
 
 
 def default_local_max_bytes(store: Any) -> int | None:
@@ -271,8 +287,15 @@ class Snapshotter:
 
     # ---- public API -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
-                 metrics: dict[str, Any] | None = None) -> SnapshotHandle:
-        """Start a snapshot of ``state`` and return its handle at once (see the class contract)."""
+                 metrics: dict[str, Any] | None = None, *, tag: str | None = None, force_tag: bool = False,
+                 meta: dict[str, str] | None = None) -> SnapshotHandle:
+        """Start a snapshot of ``state`` and return its handle at once (see the class contract).
+
+        ``tag``: created by the commit thread right after the commit, so the loop never waits for it; with
+        ``force_tag`` an existing tag of that name moves to the new version (``git tag -f``: what a file name
+        that a framework overwrites, such as Lightning's ``last.ckpt``, needs). ``meta``: text key/values kept
+        in the version's header (``Version.meta``), e.g. a tracker's run id.
+        """
         t0 = time.perf_counter()
         try:
             self._check_process()
@@ -283,6 +306,10 @@ class Snapshotter:
                 raise ConflictError(self._committer.conflict)
             self._wait_for_room()
             step, message, metrics = checked_step(step), checked_message(message), plain_metrics(metrics)
+            # the tracker runs active in this process (W&B, MLflow), unless the caller's meta says otherwise
+            meta = checked_meta(meta)
+            meta = {**tracker_meta(), **(meta or {})} or None
+            self._check_tag(tag, force_tag)
             skeleton, records = flatten(state)
             if self._pusher is not None:
                 nbytes = sum(r.numel * itemsize(r.dtype) for r in records)
@@ -311,6 +338,7 @@ class Snapshotter:
             vid, records, boxes, leaf_names, names = self._shard(records, local)
         handle = SnapshotHandle(vid, step)
         job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0, sharded=local is not None,
+                   meta=meta, tag=tag, force_tag=bool(force_tag),
                    leaf_names=leaf_names, names=names, boxes=boxes, keys=keys,
                    replicas=[] if local is None else [(p.name, p.box, p.view, p.replicated) for p in local[0].pieces
                                                       if p.replicated])
@@ -335,6 +363,33 @@ class Snapshotter:
             self._commit_q.put(job)
         handle.stats.blocking_s += time.perf_counter() - t0
         return handle
+
+    def _check_tag(self, tag: Any, force: Any) -> None:
+        """Refuse at ``snapshot()`` a tag the commit thread could not create: a bad name, or (unless ``force``) one
+        that exists. A tag made by another writer between this check and the commit is reported by the next call."""
+        if tag is None:
+            return
+        if not isinstance(tag, str):
+            raise ArgumentError(f"tag must be a str, not {type(tag).__name__}")
+        if not isinstance(force, bool):
+            raise ArgumentError(f"force_tag must be True or False, not {force!r}")
+        check_ref_name(tag, "tag")
+        if not force and self.rank == 0 and tag in self.plumbing.refs.tags(strict=False):
+            raise RefError(f"tag {tag!r} exists; pick another name, or pass force_tag=True to move it")
+
+    def _tag(self, job: SnapshotJob) -> None:
+        """Rank 0 puts the job's tag on its committed version; a failure is raised by the next call (the version
+        itself is committed)."""
+        if job.tag is None or self.rank != 0:
+            return
+        try:
+            self.plumbing.refs.set_tag(job.tag, job.vid, force=job.force_tag)
+        except CkptRepoError as err:
+            failure = RefError(f"version {job.vid[:12]} was committed, but tag {job.tag!r} was not set: "
+                               f"{first_line(err)}; tag it with `ckptrepo tag {job.tag} {job.vid[:12]}`")
+            log.error("ckptrepo: %s", failure)
+            with self._lock:
+                self._errors.append(failure)
 
     def _plan(self, job: SnapshotJob, written: list[int]) -> None:
         """Plan the records to write (all but the reused ones) and account for their segments.
@@ -408,6 +463,7 @@ class Snapshotter:
         self._check_process()
         if self._closed:
             raise CkptRepoError("this snapshotter is closed; attach the optimizer to a new one (repo.snapshotter())")
+        optimizer = unwrapped_optimizer(optimizer)
         if not callable(getattr(optimizer, "register_step_pre_hook", None)):
             raise ArgumentError(f"attach() takes a torch.optim.Optimizer, whose step() then waits for capture, not "
                                 f"{type(optimizer).__name__} {optimizer!r:.40}")
@@ -796,6 +852,7 @@ class Snapshotter:
         else:
             stats.total_s = time.perf_counter() - job.started
             job.handle._version = version
+            self._tag(job)
             self._commits += 1
             if self._pusher is not None:
                 self._pusher.committed(job.vid, stats.bytes)
@@ -806,7 +863,7 @@ class Snapshotter:
         finally:
             with self._lock:
                 self._inflight.remove(job)
-            job.handle._done.set()
+            job.handle._finish()
         return retain
 
     def _commit(self, job: SnapshotJob) -> Version:

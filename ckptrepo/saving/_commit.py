@@ -86,7 +86,8 @@ class Committer:
             return self._commit_sharded(job)
         assert job.plan is not None
         manifest = build_manifest(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.records,
-                                  job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused)
+                                  job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused,
+                                  meta=job.meta)
         return self._publish(job, manifest)
 
     def _commit_sharded(self, job: SnapshotJob) -> Version:
@@ -137,7 +138,7 @@ class Committer:
                                       f"{job.handle.step}, rank {other} step {steps[other]}; pass every rank the "
                                       f"same step")
         check_replicas(ranks)
-        header = version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics)
+        header = version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.meta)
         return self._publish(job, merge_rank_manifests(ranks, self.layout, self.world_size, header))
 
     def _publish(self, job: SnapshotJob, manifest: Manifest) -> Version:
@@ -210,17 +211,18 @@ def refuse_new_root(plumbing: Plumbing, branch: str, orphan: bool) -> None:
 
 
 def version_header(vid: str, parent: str | None, step: int | None, message: str,
-                   metrics: dict[str, Any]) -> ManifestHeader:
+                   metrics: dict[str, Any], meta: dict[str, str] | None = None) -> ManifestHeader:
     """The fields every version manifest starts with, single-process or merged from ranks (docs/format.md);
     ``size`` is the merge's or ``build_manifest``'s to fill in."""
     return ManifestHeader(format_version=FORMAT_VERSION, id=vid, parents=(parent,) if parent else (), step=step,
-                          time=time.time(), message=message, metrics=metrics, host=socket.gethostname(), size=0)
+                          time=time.time(), message=message, metrics=metrics, host=socket.gethostname(), size=0,
+                          meta=meta)
 
 
 def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
                    records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
                    skeleton: Any, written: list[int] | None = None,
-                   reused: dict[int, StoredTensor] | None = None) -> Manifest:
+                   reused: dict[int, StoredTensor] | None = None, meta: dict[str, str] | None = None) -> Manifest:
     """The version manifest for a single-process snapshot (see docs/format.md).
 
     ``plan`` covers the ``written`` records (default: all); a ``reused`` record's
@@ -241,7 +243,7 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
         p = placement[i]
         return (Piece(box, arrays[p.dtype].key, p.offset),) if p.numel else ()
 
-    header = version_header(vid, parent, step, message, metrics)
+    header = version_header(vid, parent, step, message, metrics, meta)
     return Manifest.of(header, size=plan.nbytes, layout=SINGLE_PROCESS_LAYOUT, arrays=listed,
                        tensors=tuple(TensorEntry(r.name, r.dtype, tuple(r.shape), pieces(i, r))
                                      for i, r in enumerate(records)),

@@ -6,19 +6,23 @@ the snapshot (saving/_capture.py runs them, saving/_commit.py commits the job).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ckptrepo.core._manifest import Version
+from ckptrepo.errors import ArgumentError
 from ckptrepo.saving._dedup import DedupKey, StoredTensor
 from ckptrepo.saving._writer import WritePlan
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo
 from ckptrepo.storage._localwrite import LiveShard
+
+log = logging.getLogger("ckptrepo")
 
 
 @dataclass
@@ -51,8 +55,11 @@ class SnapshotHandle:
         self.stats = SnapshotStats()
         self._captured = threading.Event()
         self._done = threading.Event()
+        self._settled = threading.Event()   # the version or the error is known (set before the callbacks run)
         self._version: Version | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[["SnapshotHandle"], None]] = []
+        self._callbacks_lock = threading.Lock()
         self.skipped = False   # never taken: the local tier was full (``on_full="skip"``); ``result()`` says so
 
     def _skip(self, reason: BaseException) -> None:
@@ -60,7 +67,41 @@ class SnapshotHandle:
         self.skipped = True
         self._error = reason
         self._captured.set()
-        self._done.set()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Settle the outcome (committed or failed), run the done callbacks in the order added, then mark the
+        snapshot done: ``wait()`` and ``close()`` return only after the callbacks ran (a framework's pointer
+        to the version exists by then), while ``result()`` inside a callback already has its answer."""
+        self._settled.set()
+        while True:
+            with self._callbacks_lock:
+                callbacks, self._callbacks = self._callbacks, []
+                if not callbacks:
+                    self._done.set()
+                    return
+            for fn in callbacks:
+                self._run_callback(fn)
+
+    def _run_callback(self, fn: Callable[["SnapshotHandle"], None]) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - a caller's hook must not stop the commit thread (as concurrent.futures)
+            log.exception("ckptrepo: a done callback of snapshot %s raised", self.id[:12])
+
+    def add_done_callback(self, fn: Callable[["SnapshotHandle"], None]) -> None:
+        """Run ``fn(handle)`` once the snapshot is committed or has failed: on the commit thread, or at once
+        if it is already done, as ``concurrent.futures.Future.add_done_callback`` does. Inside, ``result()``
+        returns the Version or raises the failure. An exception ``fn`` raises is logged, not raised: the
+        commit thread serves every later snapshot too. Frameworks use it to record a file name or a tracker
+        entry only once the version exists."""
+        if not callable(fn):
+            raise ArgumentError(f"add_done_callback takes a callable, not {type(fn).__name__}")
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        self._run_callback(fn)
 
     def captured(self) -> bool:
         """Whether the state may be mutated again as far as this snapshot is concerned."""
@@ -75,7 +116,7 @@ class SnapshotHandle:
 
     def result(self, timeout: float | None = None) -> Version:
         """The committed Version; raises the snapshot's error if it failed."""
-        if not self._done.wait(timeout):
+        if not self._settled.wait(timeout):
             raise TimeoutError(f"snapshot {self.id[:12]} not finished after {timeout} s")
         if self._error is not None:
             raise self._error
@@ -101,6 +142,9 @@ class SnapshotJob:
     message: str
     metrics: dict[str, Any]
     started: float
+    meta: dict[str, str] | None = None   # free text for the header (``snapshot(meta=)``)
+    tag: str | None = None           # created (``force_tag``: moved) right after the commit, by the commit thread
+    force_tag: bool = False
     sharded: bool = False            # its records are pieces of global tensors (a layout, ranks, or DTensors)
     leaf_names: list[str] = field(default_factory=list)     # distributed: the stored name of each state tensor
     names: list[list[Any]] = field(default_factory=list)    # sharded: [name, dtype, global shape] this rank holds

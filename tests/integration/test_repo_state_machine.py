@@ -200,7 +200,7 @@ class RepositoryMachine(RuleBasedStateMachine):
     @precondition(has_versions)
     @rule(name=st.sampled_from(TAG_NAMES), data=st.data())
     def tag(self, name: str, data: st.DataObject) -> None:
-        """A new tag at any revision; refused when the name is taken (tags never move)."""
+        """A new tag at any revision; refused when the name is taken (without force)."""
         m = self.model
         self.wrote = True
         vid = self.pick_version(data)

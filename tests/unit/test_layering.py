@@ -1,8 +1,8 @@
 """The package's layers import only downwards.
 
 ckptrepo's subpackages form a stack (``LAYERS``: storage < core < state < parallel < rules < loading <
-maintenance < saving < tools < repository < the package's __init__ < integrations < dcp < cli < testing): a module may import
-from its own layer and the ones below it, never above, so each layer can be read, tested and changed
+maintenance < saving < tools < repository < the package's __init__ < integrations < dcp < cli < testing): a
+module may import from its own layer and the ones below it, never above, so each layer can be read, tested and changed
 without the ones built on it. Imports made only for type checking (under ``if TYPE_CHECKING:``) are not
 run and do not count; imports inside functions do.
 """
