@@ -290,7 +290,7 @@ class CheckpointFiles:
             if vid in named:
                 continue
             try:
-                _prune(repo, vid)
+                repo.prune(vid)
             except RefError as err:
                 log.debug("ckptrepo: version %s stays for now: %s", vid[:12], err)
                 continue
@@ -370,11 +370,6 @@ class CheckpointFiles:
             first = self._errors[0]
             self._errors.clear()
         raise first
-
-
-def _prune(repo: Repository, vid: str) -> int:
-    """``repo.prune(vid)``: delete one version's data now."""
-    return repo.prune(vid)
 
 
 __all__ = ["CheckpointFiles", "Pointer", "read_pointer", "tag_for", "write_pointer"]
