@@ -17,7 +17,7 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ckptrepo.errors import ArgumentError, CkptRepoError
+from ckptrepo.errors import ArgumentError, CkptRepoError, UnsupportedValueError, first_line
 from ckptrepo.integrations._checkpoint_files import CheckpointFiles
 
 if TYPE_CHECKING:
@@ -108,8 +108,16 @@ def _define() -> type[CheckpointIO]:
             _single_process()
             step = checkpoint.get("global_step")
             self._steps.start()
-            self.files.save(checkpoint, path, step=step if isinstance(step, int) else None,
-                            wait_captured=not self._steps.attached())
+            try:
+                self.files.save(checkpoint, path, step=step if isinstance(step, int) else None,
+                                wait_captured=not self._steps.attached())
+            except UnsupportedValueError as err:
+                if "hyper_parameters']" not in str(err):
+                    raise
+                raise UnsupportedValueError(f"{first_line(err)}; Lightning saves the hyperparameters with each "
+                                            f"checkpoint: pass them as plain values (str for a path, the value of "
+                                            f"an enum), or leave that one out with "
+                                            f"save_hyperparameters(ignore=[...])") from None
 
         def load_checkpoint(self, path: Any, map_location: Any | None = None,
                             weights_only: bool | None = None) -> dict[str, Any]:
