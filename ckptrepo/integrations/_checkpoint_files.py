@@ -69,6 +69,11 @@ def _remote_fs(path: str) -> tuple[Any, str]:
     return fs, where
 
 
+def _key(path: str) -> str:
+    """One spelling per checkpoint file, for matching a remove with the saves of that path still in flight."""
+    return path if _is_remote(path) else os.path.abspath(_local(path))
+
+
 def _absolute(url: str) -> str:
     return url if "://" in url else os.path.abspath(url)
 
@@ -175,6 +180,7 @@ class CheckpointFiles:
         self._repo: Repository | None = None
         self._snap: Snapshotter | None = None
         self._lock = threading.Lock()
+        self._prune_lock = threading.Lock()
         self._pending: dict[str, list[threading.Event]] = {}   # path -> its saves whose pointer is not written yet
         self._releasable: list[str] = []   # versions of removed checkpoints, pruned once nothing names them
         self._errors: list[CkptRepoError] = []   # failures on the commit thread, raised by the next call
@@ -205,11 +211,12 @@ class CheckpointFiles:
         self._raise_failures()
         path = os.fspath(path)
         tag = tag_for(path, self.tag_prefix)
+        key = _key(path)
         handle = self.snapshotter.snapshot(state, step=step, message=message or f"checkpoint {os.path.basename(path)}",
                                            tag=tag, force_tag=True, meta={"path": path})
         done = threading.Event()
         with self._lock:
-            self._pending.setdefault(path, []).append(done)
+            self._pending.setdefault(key, []).append(done)
         handle.add_done_callback(lambda h: self._committed(h, path, tag, done))
         if wait_captured:
             handle.wait_captured()
@@ -238,12 +245,13 @@ class CheckpointFiles:
             self._finish(path, done)
 
     def _finish(self, path: str, done: threading.Event) -> None:
+        key = _key(path)
         with self._lock:
-            waiting = self._pending.get(path, [])
+            waiting = self._pending.get(key, [])
             if done in waiting:
                 waiting.remove(done)
             if not waiting:
-                self._pending.pop(path, None)
+                self._pending.pop(key, None)
         done.set()
 
     # ---- remove ----------------------------------------------------------------------------------------------
@@ -284,6 +292,10 @@ class CheckpointFiles:
             candidates = list(self._releasable)
         if not candidates:
             return
+        with self._prune_lock:   # the commit thread's callbacks and the training thread's removes
+            self._prune(candidates)
+
+    def _prune(self, candidates: list[str]) -> None:
         repo = self.repo
         named = set(repo.tags().values()) | set(repo.branches().values())
         for vid in candidates:
@@ -337,7 +349,7 @@ class CheckpointFiles:
     # ---- waiting ---------------------------------------------------------------------------------------------
     def _wait_for(self, path: str) -> None:
         with self._lock:
-            waiting = list(self._pending.get(path, ()))
+            waiting = list(self._pending.get(_key(path), ()))
         for done in waiting:
             done.wait()
 

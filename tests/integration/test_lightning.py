@@ -177,6 +177,25 @@ def test_pointer_is_written_only_once_committed(tmp_path: Path) -> None:
     assert doc["kind"] == "ckptrepo-checkpoint" and doc["step"] == 3 and doc["tag"] == "a.ckpt"
     assert torch.equal(files.load(path)["w"], torch.ones(4))
 
+    # a remove of a path whose save is in flight waits for its pointer, then deletes pointer and tag; the
+    # version, the branch tip until the next commit, is pruned by that commit
+    held.clear()
+    release.clear()
+    files.save({"w": torch.full((4,), 2.0)}, path, step=4)
+    assert held.wait(10)
+    remover = threading.Thread(target=files.remove, args=(path,))
+    remover.start()
+    remover.join(0.3)
+    assert remover.is_alive()
+    release.set()
+    remover.join(10)
+    assert not path.exists() and "a.ckpt" not in files.repo.tags()
+    tip = files.repo.resolve("HEAD")
+    faults.clear()
+    files.save({"w": torch.zeros(4)}, tmp_path / "ck" / "c.ckpt", step=5)
+    files.wait()
+    assert files.repo.version(tip).pruned
+
     def fail(_name: str) -> None:
         raise OSError("disk on fire")
     faults.set_hook("after_data", fail)
