@@ -33,7 +33,7 @@ log = logging.getLogger("ckptrepo")
 
 POINTER_KIND = "ckptrepo-checkpoint"   # the "kind" of a pointer file: what tells it from a framework's own file
 POINTER_MAX_BYTES = 64 * 1024          # a pointer is a few hundred bytes; anything longer is not one
-_NOT_IN_TAG = re.compile(r"[^A-Za-z0-9._/-]")
+_NOT_IN_TAG = re.compile(r"[^A-Za-z0-9._/=+,-]")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Pointer:
 
 def tag_for(path: str | os.PathLike[str], prefix: str = "") -> str | None:
     """The tag of the checkpoint saved at ``path``: ``prefix`` + its file name, each character a ref name cannot
-    hold ('=' in ``epoch=1-step=20.ckpt``) as '_'; None where even that is no valid ref name."""
+    hold (a space, ':') as '_' (``epoch=1-step=20.ckpt`` stays as it is); None where even that is no valid ref name."""
     name = prefix + _NOT_IN_TAG.sub("_", os.path.basename(os.fspath(path)))
     return name if is_new_ref_name(name) else None
 

@@ -31,13 +31,10 @@ def _device(map_location: Any) -> Any:
     return map_location if isinstance(map_location, (str, torch.device)) else None
 
 
-def _single_process() -> None:
-    """Refuse a save under a process group of several ranks: Lightning calls ``save_checkpoint`` on rank 0 only,
-    and ckptrepo's snapshotter would wait for the other ranks' parts of the version."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise CkptRepoError("CkptRepoIO saves from a single process; under a multi-process strategy (DDP) save "
-                            "through ckptrepo.dcp or a snapshotter on every rank instead")
+# Lightning's process launchers (ddp_spawn, ddp_fork) hand the final weights from rank 0 to the main process
+# through a file of this name in a temporary folder, saved and loaded with the CheckpointIO: it is no checkpoint
+# of the run, and as a version it would stay in the repository, tagged, after the folder is gone
+_HANDOFF_FILE = ".temp.ckpt"
 
 
 class _StepWatch:
@@ -92,9 +89,13 @@ def _define() -> type[CheckpointIO]:
 
         def __init__(self, url: str | os.PathLike[str], tag_prefix: str = "", **snapshotter_options: Any) -> None:
             super().__init__()
-            self.files = CheckpointFiles(url, tag_prefix=tag_prefix, **snapshotter_options)
+            # Lightning saves on global rank 0 alone, under DDP too: that process holds the whole state
+            self.files = CheckpointFiles(url, tag_prefix=tag_prefix, **{"single_process": True, **snapshotter_options})
             self._torch_io = TorchCheckpointIO()
             self._steps = _StepWatch(self.files)
+            # after teardown nothing waits for a save any more (Lightning's process launchers save the final
+            # weights then, and the worker process exits at once): such a save is committed before it returns
+            self._torn_down = False
 
         @property
         def url(self) -> str:
@@ -105,12 +106,16 @@ def _define() -> type[CheckpointIO]:
             if storage_options is not None:
                 raise ArgumentError(f"CkptRepoIO takes no storage_options (got {storage_options!r}); pass the "
                                 f"snapshotter's options to CkptRepoIO(...) instead")
-            _single_process()
+            if os.path.basename(os.fspath(path)) == _HANDOFF_FILE:
+                self._torch_io.save_checkpoint(checkpoint, path)   # a hand-off between processes, not a checkpoint
+                return
             step = checkpoint.get("global_step")
             self._steps.start()
             try:
                 self.files.save(checkpoint, path, step=step if isinstance(step, int) else None,
                                 wait_captured=not self._steps.attached())
+                if self._torn_down:
+                    self.files.close()
             except UnsupportedValueError as err:
                 if "hyper_parameters']" not in str(err):
                     raise
@@ -139,6 +144,7 @@ def _define() -> type[CheckpointIO]:
         def teardown(self) -> None:
             """At the end of ``fit``: every save is committed and its pointer written (failures raised here)."""
             self._steps.stop()
+            self._torn_down = True
             self.files.close()
 
     CkptRepoIO.__module__ = __name__
