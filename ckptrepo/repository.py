@@ -335,7 +335,8 @@ class Repository:
                     commit_timeout_s: float = 600.0, dedup: bool = True,
                     retention: "RetentionPolicy | None" = None, max_in_flight: int = 4,
                     push_to: str | None = None, local_keep_last: int | None = None,
-                    local_max_bytes: int | str | None = None, on_full: str = "wait") -> "Snapshotter":
+                    local_max_bytes: int | str | None = None, on_full: str = "wait",
+                    single_process: bool = False) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.saving._capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
@@ -351,13 +352,15 @@ class Repository:
         local tier). ``local_keep_last``: once pushed, only the newest N versions keep their data here (older
         ones load from the remote). ``local_max_bytes`` ("20GiB"; default: half the free disk) bounds the data
         here not pushed yet; a snapshot that would pass it waits (``on_full="wait"``) or is skipped
-        (``"skip"``), with a ``BackpressureWarning``.
+        (``"skip"``), with a ``BackpressureWarning``. ``single_process``: this process holds the whole state and
+        snapshots it alone, whatever torch.distributed says (a framework that saves on rank 0 only under DDP).
         """
         from ckptrepo.saving._capture import Snapshotter
         return Snapshotter(self._plumbing, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
                            parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
                            dedup=dedup, retention=retention, max_in_flight=max_in_flight, push_to=push_to,
-                           local_keep_last=local_keep_last, local_max_bytes=local_max_bytes, on_full=on_full)
+                           local_keep_last=local_keep_last, local_max_bytes=local_max_bytes, on_full=on_full,
+                           single_process=single_process)
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,

@@ -33,9 +33,10 @@ from ckptrepo.core.schema import Manifest, RankRecord
 from ckptrepo.errors import LayoutError, StateMismatchError
 from ckptrepo.loading._binding import check_param_groups, fillable_array
 from ckptrepo.loading._engine import ReadStats
+from ckptrepo.loading._reader import read_tensors
 from ckptrepo.loading._reshard import read_pieces
 from ckptrepo.parallel._distributed import process_group_rank
-from ckptrepo.parallel._sharding import Sharder, rank_path
+from ckptrepo.parallel._sharding import Sharder, rank_name, rank_path
 from ckptrepo.parallel.layout import ParallelLayout, zero_partition
 from ckptrepo.parallel.rules import Fused, LocalParam, Rules
 from ckptrepo.state._providers import (
@@ -128,6 +129,43 @@ def per_rank_values(manifest: Manifest) -> list[str]:
         return []
     paths = set().union(*trees)
     return sorted(p for p in paths if len({t.get(p) for t in trees}) > 1)
+
+
+SAME_CHECK_MAX_BYTES = 64 << 10   # per-rank tensors up to this size are compared across the saved ranks
+
+
+def same_on_every_rank(store: Store, manifest: Manifest, paths: Sequence[str]) -> set[str]:
+    """The ``paths`` of per-rank tensors that hold the same bytes on every saved rank (Adam's ``step`` under
+    FSDP2, a step counter kept as a tensor): whichever saved rank a load takes them from, it gets the same
+    value, so a changed layout moves nothing there. Small tensors only (``SAME_CHECK_MAX_BYTES``): read whole
+    from every rank, in one batch; bigger ones, and plain values (``per_rank_values`` already leaves out the
+    equal ones), are not looked at."""
+    world = saved_world(manifest)
+    if world < 2 or not paths:
+        return set()
+    index = {t.name: i for i, t in enumerate(manifest.tensors)}
+    groups: dict[str, list[int]] = {}
+    for p in paths:
+        found = [index.get(rank_name(p, r)) for r in range(world)]
+        if any(i is None for i in found):
+            continue
+        entries = [manifest.tensors[i] for i in found if i is not None]
+        first = entries[0]
+        if any((e.dtype, e.shape) != (first.dtype, first.shape) for e in entries) or \
+                first.numel * TORCH_DTYPES[first.dtype].itemsize > SAME_CHECK_MAX_BYTES:
+            continue
+        groups[p] = [i for i in found if i is not None]
+    if not groups:
+        return set()
+    wanted = sorted({i for g in groups.values() for i in g})
+    values = read_tensors(store, manifest.arrays, list(manifest.tensors), wanted)
+    return {p for p, ids in groups.items()
+            if all(_same_bytes(values[ids[0]], values[i]) for i in ids[1:])}
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN equal to itself, -0.0 not to 0.0): what a load would put in place."""
+    return a.shape == b.shape and bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
 def per_rank_paths(manifest: Manifest, rank: int) -> set[str]:
@@ -292,6 +330,7 @@ def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None,
     if changed and (layout is not None or target.world_size > 1 or unsharded_elsewhere):
         moved = sorted((_per_rank_tensor_paths(sharded.leaf_names) | set(per_rank_values(manifest)))
                        & per_rank_paths(manifest, tmpl))
+        moved = [p for p in moved if p not in same_on_every_rank(store, manifest, moved)]
         if moved and unsharded_elsewhere:
             warnings.warn(f"this process is rank {pg_rank} of {pg_world}, but a load without a layout gives every "
                           f"process saved rank 0's per-rank state ({_some(moved)}); pass parallel_layout= (or "

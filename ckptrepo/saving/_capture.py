@@ -207,7 +207,9 @@ class Snapshotter:
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
                  retention: RetentionPolicy | None = None, max_in_flight: int = 4, push_to: str | None = None,
                  local_keep_last: int | None = None, local_max_bytes: int | str | None = None,
-                 on_full: str = "wait") -> None:
+                 on_full: str = "wait", single_process: bool = False) -> None:
+        if not isinstance(single_process, bool):
+            raise ArgumentError(f"single_process must be True or False, not {single_process!r:.40}")
         host_bytes, tier_bytes = check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup,
                                                  retention, max_in_flight, push_to, local_keep_last,
                                                  local_max_bytes, on_full)
@@ -215,7 +217,9 @@ class Snapshotter:
         # pile up in flight without limit, and a state of small tensors (copied at snapshot(), outside the
         # staging pool) takes memory far beyond host_memory
         self.max_in_flight = max_in_flight
-        self.rank, self.world_size = process_group_rank()
+        # single_process: this process snapshots the whole state alone, as if torch.distributed had one rank (a
+        # framework that saves on rank 0 only, as Lightning and the HF Trainer do under DDP)
+        self.rank, self.world_size = (0, 1) if single_process else process_group_rank()
         self.retention = retention
         self._commits = 0
         self._retention_idle = threading.Event()   # clear while a background gc pass is pending or running

@@ -1,0 +1,439 @@
+"""DeepSpeed: a ``CheckpointEngine`` that saves each checkpoint tag as one ckptrepo version.
+
+``DeepSpeedEngine.save_checkpoint(save_dir, tag)`` runs on every rank and calls
+its checkpoint engine as ``create(info)``, then ``save(state_dict, path)`` once
+per file this rank writes (``<save_dir>/<tag>/mp_rank_00_model_states.pt`` on
+data-parallel rank 0, ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` on
+every ZeRO rank), then ``commit(info)``, then writes ``<save_dir>/latest``
+itself with ``open()``. Here ``save`` only keeps the state dict; ``commit``
+snapshots every rank's files as one distributed version (each file's state
+under its name, a per-rank entry of the rank that saved it), tags it with the
+DeepSpeed tag (moving the tag when DeepSpeed saves the same tag again, as its
+files would be overwritten) and returns once the snapshot is started: the
+tensors are written while training goes on, and the optimizer's next
+``step()`` waits only until they are captured.
+
+DeepSpeed finds checkpoint files with ``glob`` and ``os.path.exists`` before
+it asks the engine to load them, so ``commit`` leaves a small JSON *stub* at
+each file's path naming the repository, the version and the entry; ``load``
+reads the stub and returns that entry of that version. The directories, the
+stubs and ``latest`` are all that is on disk; the data is in the repository.
+
+DeepSpeed picks its engine from the config with no registry
+(``create_checkpoint_engine``), so the engine is swapped in after
+``deepspeed.initialize`` with :func:`install`. No pickle: the few DeepSpeed
+types in its state dicts (loss scalers, ``ZeroStageEnum``, the ZeRO
+``fragment_address`` records) and ``argparse.Namespace``, sets and enums are
+stored as plain data and rebuilt on load (see :func:`to_plain`); anything else
+that is not plain data, a tensor or a numpy array is refused, naming the file
+and key. See docs/decisions/028-deepspeed-engine.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import importlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ckptrepo.errors import ArgumentError, CorruptionError, RevisionError, StateMismatchError, UnsupportedValueError
+from ckptrepo.repository import Repository, init, repo_url
+
+ENGINE_NAME = "CkptRepoCheckpointEngine"
+STUB_FORMAT = "ckptrepo-deepspeed-stub/1"
+STUB_MAX_BYTES = 64 << 10
+TYPE_KEY = "__ckptrepo_type__"   # the key of a dict that stands for a value of another type (see to_plain)
+_registered = threading.Lock()
+
+
+# ---- DeepSpeed's values as plain data ---------------------------------------------------------------------------
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_loss_scaler(obj: Any) -> bool:
+    return any(_class_path(c) == "deepspeed.runtime.fp16.loss_scaler.LossScalerBase" for c in type(obj).__mro__)
+
+
+def to_plain(obj: Any) -> Any:
+    """``obj`` with each value the skeleton cannot hold as such replaced by a ``{TYPE_KEY: ...}`` dict of plain
+    data: enum members (``ZeroStageEnum`` would otherwise load as a bare int), dataclass instances and loss
+    scalers of DeepSpeed's own modules, ``argparse.Namespace`` (Megatron-DeepSpeed's ``args``), sets. Tensors
+    and containers are shared or rebuilt, never copied. Anything else is left for the snapshot to refuse."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):
+        items = [(k, to_plain(v)) for k, v in obj.items()]
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, list):
+        return [to_plain(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(to_plain(v) for v in obj)
+    if isinstance(obj, enum.Enum):
+        return {TYPE_KEY: "enum", "class": _class_path(type(obj)), "name": obj.name}
+    if isinstance(obj, (set, frozenset)):
+        return {TYPE_KEY: type(obj).__name__, "items": [to_plain(v) for v in sorted(obj, key=repr)]}
+    if isinstance(obj, argparse.Namespace):
+        return {TYPE_KEY: "namespace", "attrs": to_plain(vars(obj))}
+    if type(obj).__module__.startswith("deepspeed."):
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return {TYPE_KEY: "dataclass", "class": _class_path(type(obj)),
+                    "fields": {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+        if _is_loss_scaler(obj):
+            return {TYPE_KEY: "attrs", "class": _class_path(type(obj)), "attrs": to_plain(vars(obj))}
+    return obj
+
+
+def from_plain(obj: Any) -> Any:
+    """``to_plain``'s inverse: rebuilds the values it replaced. Only DeepSpeed's own classes are rebuilt (and
+    ``argparse.Namespace``, sets, enums of DeepSpeed's modules), so a repository never names code to run."""
+    if isinstance(obj, dict):
+        if TYPE_KEY in obj:
+            return _revive(obj)
+        items = [(k, from_plain(v)) for k, v in obj.items()]
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, list):
+        return [from_plain(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(from_plain(v) for v in obj)
+    return obj
+
+
+def _deepspeed_class(path: Any) -> Any:
+    """The DeepSpeed class a stored value names; a name outside DeepSpeed's modules is damage or a forgery."""
+    module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
+    if not module.startswith("deepspeed."):
+        raise CorruptionError(f"a stored DeepSpeed value names class {path!r}, which is not DeepSpeed's; only "
+                              f"DeepSpeed's own classes are rebuilt")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise UnsupportedValueError(f"the checkpoint holds a {path} that this DeepSpeed does not have; load it "
+                                    f"with the DeepSpeed version that saved it") from None
+    if not isinstance(cls, type):
+        raise CorruptionError(f"a stored DeepSpeed value names {path!r}, which is not a class")
+    return cls
+
+
+def _revive(node: dict[str, Any]) -> Any:
+    kind = node[TYPE_KEY]
+    if kind in ("set", "frozenset"):
+        items = [from_plain(v) for v in node["items"]]
+        return set(items) if kind == "set" else frozenset(items)
+    if kind == "namespace":
+        return argparse.Namespace(**from_plain(node["attrs"]))
+    cls = _deepspeed_class(node.get("class"))
+    if kind == "enum" and issubclass(cls, enum.Enum):
+        return cls[node["name"]]
+    if kind == "dataclass" and isinstance(cls, type) and dataclasses.is_dataclass(cls):
+        make: Any = cls
+        return make(**from_plain(node["fields"]))
+    if kind == "attrs" and any(_class_path(c) == "deepspeed.runtime.fp16.loss_scaler.LossScalerBase"
+                               for c in cls.__mro__):
+        obj = cls.__new__(cls)   # its attributes as saved; __init__ would reset the scale it reached
+        vars(obj).update(from_plain(node["attrs"]))
+        return obj
+    raise CorruptionError(f"a stored DeepSpeed value of kind {kind!r} names {node.get('class')!r}, which is not "
+                          f"one that kind rebuilds")
+
+
+# ---- stubs: what DeepSpeed's glob and os.path.exists find ----------------------------------------------------------
+
+def write_stub(path: str, url: str, vid: str, tag: str, entry: str) -> None:
+    """Leave at ``path`` the stub of ``entry`` of version ``vid`` (replaced whole: a reader never sees half)."""
+    text = json.dumps({"format": STUB_FORMAT, "repository": url, "version": vid, "tag": tag, "entry": entry})
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+def read_stub(path: str) -> dict[str, str]:
+    """The stub at ``path``; one line saying what is wrong when there is none or it is not one of ours."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(STUB_MAX_BYTES + 1)
+    except OSError as err:
+        raise StateMismatchError(f"{path}: cannot read the checkpoint stub ({err.strerror or err}); save the tag "
+                                 f"with the ckptrepo engine first, or write the stubs with "
+                                 f"ckptrepo.integrations.deepspeed.checkout()") from None
+    try:
+        stub = json.loads(raw) if len(raw) <= STUB_MAX_BYTES else None
+    except ValueError:
+        stub = None
+    if not isinstance(stub, dict) or stub.get("format") != STUB_FORMAT \
+            or not all(isinstance(stub.get(k), str) for k in ("version", "tag", "entry")):
+        raise StateMismatchError(f"{path} is not a ckptrepo stub (a file DeepSpeed's own engine wrote?); load it "
+                                 f"with DeepSpeed's default checkpoint engine")
+    return stub
+
+
+# ---- the engine -------------------------------------------------------------------------------------------------
+
+class CkptRepoCheckpointEngine:
+    """A DeepSpeed ``CheckpointEngine`` over the repository at ``url`` (created if there is none).
+
+    ``wait``: ``commit`` returns once the version is committed (as the default engine returns once its files
+    are written) instead of once the snapshot is started. ``snapshotter``: keyword arguments of
+    ``repo.snapshotter`` (``host_memory``, ``retention``, ``push_to``, ...). Swap it in with :func:`install`,
+    which also makes the optimizer's step wait for capture.
+    """
+
+    def __init__(self, url: str | os.PathLike[str], *, wait: bool = False,
+                 snapshotter: dict[str, Any] | None = None, config_params: Any = None) -> None:
+        _register_with_deepspeed()
+        self.name = ENGINE_NAME
+        self.url = repo_url(url)
+        self.repo: Repository = init(self.url, exist_ok=True)
+        self.wait = bool(wait)
+        self._snapshotter_args = dict(snapshotter or {})
+        self._snap: Any = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._info: Any = None                 # the CheckpointCommitInfo of the tag being saved
+        self._files: dict[str, Any] = {}       # entry (path under <save_dir>/<tag>) -> its state, this rank
+        self._paths: dict[str, str] = {}       # entry -> the path DeepSpeed gave
+        self.last_handle: Any = None           # the SnapshotHandle of the last tag committed
+
+    def __repr__(self) -> str:
+        return f"{ENGINE_NAME}({self.url!r})"
+
+    # -- the optimizer whose step waits for capture
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait until the tensors of every started snapshot are captured."""
+        self._optimizers.append(optimizer)
+        if self._snap is not None:
+            self._snap.attach(optimizer)
+
+    def snapshotter(self) -> Any:
+        """The snapshotter this engine commits through (made on first use, under torch.distributed's group)."""
+        if self._snap is None:
+            self._snap = self.repo.snapshotter(**self._snapshotter_args)
+            for opt in self._optimizers:
+                self._snap.attach(opt)
+        return self._snap
+
+    # -- CheckpointEngine
+    def create(self, info: Any) -> None:
+        """A tag's save starts: the files saved until ``commit`` make its version."""
+        self._info = info
+        self._files.clear()
+        self._paths.clear()
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """Real directories: DeepSpeed writes ``latest`` and its recovery script there, and the stubs go there."""
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Keep ``state_dict`` for the tag's version; a file outside ``<save_dir>/<tag>/`` (``save_16bit_model``'s
+        export for other tools) is written with ``torch.save`` as DeepSpeed's own engine would."""
+        entry = self._entry(path)
+        if entry is None:
+            torch.save(state_dict, path)
+            return
+        if entry in self._files:
+            raise ArgumentError(f"DeepSpeed saved {path} twice in one checkpoint; give each file its own path")
+        self._files[entry] = to_plain(state_dict)
+        self._paths[entry] = path
+
+    def commit(self, info: Any) -> bool:
+        """Snapshot every rank's files of the tag as one version (collective: every rank calls it), tag it, and
+        leave a stub at each file's path."""
+        if self._info is None:
+            return True
+        files, paths, self._info = dict(self._files), dict(self._paths), None
+        self._files.clear()
+        self._paths.clear()
+        step, count = self._agree(files)
+        if count == 0:   # save_16bit_model: its one file is a plain torch file, and no rank kept anything
+            return True
+        tag = str(info.tag)
+        snap = self.snapshotter()
+        handle = snap.snapshot(files, step=step, message=f"DeepSpeed checkpoint {tag}", tag=tag, force_tag=True,
+                               meta={"deepspeed.tag": tag, "deepspeed.save_dir": str(info.save_dir)})
+        self.last_handle = handle
+        for entry, path in paths.items():
+            write_stub(path, self.url, handle.id, tag, entry)
+        if self.wait:
+            handle.result()
+        return True
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """The state saved under ``path``: the entry its stub names, of the version its stub names."""
+        if self._snap is not None:
+            self._snap.wait()   # a tag saved by this process loads once committed
+        stub = read_stub(path)
+        vid = stub["version"]
+        try:
+            vid = self.repo.resolve(vid)
+        except RevisionError:
+            raise RevisionError(f"{path}: version {vid[:12]} of DeepSpeed tag {stub['tag']!r} is not in {self.url} "
+                                f"(its snapshot did not commit: the run stopped first?); load an earlier tag") \
+                from None
+        from ckptrepo.loading._entry import load_entry
+        state = from_plain(load_entry(self.repo.plumbing, vid, stub["entry"]))
+        device = _device(map_location)
+        return state if device is None else _to(state, device)
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        """Data-parallel rank 0 writes the model file, as DeepSpeed's own engine decides (DeepSpeed asked its
+        first engine at initialize; the answer must not change)."""
+        return dp_rank == 0
+
+    def is_decoupled(self) -> bool:
+        """False: DeepSpeed calls ``commit`` inside ``save_checkpoint``; the snapshot is asynchronous anyway."""
+        return False
+
+    def set_commit_info(self, info: Any) -> None:
+        pass
+
+    def get_commit_info(self) -> Any:
+        return None
+
+    def cleanup(self) -> None:
+        """Wait for the pending snapshots and stop the snapshotter's threads."""
+        if self._snap is not None:
+            self._snap.close()
+            self._snap = None
+
+    close = cleanup
+
+    def preserves_storage_sharing(self) -> bool:
+        """False: DeepSpeed need not clone views before ``save`` (for torch.save, which would write the whole
+        storage behind a view); a snapshot stores each tensor's own elements only."""
+        return False
+
+    # -- helpers
+    def _entry(self, path: str) -> str | None:
+        """The entry ``path`` is saved under: its path below ``<save_dir>/<tag>/``, or None outside one."""
+        if self._info is None:
+            return None
+        root = os.path.abspath(os.path.join(str(self._info.save_dir), str(self._info.tag)))
+        full = os.path.abspath(path)
+        if not full.startswith(root + os.sep):
+            return None
+        return os.path.relpath(full, root).replace(os.sep, "/")
+
+    def _agree(self, files: dict[str, Any]) -> tuple[int | None, int]:
+        """The step every rank records (DeepSpeed's ``global_steps``, which only the model file's rank holds)
+        and the number of files saved on all ranks: one exchange, so that every rank snapshots or none does."""
+        steps = [v["global_steps"] for v in files.values() if isinstance(v, dict)
+                 and isinstance(v.get("global_steps"), int)]
+        mine = (max(steps) if steps else None, len(files))
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return mine
+        from ckptrepo.parallel._distributed import all_gather
+        every = all_gather(mine)
+        known = [s for s, _ in every if s is not None]
+        return (max(known) if known else None), sum(n for _, n in every)
+
+
+def _device(map_location: Any) -> torch.device | None:
+    """Where ``load`` puts the tensors: a device DeepSpeed names; None (the CPU, where they are read) for a
+    ``map_location`` function (``lambda storage, loc: storage`` keeps them where they are)."""
+    if map_location is None or callable(map_location):
+        return None
+    if isinstance(map_location, dict):
+        return None
+    dev = torch.device(map_location)
+    return None if dev.type == "cpu" else dev
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        items = [(k, _to(v, device)) for k, v in obj.items()]
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, list):
+        return [_to(v, device) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_to(v, device) for v in obj)
+    return obj
+
+
+def _register_with_deepspeed() -> None:
+    """Make the engine an ``isinstance`` of DeepSpeed's ``CheckpointEngine`` ABC (DeepSpeed itself only calls
+    its methods), without importing DeepSpeed before an engine is made."""
+    with _registered:
+        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ignore[import-untyped]
+            CheckpointEngine,
+        )
+        if not issubclass(CkptRepoCheckpointEngine, CheckpointEngine):
+            CheckpointEngine.register(CkptRepoCheckpointEngine)
+
+
+def checkout(url: str | os.PathLike[str], save_dir: str | os.PathLike[str], rev: str = "HEAD",
+             tag: str | None = None) -> list[str]:
+    """Write what DeepSpeed's ``load_checkpoint(save_dir)`` needs on disk for version ``rev`` of the repository
+    at ``url``: a stub per file under ``<save_dir>/<tag>/`` and ``<save_dir>/latest`` naming ``tag``.
+
+    For a machine that has the repository (a clone, a remote) but not the directory that saved it. ``tag``
+    defaults to the DeepSpeed tag the version recorded. Returns the stub paths. Needs no DeepSpeed.
+    """
+    from ckptrepo.loading._entry import entry_keys
+    from ckptrepo.repository import open as open_repo
+    repo = open_repo(url)
+    vid = repo.resolve(rev)
+    version = repo.version(vid)
+    tag = tag or version.meta.get("deepspeed.tag")
+    if not tag:
+        raise ArgumentError(f"version {vid[:12]} was not saved by the DeepSpeed engine (it records no DeepSpeed "
+                            f"tag); pass tag= to name the directory")
+    root = os.path.join(os.fspath(save_dir), tag)
+    paths = []
+    for entry in entry_keys(repo.plumbing.manifest(vid)):
+        path = os.path.join(root, *str(entry).split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_stub(path, repo.url, vid, tag, str(entry))
+        paths.append(path)
+    with open(os.path.join(os.fspath(save_dir), "latest"), "w") as f:
+        f.write(tag)
+    return paths
+
+
+# ---- swapping the engine in -------------------------------------------------------------------------------------
+
+def step_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizer whose ``step`` changes the saved tensors in place, under DeepSpeed's wrappers (ZeRO's
+    ``DeepSpeedZeroOptimizer``, ``FP16_Optimizer``, ``BF16_Optimizer`` each hold it as ``.optimizer``)."""
+    found: list[torch.optim.Optimizer] = []
+    seen: set[int] = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            found = [optimizer]   # the innermost wins: a wrapper's step calls it
+        optimizer = getattr(optimizer, "optimizer", None)
+    return found
+
+
+def install(engine: Any, url: str | os.PathLike[str], **kwargs: Any) -> CkptRepoCheckpointEngine:
+    """Make the DeepSpeed ``engine`` (from ``deepspeed.initialize``) save and load its checkpoints through the
+    repository at ``url``; keyword arguments go to :class:`CkptRepoCheckpointEngine`.
+
+    DeepSpeed keeps its checkpoint engine in one attribute, ``engine.checkpoint_engine`` (a ``PipelineEngine``
+    too; the ZeRO optimizers hold none), which this replaces. The optimizer under DeepSpeed's wrappers is
+    attached, so its step waits until a started snapshot has captured the tensors it changes.
+    """
+    if not hasattr(engine, "checkpoint_engine"):
+        raise ArgumentError(f"install() takes the DeepSpeed engine deepspeed.initialize returned, not "
+                            f"{type(engine).__name__}")
+    ours = CkptRepoCheckpointEngine(url, **kwargs)
+    for opt in step_optimizers(getattr(engine, "optimizer", None)):
+        ours.attach(opt)
+    old = engine.checkpoint_engine
+    if old is not None and getattr(old, "is_decoupled", lambda: False)():
+        old.cleanup()   # a decoupled engine holds a save not committed yet
+    engine.checkpoint_engine = ours
+    return ours
+
+
+__all__ = ["CkptRepoCheckpointEngine", "ENGINE_NAME", "checkout", "from_plain", "install", "read_stub",
+           "step_optimizers", "to_plain", "write_stub"]

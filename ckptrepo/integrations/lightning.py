@@ -1,0 +1,162 @@
+"""Lightning: ``Trainer(plugins=[CkptRepoIO(url)])`` saves every checkpoint as a version of a repository.
+
+``CkptRepoIO`` is a ``CheckpointIO`` plugin. ``save_checkpoint`` takes one asynchronous snapshot through
+ckptrepo's snapshotter (it returns once the state is captured, and the bytes are written in the
+background), tagged with the file name ``ModelCheckpoint`` chose; once the version is committed, a small
+pointer file is written at that path, so Lightning's own bookkeeping (top-k, ``ckpt_path="last"``, its
+existence checks) works on files as usual. ``load_checkpoint`` follows a pointer file, or takes a revision
+(``"@20"``, a tag, an id); ``remove_checkpoint`` deletes the pointer and the tag and prunes the version's
+data. The mechanics live in ``integrations/_checkpoint_files.py``; docs/decisions/027-lightning-checkpointio.md
+says why it is built this way.
+
+Lightning is imported only when ``CkptRepoIO`` is first used (``import ckptrepo`` never imports it).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ckptrepo.errors import ArgumentError, CkptRepoError, UnsupportedValueError, first_line
+from ckptrepo.integrations._checkpoint_files import CheckpointFiles
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+
+def _device(map_location: Any) -> Any:
+    """The device a load puts tensors on: a ``map_location`` that is one device; otherwise the CPU (Lightning
+    moves the state onto the model's device itself)."""
+    import torch
+    return map_location if isinstance(map_location, (str, torch.device)) else None
+
+
+# Lightning's process launchers (ddp_spawn, ddp_fork) hand the final weights from rank 0 to the main process
+# through a file of this name in a temporary folder, saved and loaded with the CheckpointIO: it is no checkpoint
+# of the run, and as a version it would stay in the repository, tagged, after the folder is gone
+_HANDOFF_FILE = ".temp.ckpt"
+
+
+class _StepWatch:
+    """Attaches each optimizer that steps while checkpoints are being saved to the snapshotter, so that its
+    ``step()`` waits for capture and ``save_checkpoint`` need not: the plugin never sees Lightning's optimizers,
+    but a global step pre-hook of torch sees every one (Lightning's ``LightningOptimizer`` steps the inner one).
+    Until an optimizer is attached, a save waits for its capture itself."""
+
+    def __init__(self, files: CheckpointFiles) -> None:
+        self.files = files
+        self._hook: Any = None
+        self._snap: Any = None   # the snapshotter the optimizers below are attached to
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def start(self) -> None:
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+            self._hook = register_optimizer_step_pre_hook(self._pre_step)
+
+    def stop(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def attached(self) -> bool:
+        return self._snap is self.files.current_snapshotter and len(self._seen) > 0
+
+    def _pre_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        snap = self.files.current_snapshotter
+        if snap is None:
+            return
+        if snap is not self._snap:   # a new snapshotter (after teardown): attach again
+            self._snap, self._seen = snap, weakref.WeakSet()
+        if optimizer not in self._seen:
+            snap.attach(optimizer)   # from the next step on, its own pre-hook waits for capture
+            self._seen.add(optimizer)
+            snap.wait_captured()     # this step: wait here
+
+
+def _define() -> type[CheckpointIO]:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class CkptRepoIO(CheckpointIO):
+        """A Lightning ``CheckpointIO`` over the repository at ``url`` (created on the first save if absent).
+
+        ``tag_prefix`` goes before each tag (``run7/`` keeps runs that share a repository and their file names
+        apart); other keywords go to ``repo.snapshotter()`` (``host_memory``, ``max_in_flight``, ...). A
+        checkpoint file that is not a ckptrepo pointer (written by Lightning itself) loads and is removed as
+        ``TorchCheckpointIO`` would.
+        """
+
+        def __init__(self, url: str | os.PathLike[str], tag_prefix: str = "", **snapshotter_options: Any) -> None:
+            super().__init__()
+            # Lightning saves on global rank 0 alone, under DDP too: that process holds the whole state
+            self.files = CheckpointFiles(url, tag_prefix=tag_prefix, **{"single_process": True, **snapshotter_options})
+            self._torch_io = TorchCheckpointIO()
+            self._steps = _StepWatch(self.files)
+            # after teardown nothing waits for a save any more (Lightning's process launchers save the final
+            # weights then, and the worker process exits at once): such a save is committed before it returns
+            self._torn_down = False
+
+        @property
+        def url(self) -> str:
+            return self.files.url
+
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+            """One version of ``checkpoint``, tagged with ``path``'s file name; returns once it is captured."""
+            if storage_options is not None:
+                raise ArgumentError(f"CkptRepoIO takes no storage_options (got {storage_options!r}); pass the "
+                                f"snapshotter's options to CkptRepoIO(...) instead")
+            if os.path.basename(os.fspath(path)) == _HANDOFF_FILE:
+                self._torch_io.save_checkpoint(checkpoint, path)   # a hand-off between processes, not a checkpoint
+                return
+            step = checkpoint.get("global_step")
+            self._steps.start()
+            try:
+                self.files.save(checkpoint, path, step=step if isinstance(step, int) else None,
+                                wait_captured=not self._steps.attached())
+                if self._torn_down:
+                    self.files.close()
+            except UnsupportedValueError as err:
+                if "hyper_parameters']" not in str(err):
+                    raise
+                raise UnsupportedValueError(f"{first_line(err)}; Lightning saves the hyperparameters with each "
+                                            f"checkpoint: pass them as plain values (str for a path, the value of "
+                                            f"an enum), or leave that one out with "
+                                            f"save_hyperparameters(ignore=[...])") from None
+
+        def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                            weights_only: bool | None = None) -> dict[str, Any]:
+            """The checkpoint a pointer file at ``path`` names, or the version ``path`` names as a revision; a
+            file of Lightning's own format loads as ``TorchCheckpointIO`` loads it. Waits for the saves in flight
+            first. ckptrepo never unpickles, whatever ``weights_only`` says."""
+            state = self.files.load(path, device=_device(map_location))
+            if state is None:
+                return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            if not isinstance(state, dict):
+                raise CkptRepoError(f"{os.fspath(path)} names a version that holds a {type(state).__name__}, not a "
+                                    f"Lightning checkpoint (a dict); pick one Lightning saved")
+            return state
+
+        def remove_checkpoint(self, path: Any) -> None:
+            """Delete the checkpoint file; the version's tag goes now, its data once nothing else names it."""
+            self.files.remove(path)
+
+        def teardown(self) -> None:
+            """At the end of ``fit``: every save is committed and its pointer written (failures raised here)."""
+            self._steps.stop()
+            self._torn_down = True
+            self.files.close()
+
+    CkptRepoIO.__module__ = __name__
+    CkptRepoIO.__qualname__ = "CkptRepoIO"
+    return CkptRepoIO
+
+
+def __getattr__(name: str) -> Any:
+    """``CkptRepoIO`` is defined on first use: its base class is Lightning's, imported only then."""
+    if name == "CkptRepoIO":
+        cls = _define()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

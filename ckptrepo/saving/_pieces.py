@@ -1,0 +1,274 @@
+"""Versions written as pieces of global tensors by several ranks that coordinate through someone else's protocol.
+
+A framework that plans its own distributed save (torch.distributed.checkpoint, Megatron-core's
+dist_checkpointing) already knows which rank writes which box of which global tensor, and already gathers
+something from every rank to one coordinator. Such a save needs none of the snapshotter's collectives or its
+staging handshake: each rank writes its chunks here (``write_rank_chunks``) into its own flat arrays
+``data/<vid>/<rank>/<dtype>``, hands the plain-data ``RankWrite`` to the framework's gather, and the
+coordinator commits them all as one version (``commit_chunks``): manifest create-only, then the branch's
+compare-and-swap, as every commit does (saving/_commit.py). ``read_chunks`` fills any boxes of a version's
+global tensors, reading only the bytes they need.
+
+Every tensor is stored under its global name with its global shape, each chunk a piece of it, and the
+version's layout is a single process's: nothing in it is per rank (the framework decided what is
+replicated and wrote it once), so the version loads like one saved by one process, unsharded or into any
+layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ckptrepo import faults
+from ckptrepo.core._boxes import check_coverage, volume
+from ckptrepo.core._manifest import VERSIONS_PREFIX, Version
+from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core.schema import (
+    SINGLE_PROCESS_LAYOUT,
+    Manifest,
+    Piece,
+    TensorEntry,
+    encode_manifest,
+    version_from_manifest,
+)
+from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, UnsupportedValueError
+from ckptrepo.loading._engine import ReadStats
+from ckptrepo.loading._reshard import read_pieces
+from ckptrepo.parallel._sharding import Piece as TargetPiece
+from ckptrepo.saving._commit import refuse_new_root, version_header
+from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
+from ckptrepo.state._providers import DTYPE_NAMES, TensorRecord
+from ckptrepo.storage._arrays import ArrayInfo, create_array, itemsize
+from ckptrepo.storage._chunktable import chunk_crcs, write_table
+from ckptrepo.storage._localwrite import DirectWriter
+from ckptrepo.storage.protocol import Store
+
+__all__ = ["BranchBase", "ChunkRecord", "GlobalChunk", "RankWrite", "commit_chunks", "read_branch_base",
+           "read_chunks", "write_rank_chunks"]
+
+
+@dataclass
+class GlobalChunk:
+    """A box of global tensor ``name`` (global shape ``gshape``) starting at ``offsets``; ``tensor`` holds its
+    elements (shape = the box's sizes): what a rank writes, or the view a read fills."""
+
+    name: str
+    gshape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One written chunk: its tensor's name, dtype and global shape, and its piece (None: no elements)."""
+
+    name: str
+    dtype: str
+    gshape: tuple[int, ...]
+    piece: Piece | None
+
+
+@dataclass(frozen=True)
+class RankWrite:
+    """What one rank wrote: plain, picklable data for the framework's gather to the coordinator."""
+
+    rank: int
+    arrays: dict[str, ArrayInfo] = field(default_factory=dict)   # array key -> record (with its digest)
+    chunks: tuple[ChunkRecord, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(volume(c.piece.box[1]) * itemsize(c.dtype) for c in self.chunks if c.piece is not None)
+
+
+@dataclass(frozen=True)
+class BranchBase:
+    """The branch a version goes on and the tip (and its generation) it is committed on top of."""
+
+    branch: str
+    tip: str | None
+    generation: bytes
+    orphan: bool
+
+
+def _dtype_name(t: torch.Tensor, name: str) -> str:
+    try:
+        return DTYPE_NAMES[t.dtype]
+    except KeyError:
+        raise UnsupportedValueError(f"{name}: dtype {t.dtype} is not supported") from None
+
+
+def _check_chunk(c: GlobalChunk) -> None:
+    box_ok = len(c.offsets) == len(c.gshape) == c.tensor.dim() and all(
+        0 <= o and o + s <= g for o, s, g in zip(c.offsets, c.tensor.shape, c.gshape))
+    if not box_ok:
+        raise LayoutError(f"{c.name}: a chunk of shape {list(c.tensor.shape)} at offsets {list(c.offsets)} does not "
+                          f"fit in the global shape {list(c.gshape)}")
+
+
+def write_rank_chunks(plumbing: Plumbing, vid: str, rank: int, chunks: Sequence[GlobalChunk],
+                      shard_bytes: int | None = None) -> RankWrite:
+    """Write this rank's chunks of version ``vid``, coalesced per dtype into ``data/<vid>/<rank>/<dtype>``
+    (the snapshotter's plan and segment filling; each array's chunk table and digest), durable on return.
+    ``shard_bytes``: the arrays' shard size (default: the snapshotter's)."""
+    for c in chunks:
+        _check_chunk(c)
+    records = [TensorRecord(c.name, c.tensor.detach(), _dtype_name(c.tensor, c.name), tuple(c.tensor.shape))
+               for c in chunks]
+    plan = make_plan(records, shard_bytes)
+    arrays = {dtype: ArrayInfo(f"data/{vid}/{rank}/{dtype}", dtype, numel, shard, inner)
+              for dtype, (numel, shard, inner) in plan.streams.items()}
+    written = {d: write_table(plumbing.store, info, table) for d, info, table in
+               _write_segments(plumbing.store, plan, arrays, [r.tensor for r in records])}
+    out = []
+    for c, r, p in zip(chunks, records, plan.placements):
+        piece = Piece((tuple(c.offsets), tuple(r.shape)), written[r.dtype].key, p.offset) if p.numel else None
+        out.append(ChunkRecord(c.name, r.dtype, tuple(c.gshape), piece))
+    return RankWrite(rank, {a.key: a for a in written.values()}, tuple(out))
+
+
+WRITE_BUFFERS = 4   # staging buffers in flight per rank: a shard being filled while others are written
+
+
+def _write_segments(store: Store, plan: WritePlan, arrays: dict[str, ArrayInfo],
+                    tensors: Sequence[torch.Tensor]) -> list[tuple[str, ArrayInfo, np.ndarray]]:
+    """Write every segment of ``plan``, filling the next staging buffer while earlier ones are written (by the
+    direct writer on a local store, else TensorStore), all durable on return; each array's chunk table."""
+    direct = DirectWriter.for_store(store)
+    biggest = max((seg.stop - seg.start) * arrays[seg.dtype].itemsize for seg in plan.segments) \
+        if plan.segments else 0
+    pool = StagingPool(biggest, WRITE_BUFFERS, align=LIVE_ALIGN if direct is not None and direct.direct_io else 0)
+    handles = {d: create_array(store, info) for d, info in arrays.items()}
+    crcs: list[np.ndarray | None] = [None] * len(plan.segments)
+    futures: list[tuple[int, Any]] = []
+
+    def source(i: int) -> torch.Tensor:
+        return tensors[i].resolve_conj().resolve_neg()
+
+    try:
+        for k, seg in enumerate(plan.segments):
+            info = arrays[seg.dtype]
+            buf = pool.take()
+            view = fill_segment(seg, source, buf)
+            faults.point("before_shard_write")
+            fut: Any = None if direct is None else direct.submit(info, seg.start, view)
+            if fut is None:
+                crcs[k] = chunk_crcs(info, view)
+                fut = handles[seg.dtype][seg.start:seg.stop].write(view).commit
+            fut.add_done_callback(lambda _f, buf=buf: pool.give(buf))
+            futures.append((k, fut))
+        for k, fut in futures:
+            got = fut.result()
+            if isinstance(got, np.ndarray):   # the direct writer's crc32cs; TensorStore's were taken before
+                crcs[k] = got
+    finally:
+        if direct is not None:
+            direct.close()
+    out = []
+    for dtype, info in arrays.items():
+        parts = [c for seg, c in zip(plan.segments, crcs) if seg.dtype == dtype and c is not None]
+        out.append((dtype, info, np.concatenate(parts)))
+    return out
+
+
+def read_branch_base(plumbing: Plumbing, branch: str | None = None) -> BranchBase:
+    """The branch a new version goes on (``branch``, default HEAD's) and its tip now: what ``commit_chunks``
+    moves it from. Read it when the save starts, so that a branch moved during the save is a conflict."""
+    plumbing.require_atomic_store()
+    head = plumbing.refs.head()
+    name = branch if branch is not None else head.branch
+    if name is None:
+        raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
+                                f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
+    tip, generation = plumbing.refs.branch_tip_with_generation(name)
+    orphan = head.orphan and head.branch == name
+    if tip is None and branch is None:
+        refuse_new_root(plumbing, name, orphan)
+    return BranchBase(name, tip, generation, orphan)
+
+
+def commit_chunks(plumbing: Plumbing, vid: str, writes: Sequence[RankWrite], tree: Any, world_size: int, *,
+                  step: int | None, message: str, metrics: dict[str, Any] | None,
+                  meta: dict[str, str] | None = None, base: BranchBase | None = None) -> Version:
+    """Commit every rank's chunks as version ``vid`` with skeleton ``tree`` (whose tensor leaves index the
+    tensors in the order their names first appear in ``writes``, rank by rank: see ``tensor_order``).
+
+    The chunks must cover each tensor exactly once. ``base``: the branch and tip read when the save started
+    (default: HEAD's branch, read now); the commit is a ConflictError if the branch moved since.
+    ``world_size`` is the framework's (every rank wrote into arrays of its own); the version records a single
+    process's layout, since nothing in it is per rank (docs/decisions/025-dcp-backend.md). ``meta``: free-text
+    names and values for the manifest header (``Version.meta``).
+    """
+    del world_size   # see the docstring: the layout is one process's
+    base = base if base is not None else read_branch_base(plumbing)
+    _, tensors, arrays = _merge(writes)
+    header = version_header(vid, base.tip, step, message, dict(metrics or {}), dict(meta) if meta else None)
+    size = sum(volume(p.box[1]) * arrays[p.array].itemsize for t in tensors for p in t.pieces)
+    manifest = Manifest.of(header, size=size, layout=SINGLE_PROCESS_LAYOUT, arrays=arrays, tensors=tensors,
+                           tree=tree)
+    if not plumbing.store.put_if_absent(VERSIONS_PREFIX + vid, encode_manifest(manifest)):
+        raise ConflictError(f"version {vid[:12]} already exists; a save commits a version once")
+    faults.point("after_manifest")
+    moved = plumbing.refs.move_branch(base.branch, vid, base.generation, base.tip, plumbing.first_parent)
+    if moved is None:
+        now = plumbing.refs.branch_tip(base.branch)
+        on = f"version {base.tip[:12]}" if base.tip else "an empty branch"
+        raise ConflictError(f"version {vid[:12]} was not committed: branch {base.branch!r} moved to {str(now)[:12]} "
+                            f"(another writer) while this save wrote on top of {on}; save again, or give each "
+                            f"writer a branch of its own")
+    faults.point("after_ref")
+    if base.tip is None and base.orphan:
+        try:
+            plumbing.refs.settle_orphan(base.branch)
+        except CkptRepoError:   # committed all the same; HEAD still reads as this branch
+            pass
+    plumbing.remember_header(manifest)
+    return version_from_manifest(manifest, (base.branch,))
+
+
+def tensor_order(writes: Sequence[RankWrite]) -> list[str]:
+    """The tensors' names in the order ``commit_chunks`` lists them (their index in a tree's tensor leaves)."""
+    return list(_merge(writes)[0])
+
+
+def _merge(writes: Sequence[RankWrite]) -> tuple[dict[str, int], tuple[TensorEntry, ...], dict[str, ArrayInfo]]:
+    declared: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    pieces: dict[str, list[Piece]] = {}
+    arrays: dict[str, ArrayInfo] = {}
+    for w in sorted(writes, key=lambda w: w.rank):
+        arrays.update(w.arrays)
+        for c in w.chunks:
+            dtype, gshape, first = declared.setdefault(c.name, (c.dtype, c.gshape, w.rank))
+            if (dtype, gshape) != (c.dtype, c.gshape):
+                raise LayoutError(f"{c.name}: the ranks disagree about this tensor: rank {first} writes it as "
+                                  f"{dtype} {list(gshape)}, rank {w.rank} as {c.dtype} {list(c.gshape)}")
+            pieces.setdefault(c.name, [])
+            if c.piece is not None:
+                pieces[c.name].append(c.piece)
+    check_coverage({n: (declared[n][1], [p.box for p in ps]) for n, ps in pieces.items()})
+    tensors = tuple(TensorEntry(n, d, s, tuple(pieces[n])) for n, (d, s, _) in declared.items())
+    return {n: i for i, n in enumerate(declared)}, tensors, arrays
+
+
+def read_chunks(source: Plumbing | Store, manifest: Manifest, wants: Sequence[GlobalChunk],
+                stats: ReadStats | None = None) -> ReadStats:
+    """Fill each wanted box of a global tensor of ``manifest`` into its tensor (of the stored dtype), reading only
+    the bytes the boxes need; returns the read statistics."""
+    store = source.data_store(manifest) if isinstance(source, Plumbing) else source
+    shapes = {t.name: (t.dtype, t.shape) for t in manifest.tensors}
+    targets = []
+    for w in wants:
+        _check_chunk(w)
+        if w.name not in shapes:
+            raise LayoutError(f"{w.name}: version {manifest.id[:12]} has no tensor of this name")
+        dtype, shape = shapes[w.name]
+        if tuple(w.gshape) != tuple(shape):
+            raise LayoutError(f"{w.name}: wanted as global shape {list(w.gshape)}, saved as {list(shape)}")
+        if DTYPE_NAMES.get(w.tensor.dtype) != dtype:
+            raise LayoutError(f"{w.name}: wanted as {w.tensor.dtype}, saved as {dtype}; read into a tensor of the "
+                              f"saved dtype and cast")
+        targets.append(TargetPiece(w.name, dtype, tuple(shape), (tuple(w.offsets), tuple(w.tensor.shape)), w.tensor))
+    return read_pieces(store, manifest, targets, stats)

@@ -1,0 +1,260 @@
+"""Lightning through ``CkptRepoIO``: fit, checkpoint into a repository, resume bit for bit, top-k bookkeeping.
+
+A tiny random-init model on synthetic data on the CPU; nothing downloaded. Resuming from a checkpoint must
+give the losses an uninterrupted run gives, step for step and bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import ckptrepo  # noqa: E402
+from ckptrepo import faults  # noqa: E402
+from ckptrepo.errors import RevisionError, SnapshotFailedError, UnsupportedValueError  # noqa: E402
+from ckptrepo.integrations._checkpoint_files import CheckpointFiles, read_pointer  # noqa: E402
+from ckptrepo.integrations.lightning import CkptRepoIO  # noqa: E402
+
+EPOCHS = 4
+BATCHES = 8   # per epoch
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr: float = 0.02) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, _i: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, _i: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)}
+
+
+class Losses(pl.Callback):
+    """Every training step's loss, by the global step its optimizer step reached."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: Any, _m: Any, outputs: Any, _b: Any, _i: int) -> None:
+        self.by_step[trainer.global_step] = float(outputs["loss"])
+
+
+def loaders() -> tuple[Any, Any]:
+    from torch.utils.data import DataLoader, TensorDataset
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCHES * 8, 8, generator=g), torch.randn(BATCHES * 8, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(TensorDataset(x[:16], y[:16]), batch_size=8)
+
+
+def fit(epochs: int, callbacks: list[Any], plugins: list[Any] | None = None, ckpt_path: Any = None,
+        checkpointing: bool = True) -> tuple[Losses, Any]:
+    pl.seed_everything(7, verbose=False)
+    losses = Losses()
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", deterministic=True, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpointing,
+                         callbacks=[losses, *callbacks], plugins=plugins or [])
+    trainer.fit(Tiny(), *loaders(), ckpt_path=ckpt_path)
+    return losses, trainer
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",   # Lightning's own
+                                        "ignore::FutureWarning")
+
+
+@pytest.fixture(autouse=True)
+def _no_faults() -> Iterator[None]:
+    yield
+    faults.clear()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict[int, float]:
+    losses, _ = fit(EPOCHS + 1, [], checkpointing=False)
+    return losses.by_step
+
+
+def checkpoint_callback(dirpath: Path, **kwargs: Any) -> Any:
+    return pl.callbacks.ModelCheckpoint(dirpath=dirpath, **kwargs)
+
+
+def after(losses: dict[int, float], step: int) -> dict[int, float]:
+    """The losses of the steps taken after global step ``step`` (a resume from a checkpoint saved there)."""
+    return {s: v for s, v in losses.items() if s > step}
+
+
+def test_fit_with_top_k_then_resume_matches_uninterrupted(tmp_path: Path, uninterrupted: dict[int, float]) -> None:
+    url, ckdir = tmp_path / "repo", tmp_path / "ck"
+    ck = checkpoint_callback(ckdir, save_top_k=2, monitor="val_loss", save_last=True)
+    losses, _ = fit(EPOCHS, [ck], [CkptRepoIO(url)])
+    assert losses.by_step == {s: v for s, v in uninterrupted.items() if s <= EPOCHS * BATCHES}   # saving: no change
+
+    # (b) top-k: the two best and last.ckpt are files, tags and loadable versions; the others are pruned
+    files = sorted(os.listdir(ckdir))
+    assert len(files) == 3 and "last.ckpt" in files, files
+    kept = {name: read_pointer(ckdir / name) for name in files}
+    repo = ckptrepo.open(url)
+    assert set(repo.tags()) == set(files)   # the file names as they are
+    for name, pointer in kept.items():
+        assert pointer is not None and repo.tags()[name] == pointer.version
+        assert repo.load(pointer.version)["global_step"] == pointer.step
+    gone = [v for v in repo.log() if v.id not in {p.version for p in kept.values() if p is not None}]
+    assert len(gone) == 2 * EPOCHS - 3   # one top-k file and one last.ckpt per epoch
+    for v in gone:
+        assert v.pruned
+        with pytest.raises(RevisionError, match="pruned"):
+            repo.load(v.id)
+
+    # (a) a fresh Trainer resumes from the earliest kept checkpoint (mid-run) and trains as if never stopped
+    earliest = min((p for n, p in kept.items() if n != "last.ckpt"), key=lambda p: p.step or 0)
+    assert earliest.step is not None and earliest.step < EPOCHS * BATCHES
+    path = next(ckdir / n for n, p in kept.items() if p == earliest)
+    resumed, trainer = fit(EPOCHS + 1, [checkpoint_callback(tmp_path / "ck2")], [CkptRepoIO(url)], ckpt_path=path)
+    assert resumed.by_step == after(uninterrupted, earliest.step)
+    assert trainer.global_step == (EPOCHS + 1) * BATCHES
+
+    # (c) ckpt_path="last": the newest last.ckpt (here the first run's: the second wrote its own elsewhere)
+    again, _ = fit(EPOCHS + 1, [checkpoint_callback(ckdir, save_last=True)], [CkptRepoIO(url)], ckpt_path="last")
+    assert again.by_step == after(uninterrupted, EPOCHS * BATCHES)
+
+
+def test_mid_epoch_resume_as_lightnings_own_files(tmp_path: Path) -> None:
+    """Mid-epoch: Lightning restarts the interrupted epoch's data from its start unless the loader is stateful,
+    so no run matches an uninterrupted one there; a resume from our version must match a resume from the file
+    Lightning's own TorchCheckpointIO wrote at the same step, bit for bit. Also: revisions as ckpt_path."""
+    url = tmp_path / "repo"
+    fit(2, [checkpoint_callback(tmp_path / "own", every_n_train_steps=5, save_top_k=-1)])
+    fit(2, [checkpoint_callback(tmp_path / "ck", every_n_train_steps=5, save_top_k=-1)], [CkptRepoIO(url)])
+    theirs, _ = fit(EPOCHS, [], ckpt_path=tmp_path / "own" / "epoch=1-step=10.ckpt", checkpointing=False)
+    assert min(theirs.by_step) == 11 and len(theirs.by_step) > BATCHES
+    ours, _ = fit(EPOCHS, [], [CkptRepoIO(url)], ckpt_path="@10", checkpointing=False)   # a revision
+    assert ours.by_step == theirs.by_step
+    # the file name ModelCheckpoint chose, once its file is gone: its tag
+    (tmp_path / "ck" / "epoch=1-step=10.ckpt").unlink()
+    ours, _ = fit(EPOCHS, [], [CkptRepoIO(url)], ckpt_path="epoch=1-step=10.ckpt", checkpointing=False)
+    assert ours.by_step == theirs.by_step
+
+
+def test_importing_the_plugin_module_imports_no_lightning() -> None:
+    import subprocess
+    import sys
+    code = ("import sys, ckptrepo, ckptrepo.integrations.lightning, ckptrepo.cli.main; "
+            "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)")
+    root = str(Path(ckptrepo.__file__).parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})
+
+
+def test_pointer_is_written_only_once_committed(tmp_path: Path) -> None:
+    files = CheckpointFiles(tmp_path / "repo")
+    path = tmp_path / "ck" / "a.ckpt"
+    held, release = threading.Event(), threading.Event()
+
+    def hold(_name: str) -> None:
+        held.set()
+        release.wait(10)
+    faults.set_hook("after_manifest", hold)
+    files.save({"w": torch.ones(4), "global_step": 3}, path, step=3)
+    assert held.wait(10)
+    assert not path.exists()   # the manifest is written, the branch has not moved: no pointer yet
+    release.set()
+    files.wait()
+    doc = json.loads(path.read_text())
+    assert doc["kind"] == "ckptrepo-checkpoint" and doc["step"] == 3 and doc["tag"] == "a.ckpt"
+    assert torch.equal(files.load(path)["w"], torch.ones(4))
+
+    # a remove of a path whose save is in flight waits for its pointer, then deletes pointer and tag; the
+    # version, the branch tip until the next commit, is pruned by that commit
+    held.clear()
+    release.clear()
+    files.save({"w": torch.full((4,), 2.0)}, path, step=4)
+    assert held.wait(10)
+    remover = threading.Thread(target=files.remove, args=(path,))
+    remover.start()
+    remover.join(0.3)
+    assert remover.is_alive()
+    release.set()
+    remover.join(10)
+    assert not path.exists() and "a.ckpt" not in files.repo.tags()
+    tip = files.repo.resolve("HEAD")
+    faults.clear()
+    files.save({"w": torch.zeros(4)}, tmp_path / "ck" / "c.ckpt", step=5)
+    files.wait()
+    assert files.repo.version(tip).pruned
+
+    def fail(_name: str) -> None:
+        raise OSError("disk on fire")
+    faults.set_hook("after_data", fail)
+    files.save({"w": torch.zeros(4)}, tmp_path / "ck" / "b.ckpt")
+    with pytest.raises(SnapshotFailedError, match="disk on fire"):
+        files.wait()
+    assert not (tmp_path / "ck" / "b.ckpt").exists()
+    files.close()
+
+
+def test_load_right_after_save_and_lightning_files(tmp_path: Path) -> None:
+    io = CkptRepoIO(tmp_path / "repo")
+    io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.arange(6.0)}}, tmp_path / "x.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "x.ckpt")   # waits for the save in flight
+    assert loaded["global_step"] == 4 and torch.equal(loaded["state_dict"]["w"], torch.arange(6.0))
+    # a checkpoint Lightning wrote itself loads and is removed as TorchCheckpointIO would
+    torch.save({"global_step": 1}, tmp_path / "own.ckpt")
+    assert io.load_checkpoint(tmp_path / "own.ckpt")["global_step"] == 1
+    io.remove_checkpoint(tmp_path / "own.ckpt")
+    assert not (tmp_path / "own.ckpt").exists()
+    with pytest.raises(RevisionError, match="no checkpoint file"):
+        io.load_checkpoint(tmp_path / "nothing.ckpt")
+    # hyperparameters are saved too, never pickled: a value the skeleton cannot hold is named, with what to do
+    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters.*save_hyperparameters\(ignore"):
+        io.save_checkpoint({"hyper_parameters": {"root": tmp_path}}, tmp_path / "h.ckpt")
+    # save_last="link": removing a link (or a copy) of a checkpoint's pointer leaves that checkpoint alone
+    os.symlink(tmp_path / "x.ckpt", tmp_path / "last.ckpt")
+    io.remove_checkpoint(tmp_path / "last.ckpt")
+    (tmp_path / "copy.ckpt").write_bytes((tmp_path / "x.ckpt").read_bytes())
+    io.remove_checkpoint(tmp_path / "copy.ckpt")
+    assert "x.ckpt" in ckptrepo.open(tmp_path / "repo").tags()
+    assert io.load_checkpoint(tmp_path / "x.ckpt")["global_step"] == 4
+    io.teardown()
+
+
+def test_save_returns_before_capture_once_the_optimizer_is_attached(tmp_path: Path) -> None:
+    """After an optimizer has stepped under the plugin, a save returns before its capture, and that optimizer's
+    next step waits for it: the version holds the state of the save, not the one after the step."""
+    import time
+    io = CkptRepoIO(tmp_path / "repo")
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def train_step() -> None:
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 0}, tmp_path / "a.ckpt")
+    train_step()   # the plugin attaches the optimizer here
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def slow(_name: str) -> None:
+        time.sleep(1.0)
+    faults.set_hook("before_capture", slow)
+    t0 = time.perf_counter()
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 1}, tmp_path / "b.ckpt")
+    assert time.perf_counter() - t0 < 0.7   # did not wait for the (slowed) capture
+    train_step()   # waits for it
+    faults.clear()
+    saved = io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]
+    assert all(torch.equal(saved[k], before[k]) for k in before)
+    assert not torch.equal(model.weight, before["weight"])
+    io.teardown()
