@@ -44,6 +44,10 @@ DATA_PREFIX = "data/"
 STAGING_PREFIX = "staging/"   # rank manifests of a distributed snapshot until rank 0 commits it
 FAILURES_PREFIX = "failures/"   # a record per background snapshot that failed (log --all, fsck)
 PRUNED_PREFIX = "pruned/"   # an empty marker per version whose data gc deleted (its manifest stays)
+# while `prune` deletes one version's data: the arrays it is about to delete, so that a commit reusing one of
+# them (dedup) fails instead of landing on deleted bytes (maintenance/_gc.py prune_version, saving/_dedup.py)
+PRUNING_PREFIX = "pruning/"
+PRUNING_STALE_S = 3600.0   # an intent older than this is a prune that died midway: ignored, and gc deletes it
 SYMREF_PREFIX = "ref: "
 
 # The most bytes a reader takes of an object it reads whole (docs/format.md, "Size limits"); a bigger one is
@@ -355,6 +359,9 @@ def checked_step(step: Any) -> int | None:
     return step
 
 
+MAX_META_CHARS = 64 * 1024   # a header is read by every log and history walk: meta is for ids and URLs
+
+
 def checked_meta(meta: Any) -> dict[str, str] | None:
     """Free-text key/values for a version's header (a tracker's run id and URL, the file name a framework chose):
     text only, so that any reader can show them; None or empty records nothing."""
@@ -363,6 +370,11 @@ def checked_meta(meta: Any) -> dict[str, str] | None:
     if not isinstance(meta, Mapping):
         raise UnsupportedValueError(f"meta must be a dict of names to text, not {type(meta).__name__}")
     out = {}
+    total = sum(len(k) + len(v) for k, v in meta.items() if isinstance(k, str) and isinstance(v, str))
+    if total > MAX_META_CHARS:
+        raise UnsupportedValueError(f"meta holds {total} characters, more than the {MAX_META_CHARS} a header keeps "
+                                    f"(every `log` reads it): keep ids, names and URLs there, and store larger "
+                                    f"things in the state")
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise UnsupportedValueError(f"meta {k!r} = {v!r:.40} is not text; meta maps names to strings (use "

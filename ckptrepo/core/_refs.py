@@ -63,9 +63,8 @@ def is_new_ref_name(name: str) -> bool:
 def check_ref_name(name: str, kind: str) -> None:
     """Refuse names :func:`is_new_ref_name` refuses, saying what a name may hold."""
     if not isinstance(name, str) or not is_new_ref_name(name):
-        raise RefError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-' and '/' (no spaces or "
-                       f"control characters), not starting with '-', '.' or '/', no part ending in '.lock', "
-                       f"and not 'HEAD'")
+        raise RefError(f"invalid {kind} name {name!r}: use letters, digits and '._-/=+,' (no spaces or control "
+                       f"characters), not starting with '-', '.' or '/', no part ending in '.lock', and not 'HEAD'")
 
 
 def ref_text(raw: bytes) -> str | None:
@@ -282,6 +281,20 @@ class Refs:
         self._check_new_name("tag", name)
         if self._swap(TAGS_PREFIX + name, version.encode(), NO_VALUE) is None:
             raise _exists("tag", name)
+
+    def check_tag_name(self, name: str, may_exist: bool) -> None:
+        """Refuse a tag ``set_tag`` would refuse: a bad name, one of a branch or a version-id prefix, and (unless
+        ``may_exist``) one that exists; before a snapshot is written, not after its commit."""
+        check_ref_name(name, "tag")
+        if not may_exist:
+            self._check_new_name("tag", name)
+            return
+        if name in self._names("branch"):
+            raise RefError(f"cannot use tag {name!r}: a branch of that name exists, and {name!r} as a revision "
+                           f"would name only the branch; pick another name")
+        if _HEX_RE.fullmatch(name) and self.store.list(VERSIONS_PREFIX + name):
+            raise RefError(f"cannot use tag {name!r}: it is the start of a version id, which it would hide from "
+                           f"revisions; pick another name")
 
     def set_tag(self, name: str, version: str, force: bool = False) -> None:
         """Create tag ``name`` at ``version``; with ``force`` an existing tag moves there (``git tag -f``).

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -58,7 +59,7 @@ from ckptrepo.core._manifest import checked_meta, checked_step, new_version_id, 
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import check_ref_name
 from ckptrepo.core.schema import Manifest
-from ckptrepo.errors import CkptRepoError, CorruptionError, RefError, UnsupportedValueError
+from ckptrepo.errors import ArgumentError, CkptRepoError, CorruptionError, RefError, UnsupportedValueError, first_line
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.saving._pieces import (
     BranchBase,
@@ -163,6 +164,10 @@ class Writer(StorageWriter):
         self.version = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            # without them every rank would commit a version of its own pieces alone
+            raise ArgumentError("ckptrepo.dcp.Writer needs DCP's collectives (one version from every rank's "
+                                "pieces); call dcp.save without use_collectives=False")
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
 
@@ -227,7 +232,7 @@ class Writer(StorageWriter):
         fqns = [f for f in mappings if f in metadata.state_dict_metadata]
         fqns += [f for f in metadata.state_dict_metadata if f not in mappings]
         paths = {fqn: tuple(mappings.get(fqn, (fqn,))) for fqn in fqns}
-        names = {fqn: _name(path) for fqn, path in paths.items()}
+        names = _unique_names(paths)
         writes: list[RankWrite] = []
         kinds: dict[str, _Item] = {}
         for rank_results in results:
@@ -253,7 +258,12 @@ class Writer(StorageWriter):
         self.version = commit_chunks(self._plumbing, self._vid, renamed, _tree(leaves), len(results), step=self.step,
                                      message=self.message, metrics=self.metrics, meta=self.meta, base=self._base)
         if self.tag is not None:
-            self.version = ckptrepo.open(self.url).tag(self.tag, self._vid, force=self.force_tag)
+            try:
+                self.version = ckptrepo.open(self.url).tag(self.tag, self._vid, force=self.force_tag)
+            except CkptRepoError as err:   # the version is committed: a failed save here would be retried twice
+                warnings.warn(f"version {self._vid[:12]} was committed, but tag {self.tag!r} was not set: "
+                              f"{first_line(err)}; tag it with `ckptrepo tag {self.tag} {self._vid[:12]}`",
+                              stacklevel=2)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -263,6 +273,22 @@ class Writer(StorageWriter):
 def _name(path: Sequence[Any]) -> str:
     """A tensor's stored name: its path joined by ``/``, as a snapshot names it (``model/layers.0.weight``)."""
     return "/".join(str(p) for p in path)
+
+
+def _unique_names(paths: dict[str, tuple[Any, ...]]) -> dict[str, str]:
+    """Each FQN's stored name; two paths that join alike (the key ``"a/b"`` and ``{"a": {"b": ...}}``) are told
+    apart as a snapshot tells them (``a/b``, ``a/b#2``), in the state's order."""
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    for fqn, path in paths.items():
+        base = name = _name(path)
+        n = 1
+        while name in taken:
+            n += 1
+            name = f"{base}#{n}"
+        taken.add(name)
+        out[fqn] = name
+    return out
 
 
 class _Leaf:

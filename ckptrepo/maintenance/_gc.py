@@ -36,9 +36,13 @@ from ckptrepo.core._manifest import (
     FAILURES_PREFIX,
     HEADS_PREFIX,
     PRUNED_PREFIX,
+    PRUNING_PREFIX,
+    PRUNING_STALE_S,
     STAGING_PREFIX,
     VERSIONS_PREFIX,
     is_version_id,
+    seal,
+    unseal,
     version_id_time,
 )
 from ckptrepo.core._manifest_reads import children_first, find_cycle, missing_manifest, parent_cycle_error
@@ -408,6 +412,9 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
     for key in stale_leases:
         plumbing.store.delete(key)
+    for key in plumbing.store.list(PRUNING_PREFIX):   # the intents of prunes that died midway
+        if key[len(PRUNING_PREFIX):] not in pruning_in_progress(plumbing.store, now):
+            plumbing.store.delete(key)
     for key in plumbing.store.list(FAILURES_PREFIX):
         vid = key[len(FAILURES_PREFIX):]
         if vid not in facts and not young(vid, version_id_time(vid)):
@@ -481,8 +488,45 @@ def prune_version(plumbing: Plumbing, vid: str) -> int:
     if vid not in facts:
         raise RefError(f"version {vid[:12]} has no manifest here; nothing to prune")
     live = {key for other, f in facts.items() if other != vid and other not in already for key in f.referenced}
-    doomed = [(key, nbytes) for key, nbytes, _ in facts[vid].arrays if key not in live]
-    plumbing.store.put(PRUNED_PREFIX + vid, b"")   # marker first: a crash leaves data, never a lie (as collect)
-    for key, _ in sorted(doomed):
-        plumbing.store.delete_prefix(key + "/")
-    return sum(nbytes for _, nbytes in doomed)
+    doomed = {key: nbytes for key, nbytes, _ in facts[vid].arrays if key not in live}
+    # a snapshot in flight may reuse one of these arrays (dedup) and commit at any moment. The intent, written
+    # first, lists them: a commit checks it after writing its manifest and fails rather than point at deleted
+    # bytes; the manifests written before that check are read again here, and what they use is kept
+    intent = PRUNING_PREFIX + vid
+    plumbing.store.put(intent, seal({"time": time.time(), "arrays": sorted(doomed)}))
+    try:
+        plumbing.store.put(PRUNED_PREFIX + vid, b"")   # marker first: a crash leaves data, never a lie (as collect)
+        for _new, m in plumbing.iter_manifests([v for v in plumbing.all_version_ids() if v not in facts]):
+            if isinstance(m, Manifest):
+                for t in m.tensors:
+                    for p in t.pieces:
+                        doomed.pop(p.array, None)
+        for key in sorted(doomed):
+            plumbing.store.delete_prefix(key + "/")
+    finally:
+        plumbing.store.delete(intent)
+    return sum(doomed.values())
+
+
+def pruning_in_progress(store: Any, now: float) -> set[str]:
+    """The versions whose prune is running now (an intent younger than ``PRUNING_STALE_S``)."""
+    return {key[len(PRUNING_PREFIX):] for key, intent in _intents(store) if now - intent[0] < PRUNING_STALE_S}
+
+
+def _intents(store: Any) -> list[tuple[str, tuple[float, list[str]]]]:
+    out = []
+    for key in store.list(PRUNING_PREFIX):
+        raw = store.get(key)
+        if raw is None:
+            continue
+        try:
+            intent = unseal(raw, key)
+            out.append((key, (float(intent["time"]), [a for a in intent["arrays"] if isinstance(a, str)])))
+        except (CorruptionError, KeyError, TypeError, ValueError):
+            out.append((key, (0.0, [])))   # torn by a crash: that prune is over
+    return out
+
+
+def pruning_arrays(store: Any, now: float) -> set[str]:
+    """The arrays prunes in progress are deleting (intents younger than ``PRUNING_STALE_S``)."""
+    return {a for _, (t, arrays) in _intents(store) if now - t < PRUNING_STALE_S for a in arrays}

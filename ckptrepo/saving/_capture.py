@@ -143,6 +143,16 @@ def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, com
     return parse_size(host_memory), tier_bytes
 
 
+def _refuse_spread_dtensors(records: list[TensorRecord]) -> None:
+    """A single_process snapshot holds only what this process has: a DTensor spread over several ranks would be
+    committed with the other ranks' parts missing, so it is refused before anything is written."""
+    for r in records:
+        if is_dtensor(r.tensor) and (ranks := r.tensor.device_mesh.size()) > 1:  # type: ignore[attr-defined]
+            raise LayoutError(f"{r.name} is a DTensor over {ranks} ranks, and a single_process "
+                              f"snapshotter saves only this process's part; snapshot from every rank (no "
+                              f"single_process), or gather it first (full_tensor())")
+
+
 def unwrapped_optimizer(optimizer: Any) -> Any:
     """The optimizer whose ``step()`` really runs: accelerate's ``AcceleratedOptimizer`` and Lightning's
     ``LightningOptimizer`` wrap one in ``.optimizer`` and call its ``step()``, so a hook on the wrapper would
@@ -220,6 +230,11 @@ class Snapshotter:
         # single_process: this process snapshots the whole state alone, as if torch.distributed had one rank (a
         # framework that saves on rank 0 only, as Lightning and the HF Trainer do under DDP)
         self.rank, self.world_size = (0, 1) if single_process else process_group_rank()
+        self.single_process = single_process
+        if single_process and parallel_layout is not None and parallel_layout.world_size > 1:
+            raise LayoutError(f"a single_process snapshotter saves the whole state from this process alone, so it "
+                              f"takes no layout of several ranks ({parallel_layout}); leave single_process off to "
+                              f"snapshot from every rank")
         self.retention = retention
         self._commits = 0
         self._retention_idle = threading.Event()   # clear while a background gc pass is pending or running
@@ -244,6 +259,7 @@ class Snapshotter:
         # reads HEAD: DetachedHeadError before anything starts
         self._committer = Committer(plumbing, parallel_layout, self.rank, self.world_size, self.sharded,
                                     commit_timeout_s)
+        self._committer.before_ref = self._recheck_reused
         self.host_memory = host_bytes or default_host_memory()
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
@@ -260,6 +276,8 @@ class Snapshotter:
         self._flush_q: queue.Queue = queue.Queue()
         self._commit_q: queue.Queue = queue.Queue()
         self._inflight: list[SnapshotJob] = []
+        # committed or failed, their done callbacks still running: wait() and close() wait for these too
+        self._finishing: list[SnapshotJob] = []
         self._errors: list[CkptRepoError] = []   # failed snapshots, background gc passes and pushes
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -325,6 +343,8 @@ class Snapshotter:
             # fill paths below cannot read a tensor subclass's memory, and the version must hold them by their
             # global names and shapes, as a larger mesh would
             sharded = self.sharded or any(is_dtensor(r.tensor) for r in records)
+            if self.single_process:
+                _refuse_spread_dtensors(records)
             # of the live tensors, before buffer copies
             keys = [dedup_key(r) for r in records] if self._dedup is not None and not sharded else []
             self._bare_versions = copy_what_forward_may_change(state, records, self._step_owned(),
@@ -378,8 +398,10 @@ class Snapshotter:
         if not isinstance(force, bool):
             raise ArgumentError(f"force_tag must be True or False, not {force!r}")
         check_ref_name(tag, "tag")
-        if not force and self.rank == 0 and tag in self.plumbing.refs.tags(strict=False):
-            raise RefError(f"tag {tag!r} exists; pick another name, or pass force_tag=True to move it")
+        if self.rank == 0:
+            if not force and tag in self.plumbing.refs.tags(strict=False):
+                raise RefError(f"tag {tag!r} exists; pick another name, or pass force_tag=True to move it")
+            self.plumbing.refs.check_tag_name(tag, may_exist=force)
 
     def _tag(self, job: SnapshotJob) -> None:
         """Rank 0 puts the job's tag on its committed version; a failure is raised by the next call (the version
@@ -556,7 +578,7 @@ class Snapshotter:
 
     def _pending_jobs(self) -> list[SnapshotJob]:
         with self._lock:
-            return list(self._inflight)
+            return self._finishing + self._inflight
 
     def _wait_for_capture(self) -> None:
         t0 = time.perf_counter()
@@ -865,19 +887,33 @@ class Snapshotter:
                 retain = True
                 self._retention_idle.clear()   # before the job is done, so wait() also waits for this gc
         finally:
+            # out of the in-flight count (a callback may snapshot again without waiting for its own job), but
+            # still waited for by wait() and close() until its callbacks have run
             with self._lock:
                 self._inflight.remove(job)
-            job.handle._finish()
+                self._finishing.append(job)
+            try:
+                job.handle._finish()
+            finally:
+                with self._lock:
+                    self._finishing.remove(job)
         return retain
 
     def _commit(self, job: SnapshotJob) -> Version:
         job.arrays = {d: write_table(self.plumbing.store, info, job.chunk_crcs[d]) for d, info in job.arrays.items()}
         if self._dedup is not None and job.reused:
             self._dedup.check_reused(self.plumbing.store, job)
+
         version = self._committer.commit(job)
         if self._dedup is not None and not job.sharded:
             self._dedup.remember(job)
         return version
+
+    def _recheck_reused(self, job: SnapshotJob) -> None:
+        """Between the manifest and the ref: the reused arrays again. A prune that began meanwhile either reads
+        this manifest (and keeps what it reuses) or has its intent seen here (maintenance/_gc.py prune_version)."""
+        if self._dedup is not None and job.reused:
+            self._dedup.check_reused(self.plumbing.store, job)
 
     def _apply_retention(self) -> None:
         """Background gc after a commit; a failure is logged and raised by the next call, like a failed snapshot."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ckptrepo import faults
 from ckptrepo.core._manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
@@ -78,6 +78,8 @@ class Committer:
         if self.tip is None:
             refuse_new_root(plumbing, head.branch, head.orphan)
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
+        # called between the manifest and the ref: a check that must see what a concurrent prune sees (dedup)
+        self.before_ref: Callable[[SnapshotJob], None] | None = None
         faults.point("after_read_head")
 
     def commit(self, job: SnapshotJob) -> Version:
@@ -149,6 +151,8 @@ class Committer:
         manifest = manifest.with_stats(job.handle.stats.to_json())
         self.plumbing.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
         faults.point("after_manifest")
+        if self.before_ref is not None:
+            self.before_ref(job)
         moved = self.plumbing.refs.move_branch(self.branch, job.vid, self.generation, self.tip,
                                                self.plumbing.first_parent)
         if moved is None:

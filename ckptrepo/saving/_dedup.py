@@ -12,6 +12,7 @@ Single process only: a sharded snapshot always writes everything.
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -115,10 +116,16 @@ class DedupIndex:
                        if k not in present]
             if missing:
                 self.stored = {}
-                raise StorageError(f"{missing[0]} was deleted (gc) while snapshot {job.vid[:12]} was in flight "
-                                   f"and this snapshot reuses its unchanged tensors; take the snapshot again "
+                raise StorageError(f"{missing[0]} was deleted (gc or prune) while snapshot {job.vid[:12]} was in "
+                                   f"flight and this snapshot reuses its unchanged tensors; take the snapshot again "
                                    f"(the next one writes every tensor), and run gc between snapshotter.wait() "
                                    f"and the next snapshot")
+        from ckptrepo.maintenance._gc import pruning_arrays
+        doomed = {s.array for s in job.reused.values()} & pruning_arrays(store, time.time())
+        if doomed:
+            self.stored = {}
+            raise StorageError(f"{min(doomed)} is being deleted by a `prune` while snapshot {job.vid[:12]} reuses "
+                               f"its unchanged tensors; take the snapshot again (the next one writes every tensor)")
 
     def remember(self, job: "SnapshotJob") -> None:
         """Commit thread, after a commit: this version's tensors become what the next snapshots compare with."""

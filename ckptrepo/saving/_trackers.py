@@ -29,6 +29,20 @@ def tracker_meta(tensorboard_dir: str | None = None) -> dict[str, str]:
     return out
 
 
+def without_credentials(uri: Any) -> str | None:
+    """``uri`` without a user, password or query (``https://alice:token@host/?key=...`` -> ``https://host/``): a
+    header is read by anyone who can list versions and is pushed to every remote, so no secret goes there."""
+    if not isinstance(uri, str):
+        return None
+    from urllib.parse import urlsplit, urlunsplit
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return None
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
 def _text(values: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in values.items() if v not in (None, "")}
 
@@ -49,7 +63,7 @@ def _mlflow() -> dict[str, str]:
     if run is None:
         return {}
     info = run.info
-    uri = mlflow.get_tracking_uri() if mlflow is not None else None
+    uri = without_credentials(mlflow.get_tracking_uri()) if mlflow is not None else None
     url = None
     if isinstance(uri, str) and uri.startswith(("http://", "https://")):   # a tracking server: its run page
         url = f"{uri.rstrip('/')}/#/experiments/{info.experiment_id}/runs/{info.run_id}"

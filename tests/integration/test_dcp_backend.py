@@ -143,3 +143,43 @@ def test_cuda_tensors_save_and_load_through_dcp(tmp_path) -> None:
     assert all(t.is_cuda for t in into["model"].values())
     assert_bit_exact({"model": cpu, "step": 7}, {"model": {k: v.cpu() for k, v in into["model"].items()},
                                                   "step": into["step"]})
+
+
+def test_keys_that_join_alike_are_kept_apart(tmp_path) -> None:
+    url = str(tmp_path / "r")
+    ckptrepo.init(url)
+    state = {"a/b": torch.arange(3.0), "a": {"b": torch.arange(3.0) + 10}}
+    v = _save(state, url, step=1)
+    names = [t.name for t in ckptrepo.open(url).plumbing.manifest(v.id).tensors]
+    assert sorted(names) == ["a/b", "a/b#2"]
+    back = {"a/b": torch.zeros(3), "a": {"b": torch.zeros(3)}}
+    _load(back, url)
+    assert_bit_exact(back, state)
+
+
+def test_a_tag_taken_during_the_save_leaves_the_version_committed_with_a_warning(tmp_path) -> None:
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    first = repo.snapshot({"x": torch.ones(2)}, step=0)
+    w = cdcp.Writer(url, step=2, tag="best")
+    plan_tagged = False
+    orig = w.prepare_global_plan
+
+    def prepare(plans):   # the rival takes the name after the check, while the data is written
+        nonlocal plan_tagged
+        out = orig(plans)
+        repo.tag("best", first.id)
+        plan_tagged = True
+        return out
+    w.prepare_global_plan = prepare
+    with pytest.warns(UserWarning, match="was committed, but tag 'best' was not set"):
+        dcp.save({"x": torch.zeros(2)}, storage_writer=w, no_dist=True)
+    assert plan_tagged and w.version is not None and repo.resolve("best") == first.id
+    assert [v.step for v in repo.log()] == [2, 0]   # committed once, not reported as a failed save
+
+
+def test_save_without_collectives_is_refused(tmp_path) -> None:
+    url = str(tmp_path / "r")
+    ckptrepo.init(url)
+    with pytest.raises(ckptrepo.ArgumentError, match="use_collectives=False"):
+        cdcp.Writer(url).set_up_storage_writer(True, rank=0, use_collectives=False)

@@ -104,6 +104,12 @@ def test_done_callbacks_run_after_commit_and_before_wait_returns(tmp_path):
         h.add_done_callback(slow)
         snap.wait()
         assert finished.is_set(), "wait() returned before the done callback ran"
+        settled = snap.snapshot(_state(2), step=8)
+        slow_again: list[str] = []
+        settled.add_done_callback(lambda hh: (time.sleep(0.3), slow_again.append(hh.id)))
+        settled.result()   # committed; its callback may still be running
+        snap.wait()
+        assert slow_again == [settled.id], "wait() returned before a committed snapshot's callback ran"
         late: list[str] = []
         h.add_done_callback(lambda hh: late.append(hh.id))   # already done: runs at once, here
         assert late == [h.id]
@@ -181,3 +187,99 @@ def test_cli_moves_a_tag_with_f_and_prunes_one_version(tmp_path):
     kept = run("prune", "@2", repo=where)
     assert kept.returncode != 0 and "named by tag 'last'" in kept.stderr
     assert repo.version(a.id).pruned and not repo.version(b.id).pruned
+
+
+def _prune_while_reusing(tmp_path, hook_point: str):
+    """v3 reuses v1's bytes of "y" (dedup: matched while v2, without "y", was not committed yet); ``prune(v1)``
+    runs at ``hook_point`` of v3's commit. Returns (repo, v1, v3's handle, y)."""
+    from ckptrepo import faults
+    repo = ckptrepo.init(tmp_path / "r")
+    snap = repo.snapshotter(max_in_flight=4)
+    y = torch.arange(1000.0)
+    v1 = snap.snapshot({"a": torch.zeros(10), "y": y}, step=1).result()
+    hold_v2 = threading.Event()
+    seen: list[str] = []
+
+    def at_data(_):
+        seen.append("data")
+        if len(seen) == 1:
+            hold_v2.wait(10)   # v2 is held until v3 has been matched against v1
+
+    def at_point(_):
+        if repo.branches()["main"] != v1.id:   # v3's commit (v2 is the tip by then)
+            faults.set_hook(hook_point, None)
+            repo.prune(v1.id)
+    faults.set_hook("after_data", at_data)
+    faults.set_hook(hook_point, at_point)
+    try:
+        h2 = snap.snapshot({"a": torch.ones(10)}, step=2)
+        h3 = snap.snapshot({"a": torch.full((10,), 3.0), "y": y}, step=3)
+        hold_v2.set()
+        h2.result()
+        try:
+            h3.result(timeout=30)
+        except ckptrepo.CkptRepoError:
+            pass
+        try:
+            snap.close()
+        except ckptrepo.CkptRepoError:
+            pass
+    finally:
+        faults.clear()
+    return repo, v1, h3, y
+
+
+def test_a_prune_that_reads_an_in_flight_manifest_keeps_what_it_reuses(tmp_path):
+    repo, v1, h3, y = _prune_while_reusing(tmp_path, "after_manifest")
+    v3 = h3.result()   # its manifest was written before the prune read the history: "y" is kept
+    assert_bit_exact(repo.load(v3.id)["y"], y)
+    assert repo.version(v1.id).pruned
+    assert run("fsck", repo=str(tmp_path / "r")).returncode == 0
+
+
+def test_a_prune_under_way_fails_a_commit_that_reuses_its_arrays_instead_of_corrupting_it(tmp_path):
+    from ckptrepo.core._manifest import PRUNING_PREFIX, seal
+    from ckptrepo.maintenance._gc import pruning_arrays
+    repo = ckptrepo.init(tmp_path / "r")
+    store = repo.plumbing.store
+    store.put(PRUNING_PREFIX + "a" * 32, seal({"time": time.time(), "arrays": ["data/x/0/float32"]}))
+    store.put(PRUNING_PREFIX + "b" * 32, seal({"time": time.time() - 7200, "arrays": ["data/y/0/float32"]}))
+    assert pruning_arrays(store, time.time()) == {"data/x/0/float32"}   # the stale intent of a dead prune is not
+    y = torch.arange(100.0)
+    with repo.snapshotter() as snap:
+        v1 = snap.snapshot({"y": y}, step=1).result()
+        array = next(iter(repo.plumbing.manifest(v1.id).arrays))
+        store.put(PRUNING_PREFIX + "c" * 32, seal({"time": time.time(), "arrays": [array]}))
+        h = snap.snapshot({"y": y}, step=2)   # unchanged: reuses v1's array, which a prune is deleting
+        with pytest.raises(ckptrepo.CkptRepoError, match="being deleted by a `prune`"):
+            h.result()
+        with pytest.raises(ckptrepo.CkptRepoError):
+            snap.wait()
+    assert [v.step for v in repo.log()] == [1]
+    repo.gc()   # the dead prune's intent goes; a young one stays
+    assert sorted(store.list(PRUNING_PREFIX)) == [PRUNING_PREFIX + "a" * 32, PRUNING_PREFIX + "c" * 32]
+
+
+def test_snapshot_refuses_a_tag_the_commit_could_not_set(tmp_path):
+    repo = ckptrepo.init(tmp_path / "r")
+    v = repo.snapshot(_state(1), step=1)
+    with repo.snapshotter() as snap:
+        for bad, force in (("main", False), ("main", True), (v.id[:8], True), (v.id[:8], False)):
+            with pytest.raises(RefError, match="branch of that name|start of a version id|exists"):
+                snap.snapshot(_state(2), step=2, tag=bad, force_tag=force)
+    assert [x.step for x in repo.log()] == [1] and repo.tags() == {}
+
+
+def test_meta_is_bounded(tmp_path):
+    repo = ckptrepo.init(tmp_path / "r")
+    with pytest.raises(UnsupportedValueError, match="more than the 65536"):
+        repo.snapshot(_state(1), meta={"blob": "x" * 70_000})
+    assert repo.log() == []
+
+
+def test_single_process_refuses_a_layout_of_several_ranks(tmp_path):
+    repo = ckptrepo.init(tmp_path / "r")
+    with pytest.raises(ckptrepo.LayoutError, match="single_process"):
+        repo.snapshotter(single_process=True, parallel_layout=ckptrepo.ParallelLayout(tp=2))
+    with pytest.raises(ArgumentError, match="single_process must be True or False"):
+        repo.snapshotter(single_process="yes")

@@ -77,3 +77,12 @@ def test_an_active_wandb_run_is_recorded_with_each_snapshot(tmp_path, monkeypatc
         assert v.meta.get("wandb.run_id") == run_.id
     finally:
         run_.finish()
+
+
+def test_tracker_uris_lose_their_credentials():
+    from ckptrepo.saving._trackers import without_credentials
+    assert without_credentials("https://alice:s3cr3t@mlflow.example/?token=x#frag") == "https://mlflow.example/"
+    assert without_credentials("https://mlflow.example:5000/api") == "https://mlflow.example:5000/api"
+    assert without_credentials("file:///runs/mlruns") == "file:///runs/mlruns"
+    assert without_credentials("databricks") == "databricks"
+    assert without_credentials(None) is None
