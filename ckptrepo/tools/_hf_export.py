@@ -26,7 +26,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ckptrepo.errors import ExchangeError, first_line
+from ckptrepo.errors import ArgumentError, ExchangeError, first_line
+from ckptrepo.saving._host_memory import parse_size
 
 MODEL_KEY = "model"
 CONFIG_KEY = "hf_config"
@@ -47,26 +48,17 @@ RNG_FILE = "rng_state.pth"
 TRAINER_STATE_FILE = "trainer_state.json"
 
 # HF's size units: "5GB" is 5 * 10**9 bytes, "5GiB" 5 * 2**30 (transformers' and huggingface_hub's parse)
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
 def shard_bytes(size: int | str | None) -> int:
     """The largest shard an export writes, in bytes: an int, or text with HF's units (``"5GB"`` is 5 * 10**9
     bytes, ``"5GiB"`` 5 * 2**30); None: HF's default, 5GB."""
-    if size is None:
-        size = DEFAULT_MAX_SHARD_SIZE
-    m = _SIZE_RE.match(size) if isinstance(size, str) else None
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    elif m is not None:
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    else:
-        n = 0
-    if n <= 0:
+    try:
+        n = parse_size(DEFAULT_MAX_SHARD_SIZE if size is None else size, "max shard size")
+    except ArgumentError:
         raise ExchangeError(f"max shard size {size!r} is not a size; pass bytes (an int > 0) or text like '5GB' "
-                            f"or '500MB'")
+                            f"or '500MB'") from None
+    assert n is not None
     return n
 
 
