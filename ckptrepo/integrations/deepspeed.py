@@ -283,8 +283,9 @@ class CkptRepoCheckpointEngine:
 
     def commit(self, info: Any) -> bool:
         """Snapshot every rank's files of the tag as one version (collective: every rank calls it) and tag it;
-        the stubs at the files' paths name it once it is committed (see ``_write_stubs``)."""
-        self._raise_failures()
+        the stubs at the files' paths name it once it is committed (see ``_write_stubs``). A stub the commit
+        thread could not write is raised by ``load`` or ``cleanup``, not here: one rank raising before the
+        collective snapshot would leave the others waiting for it."""
         if self._info is None:
             return True
         files, paths, self._info = dict(self._files), dict(self._paths), None
