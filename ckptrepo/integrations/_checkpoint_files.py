@@ -2,7 +2,8 @@
 
 Frameworks such as Lightning name each checkpoint by a path, check that it exists, list its directory and
 delete it when it falls out of their top-k. ``CheckpointFiles`` keeps those paths true while the data lives
-in a repository: each save is one asynchronous snapshot, tagged with the file's name, and once the version
+in a repository: each save is one asynchronous snapshot, tagged with the file's name (with as many of its
+parent directories as keep it apart from another live checkpoint of that name), and once the version
 is committed a small *pointer file* is written at the path (JSON: repository, version id, tag; no tensors).
 A pointer is written only after its version is committed, so a crash never leaves a path that names nothing.
 Removing a path deletes its pointer and its tag, then prunes the version's data (``repo.prune``) once no tag
@@ -51,10 +52,28 @@ class Pointer:
 
 
 def tag_for(path: str | os.PathLike[str], prefix: str = "") -> str | None:
-    """The tag of the checkpoint saved at ``path``: ``prefix`` + its file name, each character a ref name cannot
-    hold (a space, ':') as '_' (``epoch=1-step=20.ckpt`` stays as it is); None where even that is no valid ref name."""
-    name = prefix + _NOT_IN_TAG.sub("_", os.path.basename(os.fspath(path)))
-    return name if is_new_ref_name(name) else None
+    """The tag of the checkpoint saved at ``path`` when no other checkpoint holds its name: ``prefix`` + its file
+    name, each character a ref name cannot hold (a space, ':') as '_' (``epoch=1-step=20.ckpt`` stays as it is);
+    None where even that is no valid ref name."""
+    candidates = tag_candidates(path, prefix)
+    return candidates[0] if candidates else None
+
+
+def tag_candidates(path: str | os.PathLike[str], prefix: str = "") -> list[str]:
+    """The tags a save at ``path`` may take, shortest first: ``prefix`` + its file name (``tag_for``), then with
+    its parent directories added one by one (``best/epoch=0-step=10.ckpt``), so that two directories saving
+    one file name can each keep a tag. Empty where the file name makes no valid ref name."""
+    text = os.fspath(path)
+    text = text.split("://", 1)[1] if "://" in text else text
+    parts = [p for p in text.replace(os.sep, "/").split("/") if p not in ("", ".")]
+    found: list[str] = []
+    for n in range(1, len(parts) + 1):
+        name = prefix + "/".join(_NOT_IN_TAG.sub("_", p) for p in parts[-n:])
+        if is_new_ref_name(name):
+            found.append(name)
+        elif n == 1:
+            return []
+    return found
 
 
 def _is_remote(path: str) -> bool:
@@ -184,6 +203,7 @@ class CheckpointFiles:
         self._pending: dict[str, list[threading.Event]] = {}   # path -> its saves whose pointer is not written yet
         self._releasable: list[str] = []   # versions of removed checkpoints, pruned once nothing names them
         self._errors: list[CkptRepoError] = []   # failures on the commit thread, raised by the next call
+        self._claims: dict[str, str] = {}   # tag -> the path this process last saved under it (in flight too)
 
     # ---- the repository and its snapshotter ----------------------------------------------------------------
     @property
@@ -206,12 +226,13 @@ class CheckpointFiles:
     # ---- save ------------------------------------------------------------------------------------------------
     def save(self, state: Any, path: str | os.PathLike[str], step: int | None = None, message: str = "",
              wait_captured: bool = True) -> SnapshotHandle:
-        """Start one snapshot of ``state``, tagged after ``path``'s file name; the pointer at ``path`` is written
-        once it is committed. Returns once the state is captured (``wait_captured``), not written."""
+        """Start one snapshot of ``state``, tagged after ``path``'s file name (see ``_choose_tag``); the pointer at
+        ``path`` is written once it is committed. Returns once the state is captured (``wait_captured``), not
+        written."""
         self._raise_failures()
         path = os.fspath(path)
-        tag = tag_for(path, self.tag_prefix)
         key = _key(path)
+        tag = self._choose_tag(path, key)
         handle = self.snapshotter.snapshot(state, step=step, message=message or f"checkpoint {os.path.basename(path)}",
                                            tag=tag, force_tag=True, meta={"path": path})
         done = threading.Event()
@@ -221,6 +242,46 @@ class CheckpointFiles:
         if wait_captured:
             handle.wait_captured()
         return handle
+
+    def _choose_tag(self, path: str, key: str) -> str | None:
+        """The tag of a save at ``path``: the shortest of ``tag_candidates`` that no *other* live checkpoint holds.
+        A save to the same path moves its tag (``last.ckpt``); a tag another path's pointer still names (a second
+        ``ModelCheckpoint`` directory, same file name) stays there, or moving it would leave that checkpoint
+        untagged, for gc to prune while its file is still there."""
+        candidates = tag_candidates(path, self.tag_prefix)
+        if not candidates:
+            return None
+        tags = self.repo.tags()
+        chosen = next((t for t in candidates if not self._held_elsewhere(t, key, tags)), candidates[-1])
+        with self._lock:
+            self._claims[chosen] = path
+        return chosen
+
+    def _held_elsewhere(self, tag: str, key: str, tags: dict[str, str]) -> bool:
+        """Whether a checkpoint at another path than ``key`` holds ``tag``: saved by this process and still in
+        flight or named by its pointer, or saved earlier (the version's ``meta`` path) and named by its pointer."""
+        with self._lock:
+            claim = self._claims.get(tag)
+            in_flight = claim is not None and _key(claim) in self._pending
+        if claim is not None and _key(claim) == key:
+            return False
+        try:
+            if claim is not None and (in_flight or self._names(claim, tag, None)):
+                return True
+            vid = tags.get(tag)
+            if vid is None:
+                return False
+            other = self.repo.version(vid).meta.get("path")
+            return other is not None and _key(other) != key and self._names(other, tag, vid)
+        except CkptRepoError as err:   # a pointer or header that cannot be read: leave that tag where it is
+            log.debug("ckptrepo: tag %s stays where it is: %s", tag, err)
+            return True
+
+    def _names(self, path: str, tag: str, vid: str | None) -> bool:
+        """Whether the pointer at ``path`` is one of this repository's under ``tag`` (of version ``vid``)."""
+        pointer = read_pointer(path)
+        return pointer is not None and pointer.repository == self.url and pointer.tag == tag \
+            and (vid is None or pointer.version == vid)
 
     def _committed(self, handle: SnapshotHandle, path: str, tag: str | None, done: threading.Event) -> None:
         """Commit thread: write the pointer of a committed save, and prune the version it replaces."""
@@ -233,6 +294,8 @@ class CheckpointFiles:
             old = read_pointer(path)
             write_pointer(path, Pointer(self.repo.url, version.id, tag, version.step))
             if old is not None and old.version != version.id and self._owns(path, old):
+                if old.tag != tag:   # the path took a shorter name, freed meanwhile: its old tag goes with its version
+                    self._drop_tag(old.tag, old.version)
                 self._release(old.version)   # overwritten (last.ckpt): as on disk, the old data goes once unnamed
             self._prune_released()
         except Exception as err:  # noqa: BLE001 - the commit thread must go on; the next call raises it
@@ -266,19 +329,28 @@ class CheckpointFiles:
         delete_file(path)
         if pointer is None or not self._owns(path, pointer):
             return
-        repo = self.repo
-        if pointer.tag is not None and repo.tags().get(pointer.tag) == pointer.version:
-            try:
-                repo.delete_tag(pointer.tag)
-            except RefError as err:   # deleted meanwhile by someone else: nothing left to do
-                log.debug("ckptrepo: tag %s: %s", pointer.tag, err)
+        with self._lock:
+            if pointer.tag is not None and self._claims.get(pointer.tag) is not None \
+                    and _key(self._claims[pointer.tag]) == _key(path):
+                del self._claims[pointer.tag]
+        self._drop_tag(pointer.tag, pointer.version)
         self._release(pointer.version)
         self._prune_released()
+
+    def _drop_tag(self, tag: str | None, vid: str) -> None:
+        """Delete ``tag`` if it still names ``vid`` (a later save elsewhere may have taken the name since)."""
+        if tag is None or self.repo.tags().get(tag) != vid:
+            return
+        try:
+            self.repo.delete_tag(tag)
+        except RefError as err:   # deleted meanwhile by someone else: nothing left to do
+            log.debug("ckptrepo: tag %s: %s", tag, err)
 
     def _owns(self, path: str, pointer: Pointer) -> bool:
         """Whether the pointer at ``path`` is the one its save wrote there (not a copy of another checkpoint's)
         into this repository: only then do its tag and data go with the file."""
-        return pointer.repository == self.url and pointer.tag == tag_for(path, self.tag_prefix)
+        mine: list[str | None] = [*tag_candidates(path, self.tag_prefix)] or [None]
+        return pointer.repository == self.url and pointer.tag in mine
 
     def _release(self, vid: str) -> None:
         with self._lock:
@@ -315,8 +387,8 @@ class CheckpointFiles:
     # ---- load ------------------------------------------------------------------------------------------------
     def resolve(self, where: str | os.PathLike[str]) -> tuple[Repository, str] | None:
         """The repository and version id ``where`` names: a pointer file, a revision of this repository (``@20``,
-        a tag, an id, ``HEAD``), or a checkpoint file name whose tag is here; None for a file that is not a
-        pointer (the framework's own format). RevisionError when it names nothing."""
+        a tag, an id, ``HEAD``), or a checkpoint file name (``best/epoch=0-step=10.ckpt``) whose tag is here; None
+        for a file that is not a pointer (the framework's own format). RevisionError when it names nothing."""
         self.wait()   # a checkpoint just saved is loadable at once: its pointer is written when committed
         text = os.fspath(where)
         pointer = read_pointer(text)
@@ -328,7 +400,7 @@ class CheckpointFiles:
         if file_exists(text):
             return None
         repo = ckptrepo.open(self.url)
-        for rev in (text, tag_for(text, self.tag_prefix)):
+        for rev in (text, *reversed(tag_candidates(text, self.tag_prefix))):   # the most specific name first
             if rev is None:
                 continue
             try:
@@ -384,4 +456,4 @@ class CheckpointFiles:
         raise first
 
 
-__all__ = ["CheckpointFiles", "Pointer", "read_pointer", "tag_for", "write_pointer"]
+__all__ = ["CheckpointFiles", "Pointer", "read_pointer", "tag_candidates", "tag_for", "write_pointer"]

@@ -14,9 +14,11 @@ tensors are written while training goes on, and the optimizer's next
 ``step()`` waits only until they are captured.
 
 DeepSpeed finds checkpoint files with ``glob`` and ``os.path.exists`` before
-it asks the engine to load them, so ``commit`` leaves a small JSON *stub* at
-each file's path naming the repository, the version and the entry; ``load``
-reads the stub and returns that entry of that version. The directories, the
+it asks the engine to load them, so each file's path holds a small JSON *stub*
+naming the repository, the version and the entry; ``load`` reads the stub and
+returns that entry of that version. A stub is rewritten only once its version
+is committed, so a save of a tag that fails leaves the earlier save's stubs
+naming its version, which the tag still names. The directories, the
 stubs and ``latest`` are all that is on disk; the data is in the repository.
 
 DeepSpeed picks its engine from the config with no registry
@@ -35,6 +37,7 @@ import dataclasses
 import enum
 import importlib
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -42,7 +45,16 @@ from typing import Any
 
 import torch
 
-from ckptrepo.errors import ArgumentError, CorruptionError, RevisionError, StateMismatchError, UnsupportedValueError
+from ckptrepo.errors import (
+    ArgumentError,
+    CkptRepoError,
+    CorruptionError,
+    RevisionError,
+    StateMismatchError,
+    StorageError,
+    UnsupportedValueError,
+    first_line,
+)
 from ckptrepo.repository import Repository, init, repo_url
 
 ENGINE_NAME = "CkptRepoCheckpointEngine"
@@ -50,6 +62,7 @@ STUB_FORMAT = "ckptrepo-deepspeed-stub/1"
 STUB_MAX_BYTES = 64 << 10
 TYPE_KEY = "__ckptrepo_type__"   # the key of a dict that stands for a value of another type (see to_plain)
 _registered = threading.Lock()
+log = logging.getLogger("ckptrepo")
 
 
 # ---- DeepSpeed's values as plain data ---------------------------------------------------------------------------
@@ -65,13 +78,18 @@ def _is_loss_scaler(obj: Any) -> bool:
 def to_plain(obj: Any) -> Any:
     """``obj`` with each value the skeleton cannot hold as such replaced by a ``{TYPE_KEY: ...}`` dict of plain
     data: enum members (``ZeroStageEnum`` would otherwise load as a bare int), dataclass instances and loss
-    scalers of DeepSpeed's own modules, ``argparse.Namespace`` (Megatron-DeepSpeed's ``args``), sets. Tensors
-    and containers are shared or rebuilt, never copied. Anything else is left for the snapshot to refuse."""
+    scalers of DeepSpeed's own modules, ``argparse.Namespace`` (Megatron-DeepSpeed's ``args``), sets. A dict of
+    the caller's own that holds ``TYPE_KEY`` is wrapped in a node of its own, so it never reads as one of
+    these. Tensors and containers are shared or rebuilt, never copied. Anything else is left for the snapshot
+    to refuse."""
     if isinstance(obj, torch.Tensor):
         return obj
     if isinstance(obj, dict):
         items = [(k, to_plain(v)) for k, v in obj.items()]
-        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        plain = OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        if TYPE_KEY in obj:
+            return {TYPE_KEY: "dict", "ordered": isinstance(obj, OrderedDict), "items": dict(items)}
+        return plain
     if isinstance(obj, list):
         return [to_plain(v) for v in obj]
     if type(obj) is tuple:
@@ -91,57 +109,76 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
-def from_plain(obj: Any) -> Any:
+def from_plain(obj: Any, where: str = "") -> Any:
     """``to_plain``'s inverse: rebuilds the values it replaced. Only DeepSpeed's own classes are rebuilt (and
-    ``argparse.Namespace``, sets, enums of DeepSpeed's modules), so a repository never names code to run."""
+    ``argparse.Namespace``, sets, enums of DeepSpeed's modules), so a repository never names code to run.
+    ``where`` (the file's entry) names the place of a malformed node in the CorruptionError it raises."""
     if isinstance(obj, dict):
         if TYPE_KEY in obj:
-            return _revive(obj)
-        items = [(k, from_plain(v)) for k, v in obj.items()]
+            return _revive(obj, where)
+        items = [(k, from_plain(v, f"{where}/{k}")) for k, v in obj.items()]
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, list):
-        return [from_plain(v) for v in obj]
+        return [from_plain(v, f"{where}/{i}") for i, v in enumerate(obj)]
     if type(obj) is tuple:
-        return tuple(from_plain(v) for v in obj)
+        return tuple(from_plain(v, f"{where}/{i}") for i, v in enumerate(obj))
     return obj
 
 
-def _deepspeed_class(path: Any) -> Any:
+def _deepspeed_class(path: Any, where: str = "") -> Any:
     """The DeepSpeed class a stored value names; a name outside DeepSpeed's modules is damage or a forgery."""
     module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
     if not module.startswith("deepspeed."):
-        raise CorruptionError(f"a stored DeepSpeed value names class {path!r}, which is not DeepSpeed's; only "
-                              f"DeepSpeed's own classes are rebuilt")
+        raise CorruptionError(f"{where or 'a DeepSpeed state'}: a stored DeepSpeed value names class {path!r}, "
+                              f"which is not DeepSpeed's (only DeepSpeed's own classes are rebuilt); run "
+                              f"`ckptrepo fsck` on the repository, or load an earlier tag")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         raise UnsupportedValueError(f"the checkpoint holds a {path} that this DeepSpeed does not have; load it "
                                     f"with the DeepSpeed version that saved it") from None
     if not isinstance(cls, type):
-        raise CorruptionError(f"a stored DeepSpeed value names {path!r}, which is not a class")
+        raise CorruptionError(f"{where or 'a DeepSpeed state'}: a stored DeepSpeed value names {path!r}, which "
+                              f"is not a class; run `ckptrepo fsck` on the repository, or load an earlier tag")
     return cls
 
 
-def _revive(node: dict[str, Any]) -> Any:
-    kind = node[TYPE_KEY]
+def _revive(node: dict[str, Any], where: str) -> Any:
+    """The value ``node`` stands for; damage (a field missing or of the wrong type, a member the class does not
+    have) is a CorruptionError naming the place, never a KeyError or TypeError from deep inside."""
+    kind = node.get(TYPE_KEY)
+    try:
+        return _rebuild(kind, node, where)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        detail = f"{type(err).__name__}: {first_line(err)}"
+        raise CorruptionError(f"{where or 'a DeepSpeed state'}: the stored DeepSpeed value of kind {kind!r} is "
+                              f"malformed ({detail}); run `ckptrepo fsck` on the repository, or load an "
+                              f"earlier tag") from None
+
+
+def _rebuild(kind: Any, node: dict[str, Any], where: str) -> Any:
+    if kind == "dict":   # a dict of the caller's that holds TYPE_KEY itself: its items are taken as they are
+        items = [(k, from_plain(v, f"{where}/{k}")) for k, v in node["items"].items()]
+        return OrderedDict(items) if node["ordered"] is True else dict(items)
     if kind in ("set", "frozenset"):
-        items = [from_plain(v) for v in node["items"]]
+        items = [from_plain(v, f"{where}/{i}") for i, v in enumerate(node["items"])]
         return set(items) if kind == "set" else frozenset(items)
     if kind == "namespace":
-        return argparse.Namespace(**from_plain(node["attrs"]))
-    cls = _deepspeed_class(node.get("class"))
+        return argparse.Namespace(**from_plain(node["attrs"], where))
+    cls = _deepspeed_class(node.get("class"), where)
     if kind == "enum" and issubclass(cls, enum.Enum):
         return cls[node["name"]]
     if kind == "dataclass" and isinstance(cls, type) and dataclasses.is_dataclass(cls):
         make: Any = cls
-        return make(**from_plain(node["fields"]))
+        return make(**from_plain(node["fields"], where))
     if kind == "attrs" and any(_class_path(c) == "deepspeed.runtime.fp16.loss_scaler.LossScalerBase"
                                for c in cls.__mro__):
         obj = cls.__new__(cls)   # its attributes as saved; __init__ would reset the scale it reached
-        vars(obj).update(from_plain(node["attrs"]))
+        vars(obj).update(from_plain(node["attrs"], where))
         return obj
-    raise CorruptionError(f"a stored DeepSpeed value of kind {kind!r} names {node.get('class')!r}, which is not "
-                          f"one that kind rebuilds")
+    raise CorruptionError(f"{where or 'a DeepSpeed state'}: a stored DeepSpeed value of kind {kind!r} names "
+                          f"{node.get('class')!r}, which is not one that kind rebuilds; run `ckptrepo fsck` on "
+                          f"the repository, or load an earlier tag")
 
 
 # ---- stubs: what DeepSpeed's glob and os.path.exists find ----------------------------------------------------------
@@ -200,6 +237,8 @@ class CkptRepoCheckpointEngine:
         self._files: dict[str, Any] = {}       # entry (path under <save_dir>/<tag>) -> its state, this rank
         self._paths: dict[str, str] = {}       # entry -> the path DeepSpeed gave
         self.last_handle: Any = None           # the SnapshotHandle of the last tag committed
+        self._lock = threading.Lock()
+        self._errors: list[CkptRepoError] = []   # stubs the commit thread could not write, raised by the next call
 
     def __repr__(self) -> str:
         return f"{ENGINE_NAME}({self.url!r})"
@@ -243,8 +282,10 @@ class CkptRepoCheckpointEngine:
         self._paths[entry] = path
 
     def commit(self, info: Any) -> bool:
-        """Snapshot every rank's files of the tag as one version (collective: every rank calls it), tag it, and
-        leave a stub at each file's path."""
+        """Snapshot every rank's files of the tag as one version (collective: every rank calls it) and tag it;
+        the stubs at the files' paths name it once it is committed (see ``_write_stubs``). A stub the commit
+        thread could not write is raised by ``load`` or ``cleanup``, not here: one rank raising before the
+        collective snapshot would leave the others waiting for it."""
         if self._info is None:
             return True
         files, paths, self._info = dict(self._files), dict(self._paths), None
@@ -258,16 +299,51 @@ class CkptRepoCheckpointEngine:
         handle = snap.snapshot(files, step=step, message=f"DeepSpeed checkpoint {tag}", tag=tag, force_tag=True,
                                meta={"deepspeed.tag": tag, "deepspeed.save_dir": str(info.save_dir)})
         self.last_handle = handle
+        # a path with no stub yet gets one now: DeepSpeed's glob must find it for load to say, in one line, that
+        # the version never committed should the run stop first. A stub already there names an earlier save of
+        # the tag, intact until this one commits, so it is replaced only then
         for entry, path in paths.items():
-            write_stub(path, self.url, handle.id, tag, entry)
+            if not os.path.lexists(path):
+                write_stub(path, self.url, handle.id, tag, entry)
+        stubs_written = threading.Event()
+        handle.add_done_callback(lambda h: self._write_stubs(h, paths, tag, stubs_written))
         if self.wait:
+            stubs_written.wait()
             handle.result()
+            self._raise_failures()
         return True
+
+    def _write_stubs(self, handle: Any, paths: dict[str, str], tag: str, written: threading.Event) -> None:
+        """Commit thread: point the stubs at the committed version. After a failure the stubs stay as they are:
+        those of an earlier save of the tag name its version, which the tag still names."""
+        try:
+            try:
+                version = handle.result()
+            except CkptRepoError:
+                return   # the snapshotter raises it from the next call
+            for entry, path in paths.items():
+                write_stub(path, self.url, version.id, tag, entry)
+        except Exception as err:  # noqa: BLE001 - the commit thread goes on; the next call raises it
+            failure = StorageError(f"version {handle.id[:12]} of DeepSpeed tag {tag!r} is committed, but its stubs "
+                                   f"were not written: {first_line(err)}; write them with "
+                                   f"ckptrepo.integrations.deepspeed.checkout()")
+            log.error("ckptrepo: %s", failure)
+            with self._lock:
+                self._errors.append(failure)
+        finally:
+            written.set()
+
+    def _raise_failures(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state saved under ``path``: the entry its stub names, of the version its stub names."""
         if self._snap is not None:
-            self._snap.wait()   # a tag saved by this process loads once committed
+            self._snap.wait()   # a tag saved by this process loads once committed and its stubs are written
+        self._raise_failures()
         stub = read_stub(path)
         vid = stub["version"]
         try:
@@ -277,7 +353,7 @@ class CkptRepoCheckpointEngine:
                                 f"(its snapshot did not commit: the run stopped first?); load an earlier tag") \
                 from None
         from ckptrepo.loading._entry import load_entry
-        state = from_plain(load_entry(self.repo.plumbing, vid, stub["entry"]))
+        state = from_plain(load_entry(self.repo.plumbing, vid, stub["entry"]), f"{path}: {stub['entry']}")
         device = _device(map_location)
         return state if device is None else _to(state, device)
 
@@ -299,8 +375,9 @@ class CkptRepoCheckpointEngine:
     def cleanup(self) -> None:
         """Wait for the pending snapshots and stop the snapshotter's threads."""
         if self._snap is not None:
-            self._snap.close()
-            self._snap = None
+            snap, self._snap = self._snap, None
+            snap.close()
+        self._raise_failures()
 
     close = cleanup
 

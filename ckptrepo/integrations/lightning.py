@@ -2,7 +2,8 @@
 
 ``CkptRepoIO`` is a ``CheckpointIO`` plugin. ``save_checkpoint`` takes one asynchronous snapshot through
 ckptrepo's snapshotter (it returns once the state is captured, and the bytes are written in the
-background), tagged with the file name ``ModelCheckpoint`` chose; once the version is committed, a small
+background), tagged with the file name ``ModelCheckpoint`` chose (with its parent directories where another
+checkpoint directory holds that name); once the version is committed, a small
 pointer file is written at that path, so Lightning's own bookkeeping (top-k, ``ckpt_path="last"``, its
 existence checks) works on files as usual. ``load_checkpoint`` follows a pointer file, or takes a revision
 (``"@20"``, a tag, an id); ``remove_checkpoint`` deletes the pointer and the tag and prunes the version's
@@ -102,7 +103,8 @@ def _define() -> type[CheckpointIO]:
             return self.files.url
 
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-            """One version of ``checkpoint``, tagged with ``path``'s file name; returns once it is captured."""
+            """One version of ``checkpoint``, tagged with ``path``'s file name (more of the path where another live
+            checkpoint holds that name); returns once it is captured."""
             if storage_options is not None:
                 raise ArgumentError(f"CkptRepoIO takes no storage_options (got {storage_options!r}); pass the "
                                 f"snapshotter's options to CkptRepoIO(...) instead")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -112,7 +113,7 @@ def test_create_save_commit_load_in_one_process(tmp_path) -> None:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from ckptrepo.integrations.deepspeed import CkptRepoCheckpointEngine
+    from ckptrepo.integrations.deepspeed import TYPE_KEY, CkptRepoCheckpointEngine
     eng = CkptRepoCheckpointEngine(tmp_path / "repo", wait=True)
     assert isinstance(eng, CheckpointEngine)
     save_dir = str(tmp_path / "ckpt")
@@ -123,7 +124,8 @@ def test_create_save_commit_load_in_one_process(tmp_path) -> None:
     sd = {"module": {"w": torch.arange(6.0).reshape(2, 3)}, "global_steps": 12,
           "optimizer_state_dict": {"loss_scaler": scaler, "zero_stage": ZeroStageEnum.gradients,
                                    "param_slice_mappings": [{"w": fragment_address(numel=6, start=0)}]},
-          "args": argparse.Namespace(lr=0.1, layers=[1, 2]), "names": {"a", "b"}}
+          "args": argparse.Namespace(lr=0.1, layers=[1, 2]), "names": {"a", "b"},
+          "user": {TYPE_KEY: "set", "items": [1, 2]}}   # a dict of the user's that holds the marker key
     eng.create(_info("t1", save_dir))
     eng.makedirs(os.path.join(save_dir, "t1"), exist_ok=True)
     path = os.path.join(save_dir, "t1", "mp_rank_00_model_states.pt")
@@ -138,6 +140,7 @@ def test_create_save_commit_load_in_one_process(tmp_path) -> None:
     assert opt["zero_stage"] is ZeroStageEnum.gradients
     assert opt["param_slice_mappings"] == [{"w": fragment_address(numel=6, start=0)}]
     assert got["args"] == sd["args"] and got["names"] == {"a", "b"}
+    assert got["user"] == {TYPE_KEY: "set", "items": [1, 2]}   # comes back as the dict it was, not a set
     # another machine, with the repository but not the directory: checkout writes the stubs and `latest`
     from ckptrepo.integrations.deepspeed import checkout
     assert checkout(tmp_path / "repo", tmp_path / "elsewhere") == [str(tmp_path / "elsewhere" / "t1" /
@@ -174,4 +177,74 @@ def test_what_cannot_be_stored_or_loaded_is_named(tmp_path) -> None:
     # a stored value may name only DeepSpeed's classes to rebuild
     with pytest.raises(CorruptionError, match="not DeepSpeed's"):
         from_plain({TYPE_KEY: "attrs", "class": "os.system", "attrs": {}})
+    eng.cleanup()
+
+
+def test_malformed_stored_values_are_corruption_naming_the_place() -> None:
+    from collections import OrderedDict
+
+    from ckptrepo.integrations.deepspeed import TYPE_KEY, from_plain, to_plain
+    damaged = [{TYPE_KEY: "set"}, {TYPE_KEY: "set", "items": [[1]]}, {TYPE_KEY: "frozenset", "items": 3},
+               {TYPE_KEY: "namespace"}, {TYPE_KEY: "dict", "items": [1]},
+               {TYPE_KEY: "enum", "class": "deepspeed.runtime.zero.config.ZeroStageEnum", "name": "nope"},
+               {TYPE_KEY: "dataclass", "class": "deepspeed.utils.tensor_fragment.fragment_address", "fields": {"x": 1}}]
+    for node in damaged:
+        with pytest.raises(CorruptionError, match=r"^mp_rank_00_model_states.pt/opt/0: .*malformed.*ckptrepo fsck"):
+            from_plain({"opt": [node]}, "mp_rank_00_model_states.pt")
+    # the user's own dicts that hold the marker key round-trip exactly, nested and ordered ones too
+    user = {"a": {TYPE_KEY: "set", "items": [1, 2]},
+            "b": OrderedDict([(TYPE_KEY, {TYPE_KEY: "enum", "x": {3}}), ("z", [{TYPE_KEY: 1}])]), TYPE_KEY: 0}
+    back = from_plain(to_plain(user))
+    assert back == user and type(back["b"]) is OrderedDict and list(back["b"]) == [TYPE_KEY, "z"]
+    assert back["b"][TYPE_KEY]["x"] == {3}
+
+
+def test_stubs_name_a_version_only_once_it_is_committed(tmp_path) -> None:
+    from ckptrepo import faults
+    from ckptrepo.errors import SnapshotFailedError
+    from ckptrepo.integrations.deepspeed import CkptRepoCheckpointEngine, read_stub
+    eng = CkptRepoCheckpointEngine(tmp_path / "repo")   # commit returns once the snapshot is started
+    repo = ckptrepo.open(tmp_path / "repo")
+    save_dir = str(tmp_path / "ckpt")
+
+    def save(tag: str, val: float) -> str:
+        eng.create(_info(tag, save_dir))
+        eng.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+        path = os.path.join(save_dir, tag, "mp_rank_00_model_states.pt")
+        eng.save({"module": {"w": torch.full((4,), val)}, "global_steps": int(val)}, path)
+        eng.commit(_info(tag, save_dir))
+        return path
+
+    path = save("best", 1.0)
+    eng.snapshotter().wait()
+    first = read_stub(path)["version"]
+    assert repo.tags()["best"] == first
+
+    def boom(_name: str) -> None:
+        raise OSError("disk gone")
+    gate = threading.Event()
+    try:
+        # a save of the tag again whose commit fails (or that a crash cuts short) leaves the stubs as they were
+        faults.set_hook("after_data", boom)
+        save("best", 2.0)
+        with pytest.raises(SnapshotFailedError, match="disk gone"):
+            eng.snapshotter().wait()
+        assert read_stub(path)["version"] == first == repo.tags()["best"]
+        assert torch.equal(eng.load(path)["module"]["w"], torch.ones(4))
+        fresh = save("fresh", 3.0)   # a tag never saved before gets its stub at once, naming the pending version
+        with pytest.raises(SnapshotFailedError, match="disk gone"):
+            eng.snapshotter().wait()
+        # while a save of the tag is in flight, the stub still names the committed version
+        faults.set_hook("after_data", lambda _name: gate.wait(30))
+        save("best", 4.0)
+        assert read_stub(path)["version"] == first == repo.tags()["best"]
+    finally:
+        gate.set()
+        faults.clear()
+    eng.snapshotter().wait()
+    assert read_stub(path)["version"] == repo.tags()["best"] != first   # committed: the stubs follow the tag
+    assert torch.equal(eng.load(path)["module"]["w"], torch.full((4,), 4.0))
+    with pytest.raises(RevisionError, match=r"^.*mp_rank_00_model_states.pt: version \w+ of DeepSpeed tag 'fresh' "
+                                            r"is not in .*did not commit"):
+        eng.load(fresh)
     eng.cleanup()

@@ -206,6 +206,54 @@ def test_pointer_is_written_only_once_committed(tmp_path: Path) -> None:
     files.close()
 
 
+def test_two_directories_saving_one_file_name_keep_a_tag_each(tmp_path: Path) -> None:
+    # two ModelCheckpoints (periodic, best) with Lightning's default file name: the second save must not take
+    # the first one's tag, or gc prunes that version while its pointer still names it
+    url = tmp_path / "repo"
+    files = CheckpointFiles(url)
+    a, b = tmp_path / "periodic" / "epoch=0-step=10.ckpt", tmp_path / "best" / "epoch=0-step=10.ckpt"
+    files.save({"w": torch.ones(4)}, a, step=10)
+    files.save({"w": torch.full((4,), 2.0)}, b, step=10)   # both in flight: the first save holds the name
+    files.save({"w": torch.full((4,), 3.0)}, tmp_path / "periodic" / "epoch=1-step=20.ckpt", step=20)
+    files.wait()
+    va, vb = read_pointer(a).version, read_pointer(b).version   # type: ignore[union-attr]
+    repo = ckptrepo.open(url)
+    tags = repo.tags()
+    assert (tags["epoch=0-step=10.ckpt"], tags["best/epoch=0-step=10.ckpt"]) == (va, vb)
+    assert read_pointer(b).tag == "best/epoch=0-step=10.ckpt"   # type: ignore[union-attr]
+    repo.gc(keep_last=1, grace_period_s=0)
+    assert torch.equal(files.load(a)["w"], torch.ones(4)) and torch.equal(files.load(b)["w"], torch.full((4,), 2.0))
+    # a file name loads by its tag, the most specific spelling first
+    assert files.resolve("epoch=0-step=10.ckpt")[1] == va   # type: ignore[index]
+    assert files.resolve("best/epoch=0-step=10.ckpt")[1] == vb   # type: ignore[index]
+    # a save to the same path moves that path's own tag (as last.ckpt's)
+    files.save({"w": torch.full((4,), 4.0)}, b, step=11)
+    files.wait()
+    vb2 = read_pointer(b).version   # type: ignore[union-attr]
+    assert repo.tags()["best/epoch=0-step=10.ckpt"] == vb2 != vb and repo.tags()["epoch=0-step=10.ckpt"] == va
+    files.close()
+
+    # another process (no memory of the saves) sees whose tag it is from the version's path and the pointer
+    other = CheckpointFiles(url)
+    c = tmp_path / "third" / "epoch=0-step=10.ckpt"
+    other.save({"w": torch.full((4,), 5.0)}, c, step=10)
+    other.wait()
+    tags = repo.tags()
+    assert tags["third/epoch=0-step=10.ckpt"] == read_pointer(c).version   # type: ignore[union-attr]
+    assert (tags["epoch=0-step=10.ckpt"], tags["best/epoch=0-step=10.ckpt"]) == (va, vb2)
+    # removing a checkpoint removes its own tag only; its name is then free for a save elsewhere
+    other.remove(b)
+    tags = repo.tags()
+    assert "best/epoch=0-step=10.ckpt" not in tags and tags["epoch=0-step=10.ckpt"] == va
+    other.remove(a)
+    other.save({"w": torch.full((4,), 6.0)}, c, step=12)
+    other.wait()
+    tags = repo.tags()
+    assert tags["epoch=0-step=10.ckpt"] == read_pointer(c).version   # type: ignore[union-attr]
+    assert "third/epoch=0-step=10.ckpt" not in tags   # the path's old tag went with its old version
+    other.close()
+
+
 def test_load_right_after_save_and_lightning_files(tmp_path: Path) -> None:
     io = CkptRepoIO(tmp_path / "repo")
     io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.arange(6.0)}}, tmp_path / "x.ckpt")
