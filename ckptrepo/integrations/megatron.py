@@ -438,12 +438,10 @@ class CkptRepoSaveStrategy(SaveShardedStrategy):
             return _RankError(0, err)
 
 
-class CkptRepoLoadStrategy(LoadShardedStrategy):
-    """Loads each rank's boxes of a Megatron sharded state dict from a ckptrepo version.
-
-    Without ``url``/``rev``, the checkpoint directory's ``ckptrepo.json`` names them (what the save wrote);
-    ``rev`` alone picks another version of that repository.
-    """
+class _FromVersion:
+    """What both load strategies share: the version they read. Without ``url``/``rev``, the checkpoint
+    directory's ``ckptrepo.json`` names it (what the save wrote); ``rev`` alone picks another version of that
+    repository. Sharded objects are in the version too, so the strategies handle them."""
 
     def __init__(self, url: str | os.PathLike[str] | None = None, rev: str | None = None) -> None:
         super().__init__()
@@ -453,6 +451,10 @@ class CkptRepoLoadStrategy(LoadShardedStrategy):
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
+
+
+class CkptRepoLoadStrategy(_FromVersion, LoadShardedStrategy):
+    """Loads each rank's boxes of a Megatron sharded state dict from a ckptrepo version (see ``_FromVersion``)."""
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
@@ -483,17 +485,8 @@ class CkptRepoLoadStrategy(LoadShardedStrategy):
         return {**source.objects_metadata(), **source.tensors_metadata()}
 
 
-class CkptRepoLoadCommonStrategy(LoadCommonStrategy):
+class CkptRepoLoadCommonStrategy(_FromVersion, LoadCommonStrategy):
     """Loads the common (non-sharded) state from the version instead of the directory's ``common.pt`` pickle."""
-
-    def __init__(self, url: str | os.PathLike[str] | None = None, rev: str | None = None) -> None:
-        super().__init__()
-        self.url = os.fspath(url) if url is not None else None
-        self.rev = rev
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         pass   # metadata.json names Megatron's torch common backend: this strategy reads the same state
