@@ -7,7 +7,8 @@
 
 ``CkptRepoCallback`` takes a snapshot where ``Trainer._save_checkpoint`` would
 save (after the step and its log), through one asynchronous snapshotter whose
-wait runs only before the next optimizer step. ``checkpoint_folder`` writes a
+wait runs only before the next optimizer step; under DDP on rank 0 alone, with
+every rank's RNG states gathered. ``checkpoint_folder`` writes a
 version as the checkpoint folder ``resume_from_checkpoint`` reads, because that
 argument, a folder path, is the one public way in: the data skip, the RNG
 restore and the optimizer load all key off it (docs/decisions/026-hf-integration.md).
@@ -21,6 +22,7 @@ import dataclasses
 import functools
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,13 +50,36 @@ if TYPE_CHECKING:
     from ckptrepo.saving._snapshot_job import SnapshotHandle
 
 
-def rng_states() -> dict[str, Any]:
-    """The RNG states ``Trainer._save_rng_state`` saves in a single process, under its keys."""
+def rng_states(distributed: bool = False) -> dict[str, Any]:
+    """This process's RNG states as ``Trainer._save_rng_state`` saves them, under its keys: under DDP
+    (``distributed``) the CUDA states of all devices, as it saves them then."""
     states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                               "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.random.get_rng_state()
+        states["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
     return states
+
+
+def gathered_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG states, in rank order, on every rank: ``Trainer`` resumes each process from its own
+    ``rng_state_{process_index}.pth``. A collective: every rank calls it at the same step."""
+    import torch.distributed as dist
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, rng_states(distributed=True))
+    return out
+
+
+def unsupported_parallelism(args: Any) -> str | None:
+    """What in ``TrainingArguments`` shards the model or optimizer over the processes (which a snapshot of
+    rank 0's replica would not hold whole), or None for one process or plain DDP."""
+    if getattr(args, "deepspeed", None):
+        return "DeepSpeed"
+    if getattr(args, "fsdp", None):
+        return "FSDP"
+    config = getattr(args, "parallelism_config", None)
+    if config is not None and any((getattr(config, f"{k}_size", 1) or 1) > 1 for k in ("dp_shard", "tp", "cp")):
+        return "a parallelism_config that shards (dp_shard/tp/cp)"
+    return None
 
 
 def hf_config(model: Any) -> dict[str, Any] | None:
@@ -82,7 +107,8 @@ class _Hooks:
             raise ArgumentError(f"every_n_steps must be a whole number of at least 1, not {every_n_steps!r}")
         if not isinstance(message, str):
             raise ArgumentError(f"message must be text (with {{step}} for the step), not {message!r:.40}")
-        self.repo = _repository(repo)
+        self._repo_arg = repo if isinstance(repo, Repository) else repo_url(repo)
+        self._repo: Repository | None = None
         self.every_n_steps = every_n_steps
         self.save_final = save_final
         self.message = message
@@ -92,22 +118,42 @@ class _Hooks:
         self._objects: dict[str, Any] = {}
         self._config: dict[str, Any] | None = None
         self._pending: int | None = None   # the step whose snapshot waits for that step's log
+        self._world_size = 1
+
+    @property
+    def repo(self) -> Repository:
+        """The repository, opened (created if missing) on first use: under DDP only rank 0 opens it."""
+        if self._repo is None:
+            self._repo = _repository(self._repo_arg)
+        return self._repo
 
     # ---- Trainer events -------------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
-        if getattr(args, "world_size", 1) > 1:
-            raise ArgumentError("CkptRepoCallback snapshots a single-process Trainer; under several processes save "
-                                "through ckptrepo.dcp (FSDP) or one snapshotter shared by all ranks")
+        sharded = unsupported_parallelism(args)
+        if sharded is not None:
+            raise ArgumentError(f"CkptRepoCallback snapshots a single process or plain DDP, not {sharded} inside "
+                                f"Trainer; save sharded states through ckptrepo.dcp (FSDP) or the DeepSpeed engine "
+                                f"(ckptrepo.integrations.deepspeed)")
+        world_size = int(getattr(args, "world_size", 1) or 1)
+        if world_size > 1 and not _distributed_ready(world_size):
+            raise ArgumentError(f"the Trainer runs {world_size} processes but torch.distributed has no default "
+                                f"group of that size; launch with torchrun (or accelerate launch)")
         if model is None or optimizer is None:
             raise ArgumentError("the Trainer passed no model or optimizer to CkptRepoCallback.on_train_begin")
         self.close()   # a second train() on the same Trainer: the first one's snapshots are finished first
         inner = unwrapped_optimizer(optimizer)   # what the state holds, and what attach() hooks into
         self._objects = {MODEL_KEY: model, OPTIMIZER_KEY: inner, SCHEDULER_KEY: lr_scheduler}
         self._config = hf_config(model)
-        self.snapshotter = self.repo.snapshotter(**self.snapshotter_options)
-        self.snapshotter.attach(inner)   # the loop waits for capture only before the parameters change
+        self._world_size = world_size
         self._pending = None
+        if getattr(args, "process_index", 0) != 0:
+            return   # under DDP each rank holds the whole state: rank 0 alone snapshots it
+        options = dict(self.snapshotter_options)
+        if world_size > 1:   # rank 0 writes whole versions on its own, whatever the other ranks do
+            options["single_process"] = True
+        self.snapshotter = self.repo.snapshotter(**options)
+        self.snapshotter.attach(inner)   # the loop waits for capture only before the parameters change
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._due(state):
@@ -145,10 +191,14 @@ class _Hooks:
 
     def _take(self, state: Any, control: Any, logs: dict[str, Any] | None) -> None:
         self._pending = None
+        if not self._objects:
+            return   # not training (on_train_begin has not run)
+        # every rank reaches each save point at the same step, so the gather's collective is safe here
+        rng: Any = gathered_rng_states() if self._world_size > 1 else rng_states()
         if self.snapshotter is None:
             return
         snapshot: dict[str, Any] = dict(self._objects)
-        snapshot[RNG_KEY] = rng_states()
+        snapshot[RNG_KEY] = rng
         snapshot[TRAINER_STATE_KEY] = trainer_state(state, control)
         if self._config is not None:
             snapshot[CONFIG_KEY] = self._config
@@ -157,6 +207,11 @@ class _Hooks:
         step = state.global_step
         self.handles.append(self.snapshotter.snapshot(snapshot, step=step, message=self.message.format(step=step),
                                                       metrics=metrics))
+
+
+def _distributed_ready(world_size: int) -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
 
 
 def trainer_state(state: Any, control: Any) -> dict[str, Any]:
@@ -181,6 +236,10 @@ def _callback_class() -> type:
         when present), ``TrainerState`` as plain data and the model's config (``hf_config``); its metrics are
         those the Trainer logs at that step. ``repo`` is a ``Repository`` or a path/URL (created if missing);
         other keywords go to ``repo.snapshotter()``. Resume with ``checkpoint_folder``.
+
+        Under DDP (torchrun, every rank a full replica) rank 0 alone opens the repository and snapshots the
+        whole state (``single_process=True``); every rank's RNG states are gathered at each save point and
+        stored as a list in rank order. FSDP, DeepSpeed and other sharding inside Trainer are refused.
         """
 
     CkptRepoCallback.__module__ = __name__
@@ -210,22 +269,46 @@ def checkpoint_folder(repo: Repository | str | os.PathLike[str], rev: str = "HEA
     for ``trainer.train(resume_from_checkpoint=checkpoint_folder(url, "@1000"))``: the run goes on exactly as
     from the Trainer's own checkpoint of that step.
 
-    ``out``: the folder to write (new, or empty); default: one per version in the temp directory, reused."""
+    ``out``: the folder to write (new, or empty); default: one per version in the temp directory, reused.
+    Under DDP every rank calls it with the default ``out``: the ranks on one machine then share one folder,
+    whichever writes it first."""
     from ckptrepo.tools._exchange import _write_then_rename, export_target
     r = repo if isinstance(repo, Repository) else open_repo(repo_url(repo))
     vid = r.resolve(rev)
-    if out is None:
-        path = default_folder(vid, r.version(vid).step)
-        if (path / TRAINER_STATE_FILE).is_file():   # written whole (renamed into place) for this version
-            return str(path)
-    else:
+    if out is not None:
         path = export_target(out, "hf", repo_root=r.plumbing.store.capabilities.local_root)
-    state = r.load(vid)
+        state = r.load(vid)
+        try:
+            _write_then_rename(path, lambda tmp: save_trainer_checkpoint(state, tmp))
+        except ExchangeError as err:
+            raise ExchangeError(f"version {vid[:12]}: {err}") from None
+        return str(path)
+    path = default_folder(vid, r.version(vid).step)
+    if not (path / TRAINER_STATE_FILE).is_file():   # else written whole (renamed into place) for this version
+        _write_shared(path, vid, r.load(vid))
+    return str(path)
+
+
+def _write_shared(path: Path, vid: str, state: Any) -> None:
+    """Write the checkpoint folder under a name of this process's, then rename it to ``path`` unless another
+    process (a DDP rank resuming too) got there first: a rename never replaces a folder that holds files,
+    so a rank already reading its copy is never disturbed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_then_rename(path, lambda tmp: save_trainer_checkpoint(state, tmp))
+        save_trainer_checkpoint(state, tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / TRAINER_STATE_FILE).is_file():
+                raise
     except ExchangeError as err:
         raise ExchangeError(f"version {vid[:12]}: {err}") from None
-    return str(path)
+    except OSError as err:
+        raise ExchangeError(f"could not write {path}: {err.strerror or err}; nothing was left there") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 __all__ = ["CkptRepoCallback", "checkpoint_folder", "hf_config", "rng_states", "trainer_state"]

@@ -45,6 +45,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng_state.pth"
+RANK_RNG_FILE = "rng_state_{}.pth"   # one per process of a multi-process run, by its process index
 TRAINER_STATE_FILE = "trainer_state.json"
 
 # HF's size units: "5GB" is 5 * 10**9 bytes, "5GiB" 5 * 2**30 (transformers' and huggingface_hub's parse)
@@ -301,10 +302,25 @@ def _read_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- a Trainer checkpoint folder ------------------------------------------------------------------------------
+def rng_files(rng: Any) -> list[tuple[str, Any]]:
+    """The RNG files of a Trainer checkpoint and what each holds: ``rng_state.pth`` for one process's states (a
+    dict), ``rng_state_{rank}.pth`` per rank for a multi-process run's (a list in rank order), which is
+    where ``Trainer._load_rng_state`` looks when ``world_size > 1``."""
+    if rng is None:
+        return []
+    if isinstance(rng, dict):
+        return [(RNG_FILE, rng)]
+    if isinstance(rng, (list, tuple)) and all(isinstance(r, dict) for r in rng):
+        return [(RNG_FILE, rng[0])] if len(rng) == 1 else [(RANK_RNG_FILE.format(i), r) for i, r in enumerate(rng)]
+    raise ExchangeError(f"the state's {RNG_KEY!r} is a {type(rng).__name__}, not one process's RNG states (a "
+                        f"dict) or a list of them per rank")
+
+
 def save_trainer_checkpoint(state: Any, path: Path) -> None:
     """Write the state ``CkptRepoCallback`` saved to the new folder ``path`` in the files ``Trainer`` reads
-    when it resumes: the model folder, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` and
-    ``trainer_state.json`` (as ``Trainer._save_checkpoint`` writes them)."""
+    when it resumes: the model folder, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` (or, for a
+    multi-process run's list of RNG states, ``rng_state_{rank}.pth`` per rank) and ``trainer_state.json`` (as
+    ``Trainer._save_checkpoint`` writes them)."""
     if not isinstance(state, dict):
         raise ExchangeError(f"a Trainer checkpoint is made from a state saved by CkptRepoCallback (a dict), not a "
                             f"{type(state).__name__}")
@@ -321,12 +337,13 @@ def save_trainer_checkpoint(state: Any, path: Path) -> None:
     save_model_folder(state, path, max_shard_size=None)
     torch.save(state[OPTIMIZER_KEY], path / OPTIMIZER_FILE)
     torch.save(state[SCHEDULER_KEY], path / SCHEDULER_FILE)
-    if state.get(RNG_KEY) is not None:
-        torch.save(state[RNG_KEY], path / RNG_FILE)
+    for name, rng in rng_files(state.get(RNG_KEY)):
+        torch.save(rng, path / name)
     # as TrainerState.save_to_json writes it
     (path / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
 
 
 __all__ = ["CONFIG_KEY", "MODEL_KEY", "OPTIMIZER_KEY", "RNG_KEY", "SCHEDULER_KEY", "TRAINER_STATE_KEY",
            "DEFAULT_MAX_SHARD_SIZE", "is_model_folder", "load_model_folder", "looks_like_model_folder",
-           "model_weights", "save_model_folder", "save_trainer_checkpoint", "shard_bytes", "shards", "untied"]
+           "model_weights", "rng_files", "save_model_folder", "save_trainer_checkpoint", "shard_bytes", "shards",
+           "untied"]

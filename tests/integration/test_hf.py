@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import assert_bit_exact, run  # noqa: E402
 
-from ckptrepo.errors import ExchangeError  # noqa: E402
+from ckptrepo.errors import ArgumentError, ExchangeError  # noqa: E402
 from ckptrepo.integrations.hf import CkptRepoCallback, checkpoint_folder  # noqa: E402
 from ckptrepo.saving._capture import unwrapped_optimizer  # noqa: E402
 
@@ -119,6 +120,45 @@ def test_checkpoint_folder_refuses_a_version_the_callback_did_not_save(repo, tmp
     with pytest.raises(ExchangeError, match="not saved by CkptRepoCallback"):
         checkpoint_folder(repo, "HEAD", out=tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def trainer_like_state(rng) -> dict:
+    """A state with what CkptRepoCallback saves, the RNG states given."""
+    from ckptrepo.integrations.hf import hf_config
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters())
+    return {"model": model, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+            "trainer_state": {"global_step": 3}, "hf_config": hf_config(model), "rng": rng}
+
+
+def test_checkpoint_folder_writes_each_ranks_rng_file_for_a_ddp_version(repo, tmp_path):
+    from ckptrepo.integrations.hf import rng_states
+    torch.manual_seed(1)
+    ranks = [rng_states()]
+    torch.manual_seed(2)
+    ranks.append(rng_states())
+    repo.snapshot(trainer_like_state(ranks), step=3)
+    folder = checkpoint_folder(repo, "HEAD", out=tmp_path / "ckpt")
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("rng_state"))
+    assert files == ["rng_state_0.pth", "rng_state_1.pth"]   # what Trainer._load_rng_state reads per process
+    for rank, states in enumerate(ranks):
+        saved = torch.load(os.path.join(folder, f"rng_state_{rank}.pth"), weights_only=False)
+        assert torch.equal(saved["cpu"], states["cpu"]) and saved["python"] == states["python"]
+
+    repo.snapshot(trainer_like_state(rng_states()), step=4)   # one process: the one file, as before
+    one = checkpoint_folder(repo, "HEAD")
+    assert sorted(p.name for p in Path(one).iterdir() if p.name.startswith("rng_state")) == ["rng_state.pth"]
+    assert checkpoint_folder(repo, "HEAD") == one
+
+
+@pytest.mark.parametrize("options", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 3}}}])
+def test_callback_refuses_sharded_training(tmp_path, options):
+    from types import SimpleNamespace
+    args = SimpleNamespace(**{"world_size": 2, "process_index": 0, "fsdp": None, "deepspeed": None, **options})
+    callback = CkptRepoCallback(str(tmp_path / "repo"))
+    with pytest.raises(ArgumentError, match="ckptrepo.dcp .* DeepSpeed engine"):
+        callback.on_train_begin(args, None, None, model=tiny_model(), optimizer=None)
+    assert not (tmp_path / "repo").exists()   # refused before the repository is made
 
 
 # ---- export --format hf and import --------------------------------------------------------------------------
