@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from ckptrepo.core._manifest import (
     DATA_PREFIX,
@@ -41,6 +41,7 @@ from ckptrepo.core._manifest import (
     STAGING_PREFIX,
     VERSIONS_PREFIX,
     is_version_id,
+    new_version_id,
     seal,
     unseal,
     version_id_time,
@@ -50,7 +51,7 @@ from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
 from ckptrepo.core._remotes import leased_versions, tracking_refs
 from ckptrepo.core.schema import Manifest
-from ckptrepo.errors import CorruptionError, RefError, RetentionError
+from ckptrepo.errors import CorruptionError, RefError, RetentionError, StorageError
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -388,26 +389,34 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         held = [vid for vid in found if vid in leased_now]
         found[:] = [vid for vid in found if vid not in leased_now]
         report.too_young.extend(held)
+    # a manifest too young to collect may be a commit under way (its ref not moved yet): what it points into,
+    # other versions' arrays included (dedup), stays
+    live_arrays.update(key for vid in report.too_young if vid in facts for key in facts[vid].referenced)
     doomed_arrays = {key: (nbytes, layout) for vid in report.pruned + report.collected + unfinished
                      for key, nbytes, layout in facts[vid].arrays
                      if key not in live_arrays and key.split("/")[1] not in leased_now}
     from ckptrepo.storage._arrays import stored_bytes
     report.bytes_freed = sum(nbytes for nbytes, _ in doomed_arrays.values())
-    report.stored_bytes_freed = sum(stored_bytes(plumbing.store, key, layout)
-                                    for key, (_, layout) in doomed_arrays.items())
+    stored = {key: stored_bytes(plumbing.store, key, layout) for key, (_, layout) in doomed_arrays.items()}
+    report.stored_bytes_freed = sum(stored.values())
     if dry_run:
         return report
 
-    for vid in report.pruned:
-        # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
-        # marker with content would fail, and gc, the way to free space, would free nothing
-        plumbing.store.put(PRUNED_PREFIX + vid, b"")
-    # children first: a gc killed midway never leaves a manifest whose parent it deleted (fsck would call that damage)
-    for vid in children_first(report.collected, {v: facts[v].parents for v in report.collected}):
-        plumbing.store.delete(VERSIONS_PREFIX + vid)                  # manifest before data: never a dangling manifest
-        plumbing.store.delete(PRUNED_PREFIX + vid)
-    for key in sorted(doomed_arrays):
-        plumbing.store.delete_prefix(key + "/")
+    def mark_and_unlist() -> None:
+        for vid in report.pruned:
+            # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
+            # marker with content would fail, and gc, the way to free space, would free nothing
+            plumbing.store.put(PRUNED_PREFIX + vid, b"")
+        # children first: a gc killed midway never leaves a manifest whose parent it deleted (fsck: damage)
+        for vid in children_first(report.collected, {v: facts[v].parents for v in report.collected}):
+            plumbing.store.delete(VERSIONS_PREFIX + vid)              # manifest before data: never a dangling manifest
+            plumbing.store.delete(PRUNED_PREFIX + vid)
+
+    kept = delete_arrays_announced(plumbing, "gc-" + new_version_id(), set(doomed_arrays), set(facts),
+                                   mark_and_unlist)
+    if kept:   # reused by snapshots committed meanwhile (dedup): not freed after all
+        report.bytes_freed -= sum(doomed_arrays[k][0] for k in kept)
+        report.stored_bytes_freed -= sum(stored[k] for k in kept)
     for vid in report.orphan_data:
         plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
     for key in stale_leases:
@@ -492,20 +501,40 @@ def prune_version(plumbing: Plumbing, vid: str) -> int:
     # a snapshot in flight may reuse one of these arrays (dedup) and commit at any moment. The intent, written
     # first, lists them: a commit checks it after writing its manifest and fails rather than point at deleted
     # bytes; the manifests written before that check are read again here, and what they use is kept
-    intent = PRUNING_PREFIX + vid
-    plumbing.store.put(intent, seal({"time": time.time(), "arrays": sorted(doomed)}))
+    kept = delete_arrays_announced(plumbing, vid, set(doomed), set(facts),
+                                   lambda: plumbing.store.put(PRUNED_PREFIX + vid, b""))   # marker first, as collect
+    return sum(n for key, n in doomed.items() if key not in kept)
+
+
+def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], known: Collection[str],
+                            before: Callable[[], None]) -> set[str]:
+    """Delete the ``doomed`` arrays without pulling them from under a snapshot that reuses one (dedup) and
+    commits meanwhile; returns the arrays kept for such snapshots.
+
+    The intent ``pruning/<name>``, written first, lists them; a commit checks it after writing its manifest
+    (saving/_dedup.py) and fails rather than point at deleted bytes. After ``before`` (markers, manifest
+    deletes), the manifests written since the caller listed ``known`` ones are read, and what they use is kept:
+    a commit either wrote its manifest before this read, or sees the intent.
+    """
+    intent: str | None = PRUNING_PREFIX + name
     try:
-        plumbing.store.put(PRUNED_PREFIX + vid, b"")   # marker first: a crash leaves data, never a lie (as collect)
-        for _new, m in plumbing.iter_manifests([v for v in plumbing.all_version_ids() if v not in facts]):
+        plumbing.store.put(PRUNING_PREFIX + name, seal({"time": time.time(), "arrays": sorted(doomed)}))
+    except StorageError:
+        # a full disk takes no intent, and then no commit's manifest either: nothing can land meanwhile, and
+        # gc, what a user runs to free space, must still free it
+        intent = None
+    kept: set[str] = set()
+    try:
+        before()
+        for _new, m in plumbing.iter_manifests([v for v in plumbing.all_version_ids() if v not in known]):
             if isinstance(m, Manifest):
-                for t in m.tensors:
-                    for p in t.pieces:
-                        doomed.pop(p.array, None)
-        for key in sorted(doomed):
+                kept.update(p.array for t in m.tensors for p in t.pieces if p.array in doomed)
+        for key in sorted(doomed - kept):
             plumbing.store.delete_prefix(key + "/")
     finally:
-        plumbing.store.delete(intent)
-    return sum(doomed.values())
+        if intent is not None:
+            plumbing.store.delete(intent)
+    return kept
 
 
 def pruning_in_progress(store: Any, now: float) -> set[str]:

@@ -189,9 +189,9 @@ def test_cli_moves_a_tag_with_f_and_prunes_one_version(tmp_path):
     assert repo.version(a.id).pruned and not repo.version(b.id).pruned
 
 
-def _prune_while_reusing(tmp_path, hook_point: str):
+def _prune_while_reusing(tmp_path, hook_point: str, action=None):
     """v3 reuses v1's bytes of "y" (dedup: matched while v2, without "y", was not committed yet); ``prune(v1)``
-    runs at ``hook_point`` of v3's commit. Returns (repo, v1, v3's handle, y)."""
+    (or ``action(repo, v1)``) runs at ``hook_point`` of v3's commit. Returns (repo, v1, v3's handle, y)."""
     from ckptrepo import faults
     repo = ckptrepo.init(tmp_path / "r")
     snap = repo.snapshotter(max_in_flight=4)
@@ -208,7 +208,7 @@ def _prune_while_reusing(tmp_path, hook_point: str):
     def at_point(_):
         if repo.branches()["main"] != v1.id:   # v3's commit (v2 is the tip by then)
             faults.set_hook(hook_point, None)
-            repo.prune(v1.id)
+            (action or (lambda r, v: r.prune(v.id)))(repo, v1)
     faults.set_hook("after_data", at_data)
     faults.set_hook(hook_point, at_point)
     try:
@@ -234,6 +234,16 @@ def test_a_prune_that_reads_an_in_flight_manifest_keeps_what_it_reuses(tmp_path)
     v3 = h3.result()   # its manifest was written before the prune read the history: "y" is kept
     assert_bit_exact(repo.load(v3.id)["y"], y)
     assert repo.version(v1.id).pruned
+    assert run("fsck", repo=str(tmp_path / "r")).returncode == 0
+
+
+def test_a_gc_that_reads_an_in_flight_manifest_keeps_what_it_reuses(tmp_path):
+    freed = []
+    repo, v1, h3, y = _prune_while_reusing(tmp_path, "after_manifest",
+                                           lambda r, v: freed.append(r.gc(keep_last=1)))
+    v3 = h3.result()   # retention pruned v1 (not the tip's history), but v3's manifest, read again, keeps "y"
+    assert_bit_exact(repo.load(v3.id)["y"], y)
+    assert repo.version(v1.id).pruned and freed[0].bytes_freed == 0   # v1's one float32 array holds "y" too
     assert run("fsck", repo=str(tmp_path / "r")).returncode == 0
 
 
