@@ -421,8 +421,8 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
     for key in stale_leases:
         plumbing.store.delete(key)
-    for key in plumbing.store.list(PRUNING_PREFIX):   # the intents of prunes that died midway
-        if key[len(PRUNING_PREFIX):] not in pruning_in_progress(plumbing.store, now):
+    for key, (born, _) in _intents(plumbing.store):   # the intents of prunes that died midway
+        if now - born >= PRUNING_STALE_S:
             plumbing.store.delete(key)
     for key in plumbing.store.list(FAILURES_PREFIX):
         vid = key[len(FAILURES_PREFIX):]
@@ -537,12 +537,8 @@ def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], kno
     return kept
 
 
-def pruning_in_progress(store: Any, now: float) -> set[str]:
-    """The versions whose prune is running now (an intent younger than ``PRUNING_STALE_S``)."""
-    return {key[len(PRUNING_PREFIX):] for key, intent in _intents(store) if now - intent[0] < PRUNING_STALE_S}
-
-
 def _intents(store: Any) -> list[tuple[str, tuple[float, list[str]]]]:
+    """Every intent (``pruning/<name>``): its key, when it was written and the arrays it lists."""
     out = []
     for key in store.list(PRUNING_PREFIX):
         raw = store.get(key)

@@ -913,7 +913,7 @@ class Snapshotter:
         """Between the manifest and the ref: the reused arrays again. A prune that began meanwhile either reads
         this manifest (and keeps what it reuses) or has its intent seen here (maintenance/_gc.py prune_version)."""
         if self._dedup is not None and job.reused:
-            self._dedup.check_reused(self.plumbing.store, job)
+            self._dedup.check_reused(self.plumbing.store, job, announced=True)
 
     def _apply_retention(self) -> None:
         """Background gc after a commit; a failure is logged and raised by the next call, like a failed snapshot."""

@@ -106,9 +106,10 @@ class DedupIndex:
                 written.append(i)
         return written
 
-    def check_reused(self, store: Store, job: "SnapshotJob") -> None:
+    def check_reused(self, store: Store, job: "SnapshotJob", announced: bool = False) -> None:
         """Commit thread: the arrays a version reuses must still be there (gc deletes an array no kept version
-        refers to); if one is gone, nothing is reused from the next snapshot on."""
+        refers to); if one is gone, nothing is reused from the next snapshot on. ``announced``: also not listed
+        by a gc or prune under way (its intent), which only the check after the manifest needs to see."""
         for key, info in sorted({s.array: s.info for s in job.reused.values()}.items()):
             array = ArrayInfo.from_json(key, info)
             present = set(store.list(key + "/"))
@@ -120,6 +121,8 @@ class DedupIndex:
                                    f"flight and this snapshot reuses its unchanged tensors; take the snapshot again "
                                    f"(the next one writes every tensor), and run gc between snapshotter.wait() "
                                    f"and the next snapshot")
+        if not announced:
+            return
         from ckptrepo.maintenance._gc import pruning_arrays
         doomed = {s.array for s in job.reused.values()} & pruning_arrays(store, time.time())
         if doomed:
