@@ -651,9 +651,11 @@ class Repository:
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
-        rows = [{"version": vid, "step": h.step, **h.metrics}
-                for vid, h in HeaderWalk(self._plumbing.reads).chain(self.resolve(rev))]
-        return rows[::-1]
+        return [{"version": vid, "step": h.step, **h.metrics} for vid, h in self._first_parent_headers(rev)]
+
+    def _first_parent_headers(self, rev: str) -> list[tuple[str, ManifestHeader]]:
+        """(id, header) along the first-parent history of ``rev``, oldest first: headers only, no tensor data."""
+        return list(HeaderWalk(self._plumbing.reads).chain(self.resolve(rev)))[::-1]
 
     def metrics_to_tensorboard(self, log_dir: str | os.PathLike[str], rev: str = "HEAD") -> int:
         """Write the metrics and capture statistics of the first-parent history of ``rev`` as TensorBoard
@@ -661,8 +663,7 @@ class Repository:
         returns how many were written. Needs ``ckptrepo[tensorboard]``."""
         from ckptrepo.tools._tensorboard import write_scalars
         _path(log_dir, "TensorBoard log directory")
-        chain = list(HeaderWalk(self._plumbing.reads).chain(self.resolve(rev)))[::-1]
-        return write_scalars(log_dir, ((h.step, h.metrics, h.stats) for _, h in chain))
+        return write_scalars(log_dir, ((h.step, h.metrics, h.stats) for _, h in self._first_parent_headers(rev)))
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
            keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,

@@ -330,7 +330,8 @@ def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None,
     if changed and (layout is not None or target.world_size > 1 or unsharded_elsewhere):
         moved = sorted((_per_rank_tensor_paths(sharded.leaf_names) | set(per_rank_values(manifest)))
                        & per_rank_paths(manifest, tmpl))
-        moved = [p for p in moved if p not in same_on_every_rank(store, manifest, moved)]
+        same = same_on_every_rank(store, manifest, moved)   # reads those tensors: once, not per path
+        moved = [p for p in moved if p not in same]
         if moved and unsharded_elsewhere:
             warnings.warn(f"this process is rank {pg_rank} of {pg_world}, but a load without a layout gives every "
                           f"process saved rank 0's per-rank state ({_some(moved)}); pass parallel_layout= (or "
