@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ckptrepo.errors import ArgumentError, ExchangeError
+from ckptrepo.parallel._distributed import all_gather
 from ckptrepo.repository import Repository, init, repo_url
 from ckptrepo.repository import open as open_repo
 from ckptrepo.saving._capture import unwrapped_optimizer
@@ -63,10 +64,7 @@ def rng_states(distributed: bool = False) -> dict[str, Any]:
 def gathered_rng_states() -> list[dict[str, Any]]:
     """Every rank's RNG states, in rank order, on every rank: ``Trainer`` resumes each process from its own
     ``rng_state_{process_index}.pth``. A collective: every rank calls it at the same step."""
-    import torch.distributed as dist
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, rng_states(distributed=True))
-    return out
+    return all_gather(rng_states(distributed=True))
 
 
 def unsupported_parallelism(args: Any) -> str | None:

@@ -40,6 +40,7 @@ from ckptrepo.errors import (
     UnsupportedValueError,
     first_line,
 )
+from ckptrepo.parallel._distributed import process_group_rank
 from ckptrepo.repository import open as open_repo
 from ckptrepo.saving._pieces import (
     GlobalChunk,
@@ -155,13 +156,6 @@ def _url_for_pointer(url: str) -> str:
 
 
 # ---- collectives ----------------------------------------------------------------------------------
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
 
 def _broadcast(value: Any, world: int) -> Any:
     """Rank 0's ``value`` on every rank."""
@@ -395,7 +389,7 @@ class CkptRepoSaveStrategy(SaveShardedStrategy):
         """Write this rank's main replicas, then commit every rank's as one version: a collective, like
         Megatron's own save; every rank returns, or raises the same SnapshotFailedError."""
         checkpoint_dir = os.fspath(checkpoint_dir)
-        rank, world = _rank_world()
+        rank, world = process_group_rank()
         values = list(nested_values(sharded_state_dict))
         vid = self._save(values, checkpoint_dir, rank, world)
         self.last_version = vid

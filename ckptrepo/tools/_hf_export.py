@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ckptrepo.errors import ArgumentError, ExchangeError, first_line
+from ckptrepo.errors import ArgumentError, ExchangeError, first_line, some_names
 from ckptrepo.saving._host_memory import parse_size
 
 MODEL_KEY = "model"
@@ -295,8 +295,8 @@ def _read_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ExchangeError(f"cannot read {path / file}: {first_line(err)}") from None
     missing = [n for n in weight_map if n not in found]
     if missing:
-        raise ExchangeError(f"{index_path} lists {_some(missing, 'tensors')[2:]} that its files lack; the folder "
-                            f"is incomplete")
+        raise ExchangeError(f"{index_path} lists {some_names([repr(n) for n in missing], 3)}, which its files "
+                            f"lack; the folder is incomplete")
     names = list(weight_map) if weight_map else list(found)
     return iter([(n, found[n]) for n in names])
 
