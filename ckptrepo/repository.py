@@ -75,7 +75,8 @@ if TYPE_CHECKING:
     from ckptrepo.remotes._sync import SyncResult
     from ckptrepo.remotes._transfer import Progress
     from ckptrepo.saving._capture import Snapshotter
-    from ckptrepo.tools._inspect import TensorStats, TrajectoryPoint, VersionDiff
+    from ckptrepo.tools._inspect import TensorStats, VersionDiff
+    from ckptrepo.tools._trajectory import TrajectoryPoint
 
 DEFAULT_BRANCH = "main"
 
@@ -642,7 +643,7 @@ class Repository:
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                    until: int | None = None) -> list[TrajectoryPoint]:
         """A metric (norm, delta, relative-change) of tensors matching ``pattern`` over the history of ``rev``."""
-        from ckptrepo.tools._inspect import trajectory
+        from ckptrepo.tools._trajectory import trajectory
         _pattern(pattern, required=True)
         _rev(rev)
         _whole(since, "since")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ckptrepo.errors import MissingDependencyError
 
 if TYPE_CHECKING:   # inspect needs torch; `ckptrepo metrics` does not
-    from ckptrepo.tools._inspect import TrajectoryPoint
+    from ckptrepo.tools._trajectory import TrajectoryPoint
 
 Series = dict[str, tuple[list[float], list[float]]]   # label -> (x, y)
 
