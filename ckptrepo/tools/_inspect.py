@@ -108,6 +108,7 @@ class TensorStats:
     max: float
     nan: int
     inf: int
+    absmax: float = math.nan         # max |x| over the finite values (of |x| for complex tensors)
 
     def to_json(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.__dict__.items()}
@@ -327,4 +328,4 @@ def _stats_of(entry: TensorEntry, chunks: _Chunks, on_bytes: Callable[[int], Non
             norm = math.nan     # like mean, min and max: over the finite values, and there are none
     std = dev / math.sqrt(count) if count else math.nan
     return TensorStats(entry.name, entry.dtype, list(entry.shape), entry.numel, norm,
-                       mean, std, lo, hi, nan, inf)
+                       mean, std, lo, hi, nan, inf, max(abs(lo), abs(hi)) if count else math.nan)
