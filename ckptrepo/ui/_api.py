@@ -9,7 +9,6 @@ folds its rows into module prefixes when there are too many to show one per line
 """
 from __future__ import annotations
 
-import heapq
 import math
 import re
 import warnings
@@ -134,43 +133,31 @@ def _prefix(name: str, depth: int) -> str:
 
 def group_rows(names: Sequence[str], max_rows: int) -> list[tuple[str, list[int]]]:
     """``names`` as at most ``max_rows`` groups of row indices, ordered by their first name: one per name when
-    they fit, else folded by module prefix. Folding starts from the first name component (``model``,
-    ``optimizer``) and opens groups into their sub-prefixes, shallowest first and then in the names' order,
-    while the rows still fit, so a model's layers can show one by one while its optimizer state stays one row.
-    When even the first components are too many, runs of neighbouring names are folded instead."""
+    they fit, else folded by module prefix: the longest prefix length (``model``, then ``model/layers.3``, ...)
+    whose groups still fit, the same for every name, so rows read alike (every layer one row, not the first
+    layers in detail and the last folded). When even the first components are too many, runs of neighbouring
+    names are folded instead."""
     if len(names) <= max_rows:
         return [(n, [i]) for i, n in enumerate(names)]
 
-    def split(idx: list[int], depth: int) -> dict[str, list[int]]:
+    def split(depth: int) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
-        for i in idx:
-            out.setdefault(_prefix(names[i], depth), []).append(i)
+        for i, n in enumerate(names):
+            out.setdefault(_prefix(n, depth), []).append(i)
         return out
 
-    top = split(list(range(len(names))), 1)
-    if len(top) > max_rows:
+    groups = split(1)
+    if len(groups) > max_rows:
         size = math.ceil(len(names) / max_rows)
         return [(f"{names[lo]} … ({min(lo + size, len(names)) - lo} tensors)",
                  list(range(lo, min(lo + size, len(names))))) for lo in range(0, len(names), size)]
-    groups: dict[str, tuple[int, list[int]]] = {k: (1, idx) for k, idx in top.items()}   # prefix -> (depth, rows)
-    # shallowest first, and at one depth in the names' order: the model, saved first, opens before its optimizer
-    queue = [(1, idx[0], k) for k, idx in top.items() if len(idx) > 1]
-    heapq.heapify(queue)
-    while queue:
-        _, _, key = heapq.heappop(queue)
-        depth, idx = groups[key]
-        children = split(idx, depth + 1)
-        if len(children) == 1 and next(iter(children)) == key:
-            continue   # names that end here: nothing to open
-        if len(groups) - 1 + len(children) > max_rows:
-            continue
-        del groups[key]
-        for child, rows in children.items():
-            groups[child] = (depth + 1, rows)
-            if len(rows) > 1:
-                heapq.heappush(queue, (depth + 1, rows[0], child))
-    ordered = sorted(groups.items(), key=lambda kv: kv[1][1][0])
-    return [(_label(key, [names[i] for i in idx]), idx) for key, (_, idx) in ordered]
+    deepest = max(len(_SEPARATORS.findall(n)) for n in names) + 1
+    for depth in range(2, deepest + 1):   # the number of groups only grows with the depth
+        deeper = split(depth)
+        if len(deeper) > max_rows:
+            break
+        groups = deeper
+    return [(_label(key, [names[i] for i in idx]), idx) for key, idx in groups.items()]
 
 
 def _label(prefix: str, members: Sequence[str]) -> str:
@@ -209,10 +196,17 @@ def aggregate(values: np.ndarray, groups: Sequence[tuple[str, list[int]]], stat:
     return out
 
 
-def _cell(x: float) -> float | None:
-    """A heatmap value for JSON: 6 significant digits are all a colour can show."""
-    if x != x:
+NO_FINITE = "nan"   # a cell whose statistic has no value although the tensor is there: none of its values is finite
+
+
+def _cell(x: float, present: bool) -> float | str | None:
+    """A heatmap value for JSON: None where the tensor is absent, NO_FINITE where it is present but its
+    statistic is NaN (every value NaN or Inf: the blow-up the page must show), else 6 significant digits,
+    all a colour can show."""
+    if not present:
         return None
+    if x != x:
+        return NO_FINITE
     if not math.isfinite(x):
         return math.copysign(BIG, x)
     return float(f"{x:.6g}")
@@ -222,6 +216,8 @@ def heatmap(repo: Repository, rev: str, stat: str, pattern: str, max_versions: i
             since: int | None = None, until: int | None = None) -> dict[str, Any]:
     """``stat`` of every tensor matching ``pattern`` (rows) at each version of the first-parent history of ``rev``
     (columns, oldest first), sampled to ``max_versions`` columns and folded to ``max_rows`` rows."""
+    import numpy as np
+
     from ckptrepo.tools._trajectory import METRICS
     if stat not in METRICS:
         raise ArgumentError(f"unknown stat {stat!r}; use one of {', '.join(METRICS)}")
@@ -232,11 +228,16 @@ def heatmap(repo: Repository, rev: str, stat: str, pattern: str, max_versions: i
     m = repo.stat_matrix(pattern, stat=stat, rev=rev, since=since, until=until, max_versions=max_versions)
     groups = group_rows(m.names, max_rows)
     folded = len(groups) < len(m.names)
-    values = aggregate(m.values, groups, stat) if folded else m.values
+    values, present = m.values, m.present
+    if folded:   # a group with one tensor of no finite value shows it, whatever the others are
+        broken = present & np.isnan(values)
+        values = aggregate(np.where(present, values, np.nan), groups, stat)
+        present = np.array([present[idx].any(axis=0) for _, idx in groups]).reshape(values.shape)
+        values[np.array([broken[idx].any(axis=0) for _, idx in groups]).reshape(values.shape)] = np.nan
+    cells = [[_cell(x, p) for x, p in zip(row, here)] for row, here in zip(values.tolist(), present.tolist())]
     return dict(empty, versions=list(m.versions), steps=list(m.steps), tensors=len(m.names),
                 aggregated=AGGREGATE.get(stat, "max") if folded else None,
-                rows=[{"name": label, "tensors": len(idx)} for label, idx in groups],
-                values=[[_cell(x) for x in row] for row in values.tolist()])
+                rows=[{"name": label, "tensors": len(idx)} for label, idx in groups], values=cells)
 
 
 # ---- /api/version/<rev> and /api/diff/<rev> -------------------------------------------------------------------

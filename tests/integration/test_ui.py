@@ -25,6 +25,7 @@ from ckptrepo.ui._api import aggregate, group_rows, sample_indices
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOWUP_STEP = 4
+NAN_STEP = 5
 
 
 def _state(step: int) -> dict:
@@ -32,7 +33,8 @@ def _state(step: int) -> dict:
     scale = 1000.0 if step == BLOWUP_STEP else 1.0   # layers.1 blows up at one step
     return {"model": {"layers.0.w": torch.randn(4, 4, generator=g),
                       "layers.1.w": torch.randn(4, 4, generator=g) * scale, "head.b": torch.zeros(3)},
-            "opt": {"lr": 0.1, "buf": torch.ones(2) * step}, "step": step}
+            "opt": {"lr": 0.1, "buf": torch.ones(2) * step}, "step": step,
+            "probe": torch.full((2,), float("nan")) if step == NAN_STEP else torch.ones(2)}   # no finite value once
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +149,25 @@ def test_heatmap_shows_the_layer_that_blew_up(server):
     sampled = _ok(server, "/api/heatmap?stat=norm&max_versions=3")
     assert len(sampled["versions"]) == 3 and sampled["steps"][-1] == 6   # the newest is always kept
     assert all(len(r) == 3 for r in sampled["values"])
-    nan = _ok(server, "/api/heatmap?stat=nan&rev=fix")
+    nan = _ok(server, "/api/heatmap?stat=nan&rev=fix&pattern=model/*")
     assert nan["steps"] == [1, 2, 3, 4, 5] and all(v == 0 for r in nan["values"] for v in r)
 
 
+def test_heatmap_marks_a_tensor_with_no_finite_value(server):
+    data = _ok(server, "/api/heatmap?stat=absmax")
+    probe = data["values"][[r["name"] for r in data["rows"]].index("probe")]
+    assert probe == [1.0] * (NAN_STEP - 1) + ["nan"] + [1.0]   # not null: it is there, and blew up
+    counts = _ok(server, "/api/heatmap?stat=nan&pattern=probe")["values"][0]
+    assert counts == [0, 0, 0, 0, 2, 0]
+    folded = _ok(server, "/api/heatmap?stat=absmax&max_rows=1")   # one row for everything: still marked
+    assert folded["rows"] == [{"name": "model/layers.0.w … (5 tensors)", "tensors": 5}]
+    assert folded["values"][0][NAN_STEP - 1] == "nan" and isinstance(folded["values"][0][0], float)
+
+
 def test_heatmap_folds_rows_into_module_prefixes(server):
-    data = _ok(server, "/api/heatmap?stat=absmax&max_rows=2")
-    assert len(data["rows"]) <= 2 and data["aggregated"] == "max" and data["tensors"] == 4
+    data = _ok(server, "/api/heatmap?stat=absmax&max_rows=3")
+    assert [r["name"] for r in data["rows"]] == ["model/*", "opt/buf", "probe"]
+    assert data["aggregated"] == "max" and data["tensors"] == 5
     model = next(r for r in data["rows"] if r["name"] == "model/*")
     assert model["tensors"] == 3
     i = data["rows"].index(model)
@@ -161,10 +175,11 @@ def test_heatmap_folds_rows_into_module_prefixes(server):
 
 
 def test_grouping_and_aggregation_rules():
-    names = [f"model/layers.{i}.{p}" for i in range(300) for p in ("w", "b")] + ["opt/lr"]
-    groups = group_rows(names, 200)
-    assert len(groups) <= 200 and sum(len(idx) for _, idx in groups) == len(names)
-    assert groups[0][0] == "model/layers.0.*" or groups[0][0].startswith("model/")
+    names = [f"model/layers.{i}.{p}" for i in range(150) for p in ("attn.q", "attn.k", "w")] + ["opt/lr"]
+    groups = group_rows(names, 200)   # one row per layer: every layer alike
+    assert [label for label, _ in groups] == [f"model/layers.{i}.*" for i in range(150)] + ["opt/lr"]
+    assert groups[7][1] == [21, 22, 23]
+    assert [label for label, _ in group_rows(names, 100)] == ["model/layers.*", "opt/lr"]
     assert group_rows(["a", "b"], 5) == [("a", [0]), ("b", [1])]
     values = np.array([[3.0, np.nan], [4.0, np.nan]])
     assert aggregate(values, [("g", [0, 1])], "norm")[0, 0] == pytest.approx(5.0)   # norm of the concatenation
@@ -178,7 +193,7 @@ def test_version_detail_has_header_tensors_with_statistics(server, repo_url):
     v = data["version"]
     assert v["step"] == 3 and "tag: best" in v["refs"] and v["id"] == ckptrepo.open(repo_url).resolve("best")
     by_name = {t["name"]: t for t in data["tensors"]}
-    assert set(by_name) == {"model/layers.0.w", "model/layers.1.w", "model/head.b", "opt/buf"}
+    assert set(by_name) == {"model/layers.0.w", "model/layers.1.w", "model/head.b", "opt/buf", "probe"}
     assert by_name["opt/buf"]["norm"] == pytest.approx(3 * 2 ** 0.5) and by_name["opt/buf"]["nan"] == 0
     assert by_name["model/head.b"]["shape"] == [3] and by_name["model/head.b"]["dtype"] == "float32"
     assert {"path": "opt/lr", "value": "0.1"} in data["objects"]
@@ -192,7 +207,8 @@ def test_diff_is_against_the_first_parent(server, repo_url):
     assert data["a"] == repo.resolve("@3") and data["b"] == repo.resolve("@4") and not data["root"]
     worst = max(data["tensors"], key=lambda t: t["relative"] or 0)
     assert worst["name"] == "model/layers.1.w" and worst["status"] == "changed"
-    assert {p["prefix"] for p in data["prefixes"]} == {"model.layers", "model.head", "opt.buf"}   # as diff --stat
+    # per prefix as diff --stat
+    assert {p["prefix"] for p in data["prefixes"]} == {"model.layers", "model.head", "opt.buf", "probe"}
     root = _ok(server, "/api/diff/@1")
     assert root["root"] and root["a"] is None and root["tensors"] == []
     against = _ok(server, "/api/diff/fix?against=main")

@@ -11,6 +11,7 @@
   const VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58",
                    "#b5de2b", "#fde725"];
   const ABSENT = "#e6e8eb";
+  const NO_FINITE = "#ff2d55";   // a tensor present with not one finite value: the server sends "nan"
 
   const state = {info: null, rev: "HEAD", stat: null, pattern: "*", scale: "log", selected: null,
                  graph: null, metrics: null, heatmap: null, charts: [], drawn: null, detailToken: 0};
@@ -276,7 +277,7 @@
     const range = (vals) => {
       let lo = Infinity, hi = -Infinity;
       for (const v of vals) {
-        if (v === null || Math.abs(v) >= BIG) continue;
+        if (typeof v !== "number" || Math.abs(v) >= BIG) continue;
         const s = shown(v);
         if (s === null) continue;
         if (s < lo) lo = s;
@@ -285,7 +286,7 @@
       return [lo, hi];
     };
     const map = (v, [lo, hi]) => {
-      if (v === null) return null;
+      if (v === null || typeof v === "string") return v;
       if (Math.abs(v) >= BIG) return 1;
       const s = shown(v);
       if (s === null || !isFinite(lo)) return 0;
@@ -328,7 +329,7 @@
     for (let r = 0; r < rows; r++) {
       for (let c = 0; c < cols; c++) {
         const t = cells[r][c];
-        ctx.fillStyle = t === null ? ABSENT : colour(t);
+        ctx.fillStyle = t === null ? ABSENT : typeof t === "string" ? NO_FINITE : colour(t);
         ctx.fillRect(x0(c), top + r * cellH, Math.max(1, x0(c + 1) - x0(c)), cellH);
       }
     }
@@ -367,7 +368,7 @@
       if (!p) { tip.style.display = "none"; return; }
       const [r, c, x, y] = p, row = h.rows[r];
       tip.textContent = `${row.name}${row.tensors > 1 ? ` (${row.tensors} tensors)` : ""}\n` +
-        `step ${h.steps[c] === null ? "-" : h.steps[c]}  ${h.versions[c].slice(0, 12)}\n${h.stat} ${fmt(h.values[r][c])}`;
+        `step ${h.steps[c] === null ? "-" : h.steps[c]}  ${h.versions[c].slice(0, 12)}\n${h.stat} ${h.values[r][c] === "nan" ? "no finite value" : h.values[r][c] === null ? "absent" : fmt(h.values[r][c])}`;
       tip.style.display = "block";
       tip.style.left = `${Math.min(x + 14, W - 260)}px`;
       tip.style.top = `${y + 14}px`;
@@ -386,7 +387,10 @@
     swatch.style.paddingLeft = "4px";
     const ends = (v) => (state.scale === "log" ? fmt(Number(Math.pow(10, v).toPrecision(3))) : fmt(v));
     const lo = range && isFinite(range[0]) ? ends(range[0]) : "row min", hi = range && isFinite(range[1]) ? ends(range[1]) : "row max";
-    return el("div", {class: "legend", id: "heatmap-legend"}, el("span", {}, lo), bar, el("span", {}, hi), swatch);
+    const broken = el("span", {class: "muted"}, "no finite value");
+    broken.style.borderLeft = `12px solid ${NO_FINITE}`;
+    broken.style.paddingLeft = "4px";
+    return el("div", {class: "legend", id: "heatmap-legend"}, el("span", {}, lo), bar, el("span", {}, hi), swatch, broken);
   }
 
   // ---- one version ----------------------------------------------------------------------------------------
