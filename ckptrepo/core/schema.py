@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from ckptrepo.core._boxes import Box, intersect, volume
 from ckptrepo.core._manifest import BULKY_FIELDS, VERSIONS_PREFIX, Version, seal, unseal, unseal_header
+from ckptrepo.core._moments import Moments
 from ckptrepo.errors import CorruptionError, UnsupportedValueError
 from ckptrepo.storage._arrays import ArrayInfo, array_problem
 from ckptrepo.storage.protocol import MAX_VALUE_BYTES
@@ -694,19 +695,26 @@ class RankPart:
     tensors: tuple[tuple[str, tuple[Piece, ...]], ...]  # (name, the pieces this rank wrote of it)
     arrays: dict[str, ArrayInfo]                        # the arrays it wrote
     fingerprints: tuple[Any, ...]                       # its replicated pieces' (parallel/_replicas.py)
+    # (name, Moments.to_raw()) of each piece it wrote: its values' statistics, which rank 0 merges per tensor
+    moments: tuple[tuple[str, Any], ...] | None = None
 
     def to_raw(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step": self.step, "tree": self.tree, "leaf_names": self.leaf_names,
-                "names": self.names, "coords": self.coords,
-                "tensors": [{"name": n, "pieces": [p.to_raw() for p in ps]} for n, ps in self.tensors],
-                "arrays": {k: a.to_json() for k, a in self.arrays.items()}, "fingerprints": self.fingerprints}
+        raw = {"rank": self.rank, "step": self.step, "tree": self.tree, "leaf_names": self.leaf_names,
+               "names": self.names, "coords": self.coords,
+               "tensors": [{"name": n, "pieces": [p.to_raw() for p in ps]} for n, ps in self.tensors],
+               "arrays": {k: a.to_json() for k, a in self.arrays.items()}, "fingerprints": self.fingerprints}
+        if self.moments is not None:
+            raw["moments"] = [[n, m] for n, m in self.moments]
+        return raw
 
     @classmethod
     def from_raw(cls, d: dict[str, Any]) -> "RankPart":
         part = cls(d["rank"], d.get("step"), d["tree"], tuple(d["leaf_names"]),
                    tuple((n, dtype, tuple(shape)) for n, dtype, shape in d["names"]), d.get("coords"),
                    tuple((t["name"], tuple(map(_piece, t["pieces"]))) for t in d["tensors"]),
-                   {k: ArrayInfo.from_json(k, a) for k, a in d["arrays"].items()}, tuple(d.get("fingerprints", ())))
+                   {k: ArrayInfo.from_json(k, a) for k, a in d["arrays"].items()}, tuple(d.get("fingerprints", ())),
+                   None if d.get("moments") is None else tuple((n, Moments.from_raw(m).to_raw())
+                                                                for n, m in d["moments"]))
         problem = arrays_problem(part.arrays) or next(
             (f"a piece of {n} points into {p.array!r}, which the part does not list"
              for n, ps in part.tensors for p in ps if p.array not in part.arrays), None)

@@ -44,7 +44,7 @@ from ckptrepo.parallel._replicas import check_replicas
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._dedup import StoredTensor
 from ckptrepo.saving._snapshot_job import SnapshotJob
-from ckptrepo.saving._tensor_stats import stats_record
+from ckptrepo.saving._tensor_stats import piece_moments, stats_record
 from ckptrepo.saving._writer import WritePlan
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo
@@ -108,7 +108,8 @@ class Committer:
             coords=vars(self.layout.coords(self.rank)) if self.layout is not None else None,
             tensors=tuple((r.name, (Piece((tuple(box[0]), tuple(box[1])), job.arrays[p.dtype].key, p.offset),))
                           for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel),
-            arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints))
+            arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints),
+            moments=piece_moments(job))
         if not self.distributed:
             return self._publish_merged(job, [part])
         staging = Staging(self.plumbing.store, job.vid, self.world_size, self.commit_timeout_s, self.health)

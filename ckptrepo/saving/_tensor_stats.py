@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptrepo.core._moments import Moments
 from ckptrepo.core.schema import STAT_COLUMNS, TensorStatsRecord
 from ckptrepo.storage._arrays import numpy_dtype
 
@@ -31,45 +32,6 @@ _SAFE = {4: (1e-15, 1e15), 8: (1e-140, 1e140)}
 NOT_RECORDED = math.nan
 
 
-class _Moments:
-    """Count, mean and root of the summed squared deviations (``dev``) of finite values, min/max, NaN and
-    Inf counts: mergeable part by part. ``dev`` is kept as a root and merged with ``math.hypot``, so values
-    near float64's limits (1e200, 1e-200) neither overflow nor underflow, as in tools/_inspect.py."""
-
-    __slots__ = ("n", "mean", "dev", "lo", "hi", "nan", "inf")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.mean = 0.0
-        self.dev = 0.0
-        self.lo = math.inf
-        self.hi = -math.inf
-        self.nan = 0
-        self.inf = 0
-
-    def add(self, k: int, mean: float, dev: float, lo: float, hi: float) -> None:
-        """Merge a part of ``k`` finite values (Chan et al.'s pairwise update)."""
-        if not k:
-            return
-        total = self.n + k
-        delta = mean - self.mean
-        self.dev = math.hypot(self.dev, dev, abs(delta) * math.sqrt(self.n * k / total) if self.n else 0.0)
-        self.mean += delta * k / total
-        self.n = total
-        self.lo = min(self.lo, lo)
-        self.hi = max(self.hi, hi)
-
-    def row(self, numel: int) -> tuple[float, ...]:
-        """The recorded columns but the change from the parent (``STAT_COLUMNS[:8]``)."""
-        n = self.n
-        if not n:
-            return (0.0 if numel == 0 else math.nan, math.nan, math.nan, math.nan, math.nan, math.nan,
-                    float(self.nan), float(self.inf))
-        norm = math.hypot(self.dev, math.sqrt(n) * abs(self.mean))   # ||x||^2 = sum (x - mean)^2 + n mean^2
-        return (norm, self.mean, self.dev / math.sqrt(n), self.lo, self.hi,
-                max(abs(self.lo), abs(self.hi)), float(self.nan), float(self.inf))
-
-
 class HostStats:
     """Statistics of one tensor whose bytes are fed in order (``update``), as the dedup hashers are."""
 
@@ -79,7 +41,7 @@ class HostStats:
         self.dtype = dtype
         self._np = numpy_dtype(dtype)
         self._kind = self._np.kind     # f: float, c: complex, i/u/b: integers and bools; V: float8 (ml_dtypes)
-        self._m = _Moments()
+        self._m = Moments()
 
     def update(self, data: Any) -> None:
         """Feed the next bytes of the tensor (a uint8 numpy array, a whole number of elements)."""
@@ -122,8 +84,8 @@ class HostStats:
             mean *= top
         m.add(k, mean, dev, lo, hi)
 
-    def row(self, numel: int) -> tuple[float, ...]:
-        return self._m.row(numel)
+    def moments(self) -> Moments:
+        return self._m
 
 
 class DeviceStats:
@@ -158,21 +120,19 @@ class DeviceStats:
         self._parts.append(torch.stack([torch.tensor(float(n), dtype=torch.float64, device=x.device), mean, dev,
                                         lo.double(), hi.double(), nan.double(), inf.double()]))
 
-    def row(self, numel: int) -> tuple[float, ...]:
+    def moments(self) -> Moments:
         import torch
-        m = _Moments()
+        m = Moments()
         if self._parts:
             parts = torch.stack(self._parts).cpu().tolist()
             self._parts = []
             for n, mean, dev, lo, hi, nan, inf in parts:
+                if nan or inf:
+                    m.unknown = True   # only the counts of this part are right: see the class docstring
                 m.nan += int(nan)
                 m.inf += int(inf)
-                if nan or inf:
-                    m.lo = math.nan
                 m.add(int(n), mean, dev, lo, hi)
-        if m.nan or m.inf:
-            return (math.nan,) * 6 + (float(m.nan), float(m.inf))
-        return m.row(numel)
+        return m
 
 
 class Tee:
@@ -197,17 +157,21 @@ def full_row(row: tuple[float, ...], delta: float = NOT_RECORDED, relative: floa
 
 
 def stat_feeds(job: Any, records: list[Any], hashers: dict[int, Any]) -> tuple[dict[int, Any], dict[int, Any]]:
-    """The statistics of each planned tensor (plan index -> HostStats or DeviceStats; none for the pieces of
-    a sharded snapshot, whose global tensors no one rank sees whole), and what each tensor's staged bytes
-    feed: its hasher, its statistics, or both."""
-    if job.sharded:
-        return {}, dict(hashers)
+    """The statistics of each planned tensor or piece (plan index -> HostStats or DeviceStats), and what its
+    staged bytes feed: its hasher, its statistics, or both."""
     stats: dict[int, Any] = {pi: DeviceStats(r.dtype) if r.tensor.is_cuda else HostStats(r.dtype)
                              for pi, r in enumerate(records)}
     feeds: dict[int, Any] = dict(stats)
     for pi, h in hashers.items():
         feeds[pi] = Tee(h, stats[pi])
     return stats, feeds
+
+
+def piece_moments(job: Any) -> tuple[tuple[str, Any], ...]:
+    """A sharded job's moments per piece written (global name, ``Moments.to_raw()``), in plan order, for
+    rank 0 to merge into the version's statistics."""
+    return tuple((job.records[ri].name, job.stats[pi].moments().to_raw()) for pi, ri in enumerate(job.written)
+                 if pi in job.stats and job.records[ri].numel)
 
 
 def stats_record(job: Any) -> TensorStatsRecord | None:
@@ -226,7 +190,7 @@ def stats_record(job: Any) -> TensorStatsRecord | None:
             if feed is None:
                 row = (NOT_RECORDED,) * len(STAT_COLUMNS)
             else:
-                job.stat_rows[i] = feed.row(r.numel)
+                job.stat_rows[i] = feed.moments().row(r.numel)
                 row = full_row(job.stat_rows[i])
         names.append(r.name)
         rows.append(row)

@@ -2,7 +2,7 @@
 
 Answered from the statistics each version recorded while it was captured (``Manifest.tensor_stats``):
 one batched read of the manifests, each decoded without its tensor table, and no tensor data. A version
-written without them (an older release, or a distributed snapshot, whose ranks each hold only pieces)
+written without them (an older release, or the DCP and Megatron-core adapters)
 falls back to reading its data, as ``stats`` and ``diff`` do; so does a change from the previous version
 that capture did not measure. Torch is imported only for those fallbacks: a trajectory over recorded
 versions stays a sub-second command.

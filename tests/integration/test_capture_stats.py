@@ -148,10 +148,10 @@ def test_device_statistics_agree_with_host_ones():
     for part in x.split(30_000):
         host.update(part.numpy().view("uint8"))
         dev.update_device(part)
-    assert dev.row(x.numel()) == pytest.approx(host.row(x.numel()), rel=1e-6)
+    assert dev.moments().row(x.numel()) == pytest.approx(host.moments().row(x.numel()), rel=1e-6)
     bad = DeviceStats("float32")
     bad.update_device(torch.tensor([1.0, float("nan"), float("inf")]))
-    row = bad.row(3)
+    row = bad.moments().row(3)
     assert row[6:] == (1.0, 1.0) and all(math.isnan(v) for v in row[:6])
 
 
