@@ -821,6 +821,74 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
 
 
 @cli.command()
+@click.option("--metric", default=None, help="A metric recorded with the versions (loss, lr, ...).")
+@click.option("--tensor", "pattern", metavar="GLOB", default=None,
+              help="Tensors whose name matches this glob; --stat says which statistic (with --nonfinite: where to "
+                   "look for NaN and Inf).")
+@click.option("--stat", default=None, metavar="STAT",
+              help="The statistic of --tensor: norm (default), mean, std, min, max, absmax, nan, inf, delta or "
+                   "relative-change.")
+@click.option("--when", "condition", metavar="CONDITION", default=None,
+              help="'above X' ('exceeds X', '> X'), 'below X' ('< X'), '>= X', '<= X', '== X', '!= X', "
+                   "'rises above X', 'falls below X' (a crossing from the previous version), 'changes by more than "
+                   "X' or 'X%', 'is nan', 'is inf', 'is not finite'.")
+@click.option("--nonfinite", is_flag=True, help="The first version where a tensor holds a NaN or an Inf.")
+@click.option("--rev", default="HEAD", show_default=True, shell_complete=_complete_revision,
+              help="Walk the first-parent history of this revision.")
+@click.option("--since", type=int, default=None, help="First step to include.")
+@click.option("--until", type=int, default=None, help="Last step to include.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def bisect(ctx: click.Context, metric: str | None, pattern: str | None, stat: str | None, condition: str | None,
+           nonfinite: bool, rev: str, since: int | None, until: int | None, as_json: bool) -> None:
+    """The first version, oldest first along the history of --rev, where --metric or a --tensor statistic meets
+    --when (or, with --nonfinite, that holds a NaN or an Inf), from the recorded values: no tensor data is read.
+    Exit status 0 when one is found, 1 when no version matches, 2 for a usage error."""
+    if nonfinite and (metric is not None or condition is not None or stat is not None):
+        raise click.UsageError("--nonfinite takes no --metric, --stat or --when (narrow it with --tensor GLOB)")
+    if not nonfinite:
+        if (metric is None) == (pattern is None):
+            raise click.UsageError("give one of --metric NAME, --tensor GLOB [--stat STAT], or --nonfinite")
+        if metric is not None and stat is not None:
+            raise click.UsageError("--stat goes with --tensor; a --metric is compared as recorded")
+        if condition is None:
+            raise click.UsageError("say what to look for with --when, e.g. --when 'rises above 3.0'")
+    found = _repo(ctx).bisect(condition, metric=metric, tensor=pattern, stat=stat or "norm", nonfinite=nonfinite,
+                              rev=rev, since=since, until=until)
+    if nonfinite:
+        what = f"a tensor{'' if pattern is None else ' matching ' + repr(pattern)} holds NaN or Inf"
+    else:
+        subject = metric if metric is not None else f"{stat or 'norm'} of {pattern}"
+        what = f"{subject} {condition}"
+    if found is None:
+        if as_json:
+            _emit_json({"found": False})
+        else:
+            in_range = " in the --since/--until range" if since is not None or until is not None else ""
+            click.echo(printable(f"no version matches: {what}, along the first-parent history of {rev}{in_range}"))
+        sys.exit(1)
+    if as_json:
+        _emit_json(found.to_json())
+        return
+    click.echo(printable(f"{found.version[:12]}  {_step_of(found.step)}  first version where {what}"))
+    click.echo(f"version {found.version}")
+    before = "" if found.previous is None else \
+        f" (previous {_num(found.previous)} at {(found.previous_version or '-')[:12]})"
+    label = "NaN+Inf elements" if nonfinite else found.what
+    if found.tensor is None:
+        _echo_fit(printable(f"{label} {_num(found.value)}{before}"))
+        return
+    _echo_fit(printable(f"tensor  {found.tensor}: {label} {_num(found.value)}{before}"))
+    others = [n for n in found.tensors if n != found.tensor]
+    if others:
+        _echo_fit(printable(f"also    {len(others)} more at this version: {', '.join(others)}"))
+
+
+def _step_of(step: int | None) -> str:
+    return f"step {step}" if step is not None else "step -"
+
+
+@cli.command()
 @click.argument("rev", default="HEAD", shell_complete=_complete_revision)
 @click.option("--png", "png_path", metavar="FILE", default=None,
               help="Also plot them to a PNG file, one panel per metric (needs ckptrepo[plot]).")
