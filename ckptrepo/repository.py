@@ -15,7 +15,6 @@ from __future__ import annotations
 import heapq
 import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -160,11 +159,17 @@ def _path(path: Any, what: str) -> None:
         raise ExchangeError(f"the {what} is a path (a str or pathlib.Path), not {_shown(path)}")
 
 
+def _repository_id() -> str:
+    """A new repository's id; uuid is imported here, as it loads ``platform``, which opening one never needs."""
+    import uuid
+    return uuid.uuid4().hex
+
+
 def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
     """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
     url = repo_url(url)
     store = open_store(url, options)
-    settings = {"created": time.time(), "default_branch": DEFAULT_BRANCH, REPOSITORY_ID: uuid.uuid4().hex}
+    settings = {"created": time.time(), "default_branch": DEFAULT_BRANCH, REPOSITORY_ID: _repository_id()}
     if not store.put_if_absent(CONFIG_KEY, encode_config(settings)):
         if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
@@ -204,7 +209,7 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     if store.list(""):
         raise RepositoryExistsError(f"{target} is not empty; clone into a new directory")
     settings = {"created": time.time(), "default_branch": branch,
-                REPOSITORY_ID: theirs.config.get(REPOSITORY_ID) or uuid.uuid4().hex}
+                REPOSITORY_ID: theirs.config.get(REPOSITORY_ID) or _repository_id()}
     store.put_if_absent(CONFIG_KEY, encode_config(settings))
     init_head(store, branch)
     repo = Repository(store)
@@ -795,7 +800,7 @@ class Repository:
         check_remote_name(name)
         url = repo_url(url)
         if not self._plumbing.config.get(REPOSITORY_ID):   # made before repositories had one: give it one now
-            self._plumbing.config = update_config(self._plumbing.store, {REPOSITORY_ID: uuid.uuid4().hex})
+            self._plumbing.config = update_config(self._plumbing.store, {REPOSITORY_ID: _repository_id()})
         add_remote(self._plumbing.store, name, url)
 
     def remote_remove(self, name: str) -> None:

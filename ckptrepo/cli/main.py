@@ -1,4 +1,9 @@
-"""``ckptrepo`` commands. Each one parses, calls the library, and prints; no logic lives here."""
+"""``ckptrepo`` commands. Each one parses, calls the library, and prints; no logic lives here.
+
+What a command needs beyond click is imported inside it (the library's modules, rich for progress bars and
+colour on a terminal), so that a quick command such as ``log -n 10`` starts without loading torch, numpy,
+TensorStore or rich: tests/integration/test_startup.py holds ``log`` to that.
+"""
 from __future__ import annotations
 
 import json
@@ -8,13 +13,10 @@ import re
 import sys
 import textwrap
 from datetime import datetime
-from typing import Any, Callable, Iterable, Sequence
+from functools import cache
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import click
-from click.shell_completion import CompletionItem
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 import ckptrepo
 from ckptrepo.errors import CkptRepoError, ExchangeError, RevisionError, first_line
@@ -23,7 +25,17 @@ from ckptrepo.tools._graph import GraphRow
 from ckptrepo.tools._graph import graph as graph_rows
 from ckptrepo.tools._width import fit, keep_last, natural_key, table_lines, terminal_width
 
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+if TYPE_CHECKING:
+    from click.shell_completion import CompletionItem
+    from rich.console import Console
+    from rich.progress import Progress
+
+
+@cache
+def _err() -> Console:
+    """The console on stderr (progress bars, "aborted")."""
+    from rich.console import Console
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _width() -> int | None:
@@ -34,7 +46,26 @@ def _width() -> int | None:
 def _out() -> Console:
     """A console on the current stdout (tests and pipes swap it), colouring only a terminal; lines are laid
     out by the commands to ``_width()``, so rich never wraps them again."""
+    from rich.console import Console
     return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+
+
+def _may_colour() -> bool:
+    """Whether stdout may get colour: a terminal, or FORCE_COLOR or TTY_COMPATIBLE=1 set, as rich decides (rich
+    then also honours NO_COLOR and TERM=dumb). Otherwise text is printed as it is, without loading rich."""
+    return sys.stdout.isatty() or bool(os.environ.get("FORCE_COLOR")) or os.environ.get("TTY_COMPATIBLE") == "1"
+
+
+def _print_marked(line: str, start: int, end: int, style: str) -> None:
+    """``line`` (printable, already fitted) with ``line[start:end]`` in ``style`` where stdout takes colour."""
+    if not _may_colour():
+        click.echo(line)
+        return
+    from rich.markup import escape
+    if end > start:
+        _out().print(escape(line[:start]) + f"[{style}]{escape(line[start:end])}[/]" + escape(line[end:]), markup=True)
+    else:
+        _out().print(escape(line), markup=True)
 
 
 def _echo_fit(text: str) -> None:
@@ -126,10 +157,9 @@ def _print_log_line(prefix: str, v: ckptrepo.Version, oneline: bool, durable: bo
         rest = f"{refs}  {_step(v)}  {_when(v.time)}  {size}  {_metrics(v.metrics)}  {_first_line(v.message)}"
     plain = fit(printable(prefix + v.short_id + rest).rstrip(), _width())
     start, end = len(printable(prefix)), len(printable(prefix)) + len(v.short_id)
-    if plain[start:end] == v.short_id:
-        _out().print(escape(plain[:start]) + f"[yellow]{v.short_id}[/]" + escape(plain[end:]), markup=True)
-    else:   # a width too narrow for the id: no colour
-        _out().print(escape(plain), markup=True)
+    if plain[start:end] != v.short_id:   # a width too narrow for the id: no colour
+        start = end = 0
+    _print_marked(plain, start, end, "yellow")
 
 
 def _step(v: ckptrepo.Version) -> str:
@@ -172,10 +202,11 @@ def _finite(obj: Any) -> Any:
 
 def _progress() -> Progress | None:
     """A byte progress bar, only when stderr is a terminal."""
-    if not err.is_terminal:
+    if not _err().is_terminal:
         return None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
     return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    console=err, transient=True)
+                    console=_err(), transient=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -192,6 +223,7 @@ def _complete_revision(ctx: click.Context, param: click.Parameter, incomplete: s
     """Shell completion of a revision: HEAD, branches, tags, and short ids once a hex prefix is typed (see the
     README's "Shell completion"). A repository that cannot be opened completes nothing, silently."""
     url = ctx.find_root().params.get("url") or os.environ.get("CKPTREPO_REPO") or "."
+    from click.shell_completion import CompletionItem
     try:
         from ckptrepo.tools._status import revision_names
         return [CompletionItem(name) for name in revision_names(ckptrepo.open(url).plumbing, incomplete)]
@@ -202,6 +234,7 @@ def _complete_revision(ctx: click.Context, param: click.Parameter, incomplete: s
 def _complete_ref(kind: str):
     """Shell completion of an existing branch or tag name (``branch -d``, ``tag -d``)."""
     def complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+        from click.shell_completion import CompletionItem
         url = ctx.find_root().params.get("url") or os.environ.get("CKPTREPO_REPO") or "."
         try:
             repo = ckptrepo.open(url)
@@ -302,8 +335,7 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
     for f in failures:
         line = fit(printable(f"FAILED {_failed_what(f)}{str(f.get('id'))[:12]}  step {f.get('step')}  "
                              f"{_when(_number(f.get('time')))}  {f.get('error')}"), _width())
-        _out().print(f"[red]{line[:6]}[/]{escape(line[6:])}" if line.startswith("FAILED") else escape(line),
-                     markup=True)
+        _print_marked(line, 0, 6 if line.startswith("FAILED") else 0, "red")
 
 
 def _number(value: Any) -> float:
@@ -1195,7 +1227,7 @@ def main() -> None:
         # named, not guessed from how Python was started: completion reads _CKPTREPO_COMPLETE under any launcher
         cli.main(standalone_mode=False, prog_name="ckptrepo")
     except click.exceptions.Abort:
-        err.print("aborted")
+        _err().print("aborted")
         sys.exit(130)
     except click.ClickException as e:
         e.show()
