@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -159,17 +160,11 @@ def _path(path: Any, what: str) -> None:
         raise ExchangeError(f"the {what} is a path (a str or pathlib.Path), not {_shown(path)}")
 
 
-def _repository_id() -> str:
-    """A new repository's id; uuid is imported here, as it loads ``platform``, which opening one never needs."""
-    import uuid
-    return uuid.uuid4().hex
-
-
 def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
     """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
     url = repo_url(url)
     store = open_store(url, options)
-    settings = {"created": time.time(), "default_branch": DEFAULT_BRANCH, REPOSITORY_ID: _repository_id()}
+    settings = {"created": time.time(), "default_branch": DEFAULT_BRANCH, REPOSITORY_ID: uuid.uuid4().hex}
     if not store.put_if_absent(CONFIG_KEY, encode_config(settings)):
         if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
@@ -209,7 +204,7 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     if store.list(""):
         raise RepositoryExistsError(f"{target} is not empty; clone into a new directory")
     settings = {"created": time.time(), "default_branch": branch,
-                REPOSITORY_ID: theirs.config.get(REPOSITORY_ID) or _repository_id()}
+                REPOSITORY_ID: theirs.config.get(REPOSITORY_ID) or uuid.uuid4().hex}
     store.put_if_absent(CONFIG_KEY, encode_config(settings))
     init_head(store, branch)
     repo = Repository(store)
@@ -503,8 +498,7 @@ class Repository:
         if cycle is not None:
             raise parent_cycle_error(cycle)
         names = self._plumbing.ref_names()
-        from ckptrepo.maintenance._gc import pruned_ids
-        pruned = pruned_ids(self._plumbing)
+        pruned = self._plumbing.pruned_ids()
         evicted = evicted_ids(self._plumbing.store) if found else set()
         held = remote_holders(self._plumbing.store, found, walk)
         return [version_from_manifest(h, names.get(h.id, ()), h.id in pruned, h.id in evicted, held.get(h.id, ()))
@@ -800,7 +794,7 @@ class Repository:
         check_remote_name(name)
         url = repo_url(url)
         if not self._plumbing.config.get(REPOSITORY_ID):   # made before repositories had one: give it one now
-            self._plumbing.config = update_config(self._plumbing.store, {REPOSITORY_ID: _repository_id()})
+            self._plumbing.config = update_config(self._plumbing.store, {REPOSITORY_ID: uuid.uuid4().hex})
         add_remote(self._plumbing.store, name, url)
 
     def remote_remove(self, name: str) -> None:
