@@ -633,22 +633,41 @@ class Repository:
 
     def stats(self, rev: str = "HEAD", pattern: str | None = None,
               on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
-        """Per tensor: norm, mean, std, min, max, NaN and Inf counts (streamed)."""
-        from ckptrepo.tools._inspect import tensor_stats
+        """Per tensor: norm, mean, std, min, max, absmax, NaN and Inf counts.
+
+        Answered from the statistics the version recorded at capture, without reading its data; a version
+        written without them is read (streamed)."""
+        from ckptrepo.tools._inspect import recorded_or_read_stats
         _rev(rev)
         _pattern(pattern)
         _callback(on_bytes, "on_bytes")
-        return tensor_stats(self._plumbing, rev, pattern, on_bytes)
+        return recorded_or_read_stats(self._plumbing, rev, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                    until: int | None = None) -> list[TrajectoryPoint]:
-        """A metric (norm, delta, relative-change) of tensors matching ``pattern`` over the history of ``rev``."""
+        """A statistic (``METRICS`` of tools/_trajectory.py: norm, mean, std, min, max, absmax, nan, inf, delta,
+        relative-change) of tensors matching ``pattern`` over the first-parent history of ``rev``, oldest first."""
         from ckptrepo.tools._trajectory import trajectory
         _pattern(pattern, required=True)
         _rev(rev)
         _whole(since, "since")
         _whole(until, "until")
         return trajectory(self._plumbing, pattern, metric, rev, since, until)
+
+    def stat_matrix(self, pattern: str | None = None, stat: str = "norm", rev: str = "HEAD",
+                    since: int | None = None, until: int | None = None,
+                    max_versions: int | None = None) -> StatMatrix:
+        """``stat`` of tensors matching ``pattern`` (all: None) over the first-parent history of ``rev``, as a
+        tensors x versions matrix; ``max_versions`` samples the history evenly (the newest kept) and reads only
+        the sampled versions. See ckptrepo.tools._trajectory.StatMatrix."""
+        from ckptrepo.tools._trajectory import stat_matrix
+        _pattern(pattern)
+        _rev(rev)
+        _whole(since, "since")
+        _whole(until, "until")
+        if max_versions is not None and (type(max_versions) is not int or max_versions < 1):
+            raise ArgumentError(f"max_versions must be a positive int or None, not {max_versions!r}")
+        return stat_matrix(self._plumbing, pattern, stat, rev, since, until, max_versions)
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""

@@ -749,19 +749,23 @@ def _row_key(sort_by: str) -> Callable[[dict[str, Any]], Any]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> None:
-    """Per tensor norm, mean, std, min/max and NaN/Inf counts of REV (streamed)."""
+    """Per tensor norm, mean, std, min/max, max |x| and NaN/Inf counts of REV.
+
+    From the statistics REV recorded while it was captured; a version written without them is read."""
     rows = _repo(ctx).stats(rev, pattern)
     if as_json:
         _emit_json([r.to_json() for r in rows])
         return
     if pattern is not None and not rows:
         raise CkptRepoError(f"no tensor of {rev} matches {pattern!r}; `ckptrepo show {rev}` lists the names")
-    _print_table(rev, ("tensor", "dtype", "norm", "mean", "std", "min", "max", "NaN", "Inf"),
-                 ((r.name, r.dtype, _num(r.norm), _num(r.mean), _num(r.std), _num(r.min), _num(r.max), str(r.nan),
-                   str(r.inf)) for r in rows))
+    _print_table(rev, ("tensor", "dtype", "norm", "mean", "std", "min", "max", "max |x|", "NaN", "Inf"),
+                 ((r.name, r.dtype, _num(r.norm), _num(r.mean), _num(r.std), _num(r.min), _num(r.max),
+                   _num(r.absmax), str(r.nan), str(r.inf)) for r in rows))
 
 
 SERIES_COLUMNS = ("first", "last", "min", "max", "trend")
+# tools/_trajectory.py's METRICS, spelled out so that parsing the command line imports no numpy
+TENSOR_METRICS = ("norm", "mean", "std", "min", "max", "absmax", "nan", "inf", "delta", "relative-change")
 
 
 def _series_row(name: str, values: list[float], spark: int | None) -> tuple[str, ...]:
@@ -808,9 +812,10 @@ def _write_png(path: str, draw: Any) -> None:
 
 @cli.command()
 @click.argument("pattern")
-@click.option("--metric", type=click.Choice(["norm", "delta", "relative-change"]), default="norm", show_default=True,
-              help="What to follow: norm ||v||; delta ||v - previous||; relative-change ||v - previous|| / "
-                   "||previous|| (previous: the version before in the range; none for the first).")
+@click.option("--metric", type=click.Choice(TENSOR_METRICS), default="norm", show_default=True,
+              help="What to follow: norm ||v||, mean, std, min, max, absmax max |v|, nan and inf counts (recorded "
+                   "at capture); delta ||v - previous||; relative-change ||v - previous|| / ||previous|| "
+                   "(previous: the version before in the range; none for the first).")
 @click.option("--rev", default="HEAD", show_default=True, shell_complete=_complete_revision,
               help="Walk the first-parent history of this revision.")
 @click.option("--since", type=int, default=None, help="First step to include.")
@@ -950,6 +955,26 @@ def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, tb_
     spark = _spark_width()
     _print_table(f"metrics of {rev}", ("metric",) + SERIES_COLUMNS,
                  (_series_row(name, v, spark) for name, (_, v) in plot.metric_series(rows).items()))
+
+
+@cli.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
+              help="Port on 127.0.0.1 to serve on (0: any free port).")
+@click.option("--rev", default="HEAD", show_default=True, shell_complete=_complete_revision,
+              help="Whose first-parent history the metrics and the heatmap follow (the page can change it).")
+@click.pass_context
+def ui(ctx: click.Context, port: int, rev: str) -> None:
+    """Serve a web page of the history on 127.0.0.1 (read-only, until Ctrl-C): the version graph, metric
+    curves, a heatmap of a per-tensor statistic over the steps, and each version's tensors and diff."""
+    from ckptrepo.ui import serve
+    repo = _repo(ctx)
+    if not (rev == "HEAD" and repo.plumbing.head_version() is None):   # an empty repository shows an empty page
+        repo.resolve(rev)   # a revision that names nothing fails here, before the port is taken
+
+    def ready(server: Any) -> None:
+        click.echo(f"serving {repo.url} at {server.url} (read-only; Ctrl-C to stop)")
+
+    serve(repo, port, rev, ready)
 
 
 @cli.command()

@@ -104,12 +104,13 @@ def unseal(blob: bytes, what: str) -> dict[str, Any]:
 
 
 # The bulky parts of a version manifest: everything `log` and revision walks do not need.
-BULKY_FIELDS = frozenset({"arrays", "tensors", "tree", "layout"})
+BULKY_FIELDS = frozenset({"arrays", "tensors", "tree", "layout", "tensor_stats"})
 
 
-def unseal_header(blob: bytes, what: str) -> dict[str, Any]:
+def unseal_header(blob: bytes, what: str, also: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Like ``unseal`` for a version manifest, but only its small top-level fields (id, parents, step, time,
-    message, metrics, size, stats, ...): the bulky ones are skipped by the parser, never built.
+    message, metrics, size, stats, ...) and the bulky ones named in ``also``: the others are skipped by the
+    parser, never built.
 
     Why: ``log`` of a long run reads every version's header, and building the objects
     of a manifest with hundreds of tensors for each of them would be most of its time.
@@ -121,7 +122,7 @@ def unseal_header(blob: bytes, what: str) -> dict[str, Any]:
         header = {}
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
-            if key in BULKY_FIELDS:
+            if key in BULKY_FIELDS and key not in also:
                 unpacker.skip()
             else:
                 header[key] = unpacker.unpack()

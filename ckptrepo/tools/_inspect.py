@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -293,6 +293,36 @@ def tensor_stats(plumbing: Plumbing, rev: str, pattern: str | None = None,
         if pattern and not fnmatch.fnmatchcase(entry.name, pattern):
             continue
         out.append(_stats_of(entry, chunks, on_bytes))
+    return out
+
+
+def recorded_stats(plumbing: Plumbing, vid: str, names: Sequence[str]) -> dict[str, dict[str, float]] | None:
+    """Version ``vid``'s capture-time statistics of ``names`` (None when it has none for all of them)."""
+    record = plumbing.manifest(vid).tensor_stats
+    if record is None:
+        return None
+    rows = record.rows()
+    if not all(n in rows for n in names):
+        return None
+    return {n: rows[n] for n in names}
+
+
+def recorded_or_read_stats(plumbing: Plumbing, rev: str, pattern: str | None = None,
+                           on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
+    """``tensor_stats`` answered from the statistics ``rev`` recorded at capture where it has them for every
+    matching tensor (no data read), else read."""
+    vid = plumbing.resolve(rev)
+    m = plumbing.manifest(vid)
+    entries = [e for e in m.tensors if not pattern or fnmatch.fnmatchcase(e.name, pattern)]
+    recorded = recorded_stats(plumbing, vid, [e.name for e in entries])
+    if recorded is None:
+        return tensor_stats(plumbing, vid, pattern, on_bytes)
+    plumbing.require_data(vid, m)
+    out = []
+    for e in entries:
+        r = recorded[e.name]
+        out.append(TensorStats(e.name, e.dtype, list(e.shape), e.numel, r["norm"], r["mean"], r["std"], r["min"],
+                               r["max"], int(r["nan"]), int(r["inf"]), r["absmax"]))
     return out
 
 

@@ -135,7 +135,8 @@ def test_trajectory_and_metric_history(repo, tmp_path):
     norms = repo.trajectory("enc.*", "norm")
     assert [p.step for p in norms] == [0, 1, 2, 3] and {p.name for p in norms} == {"enc.w"}
     for p, h in zip(norms, history):
-        assert p.value == pytest.approx(float(h["enc.w"].double().norm()), rel=1e-12)
+        # recorded at capture: float32 sums per chunk, merged in float64 (saving/_tensor_stats.py)
+        assert p.value == pytest.approx(float(h["enc.w"].double().norm()), rel=1e-6)
     rel = repo.trajectory("*", "relative-change", since=1)
     assert [(p.step, p.name) for p in rel] == [(2, "enc.w"), (2, "dec.w"), (3, "enc.w"), (3, "dec.w")]
     assert all(p.value == pytest.approx(0.5, rel=1e-6) for p in rel if p.name == "enc.w")
