@@ -76,34 +76,27 @@ class Condition:
 
     def holds(self, value: float, previous: float | None) -> bool:
         """Whether ``value`` (after ``previous``, None for a series' first value) meets the condition."""
-        return _TESTS[self.kind](value, previous, self.threshold)
+        return bool(_TESTS[self.kind](value, math.nan if previous is None else previous, self.threshold))
 
 
-def _crossing(test: Callable[[float, float, float], bool]) -> Callable[[float, float | None, float], bool]:
-    """A test of a value against its previous one: false where there is no previous value (or it is NaN)."""
-    return lambda v, p, x: p is not None and not math.isnan(p) and not math.isnan(v) and test(v, p, x)
-
-
-def _relative_change(v: float, p: float, x: float) -> bool:
-    if p == 0:
-        return v != 0
-    return abs(v - p) > x / 100 * abs(p)
-
-
-_TESTS: dict[str, Callable[[float, float | None, float], bool]] = {
+# Each test takes the value, the previous value (NaN: none) and the threshold, and is written with operators
+# that work alike on floats and, element by element, on numpy arrays (``&``, comparisons, ``abs``; ``v != v``
+# is "v is NaN"), so that a tensors x versions matrix is tested in a few array operations. A comparison with
+# NaN is false, so a crossing never holds where there is no previous value.
+_TESTS: dict[str, Callable[[Any, Any, float], Any]] = {
     ">": lambda v, p, x: v > x,
     "<": lambda v, p, x: v < x,
     ">=": lambda v, p, x: v >= x,
     "<=": lambda v, p, x: v <= x,
     "==": lambda v, p, x: v == x,
-    "!=": lambda v, p, x: not math.isnan(v) and v != x,
-    "rises": _crossing(lambda v, p, x: p <= x < v),
-    "falls": _crossing(lambda v, p, x: p >= x > v),
-    "change": _crossing(lambda v, p, x: abs(v - p) > x),
-    "change%": _crossing(_relative_change),
-    "nan": lambda v, p, x: math.isnan(v),
-    "inf": lambda v, p, x: math.isinf(v),
-    "nonfinite": lambda v, p, x: not math.isfinite(v),
+    "!=": lambda v, p, x: (v == v) & (v != x),
+    "rises": lambda v, p, x: (p <= x) & (v > x),
+    "falls": lambda v, p, x: (p >= x) & (v < x),
+    "change": lambda v, p, x: abs(v - p) > x,
+    "change%": lambda v, p, x: abs(v - p) > x / 100 * abs(p),   # from 0: any change
+    "nan": lambda v, p, x: v != v,
+    "inf": lambda v, p, x: abs(v) == math.inf,
+    "nonfinite": lambda v, p, x: (v != v) | (abs(v) == math.inf),
 }
 
 
@@ -167,27 +160,37 @@ def first_metric_match(rows: Sequence[dict[str, Any]], metric: str, cond: Condit
     return None
 
 
+# versions tested at once: a block of a 1,000-tensor matrix and its temporaries stay a few MiB each
+_BLOCK = 512
+
+
 def first_tensor_match(versions: Sequence[str], steps: Sequence[int | None], names: Sequence[str], values: Any,
                        stat: str, cond: Condition) -> BisectResult | None:
     """The first version where a tensor's ``stat`` meets ``cond``; ``values[t][v]`` is the statistic of tensor
     ``names[t]`` at ``versions[v]`` (a stat_matrix: NaN where the tensor is absent, and an absent tensor is
-    no one's previous value)."""
-    rows = [[float(x) for x in row] for row in values]   # plain floats: one conversion, not one per test
-    last: list[tuple[float, str] | None] = [None] * len(names)
-    for v, vid in enumerate(versions):
-        hits: list[tuple[str, float, float | None, str | None]] = []
-        for t, name in enumerate(names):
-            value = rows[t][v]
-            if math.isnan(value):   # absent here (see is nan in the module's docstring)
-                continue
-            before = last[t]
-            if cond.holds(value, None if before is None else before[0]):
-                hits.append((name, value, None if before is None else before[0], None if before is None else before[1]))
-            last[t] = (value, vid)
-        if hits:
-            name, value, previous, previous_version = hits[0]
-            return BisectResult(vid, steps[v], value, previous, previous_version, stat, cond.text, tensor=name,
-                                tensors=[h[0] for h in hits], checked=v + 1)
+    no one's previous value). Tested with numpy, a block of versions at a time."""
+    import numpy as np
+    matrix = np.asarray(values, dtype=np.float64).reshape(len(names), len(versions))
+    rows = np.arange(len(names))[:, None]
+    last = np.full(len(names), -1)   # per tensor, the last version (column) before the block holding it
+    for start in range(0, len(versions), _BLOCK):
+        block = matrix[:, start:start + _BLOCK]
+        present = block == block
+        seen = np.where(present, np.arange(start, start + block.shape[1]), -1)
+        np.maximum.accumulate(seen, axis=1, out=seen)   # the last column holding the tensor, up to each
+        before = np.maximum(np.concatenate([last[:, None], seen[:, :-1]], axis=1), last[:, None])
+        previous = np.where(before >= 0, matrix[rows, np.maximum(before, 0)], np.nan)
+        with np.errstate(invalid="ignore", over="ignore"):
+            hit = present & _TESTS[cond.kind](block, previous, cond.threshold)
+        columns = np.flatnonzero(hit.any(axis=0))
+        if columns.size:
+            j = int(columns[0])
+            matched = [int(t) for t in np.flatnonzero(hit[:, j])]
+            t, p = matched[0], int(before[matched[0], j])
+            return BisectResult(versions[start + j], steps[start + j], float(block[t, j]),
+                                None if p < 0 else float(matrix[t, p]), None if p < 0 else versions[p], stat,
+                                cond.text, tensor=names[t], tensors=[names[i] for i in matched], checked=start + j + 1)
+        last = np.maximum(seen[:, -1], last)
     return None
 
 
@@ -195,7 +198,8 @@ def first_nonfinite(versions: Sequence[str], steps: Sequence[int | None], names:
                     inf: Any) -> BisectResult | None:
     """The first version where some tensor holds a NaN or an Inf element: ``nan`` and ``inf`` are the stat
     matrices of their counts (rows by ``names``, columns by ``versions``; NaN where a tensor is absent)."""
-    counts = [[float(a) + float(b) for a, b in zip(n_row, i_row)] for n_row, i_row in zip(nan, inf)]
+    import numpy as np
+    counts = np.asarray(nan, dtype=np.float64) + np.asarray(inf, dtype=np.float64)
     return first_tensor_match(versions, steps, names, counts, "nonfinite", NONFINITE)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from helpers import run
 
 import ckptrepo
 from ckptrepo.errors import ArgumentError
+from ckptrepo.tools import _bisect
 from ckptrepo.tools._bisect import first_metric_match, first_tensor_match, parse_condition
 
 LOSS = [5.0, 4.0, 2.5, 2.0, 3.5, 2.8, 3.2, math.nan]
@@ -124,6 +126,48 @@ def test_scan_is_linear_where_a_binary_search_would_miss():
     m = first_tensor_match(["a", "b", "c"], [0, 1, 2], ["t"], [[math.nan, 5.0, 7.0]], "norm",
                            parse_condition("changes by more than 10%"))
     assert m is not None and m.version == "c" and m.previous == 5.0 and m.previous_version == "b"
+
+
+def _plain_first_match(names, values, cond):
+    """The first (version, tensors, value, previous column) by a plain loop: what the block scan must give."""
+    last: dict[int, int] = {}
+    for v in range(len(values[0])):
+        hits = []
+        for t in range(len(names)):
+            x = values[t][v]
+            if x != x:
+                continue
+            p = last.get(t)
+            if cond.holds(x, None if p is None else values[t][p]):
+                hits.append((t, p))
+            last[t] = v
+        if hits:
+            return v, [names[t] for t, _ in hits], values[hits[0][0]][v], hits[0][1]
+    return None
+
+
+@pytest.mark.parametrize("block", [1, 3, 512])
+def test_block_scan_of_a_matrix_equals_a_plain_loop(monkeypatch, block):
+    monkeypatch.setattr(_bisect, "_BLOCK", block)   # previous values carried across block edges
+    rng = random.Random(block)
+    conditions = [parse_condition(c) for c in ("above 1", "rises above 1", "falls below 1", "!= 0", "== 2",
+                                                "changes by more than 50%", "changes by more than 2", "is inf")]
+    for _ in range(80):
+        n, m = rng.randint(1, 4), rng.randint(1, 10)
+        names = [f"t{i}" for i in range(n)]
+        versions = [f"v{j}" for j in range(m)]
+        values = [[rng.choice([math.nan, math.nan, 0.0, 1.0, 2.0, 5.0, -3.0, math.inf]) for _ in range(m)]
+                  for _ in range(n)]
+        for cond in conditions:
+            got = first_tensor_match(versions, list(range(m)), names, values, "s", cond)
+            want = _plain_first_match(names, values, cond)
+            if want is None:
+                assert got is None, (values, cond)
+                continue
+            column, tensors, value, previous = want
+            assert got is not None and got.version == versions[column] and got.tensors == tensors, (values, cond)
+            assert got.value == value and got.checked == column + 1
+            assert got.previous_version == (None if previous is None else versions[previous])
 
 
 def test_cli_reports_and_exits_0_1_2(history):
