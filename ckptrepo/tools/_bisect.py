@@ -58,9 +58,6 @@ ACCEPTED = ("'above X' (or 'exceeds X', '> X'), 'below X' (or '< X'), '>= X', '<
             "'rises above X', 'falls below X', 'changes by more than X' or 'X%', 'is nan', 'is inf', "
             "'is not finite'")
 
-# the kinds that compare a value with the previous one of its series
-CROSSINGS = frozenset({"rises", "falls", "change%", "change"})
-
 
 @dataclass(frozen=True)
 class Condition:
@@ -69,10 +66,6 @@ class Condition:
     text: str
     kind: str
     threshold: float = math.nan
-
-    @property
-    def needs_previous(self) -> bool:
-        return self.kind in CROSSINGS
 
     def holds(self, value: float, previous: float | None) -> bool:
         """Whether ``value`` (after ``previous``, None for a series' first value) meets the condition."""
