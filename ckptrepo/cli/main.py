@@ -879,8 +879,9 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
 def bisect(ctx: click.Context, metric: str | None, pattern: str | None, stat: str | None, condition: str | None,
            nonfinite: bool, rev: str, since: int | None, until: int | None, as_json: bool) -> None:
     """The first version, oldest first along the history of --rev, where --metric or a --tensor statistic meets
-    --when (or, with --nonfinite, that holds a NaN or an Inf), from the recorded values: no tensor data is read.
-    Exit status 0 when one is found, 1 when no version matches, 2 for a usage error."""
+    --when (or, with --nonfinite, that holds a NaN or an Inf), from the recorded metrics and capture-time
+    statistics (the data of versions saved before those existed is read). Exit status 0 when one is found, 1 when
+    no version matches, 2 for a usage error."""
     if nonfinite and (metric is not None or condition is not None or stat is not None):
         raise click.UsageError("--nonfinite takes no --metric, --stat or --when (narrow it with --tensor GLOB)")
     if not nonfinite:
