@@ -13,12 +13,14 @@ from helpers import count_manifest_reads, run
 import ckptrepo
 
 HEAVY = ("torch", "numpy", "tensorstore", "rich")
+# the subprocesses run the ckptrepo these tests import, whatever else is installed
+ENV = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(ckptrepo.__file__))))
 
 
 def _imported(args: list[str], cwd: str) -> set[str]:
     """The top-level packages a fresh ``python -X importtime -m ckptrepo.cli ARGS`` imports."""
     p = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckptrepo.cli", *args], capture_output=True,
-                       text=True, cwd=cwd, env=dict(os.environ, COLUMNS="120"), timeout=120)
+                       text=True, cwd=cwd, env=dict(ENV, COLUMNS="120"), timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in p.stderr.splitlines()
             if line.startswith("import time:") and "|" in line and "package" not in line}
@@ -51,7 +53,8 @@ def test_import_ckptrepo_is_light_and_its_api_loads_on_first_use(tmp_path):
             "from ckptrepo import clone, init, load, open, rules; "
             "assert callable(open) and rules.__name__ == 'ckptrepo.rules' and 'init' in dir(ckptrepo); "
             "from ckptrepo import *")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path), env=ENV,
+                       timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         ckptrepo.nothing  # noqa: B018
