@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import msgpack
-import numpy as np
 
 from ckptrepo.errors import (
     ConflictError,
@@ -325,6 +324,12 @@ def _is_tensor(v: Any) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
+def _is_numpy_scalar(v: Any) -> bool:
+    """Whether ``v`` is a numpy scalar, without importing numpy (a value of one exists only once it is loaded)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(v, np.generic)
+
+
 def plain_metrics(metrics: Any) -> dict[str, Any]:
     """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted); anything else is
     refused here, at ``snapshot()``, not when the manifest is written in the background."""
@@ -337,7 +342,7 @@ def plain_metrics(metrics: Any) -> dict[str, Any]:
         if _is_tensor(v) and v.numel() != 1:   # .item() would raise a bare RuntimeError
             raise UnsupportedValueError(f"metric {k!r} is a tensor of {v.numel()} elements, not one number; pass "
                                         f"one (e.g. loss.item() or loss.mean())")
-        if isinstance(v, np.generic) or _is_tensor(v):
+        if _is_numpy_scalar(v) or _is_tensor(v):
             v = v.item()
         if not isinstance(v, (int, float, str, bool)) and v is not None:
             raise UnsupportedValueError(f"metric {k!r} must be a number or string, not {type(v).__name__}")
