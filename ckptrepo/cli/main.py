@@ -187,7 +187,18 @@ def _sortable(value: Any) -> float:
 def _emit_json(data: Any) -> None:
     """Strict JSON: NaN and infinities (a diverged loss, a relative change from zero) are null, as ``jq`` and
     other parsers reject Python's NaN and Infinity."""
-    click.echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
+    data = _finite(data)
+    if isinstance(data, list) and len(data) > 1 and all(_flat_record(r) for r in data):
+        # a long list of flat records (a trajectory of 10,000 versions): one record per line, each encoded by
+        # json's C encoder, which an indented dump never uses; still one JSON document
+        lines = [json.dumps(r, default=str, allow_nan=False) for r in data]
+        click.echo("[\n  " + ",\n  ".join(lines) + "\n]")
+        return
+    click.echo(json.dumps(data, indent=2, default=str, allow_nan=False))
+
+
+def _flat_record(r: Any) -> bool:
+    return isinstance(r, dict) and not any(isinstance(v, (dict, list, tuple)) for v in r.values())
 
 
 def _finite(obj: Any) -> Any:
