@@ -11,8 +11,11 @@ page cache warm (every figure is the best of ``--repeat``), it times
 * ``repo.stats(A)``: every tensor's norm, mean, std, min, max, absmax, NaN and Inf;
 * ``repo.diff(A, B)``: every tensor of both versions (twice the bytes of the floor).
 
-and prints GB/s (bytes read from the version(s) per second) and the ratio to the
-floor's rate.
+and prints GB/s (bytes read from the version(s) per second), CPU seconds per GB
+(all threads), the cores that kept busy on average (CPU seconds over wall seconds:
+below the machine's count where other processes took cores, or where the work
+did not spread) and the ratio to the floor's rate. ``--profile`` adds where the
+CPU time goes, with the jobs run one after another (cProfile sees one thread).
 
     python benchmarks/inspect_throughput.py                       # ~1.5 GB per version
     python benchmarks/inspect_throughput.py --size-gb 0.3 --repeat 2 --profile
@@ -36,6 +39,7 @@ from bench_common import cpu_s, report  # noqa: E402
 
 import ckptrepo  # noqa: E402
 from ckptrepo.loading._engine import Engine, Read  # noqa: E402
+from ckptrepo.tools import _inspect as inspect  # noqa: E402
 
 GB = 1e9
 
@@ -44,8 +48,8 @@ def gpt_shapes(d: int, layers: int, vocab: int = 50304) -> list[tuple[str, tuple
     shapes: list[tuple[str, tuple[int, ...]]] = [("wte.weight", (vocab, d)), ("wpe.weight", (1024, d))]
     for i in range(layers):
         p = f"h.{i}."
-        shapes += [(p + "ln_1.weight", (d,)), (p + "attn.c_attn.weight", (3 * d, d)), (p + "attn.c_attn.bias", (3 * d,)),
-                   (p + "attn.c_proj.weight", (d, d)), (p + "ln_2.weight", (d,)),
+        shapes += [(p + "ln_1.weight", (d,)), (p + "attn.c_attn.weight", (3 * d, d)),
+                   (p + "attn.c_attn.bias", (3 * d,)), (p + "attn.c_proj.weight", (d, d)), (p + "ln_2.weight", (d,)),
                    (p + "mlp.c_fc.weight", (4 * d, d)), (p + "mlp.c_proj.weight", (d, 4 * d))]
     return shapes + [("ln_f.weight", (d,))]
 
@@ -110,6 +114,30 @@ def read_floor(repo: ckptrepo.Repository, rev: str) -> None:
     Engine(plumbing.data_store(m), dict(m.arrays)).execute(plan)
 
 
+def profile(repo: ckptrepo.Repository, rows: int) -> None:
+    """cProfile of ``stats`` and ``diff`` with their jobs run one after another on this thread (the worker
+    threads are invisible to cProfile): the share of reading, converting and reducing."""
+    real = inspect._run_jobs
+
+    def serial(jobs: Any, work: Any, on_bytes: Any) -> dict[int, list[tuple[int, Any]]]:
+        out: dict[int, list[tuple[int, Any]]] = {}
+        for job in jobs:
+            for row, start, part in inspect._quietly(work, job):
+                out.setdefault(row, []).append((start, part))
+        return out
+
+    inspect._run_jobs = serial
+    try:
+        for what, fn in (("stats A", lambda: repo.stats("@1")), ("diff A B", lambda: repo.diff("@1", "@2"))):
+            prof = cProfile.Profile()
+            t = cpu_s()
+            prof.runcall(fn)
+            print(f"--- {what}, jobs run serially: {cpu_s() - t:.2f} CPU-s")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+    finally:
+        inspect._run_jobs = real
+
+
 def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
     """Best wall seconds of ``repeat`` runs, and the CPU seconds of that run."""
     best = (float("inf"), 0.0)
@@ -126,7 +154,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ckptrepo-inspect-bench"),
                     help="where the repository is built (kept between runs; delete it to rebuild)")
-    ap.add_argument("--profile", action="store_true", help="print a cProfile of one stats and one diff")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where the CPU time of one stats and one diff goes (jobs run serially)")
+    ap.add_argument("--profile-rows", type=int, default=12)
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     path = os.path.join(args.dir, f"{args.size_gb:g}gb")
@@ -143,19 +173,16 @@ def main() -> int:
                "rows": {k: {"seconds": w, "cpu_s": c, "gb_s": b / w / GB, "cpu_s_per_gb": c / (b / GB),
                             "vs_floor": b / w / floor} for k, ((w, c), b) in rows.items()}}
     if args.profile:
-        for what, fn in (("stats", lambda: repo.stats("@1")), ("diff", lambda: repo.diff("@1", "@2"))):
-            prof = cProfile.Profile()
-            prof.runcall(fn)
-            print(f"--- cProfile of {what} (main thread only; the work runs on worker threads)")
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(12)
+        profile(repo, args.profile_rows)
 
     def table(s: dict[str, Any]) -> None:
         print(f"one version: {s['bytes_per_version'] / GB:.2f} GB, {s['cpus']} CPUs, page cache warm, "
               f"best of {args.repeat}")
-        print("| what | seconds | GB/s | CPU-s/GB | vs floor |")
-        print("| --- | ---: | ---: | ---: | ---: |")
+        print("| what | seconds | GB/s | CPU-s/GB | cores busy | vs floor |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for k, r in s["rows"].items():
-            print(f"| {k} | {r['seconds']:.2f} | {r['gb_s']:.2f} | {r['cpu_s_per_gb']:.2f} | {r['vs_floor']:.2f}x |")
+            print(f"| {k} | {r['seconds']:.2f} | {r['gb_s']:.2f} | {r['cpu_s_per_gb']:.2f} "
+                  f"| {r['cpu_s'] / r['seconds']:.2f} | {r['vs_floor']:.2f}x |")
 
     return report(summary, table, args.json)
 

@@ -48,7 +48,8 @@ from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage._arrays import ArrayInfo
 
 CHUNK_BYTES = 8 << 20     # stored bytes of one version that a job reads (a diff job reads as much of each side)
-BLOCK_ELEMS = 1 << 16     # elements reduced at a time: the float64 temporaries stay in a core's L2 cache
+BLOCK_ELEMS = 1 << 17     # elements reduced at a time: float64 temporaries of a core's L2 size, calls long enough that
+#                           the GIL handoffs between them cost little
 MAX_WORKERS = 8           # worker threads, at most: each keeps buffers of about 2 * CHUNK_BYTES
 _ALIGN = 16               # segments of a job's buffer start at multiples of this (complex128's itemsize)
 
@@ -230,12 +231,14 @@ def _delta_narrow(x: np.ndarray, y: np.ndarray) -> _Delta:
     xx, yy = _dot(x64, x64), _dot(y64, y64)
     if not (math.isfinite(xx) and math.isfinite(yy)):   # NaN or Inf in the block
         return _delta_wide(x64, y64)
+    np.subtract(y64, x64, out=d)   # exact: float32 operands, float64 result
+    dd = _dot(d, d)
     na, nb = math.sqrt(xx), math.sqrt(yy)
-    cos = _dot(x64, y64) / (na * nb) if na and nb else 0.0
-    np.subtract(y64, x64, out=d)
-    l2 = math.sqrt(_dot(d, d))
+    # <x, y> from the three sums of squares (a pass saved): its error is eps * (xx + yy), which is eps
+    # relative to na * nb, so the cosine is as exact as with a product of its own
+    cos = (xx + yy - dd) / 2 / (na * nb) if na and nb else 0.0
     np.abs(d, out=d)
-    return _Delta(l2, na, nb, cos, float(d.max()) if n else 0.0)
+    return _Delta(math.sqrt(dd), na, nb, cos, float(d.max()) if n else 0.0)
 
 
 def _norm_block(x: np.ndarray) -> _Delta:

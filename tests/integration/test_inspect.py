@@ -300,3 +300,24 @@ def test_diff_without_b_is_against_the_first_parent(repo, tmp_path):
         p = run(*args, repo=url)
         line = p.stderr.strip()
         assert p.returncode == 2 and p.stdout == "" and "\n" not in line and needle in line, (args, p.stderr)
+
+
+def test_tensors_saved_as_several_pieces_are_read_range_by_range(repo, monkeypatch):
+    """A layout stores a row-parallel weight as column blocks: jobs cut across the blocks read the right bytes."""
+    from ckptrepo.parallel.layout import ParallelLayout
+    from ckptrepo.rules import Rules, Split
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", 3_000_000)   # ranges that start and end inside rows and blocks
+    g = torch.Generator().manual_seed(7)
+    a = {"model": {"row.weight": torch.randn(256, 8192, generator=g)}}   # as tests/_dist_workers.split_state
+    b = {"model": {"row.weight": a["model"]["row.weight"] * 1.5}}
+    layout = ParallelLayout(rules=Rules([("row.weight", Split(1))]))
+    repo.snapshot(a, step=1, parallel_layout=layout)
+    repo.snapshot(b, step=2, parallel_layout=layout)
+    pieces = repo.plumbing.manifest(repo.resolve("@1")).tensors[0].pieces
+    assert len(pieces) > 1
+    s = repo.stats("@1")[0]
+    ref = _reference_stats(a["model"]["row.weight"])
+    assert s.norm == pytest.approx(ref["norm"], rel=1e-12) and s.mean == pytest.approx(ref["mean"], rel=1e-9)
+    assert (s.min, s.max) == (ref["min"], ref["max"])
+    t, want = repo.diff("@1", "@2").tensors[0], _reference_diff(a["model"]["row.weight"], b["model"]["row.weight"])
+    assert t.l2 == pytest.approx(want["l2"], rel=1e-12) and t.cosine == pytest.approx(want["cosine"], rel=1e-12)
