@@ -45,7 +45,7 @@ from ckptrepo.loading._reshard import VersionReader
 from ckptrepo.parallel._sharding import Piece
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.state._skeleton import plain_values, short_text
-from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage._arrays import ArrayInfo, itemsize
 
 CHUNK_BYTES = 8 << 20     # stored bytes of one version that a job reads (a diff job reads as much of each side)
 BLOCK_ELEMS = 1 << 17     # elements reduced at a time: float64 temporaries of a core's L2 size, calls long enough that
@@ -68,8 +68,9 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+    return itemsize(dtype)
 
 
 # ---------------------------------------------------------------- partials and their merges
