@@ -4,8 +4,11 @@ Git for training state, built like an object store: every snapshot is an
 immutable version with its own manifest, stored in any TensorStore key-value
 store (local directory, memory, S3, GCS).
 """
-from ckptrepo import rules
-from ckptrepo.core._manifest import Version
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ckptrepo.errors import (
                      ArgumentError,
                      CkptRepoError,
@@ -25,11 +28,40 @@ from ckptrepo.errors import (
                      StorageError,
                      UnsupportedValueError,
 )
-from ckptrepo.maintenance._gc import RetentionPolicy
-from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.repository import Repository, VersionDetails, clone, init, load, open
+
+if TYPE_CHECKING:
+    from ckptrepo import rules
+    from ckptrepo.core._manifest import Version
+    from ckptrepo.maintenance._gc import RetentionPolicy
+    from ckptrepo.parallel.layout import ParallelLayout
+    from ckptrepo.repository import Repository, VersionDetails, clone, init, load, open
 
 __version__ = "0.1.0"
+
+# The rest of the API is imported on first use (PEP 562): a command such as `ckptrepo log` then loads only the
+# modules it runs, not torch, numpy or TensorStore (tests/integration/test_startup.py holds it to that).
+_LAZY = {
+    "rules": ("ckptrepo.rules", None),
+    "Version": ("ckptrepo.core._manifest", "Version"),
+    "RetentionPolicy": ("ckptrepo.maintenance._gc", "RetentionPolicy"),
+    "ParallelLayout": ("ckptrepo.parallel.layout", "ParallelLayout"),
+    **{name: ("ckptrepo.repository", name)
+       for name in ("Repository", "VersionDetails", "clone", "init", "load", "open")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ckptrepo' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module) if attr is None else getattr(importlib.import_module(module), attr)
+    globals()[name] = value   # once: later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ArgumentError",

@@ -75,8 +75,9 @@ if TYPE_CHECKING:
     from ckptrepo.remotes._sync import SyncResult
     from ckptrepo.remotes._transfer import Progress
     from ckptrepo.saving._capture import Snapshotter
+    from ckptrepo.tools._bisect import BisectResult
     from ckptrepo.tools._inspect import TensorStats, VersionDiff
-    from ckptrepo.tools._trajectory import TrajectoryPoint
+    from ckptrepo.tools._trajectory import StatMatrix, TrajectoryPoint
 
 DEFAULT_BRANCH = "main"
 
@@ -497,8 +498,7 @@ class Repository:
         if cycle is not None:
             raise parent_cycle_error(cycle)
         names = self._plumbing.ref_names()
-        from ckptrepo.maintenance._gc import pruned_ids
-        pruned = pruned_ids(self._plumbing)
+        pruned = self._plumbing.pruned_ids()
         evicted = evicted_ids(self._plumbing.store) if found else set()
         held = remote_holders(self._plumbing.store, found, walk)
         return [version_from_manifest(h, names.get(h.id, ()), h.id in pruned, h.id in evicted, held.get(h.id, ()))
@@ -641,22 +641,41 @@ class Repository:
 
     def stats(self, rev: str = "HEAD", pattern: str | None = None,
               on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
-        """Per tensor: norm, mean, std, min, max, NaN and Inf counts (streamed)."""
-        from ckptrepo.tools._inspect import tensor_stats
+        """Per tensor: norm, mean, std, min, max, absmax, NaN and Inf counts.
+
+        Answered from the statistics the version recorded at capture, without reading its data; a version
+        written without them is read (streamed)."""
+        from ckptrepo.tools._inspect import recorded_or_read_stats
         _rev(rev)
         _pattern(pattern)
         _callback(on_bytes, "on_bytes")
-        return tensor_stats(self._plumbing, rev, pattern, on_bytes)
+        return recorded_or_read_stats(self._plumbing, rev, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                    until: int | None = None) -> list[TrajectoryPoint]:
-        """A metric (norm, delta, relative-change) of tensors matching ``pattern`` over the history of ``rev``."""
+        """A statistic (``METRICS`` of tools/_trajectory.py: norm, mean, std, min, max, absmax, nan, inf, delta,
+        relative-change) of tensors matching ``pattern`` over the first-parent history of ``rev``, oldest first."""
         from ckptrepo.tools._trajectory import trajectory
         _pattern(pattern, required=True)
         _rev(rev)
         _whole(since, "since")
         _whole(until, "until")
         return trajectory(self._plumbing, pattern, metric, rev, since, until)
+
+    def stat_matrix(self, pattern: str | None = None, stat: str = "norm", rev: str = "HEAD",
+                    since: int | None = None, until: int | None = None,
+                    max_versions: int | None = None) -> StatMatrix:
+        """``stat`` of tensors matching ``pattern`` (all: None) over the first-parent history of ``rev``, as a
+        tensors x versions matrix; ``max_versions`` samples the history evenly (the newest kept) and reads only
+        the sampled versions. See ckptrepo.tools._trajectory.StatMatrix."""
+        from ckptrepo.tools._trajectory import stat_matrix
+        _pattern(pattern)
+        _rev(rev)
+        _whole(since, "since")
+        _whole(until, "until")
+        if max_versions is not None and (type(max_versions) is not int or max_versions < 1):
+            raise ArgumentError(f"max_versions must be a positive int or None, not {max_versions!r}")
+        return stat_matrix(self._plumbing, pattern, stat, rev, since, until, max_versions)
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
@@ -673,6 +692,62 @@ class Repository:
         from ckptrepo.tools._tensorboard import write_scalars
         _path(log_dir, "TensorBoard log directory")
         return write_scalars(log_dir, ((h.step, h.metrics, h.stats) for _, h in self._first_parent_headers(rev)))
+
+    def bisect(self, when: str | None = None, metric: str | None = None, tensor: str | None = None,
+               stat: str = "norm", nonfinite: bool = False, rev: str = "HEAD", since: int | None = None,
+               until: int | None = None) -> BisectResult | None:
+        """The first version, oldest first along the first-parent history of ``rev`` (steps in [since, until]),
+        where a recorded ``metric``, or the statistic ``stat`` of a tensor matching the glob ``tensor``, meets
+        the condition ``when`` ("rises above 3.0", "> 100", "changes by more than 50%": see
+        ckptrepo.tools._bisect); ``nonfinite``: the first version where a tensor (matching ``tensor``, default
+        all) holds a NaN or an Inf. None when no version matches.
+
+        Answered from headers and capture-time statistics by a linear scan, which finds the exact first match
+        of any condition; a binary search would need a condition that stays true once true (see _bisect).
+        """
+        from ckptrepo.tools import _bisect
+        _rev(rev)
+        _pattern(tensor)
+        _flag(nonfinite, "nonfinite")
+        _whole(since, "since")
+        _whole(until, "until")
+        if nonfinite:
+            if when is not None or metric is not None:
+                raise ArgumentError("nonfinite=True takes no condition and no metric: it looks for NaN and Inf "
+                                    "elements of tensors (narrow them with tensor=GLOB)")
+            pattern = tensor or "*"
+            nan = self._bisect_matrix(pattern, "nan", rev, since, until)
+            inf = self._bisect_matrix(pattern, "inf", rev, since, until)
+            return _bisect.first_nonfinite(nan.versions, nan.steps, nan.names, nan.values, inf.values)
+        if (metric is None) == (tensor is None):
+            raise ArgumentError("bisect needs one of metric= (a recorded metric) or tensor= (a glob, with stat=), "
+                                "or nonfinite=True")
+        if when is None:
+            raise ArgumentError(f"bisect needs a condition (when=): one of {_bisect.ACCEPTED}")
+        cond = _bisect.parse_condition(when)
+        if metric is not None:
+            rows = self.metrics(rev)
+            recorded = sorted({k for r in rows for k in r} - {"version", "step"})
+            if metric not in recorded:
+                raise ArgumentError(f"no version in the history of {rev} records metric {metric!r}; recorded: "
+                                    f"{', '.join(recorded) or 'none'}")
+            return _bisect.first_metric_match([r for r in rows if _bisect.in_range(r["step"], since, until)],
+                                              metric, cond)
+        if cond.kind == "nan":
+            raise ArgumentError("'is nan' is for metrics: a tensor statistic is NaN where the tensor is absent; "
+                                "find NaN elements with nonfinite=True (--nonfinite)")
+        assert tensor is not None
+        m = self._bisect_matrix(tensor, stat, rev, since, until)
+        return _bisect.first_tensor_match(m.versions, m.steps, m.names, m.values, stat, cond)
+
+    def _bisect_matrix(self, pattern: str, stat: str, rev: str, since: int | None, until: int | None) -> StatMatrix:
+        """``stat_matrix`` of ``pattern``, refused in one line when no tensor matches."""
+        m = self.stat_matrix(pattern, stat, rev, since, until)
+        if not m.names:
+            where = " in the --since/--until range" if since is not None or until is not None else ""
+            raise ArgumentError(f"no tensor matches {pattern!r} in the history of {rev}{where}; "
+                                f"`ckptrepo show {rev}` lists the names")
+        return m
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
            keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,

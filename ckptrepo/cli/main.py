@@ -1,4 +1,9 @@
-"""``ckptrepo`` commands. Each one parses, calls the library, and prints; no logic lives here."""
+"""``ckptrepo`` commands. Each one parses, calls the library, and prints; no logic lives here.
+
+What a command needs beyond click is imported inside it (the library's modules, rich for progress bars and
+colour on a terminal), so that a quick command such as ``log -n 10`` starts without loading torch, numpy,
+TensorStore or rich: tests/integration/test_startup.py holds ``log`` to that.
+"""
 from __future__ import annotations
 
 import json
@@ -8,13 +13,10 @@ import re
 import sys
 import textwrap
 from datetime import datetime
-from typing import Any, Callable, Iterable, Sequence
+from functools import cache
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import click
-from click.shell_completion import CompletionItem
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 import ckptrepo
 from ckptrepo.errors import ArgumentError, CkptRepoError, ExchangeError, first_line
@@ -23,7 +25,17 @@ from ckptrepo.tools._graph import GraphRow
 from ckptrepo.tools._graph import graph as graph_rows
 from ckptrepo.tools._width import fit, keep_last, natural_key, table_lines, terminal_width
 
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+if TYPE_CHECKING:
+    from click.shell_completion import CompletionItem
+    from rich.console import Console
+    from rich.progress import Progress
+
+
+@cache
+def _err() -> Console:
+    """The console on stderr (progress bars, "aborted")."""
+    from rich.console import Console
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _width() -> int | None:
@@ -34,7 +46,26 @@ def _width() -> int | None:
 def _out() -> Console:
     """A console on the current stdout (tests and pipes swap it), colouring only a terminal; lines are laid
     out by the commands to ``_width()``, so rich never wraps them again."""
+    from rich.console import Console
     return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+
+
+def _may_colour() -> bool:
+    """Whether stdout may get colour: a terminal, or FORCE_COLOR or TTY_COMPATIBLE=1 set, as rich decides (rich
+    then also honours NO_COLOR and TERM=dumb). Otherwise text is printed as it is, without loading rich."""
+    return sys.stdout.isatty() or bool(os.environ.get("FORCE_COLOR")) or os.environ.get("TTY_COMPATIBLE") == "1"
+
+
+def _print_marked(line: str, start: int, end: int, style: str) -> None:
+    """``line`` (printable, already fitted) with ``line[start:end]`` in ``style`` where stdout takes colour."""
+    if not _may_colour():
+        click.echo(line)
+        return
+    from rich.markup import escape
+    if end > start:
+        _out().print(escape(line[:start]) + f"[{style}]{escape(line[start:end])}[/]" + escape(line[end:]), markup=True)
+    else:
+        _out().print(escape(line), markup=True)
 
 
 def _echo_fit(text: str) -> None:
@@ -126,10 +157,9 @@ def _print_log_line(prefix: str, v: ckptrepo.Version, oneline: bool, durable: bo
         rest = f"{refs}  {_step(v)}  {_when(v.time)}  {size}  {_metrics(v.metrics)}  {_first_line(v.message)}"
     plain = fit(printable(prefix + v.short_id + rest).rstrip(), _width())
     start, end = len(printable(prefix)), len(printable(prefix)) + len(v.short_id)
-    if plain[start:end] == v.short_id:
-        _out().print(escape(plain[:start]) + f"[yellow]{v.short_id}[/]" + escape(plain[end:]), markup=True)
-    else:   # a width too narrow for the id: no colour
-        _out().print(escape(plain), markup=True)
+    if plain[start:end] != v.short_id:   # a width too narrow for the id: no colour
+        start = end = 0
+    _print_marked(plain, start, end, "yellow")
 
 
 def _step(v: ckptrepo.Version) -> str:
@@ -172,10 +202,11 @@ def _finite(obj: Any) -> Any:
 
 def _progress() -> Progress | None:
     """A byte progress bar, only when stderr is a terminal."""
-    if not err.is_terminal:
+    if not _err().is_terminal:
         return None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
     return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    console=err, transient=True)
+                    console=_err(), transient=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -192,6 +223,7 @@ def _complete_revision(ctx: click.Context, param: click.Parameter, incomplete: s
     """Shell completion of a revision: HEAD, branches, tags, and short ids once a hex prefix is typed (see the
     README's "Shell completion"). A repository that cannot be opened completes nothing, silently."""
     url = ctx.find_root().params.get("url") or os.environ.get("CKPTREPO_REPO") or "."
+    from click.shell_completion import CompletionItem
     try:
         from ckptrepo.tools._status import revision_names
         return [CompletionItem(name) for name in revision_names(ckptrepo.open(url).plumbing, incomplete)]
@@ -202,6 +234,7 @@ def _complete_revision(ctx: click.Context, param: click.Parameter, incomplete: s
 def _complete_ref(kind: str):
     """Shell completion of an existing branch or tag name (``branch -d``, ``tag -d``)."""
     def complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+        from click.shell_completion import CompletionItem
         url = ctx.find_root().params.get("url") or os.environ.get("CKPTREPO_REPO") or "."
         try:
             repo = ckptrepo.open(url)
@@ -302,8 +335,7 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
     for f in failures:
         line = fit(printable(f"FAILED {_failed_what(f)}{str(f.get('id'))[:12]}  step {f.get('step')}  "
                              f"{_when(_number(f.get('time')))}  {f.get('error')}"), _width())
-        _out().print(f"[red]{line[:6]}[/]{escape(line[6:])}" if line.startswith("FAILED") else escape(line),
-                     markup=True)
+        _print_marked(line, 0, 6 if line.startswith("FAILED") else 0, "red")
 
 
 def _number(value: Any) -> float:
@@ -721,19 +753,23 @@ def _row_key(sort_by: str) -> Callable[[dict[str, Any]], Any]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> None:
-    """Per tensor norm, mean, std, min/max and NaN/Inf counts of REV (streamed)."""
+    """Per tensor norm, mean, std, min/max, max |x| and NaN/Inf counts of REV.
+
+    From the statistics REV recorded while it was captured; a version written without them is read."""
     rows = _repo(ctx).stats(rev, pattern)
     if as_json:
         _emit_json([r.to_json() for r in rows])
         return
     if pattern is not None and not rows:
         raise CkptRepoError(f"no tensor of {rev} matches {pattern!r}; `ckptrepo show {rev}` lists the names")
-    _print_table(rev, ("tensor", "dtype", "norm", "mean", "std", "min", "max", "NaN", "Inf"),
-                 ((r.name, r.dtype, _num(r.norm), _num(r.mean), _num(r.std), _num(r.min), _num(r.max), str(r.nan),
-                   str(r.inf)) for r in rows))
+    _print_table(rev, ("tensor", "dtype", "norm", "mean", "std", "min", "max", "max |x|", "NaN", "Inf"),
+                 ((r.name, r.dtype, _num(r.norm), _num(r.mean), _num(r.std), _num(r.min), _num(r.max),
+                   _num(r.absmax), str(r.nan), str(r.inf)) for r in rows))
 
 
 SERIES_COLUMNS = ("first", "last", "min", "max", "trend")
+# tools/_trajectory.py's METRICS, spelled out so that parsing the command line imports no numpy
+TENSOR_METRICS = ("norm", "mean", "std", "min", "max", "absmax", "nan", "inf", "delta", "relative-change")
 
 
 def _series_row(name: str, values: list[float], spark: int | None) -> tuple[str, ...]:
@@ -780,9 +816,10 @@ def _write_png(path: str, draw: Any) -> None:
 
 @cli.command()
 @click.argument("pattern")
-@click.option("--metric", type=click.Choice(["norm", "delta", "relative-change"]), default="norm", show_default=True,
-              help="What to follow: norm ||v||; delta ||v - previous||; relative-change ||v - previous|| / "
-                   "||previous|| (previous: the version before in the range; none for the first).")
+@click.option("--metric", type=click.Choice(TENSOR_METRICS), default="norm", show_default=True,
+              help="What to follow: norm ||v||, mean, std, min, max, absmax max |v|, nan and inf counts (recorded "
+                   "at capture); delta ||v - previous||; relative-change ||v - previous|| / ||previous|| "
+                   "(previous: the version before in the range; none for the first).")
 @click.option("--rev", default="HEAD", show_default=True, shell_complete=_complete_revision,
               help="Walk the first-parent history of this revision.")
 @click.option("--since", type=int, default=None, help="First step to include.")
@@ -825,6 +862,75 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
 
 
 @cli.command()
+@click.option("--metric", default=None, help="A metric recorded with the versions (loss, lr, ...).")
+@click.option("--tensor", "pattern", metavar="GLOB", default=None,
+              help="Tensors whose name matches this glob; --stat says which statistic (with --nonfinite: where to "
+                   "look for NaN and Inf).")
+@click.option("--stat", default=None, metavar="STAT",
+              help="The statistic of --tensor: norm (default), mean, std, min, max, absmax, nan, inf, delta or "
+                   "relative-change.")
+@click.option("--when", "condition", metavar="CONDITION", default=None,
+              help="'above X' ('exceeds X', '> X'), 'below X' ('< X'), '>= X', '<= X', '== X', '!= X', "
+                   "'rises above X', 'falls below X' (a crossing from the previous version), 'changes by more than "
+                   "X' or 'X%', 'is nan', 'is inf', 'is not finite'.")
+@click.option("--nonfinite", is_flag=True, help="The first version where a tensor holds a NaN or an Inf.")
+@click.option("--rev", default="HEAD", show_default=True, shell_complete=_complete_revision,
+              help="Walk the first-parent history of this revision.")
+@click.option("--since", type=int, default=None, help="First step to include.")
+@click.option("--until", type=int, default=None, help="Last step to include.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def bisect(ctx: click.Context, metric: str | None, pattern: str | None, stat: str | None, condition: str | None,
+           nonfinite: bool, rev: str, since: int | None, until: int | None, as_json: bool) -> None:
+    """The first version, oldest first along the history of --rev, where --metric or a --tensor statistic meets
+    --when (or, with --nonfinite, that holds a NaN or an Inf), from the recorded metrics and capture-time
+    statistics (the data of versions saved before those existed is read). Exit status 0 when one is found, 1 when
+    no version matches, 2 for a usage error."""
+    if nonfinite and (metric is not None or condition is not None or stat is not None):
+        raise click.UsageError("--nonfinite takes no --metric, --stat or --when (narrow it with --tensor GLOB)")
+    if not nonfinite:
+        if (metric is None) == (pattern is None):
+            raise click.UsageError("give one of --metric NAME, --tensor GLOB [--stat STAT], or --nonfinite")
+        if metric is not None and stat is not None:
+            raise click.UsageError("--stat goes with --tensor; a --metric is compared as recorded")
+        if condition is None:
+            raise click.UsageError("say what to look for with --when, e.g. --when 'rises above 3.0'")
+    found = _repo(ctx).bisect(condition, metric=metric, tensor=pattern, stat=stat or "norm", nonfinite=nonfinite,
+                              rev=rev, since=since, until=until)
+    if nonfinite:
+        what = f"a tensor{'' if pattern is None else ' matching ' + repr(pattern)} holds NaN or Inf"
+    else:
+        subject = metric if metric is not None else f"{stat or 'norm'} of {pattern}"
+        what = f"{subject} {condition}"
+    if found is None:
+        if as_json:
+            _emit_json({"found": False})
+        else:
+            in_range = " in the --since/--until range" if since is not None or until is not None else ""
+            click.echo(printable(f"no version matches: {what}, along the first-parent history of {rev}{in_range}"))
+        sys.exit(1)
+    if as_json:
+        _emit_json(found.to_json())
+        return
+    click.echo(printable(f"{found.version[:12]}  {_step_of(found.step)}  first version where {what}"))
+    click.echo(f"version {found.version}")
+    before = "" if found.previous is None else \
+        f" (previous {_num(found.previous)} at {(found.previous_version or '-')[:12]})"
+    label = "NaN+Inf elements" if nonfinite else found.what
+    if found.tensor is None:
+        _echo_fit(printable(f"{label} {_num(found.value)}{before}"))
+        return
+    _echo_fit(printable(f"tensor  {found.tensor}: {label} {_num(found.value)}{before}"))
+    others = [n for n in found.tensors if n != found.tensor]
+    if others:
+        _echo_fit(printable(f"also    {len(others)} more at this version: {', '.join(others)}"))
+
+
+def _step_of(step: int | None) -> str:
+    return f"step {step}" if step is not None else "step -"
+
+
+@cli.command()
 @click.argument("rev", default="HEAD", shell_complete=_complete_revision)
 @click.option("--png", "png_path", metavar="FILE", default=None,
               help="Also plot them to a PNG file, one panel per metric (needs ckptrepo[plot]).")
@@ -854,6 +960,26 @@ def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, tb_
     spark = _spark_width()
     _print_table(f"metrics of {rev}", ("metric",) + SERIES_COLUMNS,
                  (_series_row(name, v, spark) for name, (_, v) in plot.metric_series(rows).items()))
+
+
+@cli.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
+              help="Port on 127.0.0.1 to serve on (0: any free port).")
+@click.option("--rev", default="HEAD", show_default=True, shell_complete=_complete_revision,
+              help="Whose first-parent history the metrics and the heatmap follow (the page can change it).")
+@click.pass_context
+def ui(ctx: click.Context, port: int, rev: str) -> None:
+    """Serve a web page of the history on 127.0.0.1 (read-only, until Ctrl-C): the version graph, metric
+    curves, a heatmap of a per-tensor statistic over the steps, and each version's tensors and diff."""
+    from ckptrepo.ui import serve
+    repo = _repo(ctx)
+    if not (rev == "HEAD" and repo.plumbing.head_version() is None):   # an empty repository shows an empty page
+        repo.resolve(rev)   # a revision that names nothing fails here, before the port is taken
+
+    def ready(server: Any) -> None:
+        click.echo(f"serving {repo.url} at {server.url} (read-only; Ctrl-C to stop)")
+
+    serve(repo, port, rev, ready)
 
 
 @cli.command()
@@ -1131,7 +1257,7 @@ def main() -> None:
         # named, not guessed from how Python was started: completion reads _CKPTREPO_COMPLETE under any launcher
         cli.main(standalone_mode=False, prog_name="ckptrepo")
     except click.exceptions.Abort:
-        err.print("aborted")
+        _err().print("aborted")
         sys.exit(130)
     except click.ClickException as e:
         e.show()

@@ -9,11 +9,12 @@ boxes it covers.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Sequence
 
 from ckptrepo.errors import LayoutError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -50,6 +51,8 @@ def runs(piece: Box, part: Box) -> tuple[np.ndarray, int]:
     Trailing dimensions that ``part`` spans fully merge into one run, so a
     part that is a contiguous slab of the piece is a single run.
     """
+    # imported here: manifests import this module, and history commands never read a piece
+    import numpy as np
     poff, psz = piece
     qoff, qsz = part
     nd = len(psz)

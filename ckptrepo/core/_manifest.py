@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import msgpack
-import numpy as np
 
 from ckptrepo.errors import (
     ConflictError,
@@ -105,12 +104,13 @@ def unseal(blob: bytes, what: str) -> dict[str, Any]:
 
 
 # The bulky parts of a version manifest: everything `log` and revision walks do not need.
-BULKY_FIELDS = frozenset({"arrays", "tensors", "tree", "layout"})
+BULKY_FIELDS = frozenset({"arrays", "tensors", "tree", "layout", "tensor_stats"})
 
 
-def unseal_header(blob: bytes, what: str) -> dict[str, Any]:
+def unseal_header(blob: bytes, what: str, also: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Like ``unseal`` for a version manifest, but only its small top-level fields (id, parents, step, time,
-    message, metrics, size, stats, ...): the bulky ones are skipped by the parser, never built.
+    message, metrics, size, stats, ...) and the bulky ones named in ``also``: the others are skipped by the
+    parser, never built.
 
     Why: ``log`` of a long run reads every version's header, and building the objects
     of a manifest with hundreds of tensors for each of them would be most of its time.
@@ -122,7 +122,7 @@ def unseal_header(blob: bytes, what: str) -> dict[str, Any]:
         header = {}
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
-            if key in BULKY_FIELDS:
+            if key in BULKY_FIELDS and key not in also:
                 unpacker.skip()
             else:
                 header[key] = unpacker.unpack()
@@ -324,6 +324,12 @@ def _is_tensor(v: Any) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
+def _is_numpy_scalar(v: Any) -> bool:
+    """Whether ``v`` is a numpy scalar, without importing numpy (a value of one exists only once it is loaded)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(v, np.generic)
+
+
 def plain_metrics(metrics: Any) -> dict[str, Any]:
     """Metrics are stored as plain numbers and strings (tensors and numpy scalars converted); anything else is
     refused here, at ``snapshot()``, not when the manifest is written in the background."""
@@ -336,7 +342,7 @@ def plain_metrics(metrics: Any) -> dict[str, Any]:
         if _is_tensor(v) and v.numel() != 1:   # .item() would raise a bare RuntimeError
             raise UnsupportedValueError(f"metric {k!r} is a tensor of {v.numel()} elements, not one number; pass "
                                         f"one (e.g. loss.item() or loss.mean())")
-        if isinstance(v, np.generic) or _is_tensor(v):
+        if _is_numpy_scalar(v) or _is_tensor(v):
             v = v.item()
         if not isinstance(v, (int, float, str, bool)) and v is not None:
             raise UnsupportedValueError(f"metric {k!r} must be a number or string, not {type(v).__name__}")

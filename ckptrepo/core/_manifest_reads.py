@@ -14,7 +14,14 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from ckptrepo.core._lru import LruCache
 from ckptrepo.core._manifest import VERSIONS_PREFIX, is_version_id, version_id_time
-from ckptrepo.core.schema import Manifest, ManifestHeader, decode_header, decode_manifest
+from ckptrepo.core.schema import (
+    Manifest,
+    ManifestHeader,
+    TensorStatsRecord,
+    decode_header,
+    decode_header_and_stats,
+    decode_manifest,
+)
 from ckptrepo.errors import CkptRepoError, CorruptionError
 from ckptrepo.storage.protocol import Store
 
@@ -199,6 +206,28 @@ class ManifestReads:
                     yield v, err
                     continue
                 yield v, m
+
+    def stat_records(self, vids: Sequence[str]) -> Iterator[tuple[str, TensorStatsRecord | None]]:
+        """Each version's capture-time tensor statistics (None for a version written without them), in order,
+        read ``HEADER_BATCH`` manifests per round trip and decoded without their tensor tables. A manifest
+        that is missing or damaged raises, as reading its header would."""
+        vids = list(vids)
+        for at in range(0, len(vids), HEADER_BATCH):
+            batch = vids[at:at + HEADER_BATCH]
+            cached = {v: m.tensor_stats for v in batch if (m := self._manifests.get(v)) is not None}
+            wanted = [v for v in batch if v not in cached]
+            raws = self.store.get_many([VERSIONS_PREFIX + v for v in wanted]) if wanted else []
+            fetched = dict(zip(wanted, raws))
+            for v in batch:
+                if v in cached:
+                    yield v, cached[v]
+                    continue
+                raw = fetched[v]
+                if raw is None:
+                    raise missing_manifest(v)
+                header, record = decode_header_and_stats(raw, v)
+                self._headers.put(v, header)
+                yield v, record
 
     def remember_header(self, manifest: Manifest) -> None:
         """Cache the header of a manifest this process just committed (manifests never change), which `log`,

@@ -189,6 +189,10 @@ class Plumbing:
             names.setdefault(head.version, []).insert(0, "HEAD")
         return {k: tuple(v) for k, v in names.items()}
 
+    def pruned_ids(self) -> set[str]:
+        """Versions whose data gc deleted (their markers); here, so that ``log`` need not load gc to ask."""
+        return {k[len(PRUNED_PREFIX):] for k in self.store.list(PRUNED_PREFIX)}
+
     def head_version(self) -> str | None:
         """HEAD's version; None on a branch without versions (a new repository, an orphan checkout), unless
         its ref was lost or replaced while the repository has versions (see ``lost_head_branch``), which is

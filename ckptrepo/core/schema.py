@@ -18,11 +18,14 @@ the one definition the storage layer reads and writes arrays with; storage canno
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ckptrepo.core._boxes import Box, intersect, volume
 from ckptrepo.core._manifest import BULKY_FIELDS, VERSIONS_PREFIX, Version, seal, unseal, unseal_header
+from ckptrepo.core._moments import Moments
 from ckptrepo.errors import CorruptionError, UnsupportedValueError
 from ckptrepo.storage._arrays import ArrayInfo, array_problem
 from ckptrepo.storage.protocol import MAX_VALUE_BYTES
@@ -127,6 +130,61 @@ class LayoutRecord:
 SINGLE_PROCESS_LAYOUT = LayoutRecord(1, (RankRecord(0),))
 
 
+# The per-tensor statistics a snapshot records while it captures (``Manifest.tensor_stats``): the
+# summary of its values, then the change from the parent version (NaN where it was not measured).
+STAT_COLUMNS = ("norm", "mean", "std", "min", "max", "absmax", "nan", "inf", "delta", "relative-change")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorStatsRecord:
+    """Statistics of a version's tensors taken at capture time: one row of ``columns`` per name, as
+    little-endian float64 (``values``). NaN marks a value that was not measured. Names are repeated here,
+    apart from the tensor table, so a trajectory over thousands of versions decodes only this field."""
+
+    names: tuple[str, ...]
+    columns: tuple[str, ...]
+    values: bytes
+
+    def to_raw(self) -> dict[str, Any]:
+        return {"columns": list(self.columns), "names": list(self.names), "values": self.values}
+
+    def column(self, name: str) -> list[float]:
+        """Every tensor's value of column ``name`` (all NaN when this record has no such column)."""
+        if name not in self.columns:
+            return [math.nan] * len(self.names)
+        k, width = self.columns.index(name), len(self.columns)
+        return list(struct.unpack_from(f"<{len(self.names) * width}d", self.values)[k::width])
+
+    def rows(self) -> dict[str, dict[str, float]]:
+        """Per tensor name: its recorded columns."""
+        flat = struct.unpack_from(f"<{len(self.names) * len(self.columns)}d", self.values)
+        width = len(self.columns)
+        return {n: dict(zip(self.columns, flat[i * width:(i + 1) * width])) for i, n in enumerate(self.names)}
+
+    @classmethod
+    def of_rows(cls, names: list[str], rows: list[tuple[float, ...]],
+                columns: tuple[str, ...] = STAT_COLUMNS) -> "TensorStatsRecord":
+        flat = [v for r in rows for v in r]
+        return cls(tuple(names), columns, struct.pack(f"<{len(flat)}d", *flat))
+
+
+def tensor_stats_record(raw: Any) -> TensorStatsRecord | None:
+    """The ``tensor_stats`` field, checked (raises FieldError)."""
+    if raw is None:
+        return None
+    if type(raw) is not dict:
+        raise FieldError(f"field 'tensor_stats' is {type(raw).__name__}, not a map")
+    columns, names, values = raw.get("columns"), raw.get("names"), raw.get("values")
+    if type(columns) is not list or not all(type(c) is str for c in columns):
+        raise FieldError("field 'tensor_stats' has no list of column names")
+    if type(names) is not list or not all(type(n) is str for n in names):
+        raise FieldError("field 'tensor_stats' has no list of tensor names")
+    if type(values) is not bytes or len(values) != 8 * len(columns) * len(names):
+        raise FieldError(f"field 'tensor_stats' holds {len(values) if type(values) is bytes else 'no'} bytes of "
+                         f"values, not 8 per column of each of its {len(names)} tensors")
+    return TensorStatsRecord(tuple(names), tuple(columns), values)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ManifestHeader:
     """A version manifest's small fields: all that ``log``, revision walks and gc's age checks read, decoded
@@ -167,18 +225,21 @@ class Manifest(ManifestHeader):
     arrays: dict[str, ArrayInfo]
     tensors: tuple[TensorEntry, ...]
     tree: Tree
+    tensor_stats: TensorStatsRecord | None = None   # taken at capture; absent from versions written without
 
     @classmethod
     def of(cls, header: ManifestHeader, *, size: int, layout: LayoutRecord | None, arrays: dict[str, ArrayInfo],
-           tensors: tuple[TensorEntry, ...], tree: Tree, key_order: tuple[str, ...] = SINGLE_PROCESS_ORDER
-           ) -> "Manifest":
+           tensors: tuple[TensorEntry, ...], tree: Tree, key_order: tuple[str, ...] = SINGLE_PROCESS_ORDER,
+           tensor_stats: TensorStatsRecord | None = None) -> "Manifest":
         """A new version's manifest: ``header``'s fields with the bulky ones and ``size``, whose keys the
         encoder writes in ``key_order`` (the writer's)."""
         fields = _header_values(header)
         if header.meta is not None and "meta" not in key_order:
             key_order = (*key_order, "meta")
+        if tensor_stats is not None and "tensor_stats" not in key_order:
+            key_order = (*key_order, "tensor_stats")
         fields.update(size=size, key_order=key_order)
-        return cls(**fields, layout=layout, arrays=arrays, tensors=tensors, tree=tree)
+        return cls(**fields, layout=layout, arrays=arrays, tensors=tensors, tree=tree, tensor_stats=tensor_stats)
 
     def with_stats(self, stats: dict[str, Any]) -> "Manifest":
         order = self.key_order if "stats" in self.key_order else (*self.key_order, "stats")
@@ -239,6 +300,20 @@ def decode_header(blob: bytes, vid: str) -> ManifestHeader:
     return ManifestHeader(**_header_of(_checked_raw(unseal_header(blob, what), vid, what), what))
 
 
+def decode_header_and_stats(blob: bytes, vid: str) -> tuple[ManifestHeader, TensorStatsRecord | None]:
+    """The header and the capture-time tensor statistics of a sealed manifest, the tensor table, arrays and
+    tree skipped: what a trajectory over a long history reads of each version."""
+    what = f"manifest {VERSIONS_PREFIX}{vid}"
+    d = _checked_raw(unseal_header(blob, what, also=frozenset({"tensor_stats"})), vid, what)
+    header = _header_of(d, what)
+    try:
+        record = tensor_stats_record(d.get("tensor_stats"))
+    except FieldError as err:
+        raise _damaged(what, str(err)) from None
+    header["key_order"] = tuple(k for k in header["key_order"] if k != "tensor_stats")
+    return ManifestHeader(**header), record
+
+
 def decode_manifest(blob: bytes, vid: str) -> Manifest:
     """The sealed manifest ``blob`` stored under ``versions/<vid>``, which must be ``vid``'s own: every field of
     the right type (``check_header_fields``, ``tensor_table``, ``layout_record``), with a tensor table that
@@ -251,7 +326,7 @@ def decode_manifest(blob: bytes, vid: str) -> Manifest:
         arrays = {k: ArrayInfo.from_json(k, a) for k, a in d["arrays"].items()}
         tensors = tensor_table(_required(d, "tensors"))
         m = Manifest(**header, layout=layout_record(d.get("layout")), arrays=arrays, tensors=tensors,
-                     tree=d.get("tree"))
+                     tree=d.get("tree"), tensor_stats=tensor_stats_record(d.get("tensor_stats")))
         problem = arrays_problem(arrays) or table_problem(m)
     except FieldError as err:
         problem = str(err)
@@ -590,7 +665,8 @@ def manifest_raw(m: Manifest) -> dict[str, Any]:
         "message": m.message, "metrics": m.metrics, "host": m.host, "size": m.size, "stats": m.stats,
         "meta": m.meta, "layout": None if m.layout is None else m.layout.to_raw(),
         "arrays": {k: a.to_json() for k, a in m.arrays.items()},
-        "tensors": [t.to_raw() for t in m.tensors], "tree": m.tree}
+        "tensors": [t.to_raw() for t in m.tensors], "tree": m.tree,
+        "tensor_stats": None if m.tensor_stats is None else m.tensor_stats.to_raw()}
     return {k: values[k] if k in _KNOWN_KEYS else m.extra[k] for k in m.key_order}
 
 
@@ -619,19 +695,26 @@ class RankPart:
     tensors: tuple[tuple[str, tuple[Piece, ...]], ...]  # (name, the pieces this rank wrote of it)
     arrays: dict[str, ArrayInfo]                        # the arrays it wrote
     fingerprints: tuple[Any, ...]                       # its replicated pieces' (parallel/_replicas.py)
+    # (name, Moments.to_raw()) of each piece it wrote: its values' statistics, which rank 0 merges per tensor
+    moments: tuple[tuple[str, Any], ...] | None = None
 
     def to_raw(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step": self.step, "tree": self.tree, "leaf_names": self.leaf_names,
-                "names": self.names, "coords": self.coords,
-                "tensors": [{"name": n, "pieces": [p.to_raw() for p in ps]} for n, ps in self.tensors],
-                "arrays": {k: a.to_json() for k, a in self.arrays.items()}, "fingerprints": self.fingerprints}
+        raw = {"rank": self.rank, "step": self.step, "tree": self.tree, "leaf_names": self.leaf_names,
+               "names": self.names, "coords": self.coords,
+               "tensors": [{"name": n, "pieces": [p.to_raw() for p in ps]} for n, ps in self.tensors],
+               "arrays": {k: a.to_json() for k, a in self.arrays.items()}, "fingerprints": self.fingerprints}
+        if self.moments is not None:
+            raw["moments"] = [[n, m] for n, m in self.moments]
+        return raw
 
     @classmethod
     def from_raw(cls, d: dict[str, Any]) -> "RankPart":
         part = cls(d["rank"], d.get("step"), d["tree"], tuple(d["leaf_names"]),
                    tuple((n, dtype, tuple(shape)) for n, dtype, shape in d["names"]), d.get("coords"),
                    tuple((t["name"], tuple(map(_piece, t["pieces"]))) for t in d["tensors"]),
-                   {k: ArrayInfo.from_json(k, a) for k, a in d["arrays"].items()}, tuple(d.get("fingerprints", ())))
+                   {k: ArrayInfo.from_json(k, a) for k, a in d["arrays"].items()}, tuple(d.get("fingerprints", ())),
+                   None if d.get("moments") is None else tuple((n, Moments.from_raw(m).to_raw())
+                                                                for n, m in d["moments"]))
         problem = arrays_problem(part.arrays) or next(
             (f"a piece of {n} points into {p.array!r}, which the part does not list"
              for n, ps in part.tensors for p in ps if p.array not in part.arrays), None)

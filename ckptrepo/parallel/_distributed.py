@@ -23,12 +23,14 @@ its own.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ckptrepo.core._boxes import Box, check_coverage, volume
 from ckptrepo.core._manifest import STAGING_PREFIX, seal, unseal
+from ckptrepo.core._moments import Moments
 from ckptrepo.core.schema import (
     MERGED_ORDER,
     LayoutRecord,
@@ -39,6 +41,7 @@ from ckptrepo.core.schema import (
     RankPart,
     RankRecord,
     TensorEntry,
+    TensorStatsRecord,
     decode_rank_part,
     encode_rank_part,
 )
@@ -250,8 +253,24 @@ def merge_rank_manifests(ranks: Sequence[RankPart], layout: "ParallelLayout | No
         lay = LayoutRecord(world_size, records, layout.tp, layout.pp, layout.dp, layout.zero,
                            layout.rules.to_json() if layout.rules is not None else None)
     return Manifest.of(header, layout=lay, arrays=arrays, tensors=tensors, key_order=MERGED_ORDER,
+                       tensor_stats=merged_stats(ranks, tensors),
                        size=sum(volume(p.box[1]) * TORCH_DTYPES[t.dtype].itemsize for t in tensors for p in t.pieces),
                        tree=full_tree(ranks[0].tree, ranks[0].leaf_names, tensors, index, sections))
+
+
+def merged_stats(ranks: Sequence[RankPart], tensors: Sequence[TensorEntry]) -> TensorStatsRecord | None:
+    """The version's per-tensor statistics from the moments of every piece the ranks wrote (each element is
+    written by one rank, so each is counted once); None when a rank recorded none."""
+    if any(p.moments is None for p in ranks):
+        return None
+    merged = {t.name: Moments() for t in tensors}
+    for part in ranks:
+        for name, raw in part.moments or ():
+            if name in merged:
+                merged[name].merge(Moments.from_raw(raw))
+    unmeasured = (math.nan, math.nan)   # the change from the parent: not measured for distributed snapshots
+    return TensorStatsRecord.of_rows([t.name for t in tensors],
+                                     [(*merged[t.name].row(t.numel), *unmeasured) for t in tensors])
 
 
 def full_tree(tree: Any, leaf_names: Sequence[str], tensors: Sequence[TensorEntry], index: dict[str, int],

@@ -88,6 +88,7 @@ from ckptrepo.saving._eager_copies import copy_what_forward_may_change
 from ckptrepo.saving._host_memory import default_host_memory, parse_size
 from ckptrepo.saving._pusher import BackgroundPusher
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
+from ckptrepo.saving._tensor_stats import stat_feeds
 from ckptrepo.saving._trackers import tracker_meta
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import (
@@ -431,6 +432,8 @@ class Snapshotter:
                       for d, (n, s, i) in plan.streams.items()}
         job.chunk_crcs = {d: np.zeros(info.chunks, dtype="<u4") for d, info in job.arrays.items()}
         job.hashers = {pi: xxhash.xxh3_128() for pi, ri in enumerate(written) if ri in job.watch}
+        # statistics of each whole tensor a single-process snapshot writes (pieces of global tensors: none)
+        job.stats, job.feeds = stat_feeds(job, records, job.hashers)
         job.handle.stats.bytes = plan.nbytes
         job.remaining = len(plan.segments)
         job.plan = plan
@@ -735,7 +738,7 @@ class Snapshotter:
                         # (edges, small and strided tensors) are copied into the buffer now; the rest stays in
                         # the tensors until the writer has written it or the pre-step hook copies it
                         cb = job.arrays[seg.dtype].inner_bytes
-                        chunks, live = fill_live(seg, source, buf, cb, job.hashers)
+                        chunks, live = fill_live(seg, source, buf, cb, job.feeds)
                         keep = [source(p[0]).untyped_storage() for p in seg.parts]
                         view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep)
                         with job.lock:
@@ -746,11 +749,11 @@ class Snapshotter:
                         with torch.cuda.stream(self._side_stream):
                             for ev in job.ready:
                                 self._side_stream.wait_event(ev)
-                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.hashers)
+                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.feeds)
                             last_event = torch.cuda.Event()
                             last_event.record(self._side_stream)
                     else:
-                        view = fill_segment(seg, source, buf, hashers=job.hashers)
+                        view = fill_segment(seg, source, buf, hashers=job.feeds)
                     if not job.live:
                         job.handle.stats.copied_bytes += (seg.stop - seg.start) * job.arrays[seg.dtype].itemsize
                 except BaseException:

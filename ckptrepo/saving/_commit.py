@@ -27,6 +27,7 @@ from ckptrepo.core.schema import (
     RankFailure,
     RankPart,
     TensorEntry,
+    TensorStatsRecord,
     encode_manifest,
     version_from_manifest,
 )
@@ -43,6 +44,7 @@ from ckptrepo.parallel._replicas import check_replicas
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._dedup import StoredTensor
 from ckptrepo.saving._snapshot_job import SnapshotJob
+from ckptrepo.saving._tensor_stats import piece_moments, stats_record
 from ckptrepo.saving._writer import WritePlan
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo
@@ -89,7 +91,7 @@ class Committer:
         assert job.plan is not None
         manifest = build_manifest(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.records,
                                   job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused,
-                                  meta=job.meta)
+                                  meta=job.meta, tensor_stats=stats_record(job))
         return self._publish(job, manifest)
 
     def _commit_sharded(self, job: SnapshotJob) -> Version:
@@ -106,7 +108,8 @@ class Committer:
             coords=vars(self.layout.coords(self.rank)) if self.layout is not None else None,
             tensors=tuple((r.name, (Piece((tuple(box[0]), tuple(box[1])), job.arrays[p.dtype].key, p.offset),))
                           for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel),
-            arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints))
+            arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints),
+            moments=piece_moments(job))
         if not self.distributed:
             return self._publish_merged(job, [part])
         staging = Staging(self.plumbing.store, job.vid, self.world_size, self.commit_timeout_s, self.health)
@@ -226,7 +229,8 @@ def version_header(vid: str, parent: str | None, step: int | None, message: str,
 def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
                    records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
                    skeleton: Any, written: list[int] | None = None,
-                   reused: dict[int, StoredTensor] | None = None, meta: dict[str, str] | None = None) -> Manifest:
+                   reused: dict[int, StoredTensor] | None = None, meta: dict[str, str] | None = None,
+                   tensor_stats: TensorStatsRecord | None = None) -> Manifest:
     """The version manifest for a single-process snapshot (see docs/format.md).
 
     ``plan`` covers the ``written`` records (default: all); a ``reused`` record's
@@ -251,4 +255,4 @@ def build_manifest(vid: str, parent: str | None, step: int | None, message: str,
     return Manifest.of(header, size=plan.nbytes, layout=SINGLE_PROCESS_LAYOUT, arrays=listed,
                        tensors=tuple(TensorEntry(r.name, r.dtype, tuple(r.shape), pieces(i, r))
                                      for i, r in enumerate(records)),
-                       tree=skeleton)
+                       tree=skeleton, tensor_stats=tensor_stats)

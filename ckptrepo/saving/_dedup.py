@@ -46,6 +46,7 @@ class StoredTensor(NamedTuple):
     array: str
     offset: int
     info: dict[str, Any]
+    stats: tuple[float, ...] | None = None   # its capture-time statistics (saving/_tensor_stats.py), if taken
 
 
 def dedup_key(r: TensorRecord) -> DedupKey | None:
@@ -145,5 +146,5 @@ class DedupIndex:
             pi = placement[i]
             p, h = job.plan.placements[pi], job.hashers.get(pi)
             stored[r.name] = StoredTensor(key, None if h is None else h.intdigest(), job.arrays[p.dtype].key,
-                                          p.offset, infos[p.dtype])
+                                          p.offset, infos[p.dtype], job.stat_rows.get(i))
         self.stored = stored

@@ -266,9 +266,10 @@ def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torc
     (CUDA sources, pinned ``buf``) the copies are only queued on the current
     stream: the caller must synchronise before writing.
 
-    ``hashers`` (tensor index -> incremental hash, e.g. ``xxhash.xxh3_128()``)
-    are fed the staged bytes of those tensors (CPU sources only): the hash of
-    exactly what is written. A tensor's slices come in order as long as the
+    ``hashers`` (tensor index -> incremental hash, e.g. ``xxhash.xxh3_128()``,
+    or statistics, saving/_tensor_stats.py) are fed the staged bytes of those
+    tensors (``update``): the hash of exactly what is written; CUDA sources'
+    slices go to ``update_device`` instead. A tensor's slices come in order as long as the
     segments of its dtype are filled in plan order.
     """
     torch_dtype = TORCH_DTYPES[seg.dtype]
@@ -286,7 +287,10 @@ def fill_segment(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torc
                 hashers[idx].update(staged)
         else:
             typed = raw.view(torch_dtype) if typed is None else typed
-            typed[dst:dst + count].copy_(tensor.reshape(-1)[src:src + count], non_blocking=non_blocking)
+            part = tensor.reshape(-1)[src:src + count]
+            if hashers is not None and idx in hashers:
+                hashers[idx].update_device(part)   # summarised on the device, on this stream, before the copy
+            typed[dst:dst + count].copy_(part, non_blocking=non_blocking)
     return raw_np.view(numpy_dtype(seg.dtype))
 
 

@@ -13,13 +13,14 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import tensorstore as ts
+from typing import TYPE_CHECKING, Any
 
 from ckptrepo.storage._localfs import file_kind, look
 from ckptrepo.storage.protocol import Store
+
+if TYPE_CHECKING:   # imported where used: history commands never open an array (see ckptrepo.cli)
+    import numpy as np
+    import tensorstore as ts
 
 SHARD_BYTES = 64 << 20
 INNER_BYTES = 64 << 10
@@ -211,12 +212,21 @@ def numpy_dtype(dtype: str) -> np.dtype:
 
     Cached: read planning asks once per piece, and TensorStore's lookup is not free.
     """
+    import tensorstore as ts
     return ts.dtype(dtype).numpy_dtype
+
+
+# bytes per element of the zarr data types the writers store, known without TensorStore (``show`` and ``du``
+# size tensors from their manifests; asking TensorStore would import it, and numpy, for a table)
+ITEMSIZES = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+             "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16,
+             "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1}
 
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of a zarr data type."""
-    return numpy_dtype(dtype).itemsize
+    size = ITEMSIZES.get(dtype)
+    return size if size is not None else numpy_dtype(dtype).itemsize
 
 
 def choose_geometry(dtype: str, numel: int, shard_bytes: int = SHARD_BYTES,
@@ -292,6 +302,7 @@ def create_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
     """Create the array (writes its ``zarr.json``) and return a handle for writing."""
     spec = {"driver": "zarr3", "kvstore": store.child_spec(info.key), "metadata": zarr_metadata(info),
             "create": True, "store_data_equal_to_fill_value": True}
+    import tensorstore as ts
     return ts.open(spec, context=store.context).result()
 
 
@@ -302,4 +313,5 @@ def open_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
     look(store.capabilities.file_path(key), key, ZARR_JSON_MAX_BYTES)
     spec = {"driver": "zarr3", "kvstore": store.child_spec(info.key), "metadata": zarr_metadata(info),
             "open": True, "fill_missing_data_reads": False, "recheck_cached_data": False}
+    import tensorstore as ts
     return ts.open(spec, context=store.context, read=True).result()

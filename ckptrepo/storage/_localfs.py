@@ -118,6 +118,12 @@ def open_regular(path: str, key: str) -> int | None:
     """A read-only descriptor of the regular file at ``path`` holding ``key`` (None: no file holds it; see
     ``file_size``). Looked at before it is opened, so a device is never opened, and checked again once
     open, so a FIFO swapped in meanwhile cannot block the open or the reads."""
+    opened = _open_regular_sized(path, key)
+    return None if opened is None else opened[0]
+
+
+def _open_regular_sized(path: str, key: str) -> tuple[int, int] | None:
+    """``open_regular``'s descriptor with the size its check saw."""
     if file_size(path, key) is None:
         return None
     try:
@@ -130,32 +136,35 @@ def open_regular(path: str, key: str) -> int | None:
                                   f"`ckptrepo fsck`") from None
         raise
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise not_a_file(key, mode)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_a_file(key, st.st_mode)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st.st_size
 
 
 def read_regular(path: str, key: str, max_bytes: int) -> bytes | None:
     """The bytes of the regular file at ``path`` holding ``key``, None where no file holds it; a file over
     ``max_bytes`` is refused before it is read, and one growing meanwhile after ``max_bytes + 1`` bytes."""
-    fd = open_regular(path, key)
-    if fd is None:
+    opened = _open_regular_sized(path, key)
+    if opened is None:
         return None
+    fd, size = opened
     try:
-        size = os.fstat(fd).st_size
         if size > max_bytes:
             raise too_big(key, size, max_bytes)
-        parts, got, ask = [], 0, size + 1   # the size and one more: the read that says the file ends
+        parts, got, ask = [], 0, size + 1   # the size and one more: a short read says the file ends there
         while got <= max_bytes:
-            part = os.read(fd, min(ask, max_bytes + 1 - got))
+            want = min(ask, max_bytes + 1 - got)
+            part = os.read(fd, want)
             if not part:
                 break
             parts.append(part)
             got += len(part)
+            if len(part) < want:   # a regular file reads short only at its end
+                break
             ask = 1 << 20   # it grew since fstat: on in steps, never a buffer of the whole cap at once
         if got > max_bytes:
             raise too_big(key, got, max_bytes)

@@ -15,15 +15,12 @@ object, a few times: a server that honours the condition lets exactly one of the
 """
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from typing import Any
 
 from ckptrepo.errors import CkptRepoError, StorageError
 from ckptrepo.storage.protocol import NO_VALUE, Store
-
-log = logging.getLogger("ckptrepo")
 
 SCRATCH_PREFIX = "store-check/"   # one key per probe, deleted when it ends
 _FIRST, _SECOND, _MOVED, _STALE = (b"store check: " + w for w in (b"first", b"second", b"moved", b"stale"))
@@ -107,7 +104,9 @@ def _delete(store: Store, key: str) -> None:
     try:
         store.delete(key)
     except CkptRepoError as err:   # the verdict stands; a scratch key left behind is harmless
-        log.warning("ckptrepo: could not delete the store check's scratch key %s: %s", key, err)
+        import logging  # here: opening a repository (every command) never needs it otherwise
+        logging.getLogger("ckptrepo").warning("ckptrepo: could not delete the store check's scratch key %s: %s",
+                                              key, err)
 
 
 def _write(store: Store, key: str, value: bytes, expected: bytes) -> None:

@@ -87,7 +87,7 @@ class StoreCapabilities:
 def _key_path(root: str | None, key: str, reserved: tuple[str, ...]) -> str | None:
     if root is None or not key or "\0" in key or key.endswith(reserved):
         return None
-    if any(part in ("", ".", "..") for part in key.split("/")):
+    if key[0] == "/" or key[-1] == "/" or "//" in key or ("." in key and any(p in (".", "..") for p in key.split("/"))):
         return None
     return os.path.join(root, key)
 

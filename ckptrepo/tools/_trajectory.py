@@ -1,12 +1,29 @@
-"""Trajectories: a statistic of tensors over the first-parent history of a version."""
+"""Trajectories: a statistic of tensors over the first-parent history of a version.
+
+Answered from the statistics each version recorded while it was captured (``Manifest.tensor_stats``):
+one batched read of the manifests, each decoded without its tensor table, and no tensor data. A version
+written without them (an older release, or the DCP and Megatron-core adapters)
+falls back to reading its data, as ``stats`` and ``diff`` do; so does a change from the previous version
+that capture did not measure. Torch is imported only for those fallbacks: a trajectory over recorded
+versions stays a sub-second command.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
+import numpy as np
+
+from ckptrepo.core._manifest import VERSIONS_PREFIX
+from ckptrepo.core._manifest_reads import HEADER_BATCH, missing_manifest, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.errors import ArgumentError
-from ckptrepo.tools._inspect import diff_versions, tensor_stats
+from ckptrepo.core.schema import STAT_COLUMNS, ManifestHeader, TensorStatsRecord, decode_header_and_stats
+from ckptrepo.errors import ArgumentError, CkptRepoError
+
+METRICS = STAT_COLUMNS   # norm, mean, std, min, max, absmax, nan, inf, delta, relative-change
+CHANGE_METRICS = ("delta", "relative-change")
 
 
 @dataclass
@@ -22,41 +39,197 @@ class TrajectoryPoint:
         return dict(self.__dict__)
 
 
-METRICS = ("norm", "delta", "relative-change")
+@dataclass
+class StatMatrix:
+    """One statistic of many tensors over many versions: ``values[i, j]`` is tensor ``names[i]`` at version
+    ``versions[j]`` (oldest first); ``present[i, j]`` is False where the tensor has no value there (absent from
+    that version, or a change with no previous version to measure from)."""
+
+    versions: list[str]
+    steps: list[int | None]
+    names: list[str]
+    values: np.ndarray
+    present: np.ndarray
+    stat: str = "norm"
+    recorded: int = 0        # versions answered from capture-time records, without reading tensor data
+    read: list[str] = field(default_factory=list)   # versions whose tensor data had to be read
+
+    def to_json(self) -> dict[str, Any]:
+        rows = [[None if not p or math.isnan(v) else float(v) for v, p in zip(vals, pres)]
+                for vals, pres in zip(self.values.tolist(), self.present.tolist())]
+        return {"stat": self.stat, "versions": self.versions, "steps": self.steps, "names": self.names,
+                "values": rows}
+
+
+def check_metric(metric: Any) -> str:
+    if not isinstance(metric, str) or metric not in METRICS:
+        raise ArgumentError(f"unknown statistic {metric!r}; use one of {', '.join(METRICS)}")
+    return metric
+
+
+def walk(plumbing: Plumbing, rev: str) -> Iterator[tuple[str, ManifestHeader, TensorStatsRecord | None]]:
+    """``rev`` and its first parents, newest first, each with its header and capture-time statistics, every
+    manifest read once: ``HEADER_BATCH`` per round trip, in the creation-time order a linear history follows
+    (one listing of the versions), and decoded without its tensor table."""
+    reads = plumbing.reads
+    vid: str | None = plumbing.resolve(rev)
+    order: list[str] | None = None
+    where: dict[str, int] = {}
+    pending: dict[str, tuple[ManifestHeader, TensorStatsRecord | None]] = {}
+    walked: list[str] = []
+    seen: set[str] = set()
+    while vid is not None:
+        if vid in seen:
+            raise parent_cycle_error(walked[walked.index(vid):] + [vid])
+        seen.add(vid)
+        walked.append(vid)
+        got = pending.pop(vid, None)
+        if got is None:
+            if order is None:
+                order = reads.newest_first()
+                where = {v: i for i, v in enumerate(order)}
+            at = where.get(vid)
+            batch = [vid] if at is None else \
+                [vid] + [v for v in order[at + 1:at + HEADER_BATCH] if v not in seen and v not in pending]
+            for v, raw in zip(batch, plumbing.store.get_many([VERSIONS_PREFIX + v for v in batch])):
+                if raw is None:
+                    if v == vid:
+                        raise missing_manifest(vid)
+                    continue
+                try:
+                    pending[v] = decode_header_and_stats(raw, v)
+                except CkptRepoError:
+                    if v == vid:
+                        raise
+            got = pending.pop(vid)
+        header, record = got
+        yield vid, header, record
+        vid = header.parents[0] if header.parents else None
+
+
+def _in_range(step: int | None, since: int | None, until: int | None) -> bool:
+    return (since is None or step is None or step >= since) and (until is None or step is None or step <= until)
+
+
+def sample(n: int, most: int | None) -> list[int]:
+    """Up to ``most`` indices of ``range(n)``, evenly spread, the last always among them."""
+    if most is None or n <= most:
+        return list(range(n))
+    if most <= 1:
+        return [n - 1]
+    return sorted({round(k * (n - 1) / (most - 1)) for k in range(most)})
+
+
+class _Matcher:
+    """Which of a record's names match the glob: decided once per distinct list of names."""
+
+    def __init__(self, pattern: str | None) -> None:
+        self.pattern = pattern
+        self._seen: dict[tuple[str, ...], list[int]] = {}
+
+    def rows(self, names: tuple[str, ...]) -> list[int]:
+        hit = self._seen.get(names)
+        if hit is None:
+            p = self.pattern
+            hit = self._seen[names] = [i for i, n in enumerate(names) if p is None or fnmatch.fnmatchcase(n, p)]
+        return hit
+
+    def match(self, name: str) -> bool:
+        return self.pattern is None or fnmatch.fnmatchcase(name, self.pattern)
+
+
+def stat_matrix(plumbing: Plumbing, pattern: str | None, stat: str = "norm", rev: str = "HEAD",
+                since: int | None = None, until: int | None = None, max_versions: int | None = None) -> StatMatrix:
+    """``stat`` of every tensor matching ``pattern`` along the first-parent history of ``rev`` (see StatMatrix).
+
+    Versions gc pruned are skipped (their data is gone). ``delta`` (||v_i - v_{i-1}||) and
+    ``relative-change`` (that over ||v_{i-1}||) are against the previous version of the range; the first
+    has none. ``max_versions`` samples the history evenly, the newest kept, and reads the statistics (and,
+    for a change capture did not measure, the data) of the sampled versions only.
+    """
+    from ckptrepo.maintenance._gc import pruned_ids
+    check_metric(stat)
+    pruned = pruned_ids(plumbing)
+    matcher = _Matcher(pattern)
+    # (version, step, first parent, the record's answer or None), newest first
+    chain: list[tuple[str, int | None, str | None, dict[str, float] | None]] = []
+    for vid, h, record in walk(plumbing, rev):
+        if vid in pruned or not _in_range(h.step, since, until):
+            continue
+        answer = _from_record(record, stat, matcher) if max_versions is None else None
+        chain.append((vid, h.step, h.parents[0] if h.parents else None, answer))
+    chain.reverse()
+    picked = sample(len(chain), max_versions)
+    if max_versions is not None:
+        sampled = [chain[k][0] for k in picked]
+        answers = {v: _from_record(r, stat, matcher) for v, r in plumbing.reads.stat_records(sampled)}
+        chain = [(v, step, parent, answers.get(v)) if v in answers else (v, step, parent, None)
+                 for v, step, parent, _ in chain]
+    out = StatMatrix([chain[k][0] for k in picked], [chain[k][1] for k in picked], [], np.empty((0, 0)),
+                     np.empty((0, 0), bool), stat)
+    columns: list[dict[str, float]] = []
+    for k in picked:
+        vid, _, parent, column = chain[k]
+        previous = chain[k - 1][0] if k else None
+        if stat in CHANGE_METRICS and column is not None and previous != parent:
+            column = None   # measured against a parent that is not the previous version of the range
+        if stat in CHANGE_METRICS and previous is None:
+            column = {}
+        if column is None:
+            column = _from_data(plumbing, vid, previous, stat, pattern)
+            out.read.append(vid)
+        else:
+            out.recorded += 1
+        columns.append(column)
+    index: dict[str, int] = {}
+    for column in columns:
+        for name in column:
+            index.setdefault(name, len(index))
+    out.names = list(index)
+    out.values = np.full((len(index), len(columns)), np.nan)
+    out.present = np.zeros((len(index), len(columns)), bool)
+    for j, column in enumerate(columns):
+        for name, value in column.items():
+            out.values[index[name], j] = value
+            out.present[index[name], j] = True
+    if chain and not out.names:
+        raise ArgumentError(f"no tensor matches {pattern!r} in the history of {rev}; "
+                            f"`ckptrepo show {rev}` lists the tensors")
+    return out
+
+
+def _from_record(record: TensorStatsRecord | None, stat: str, matcher: _Matcher) -> dict[str, float] | None:
+    """The matching tensors' ``stat`` from a capture-time record; None when it cannot answer (no record, or a
+    change from the parent it did not measure: NaN there)."""
+    if record is None:
+        return None
+    values = record.column(stat)
+    out = {record.names[i]: values[i] for i in matcher.rows(record.names)}
+    if stat in CHANGE_METRICS and any(math.isnan(v) for v in out.values()):
+        return None
+    return out
+
+
+def _from_data(plumbing: Plumbing, vid: str, previous: str | None, stat: str, pattern: str | None) -> dict[str, float]:
+    from ckptrepo.tools._inspect import diff_versions, tensor_stats
+    if stat in CHANGE_METRICS:
+        if previous is None:
+            return {}
+        return {d.name: d.l2 if stat == "delta" else d.relative
+                for d in diff_versions(plumbing, previous, vid, pattern).tensors
+                if d.status in ("changed", "unchanged")}
+    return {s.name: float(getattr(s, stat)) for s in tensor_stats(plumbing, vid, pattern)}
 
 
 def trajectory(plumbing: Plumbing, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                until: int | None = None) -> list[TrajectoryPoint]:
-    """``metric`` of every tensor matching ``pattern`` along the first-parent history of ``rev``, oldest first.
-
-    ``norm`` is ||v_i||; ``delta`` is ||v_i - v_{i-1}|| and ``relative-change``
-    ||v_i - v_{i-1}|| / ||v_{i-1}|| against the previous version in the range
-    (absent for the first one). Steps outside [since, until] are skipped, and so are versions gc pruned
-    (a delta then spans the gap, from the previous kept version).
-    Streamed like ``diff``: memory stays bounded.
-    """
-    if not isinstance(metric, str) or metric not in METRICS:
-        raise ArgumentError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
-    from ckptrepo.core._manifest_reads import HeaderWalk
-    from ckptrepo.maintenance._gc import pruned_ids
-    pruned = pruned_ids(plumbing)   # their data is gone: skipped, and a delta spans the gap to the previous kept one
-    chain: list[tuple[str, int | None]] = []   # (version, step), newest first until reversed
-    for vid, m in HeaderWalk(plumbing.reads).chain(plumbing.resolve(rev)):
-        step = m.step
-        if vid in pruned:
-            continue
-        if (since is None or step is None or step >= since) and (until is None or step is None or step <= until):
-            chain.append((vid, step))
-    chain.reverse()
-    points: list[TrajectoryPoint] = []
-    previous: str | None = None
-    for vid, step in chain:
-        if metric == "norm":
-            for s in tensor_stats(plumbing, vid, pattern):
-                points.append(TrajectoryPoint(vid, step, s.name, s.norm))
-        elif previous is not None:
-            for d in diff_versions(plumbing, previous, vid, pattern).tensors:
-                if d.status in ("changed", "unchanged"):
-                    points.append(TrajectoryPoint(vid, step, d.name, d.l2 if metric == "delta" else d.relative))
-        previous = vid
+    """``metric`` of every tensor matching ``pattern`` along the first-parent history of ``rev``, oldest first
+    (``stat_matrix``, one point per tensor present in a version)."""
+    check_metric(metric)
+    m = stat_matrix(plumbing, pattern, metric, rev, since, until)
+    points = []
+    for j, (vid, step) in enumerate(zip(m.versions, m.steps)):
+        for i, name in enumerate(m.names):
+            if m.present[i, j]:
+                points.append(TrajectoryPoint(vid, step, name, float(m.values[i, j])))
     return points

@@ -73,6 +73,24 @@ def test_each_layout_commits_one_version_with_every_replica_written_once(saved: 
     assert report.ok and not any("content-bound" in w for w in report.warnings)
 
 
+def test_every_layout_records_the_statistics_of_the_global_tensors(saved: dict) -> None:
+    """Each rank summarises the pieces it writes; rank 0 merges them per tensor (each element once, however
+    the tensor was split or replicated), so the record equals the statistics of the reassembled tensor."""
+    repo = ckptrepo.open(saved["url"])
+    for key, v in saved["versions"].items():
+        record = repo.plumbing.manifest(v["vid"]).tensor_stats
+        assert record is not None, key
+        rows = record.rows()
+        full = {**{f"model/{n}": t for n, t in v["full"]["model"].items()},
+                **{f"optimizer/exp_avg_sq/{n}": t for n, t in v["full"]["optimizer"]["exp_avg_sq"].items()}}
+        for name, t in full.items():
+            x, row = t.double(), rows[name]
+            assert (row["min"], row["max"]) == (float(x.min()), float(x.max())), (key, name)
+            assert row["norm"] == pytest.approx(float(x.norm()), rel=1e-6), (key, name)
+            assert row["std"] == pytest.approx(float(x.std(correction=0)), rel=1e-5, abs=1e-12), (key, name)
+        assert repo.stats(v["vid"], "model/*")[0].norm == rows[repo.stats(v["vid"], "model/*")[0].name]["norm"]
+
+
 def test_the_unsharded_load_equals_the_saved_state(saved: dict) -> None:
     repo = ckptrepo.open(saved["url"])
     for v in saved["versions"].values():

@@ -1,0 +1,197 @@
+"""Per-tensor statistics taken while a snapshot is captured, from the bytes being written.
+
+Trajectory questions (how did this layer's norm evolve, where did the first NaN appear) are asked of
+thousands of versions; reading every version's tensors to answer them costs the whole history's bytes.
+The capture path already touches every byte it writes, so it summarises them on the way: each tensor's
+count of finite values, mean, sum of squared deviations (merged across chunks by Chan's formula, which
+stays accurate where ``E[x^2] - E[x]^2`` would cancel), min, max, and NaN and Inf counts. The manifest
+records the derived ``STAT_COLUMNS`` (core/schema.py); ``tools/_trajectory.py`` answers from them.
+
+CPU tensors are fed their bytes in order, in chunks that stay in cache, with numpy: single-threaded
+SIMD loops that never start an OpenMP team beside the training loop's (torch reductions called from this
+thread would), about four passes over cached data per chunk. CUDA tensors are summarised on the device,
+on the capture side stream, before their copy; their small results come to the host once the copies are
+synchronised anyway.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ckptrepo.core._moments import Moments
+from ckptrepo.core.schema import STAT_COLUMNS, TensorStatsRecord
+from ckptrepo.storage._arrays import numpy_dtype
+
+CHUNK_ELEMS = 1 << 16   # 256 KiB of float32: the chunk and its temporaries stay in L2
+
+_FLOAT_NATIVE = ("float32", "float64")
+# magnitudes whose squares, summed over a chunk, stay normal numbers: by itemsize (float32, float64)
+_SAFE = {4: (1e-15, 1e15), 8: (1e-140, 1e140)}
+NOT_RECORDED = math.nan
+
+
+class HostStats:
+    """Statistics of one tensor whose bytes are fed in order (``update``), as the dedup hashers are."""
+
+    __slots__ = ("dtype", "_np", "_kind", "_m")
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+        self._np = numpy_dtype(dtype)
+        self._kind = self._np.kind     # f: float, c: complex, i/u/b: integers and bools; V: float8 (ml_dtypes)
+        self._m = Moments()
+
+    def update(self, data: Any) -> None:
+        """Feed the next bytes of the tensor (a uint8 numpy array, a whole number of elements)."""
+        values = np.frombuffer(data, dtype=self._np) if not isinstance(data, np.ndarray) else data.view(self._np)
+        for s in range(0, len(values), CHUNK_ELEMS):
+            self._chunk(values[s:s + CHUNK_ELEMS])
+
+    def _chunk(self, x: np.ndarray) -> None:
+        if self.dtype not in _FLOAT_NATIVE:
+            if self._kind == "c":
+                x = np.abs(x)
+            else:   # halves, bfloat16, float8, integers, bools: exact in float32/float64
+                x = x.astype(np.float64 if self._kind in "iub" else np.float32)
+        m = self._m
+        lo, hi = float(x.min()), float(x.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):   # NaN propagates through min and max
+            nan = np.isnan(x)
+            inf = np.isinf(x)
+            m.nan += int(nan.sum())
+            m.inf += int(inf.sum())
+            x = x[~(nan | inf)]
+            if not len(x):
+                return
+            lo, hi = float(x.min()), float(x.max())
+        k = len(x)
+        top = max(abs(lo), abs(hi))
+        if top == 0.0 or _SAFE[x.dtype.itemsize][0] < top < _SAFE[x.dtype.itemsize][1]:
+            # the corrected two-pass algorithm: centred on a first mean, then that mean corrected by the
+            # deviations' own mean; the squares carry the spread, not the offset (numpy sums pairwise)
+            mean = float(x.sum()) / k
+            d = x - x.dtype.type(mean)
+            r = float(d.sum()) / k
+            mean += r
+            dev = math.sqrt(max(0.0, float(np.dot(d, d)) - k * r * r))
+        else:   # squares would overflow or underflow: scaled by the largest magnitude, in float64
+            d = x.astype(np.float64) / top
+            mean = float(d.sum()) / k
+            d -= mean
+            dev = top * math.sqrt(float(np.dot(d, d)))
+            mean *= top
+        m.add(k, mean, dev, lo, hi)
+
+    def moments(self) -> Moments:
+        return self._m
+
+
+class DeviceStats:
+    """Statistics of one CUDA tensor, computed by kernels queued on the current (side) stream.
+
+    ``update`` takes device slices; nothing waits for the device until ``row``, which the capture thread
+    calls after it has synchronised its copies. A tensor holding NaN or Inf records their counts; its
+    other statistics are left unrecorded (NaN): filtering on the device would cost a copy of the tensor.
+    """
+
+    __slots__ = ("dtype", "_parts")
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+        self._parts: list[Any] = []
+
+    def update_device(self, x: Any) -> None:
+        import torch
+        if x.is_complex():
+            x = x.abs()
+        if not x.is_floating_point():
+            x = x.double()
+        n = x.numel()
+        if not n:
+            return
+        lo, hi = torch.aminmax(x)
+        total = x.sum(dtype=torch.float64)
+        mean = total / n
+        dev = torch.linalg.vector_norm(x - mean.to(x.dtype), dtype=torch.float64)
+        nan = torch.isnan(x).sum()
+        inf = torch.isinf(x).sum()
+        self._parts.append(torch.stack([torch.tensor(float(n), dtype=torch.float64, device=x.device), mean, dev,
+                                        lo.double(), hi.double(), nan.double(), inf.double()]))
+
+    def moments(self) -> Moments:
+        import torch
+        m = Moments()
+        if self._parts:
+            parts = torch.stack(self._parts).cpu().tolist()
+            self._parts = []
+            for n, mean, dev, lo, hi, nan, inf in parts:
+                if nan or inf:
+                    m.unknown = True   # only the counts of this part are right: see the class docstring
+                m.nan += int(nan)
+                m.inf += int(inf)
+                m.add(int(n), mean, dev, lo, hi)
+        return m
+
+
+class Tee:
+    """Feeds one tensor's bytes to both its dedup hasher and its statistics."""
+
+    __slots__ = ("hasher", "stats")
+
+    def __init__(self, hasher: Any, stats: HostStats) -> None:
+        self.hasher = hasher
+        self.stats = stats
+
+    def update(self, data: Any) -> None:
+        self.hasher.update(data)
+        self.stats.update(data)
+
+
+def full_row(row: tuple[float, ...], delta: float = NOT_RECORDED, relative: float = NOT_RECORDED) -> tuple[float, ...]:
+    """A recorded row: the statistics, then the change from the parent (NaN where it was not measured)."""
+    out = (*row, delta, relative)
+    assert len(out) == len(STAT_COLUMNS)
+    return out
+
+
+def stat_feeds(job: Any, records: list[Any], hashers: dict[int, Any]) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The statistics of each planned tensor or piece (plan index -> HostStats or DeviceStats), and what its
+    staged bytes feed: its hasher, its statistics, or both."""
+    stats: dict[int, Any] = {pi: DeviceStats(r.dtype) if r.tensor.is_cuda else HostStats(r.dtype)
+                             for pi, r in enumerate(records)}
+    feeds: dict[int, Any] = dict(stats)
+    for pi, h in hashers.items():
+        feeds[pi] = Tee(h, stats[pi])
+    return stats, feeds
+
+
+def piece_moments(job: Any) -> tuple[tuple[str, Any], ...]:
+    """A sharded job's moments per piece written (global name, ``Moments.to_raw()``), in plan order, for
+    rank 0 to merge into the version's statistics."""
+    return tuple((job.records[ri].name, job.stats[pi].moments().to_raw()) for pi, ri in enumerate(job.written)
+                 if pi in job.stats and job.records[ri].numel)
+
+
+def stats_record(job: Any) -> TensorStatsRecord | None:
+    """The ``tensor_stats`` of a single-process job at commit: written tensors from what their bytes fed,
+    reused ones (unchanged since the version they point into) from that version's, with no change."""
+    if job.sharded or job.plan is None:
+        return None
+    placement = {ri: pi for pi, ri in enumerate(job.written)}
+    names, rows = [], []
+    for i, r in enumerate(job.records):
+        if i in job.reused:
+            prev = job.reused[i].stats
+            row = full_row(prev, 0.0, 0.0) if prev is not None else (NOT_RECORDED,) * len(STAT_COLUMNS)
+        else:
+            feed = job.stats.get(placement.get(i, -1))
+            if feed is None:
+                row = (NOT_RECORDED,) * len(STAT_COLUMNS)
+            else:
+                job.stat_rows[i] = feed.moments().row(r.numel)
+                row = full_row(job.stat_rows[i])
+        names.append(r.name)
+        rows.append(row)
+    return TensorStatsRecord.of_rows(names, rows)

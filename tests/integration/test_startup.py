@@ -1,0 +1,103 @@
+"""Start-up: ``ckptrepo log`` on a local repository loads neither torch, numpy, TensorStore nor rich, and a short
+log reads the headers it lists, not the history. Asserted on what is imported, not on a time."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import count_manifest_reads, run
+
+import ckptrepo
+
+HEAVY = ("torch", "numpy", "tensorstore", "rich")
+# the subprocesses run the ckptrepo these tests import, whatever else is installed
+ENV = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(ckptrepo.__file__))))
+
+
+def _imported(args: list[str], cwd: str) -> set[str]:
+    """The top-level packages a fresh ``python -X importtime -m ckptrepo.cli ARGS`` imports."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckptrepo.cli", *args], capture_output=True,
+                       text=True, cwd=cwd, env=dict(ENV, COLUMNS="120"), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in p.stderr.splitlines()
+            if line.startswith("import time:") and "|" in line and "package" not in line}
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("startup") / "repo")
+    repo = ckptrepo.init(url)
+    with repo.snapshotter() as snap:
+        for step in range(30):
+            snap.snapshot({"w": torch.full((8,), float(step))}, step=step, metrics={"loss": 1.0 / (step + 1)})
+    repo.tag("best", "@20")
+    return url
+
+
+def test_log_imports_neither_torch_numpy_tensorstore_nor_rich(history, tmp_path):
+    imported = _imported(["--repo", history, "log", "-n", "10"], str(tmp_path))
+    assert "ckptrepo" in imported and "click" in imported
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+    for args in (["log", "--oneline", "--all"], ["metrics", "--json"], ["show", "best", "--json"]):
+        assert not _imported(["--repo", history, *args], str(tmp_path)) & set(HEAVY), args
+
+
+def test_import_ckptrepo_is_light_and_its_api_loads_on_first_use(tmp_path):
+    code = ("import sys, ckptrepo; heavy = [m for m in ('torch', 'numpy', 'tensorstore', 'rich') if m in sys.modules]; "
+            "assert not heavy, heavy; "
+            "assert ckptrepo.Repository.__module__ == 'ckptrepo.repository'; "
+            "from ckptrepo import ParallelLayout, RetentionPolicy, Version, VersionDetails; "
+            "from ckptrepo import clone, init, load, open, rules; "
+            "assert callable(open) and rules.__name__ == 'ckptrepo.rules' and 'init' in dir(ckptrepo); "
+            "from ckptrepo import *")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path), env=ENV,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        ckptrepo.nothing  # noqa: B018
+
+
+def test_item_sizes_known_without_tensorstore_are_tensorstores():
+    from ckptrepo.core.schema import ZARR_DTYPES
+    from ckptrepo.storage._arrays import ITEMSIZES, numpy_dtype
+    assert set(ITEMSIZES) == ZARR_DTYPES
+    assert {d: numpy_dtype(d).itemsize for d in ZARR_DTYPES} == ITEMSIZES
+
+
+def test_short_log_reads_only_the_headers_it_lists(history, monkeypatch):
+    repo = ckptrepo.open(history)
+    reads = count_manifest_reads(monkeypatch, repo.plumbing.store)
+    p = run("log", "-n", "10", repo=history)
+    assert p.returncode == 0 and len(p.stdout.splitlines()) == 10
+    assert sum(reads.values()) <= 11, sum(reads.values())   # the ten listed (and at most one parent)
+
+
+def test_local_listing_is_tensorstores(tmp_path):
+    """A local store lists its folders itself (log needs no TensorStore): the same keys as TensorStore's file
+    kvstore, for every prefix, with links (not followed), a FIFO, lock files and empty folders about."""
+    import tensorstore as ts
+
+    from ckptrepo.storage._tensorstore import TensorStoreStore, _prefix_end
+    root = tmp_path / "r"
+    for folder in ("a/b", "a/bc", "empty/inner", "c"):
+        (root / folder).mkdir(parents=True)
+    for name in ("a/x", "a/b/y", "a/bc/z", "a/b/\u00e4", "ab", ".hidden", "sp ace", "c/z", "c/z.__lock", "c.__lock"):
+        (root / name).write_bytes(b"1")
+    (root / "other").mkdir()
+    (root / "other" / "o").write_bytes(b"1")
+    os.symlink(root / "a" / "x", root / "linkfile")
+    os.symlink(root / "a", root / "linkdir")
+    os.symlink(root / "nowhere", root / "broken")
+    os.mkfifo(root / "fifo")
+    store = TensorStoreStore.open(str(root))
+    kv = ts.KvStore.open({"driver": "file", "path": str(root) + "/"}).result()
+    for prefix in ("", "a", "a/", "a/b", "a/b/", "a/bc", "c/", "c", "empty/", "nothing/", "link", "z"):
+        rng = ts.KvStore.KeyRange(inclusive_min=prefix.encode(), exclusive_max=_prefix_end(prefix))
+        want = sorted(k.decode() for k in (kv.list(rng) if prefix else kv.list()).result()
+                      if not k.endswith(b".__lock"))
+        assert store.list(prefix) == want, prefix
+    assert store.exists("a/x") and not store.exists("a/nothing") and not store.exists("a") and store.exists("fifo")
+    assert store.get_many(["a/x", "nothing", "a/b/y"]) == [b"1", None, b"1"]
