@@ -310,7 +310,8 @@ def test_diff_without_b_is_against_the_first_parent(repo, tmp_path):
     implicit = json.loads(run("diff", "@2", "--json", repo=url).stdout)
     assert explicit == implicit and explicit["b"] == two.b
     for args, needle in ((["diff", "@1", "@2", "--against-parent"], "not both"),
-                         (["diff", "@1", "--against-parent"], "root version")):
+                         (["diff", "@1", "--against-parent"], "root version"),
+                         (["diff", "@2", "--pattern", "nothing*"], "matches 'nothing*'")):
         p = run(*args, repo=url)
         line = p.stderr.strip()
         assert p.returncode == 2 and p.stdout == "" and "\n" not in line and needle in line, (args, p.stderr)
