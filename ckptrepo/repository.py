@@ -618,14 +618,22 @@ class Repository:
         return VersionDetails(self._described(vid, self._plumbing.header(vid)), layout,
                               tensors, [(p, short_text(v, 80)) for p, v in plain_values(m.tree, summarize_after=8)])
 
-    def diff(self, a: str, b: str, pattern: str | None = None,
+    def diff(self, a: str, b: str | None = None, pattern: str | None = None,
              on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
         """Per tensor: changed or not, ||B-A||, ||B-A||/||A||, max |B-A|, cosine; objects: what changed.
+        Without ``b``, version ``a`` against its first parent (as ``git show`` does): the parent is A then.
 
-        Streamed chunk by chunk (memory stays bounded); see ckptrepo.tools._inspect.
+        Only the tensors ``pattern`` matches are read, on every core, in bounded memory; see
+        ckptrepo.tools._inspect.
         """
         from ckptrepo.tools._inspect import diff_versions
         _rev(a)
+        if b is None:
+            v = self.version(a)
+            if not v.parents:
+                raise RevisionError(f"{a!r} ({v.short_id}) is a root version, with no parent to compare with; "
+                                    f"name two revisions: ckptrepo diff A B")
+            a, b = v.parents[0], v.id
         _rev(b)
         _pattern(pattern)
         _callback(on_bytes, "on_bytes")

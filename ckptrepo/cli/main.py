@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import click
 
 import ckptrepo
-from ckptrepo.errors import CkptRepoError, ExchangeError, RevisionError, first_line
+from ckptrepo.errors import ArgumentError, CkptRepoError, ExchangeError, first_line
 from ckptrepo.tools import _plot as plot
 from ckptrepo.tools._graph import GraphRow
 from ckptrepo.tools._graph import graph as graph_rows
@@ -701,6 +701,10 @@ def _num(v: float | None) -> str:
 @cli.command()
 @click.argument("a", shell_complete=_complete_revision)
 @click.argument("b", required=False, shell_complete=_complete_revision)
+@click.option("--against-parent", is_flag=True,
+              help="Compare A with its first parent (what one revision alone does, as git show does).")
+@click.option("--pattern", default=None, help="Only tensors whose name matches this glob (*, ?, [seq]): only "
+                                               "their bytes are read.")
 @click.option("--stat", "summary", is_flag=True, help="One line per module prefix instead of per tensor.")
 @click.option("--depth", type=click.IntRange(min=1), default=2, show_default=True,
               help="Name components that make a prefix (--stat).")
@@ -710,20 +714,20 @@ def _num(v: float | None) -> str:
 @click.option("--only-changed", is_flag=True, help="Hide unchanged tensors.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def diff(ctx: click.Context, a: str, b: str | None, summary: bool, depth: int, sort_by: str, only_changed: bool,
-         as_json: bool) -> None:
-    """Compare version A with B tensor by tensor (streamed: memory stays bounded) and object by object; with
-    one revision, compare it with its parent (as git show does)."""
+def diff(ctx: click.Context, a: str, b: str | None, against_parent: bool, pattern: str | None, summary: bool,
+         depth: int, sort_by: str, only_changed: bool, as_json: bool) -> None:
+    """Compare version A with B tensor by tensor and object by object; without B (or with --against-parent),
+    compare A's first parent with A, as git show does. Reads the tensors on every core, in bounded memory."""
+    if b is not None and against_parent:
+        # one line, as every ckptrepo error (click's usage errors print three)
+        raise ArgumentError("give B or --against-parent, not both: --against-parent compares A with its parent")
     repo = _repo(ctx)
+    d = repo.diff(a, b, pattern)
     if b is None:
-        v = repo.version(a)
-        if not v.parents:
-            raise RevisionError(f"{a!r} ({v.short_id}) is a root version, with no parent to compare with; "
-                                f"name two revisions: ckptrepo diff A B")
-        a, b, title = v.parents[0], v.id, f"{v.parents[0][:12]} -> {a}"
-    else:
-        title = f"{a} -> {b}"
-    d = repo.diff(a, b)
+        a, b = d.a[:12], a   # the parent, then A
+    if pattern is not None and not d.tensors:
+        raise CkptRepoError(f"no tensor of {a} or {b} matches {pattern!r}; `ckptrepo show {b}` lists the names")
+    title = f"{a} -> {b}"
     key = _row_key(sort_by)
     if as_json:   # the same rows as the table: --only-changed and --sort apply
         out_json = d.to_json()

@@ -1,11 +1,14 @@
 """diff and stats: numbers equal a direct computation on loaded tensors, in bounded memory."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
+import ckptrepo
+import ckptrepo.errors
 from ckptrepo.tools import _inspect as inspect
 
 
@@ -85,6 +88,19 @@ def test_norms_of_extreme_values_neither_overflow_nor_pretend(repo, monkeypatch)
     assert d["tiny"].status == "unchanged" and d["tiny"].norm_a == pytest.approx(20 * 1e-200, rel=1e-12)
     groups = {g["prefix"]: g for g in repo.diff("@1", "@2").by_prefix()}
     assert groups["big"]["relative"] == pytest.approx(1.0)
+
+
+def test_stats_read_from_the_data_keep_extreme_norms(repo, monkeypatch):
+    """The data path (versions without capture-time statistics) scales float64 norms: 1e200s do not overflow."""
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(inspect, "BLOCK_ELEMS", 64)
+    repo.snapshot({"big": torch.full((400,), 1e200, dtype=torch.float64),
+                   "tiny": torch.full((400,), 1e-200, dtype=torch.float64), "inf": torch.full((4,), float("inf"))},
+                  step=1)
+    s = {t.name: t for t in inspect.tensor_stats(repo.plumbing, "@1")}
+    assert s["big"].norm == pytest.approx(20 * 1e200, rel=1e-12) and s["big"].std < 1e186
+    assert s["tiny"].norm == pytest.approx(20 * 1e-200, rel=1e-12)
+    assert math.isnan(s["inf"].norm) and s["inf"].inf == 4
 
 
 def test_diff_streams_in_bounded_memory(tmp_path):
@@ -185,3 +201,138 @@ def test_diff_and_show_see_numpy_scalars_dtypes_sizes_and_generators(repo):
     assert objs["g/state/state"].status == "changed" and "same" not in objs
     shown = dict(repo.show("@2").objects)
     assert shown["dt"] == "torch.bfloat16" and shown["best"] == repr(np.float32(0.25))
+
+
+def _varied_state(seed: int, n: int = 5000) -> dict[str, torch.Tensor]:
+    """Tensors of every kind the fast and the wide paths take, with NaN and Inf where a block has them."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g) * 3 + 0.5
+    w[17], w[4000] = float("nan"), float("inf")
+    offset = torch.randn(n, generator=g) * 1e-3 + 1e4          # a mean that dwarfs the spread: centered sums
+    return {"f32": torch.randn(n, generator=g), "f32_nonfinite": w, "f32_offset": offset,
+            "bf16": (torch.randn(n, generator=g) * 5).to(torch.bfloat16),
+            "f16": torch.randn(n, generator=g).to(torch.float16),
+            "f64": torch.randn(n, generator=g, dtype=torch.float64) * 1e100,
+            "i32": torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int32),
+            "u8": torch.randint(0, 255, (n,), generator=g, dtype=torch.uint8),
+            "c64": torch.randn(n, generator=g, dtype=torch.complex64),
+            "e4m3": torch.randn(n, generator=g).to(torch.float8_e4m3fn)}
+
+
+def _reference_stats(x: torch.Tensor) -> dict[str, float]:
+    v = x.to(torch.complex128).abs() if x.is_complex() else x.to(torch.float64)   # |x| of complex: in float64
+    v = v.flatten()
+    f = v[torch.isfinite(v)]
+    return {"norm": float(f.norm()), "mean": float(f.mean()), "std": float(f.std(unbiased=False)),
+            "min": float(f.min()), "max": float(f.max()), "absmax": float(f.abs().max()),
+            "nan": int(torch.isnan(v).sum()), "inf": int(torch.isinf(v).sum())}
+
+
+@pytest.mark.parametrize("chunk,block", [(8 << 20, 1 << 16), (1000, 100)])
+def test_stats_of_every_dtype_match_a_float64_reference(repo, monkeypatch, chunk, block):
+    """Whole-tensor float64 numbers, whether a tensor is one job and block or split over many (merged pairwise)."""
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(inspect, "BLOCK_ELEMS", block)
+    state = _varied_state(0)
+    repo.snapshot(state, step=1)
+    got = {s.name: s for s in inspect.tensor_stats(repo.plumbing, "@1")}   # from the data, not the records
+    for name, x in state.items():
+        ref, s = _reference_stats(x), got[name]
+        assert (s.nan, s.inf, s.numel) == (ref["nan"], ref["inf"], x.numel()), name
+        for key in ("norm", "mean", "min", "max", "absmax"):
+            assert getattr(s, key) == pytest.approx(ref[key], rel=1e-12, abs=1e-300), (name, key)
+        assert s.std == pytest.approx(ref["std"], rel=1e-10), name
+
+
+def _reference_diff(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    wide = torch.complex128 if x.is_complex() else torch.float64
+    a, b = x.to(wide).flatten(), y.to(wide).flatten()
+    d = b - a
+    return {"l2": float(torch.linalg.vector_norm(d)), "max_abs": float(d.abs().max()),
+            "norm_a": float(torch.linalg.vector_norm(a)), "norm_b": float(torch.linalg.vector_norm(b)),
+            "cosine": float(torch.vdot(a, b).real / (torch.linalg.vector_norm(a) * torch.linalg.vector_norm(b)))}
+
+
+@pytest.mark.parametrize("chunk,block", [(8 << 20, 1 << 16), (1000, 100)])
+def test_diff_of_every_dtype_matches_a_float64_reference(repo, monkeypatch, chunk, block):
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(inspect, "BLOCK_ELEMS", block)
+    a, b = _varied_state(0), _varied_state(1)
+    b["f32_nonfinite"] = a["f32_nonfinite"] + 0.25     # NaN and Inf at the same places: NaN and Inf differences
+    repo.snapshot(a, step=1)
+    repo.snapshot(b, step=2)
+    got = {t.name: t for t in repo.diff("@1", "@2").tensors}
+    for name in a:
+        ref, t = _reference_diff(a[name], b[name]), got[name]
+        assert t.status == "changed", name
+        for key in ("l2", "max_abs", "norm_a", "norm_b", "cosine"):
+            want = ref[key]
+            if math.isnan(want):
+                assert math.isnan(getattr(t, key)), (name, key)
+            else:
+                assert getattr(t, key) == pytest.approx(want, rel=1e-11, abs=1e-12), (name, key)
+
+
+def test_a_pattern_reads_only_the_tensors_it_matches_and_shared_bytes_once(repo):
+    """on_bytes counts what is read: the matched tensors' bytes of both versions, and a tensor that both
+    versions hold as the same stored bytes (dedup) once."""
+    g = torch.Generator().manual_seed(3)
+    a = {"enc.w": torch.randn(3000, generator=g), "enc.h": torch.randn(700, generator=g).to(torch.bfloat16),
+         "dec.w": torch.randn(9000, generator=g), "frozen.w": torch.randn(2000, generator=g)}
+    with repo.snapshotter() as snap:     # dedup: the unchanged tensor is not written again
+        snap.snapshot(a, step=1)
+        snap.wait()
+        snap.snapshot({k: (v + 1 if k != "frozen.w" else v) for k, v in a.items()}, step=2)
+    read: list[int] = []
+    d = repo.diff("@1", "@2", pattern="enc.*", on_bytes=read.append)
+    assert [t.name for t in d.tensors] == ["enc.w", "enc.h"]
+    assert sum(read) == 2 * (3000 * 4 + 700 * 2)
+    read.clear()
+    d = repo.diff("@1", "@2", pattern="frozen.*", on_bytes=read.append)
+    assert d.tensors[0].status == "unchanged" and sum(read) == 2000 * 4
+    assert d.tensors[0].norm_a == pytest.approx(float(a["frozen.w"].double().norm()), rel=1e-12)
+    read.clear()
+    s = inspect.tensor_stats(repo.plumbing, "@2", pattern="dec.*", on_bytes=read.append)
+    assert [x.name for x in s] == ["dec.w"] and sum(read) == 9000 * 4
+
+
+def test_diff_without_b_is_against_the_first_parent(repo, tmp_path):
+    from helpers import run
+    g = torch.Generator().manual_seed(5)
+    repo.snapshot({"w": torch.randn(100, generator=g)}, step=1)
+    repo.snapshot({"w": torch.randn(100, generator=g)}, step=2)
+    one, two = repo.diff("@2"), repo.diff("@1", "@2")
+    assert (one.a, one.b) == (two.a, two.b) and one.tensors == two.tensors
+    with pytest.raises(ckptrepo.errors.RevisionError, match="root version.*diff A B"):
+        repo.diff("@1")
+    url = repo.url if hasattr(repo, "url") else str(tmp_path / "repo")
+    explicit = json.loads(run("diff", "@2", "--against-parent", "--json", repo=url).stdout)
+    implicit = json.loads(run("diff", "@2", "--json", repo=url).stdout)
+    assert explicit == implicit and explicit["b"] == two.b
+    for args, needle in ((["diff", "@1", "@2", "--against-parent"], "not both"),
+                         (["diff", "@1", "--against-parent"], "root version"),
+                         (["diff", "@2", "--pattern", "nothing*"], "matches 'nothing*'")):
+        p = run(*args, repo=url)
+        line = p.stderr.strip()
+        assert p.returncode == 2 and p.stdout == "" and "\n" not in line and needle in line, (args, p.stderr)
+
+
+def test_tensors_saved_as_several_pieces_are_read_range_by_range(repo, monkeypatch):
+    """A layout stores a row-parallel weight as column blocks: jobs cut across the blocks read the right bytes."""
+    from ckptrepo.parallel.layout import ParallelLayout
+    from ckptrepo.rules import Rules, Split
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", 3_000_000)   # ranges that start and end inside rows and blocks
+    g = torch.Generator().manual_seed(7)
+    a = {"model": {"row.weight": torch.randn(256, 8192, generator=g)}}   # as tests/_dist_workers.split_state
+    b = {"model": {"row.weight": a["model"]["row.weight"] * 1.5}}
+    layout = ParallelLayout(rules=Rules([("row.weight", Split(1))]))
+    repo.snapshot(a, step=1, parallel_layout=layout)
+    repo.snapshot(b, step=2, parallel_layout=layout)
+    pieces = repo.plumbing.manifest(repo.resolve("@1")).tensors[0].pieces
+    assert len(pieces) > 1
+    s = inspect.tensor_stats(repo.plumbing, "@1")[0]
+    ref = _reference_stats(a["model"]["row.weight"])
+    assert s.norm == pytest.approx(ref["norm"], rel=1e-12) and s.mean == pytest.approx(ref["mean"], rel=1e-9)
+    assert (s.min, s.max) == (ref["min"], ref["max"])
+    t, want = repo.diff("@1", "@2").tensors[0], _reference_diff(a["model"]["row.weight"], b["model"]["row.weight"])
+    assert t.l2 == pytest.approx(want["l2"], rel=1e-12) and t.cosine == pytest.approx(want["cosine"], rel=1e-12)
