@@ -76,7 +76,8 @@ if TYPE_CHECKING:
     from ckptrepo.remotes._transfer import Progress
     from ckptrepo.saving._capture import Snapshotter
     from ckptrepo.tools._bisect import BisectResult
-    from ckptrepo.tools._inspect import TensorStats, VersionDiff
+    from ckptrepo.tools._inspect import VersionDiff
+    from ckptrepo.tools._recorded import TensorStats
     from ckptrepo.tools._trajectory import StatMatrix, TrajectoryPoint
 
 DEFAULT_BRANCH = "main"
@@ -645,11 +646,16 @@ class Repository:
 
         Answered from the statistics the version recorded at capture, without reading its data; a version
         written without them is read (streamed)."""
-        from ckptrepo.tools._inspect import recorded_or_read_stats
+        from ckptrepo.tools._recorded import recorded_tensor_stats
         _rev(rev)
         _pattern(pattern)
         _callback(on_bytes, "on_bytes")
-        return recorded_or_read_stats(self._plumbing, rev, pattern, on_bytes)
+        vid = self._plumbing.resolve(rev)
+        recorded = recorded_tensor_stats(self._plumbing, vid, pattern)
+        if recorded is not None:
+            return recorded
+        from ckptrepo.tools._inspect import tensor_stats
+        return tensor_stats(self._plumbing, vid, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
                    until: int | None = None) -> list[TrajectoryPoint]:

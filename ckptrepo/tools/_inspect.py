@@ -32,7 +32,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from ckptrepo.parallel._sharding import Piece
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage._arrays import ArrayInfo, itemsize
+from ckptrepo.tools._recorded import TensorStats
 
 CHUNK_BYTES = 8 << 20     # stored bytes of one version that a job reads (a diff job reads as much of each side)
 BLOCK_ELEMS = 1 << 17     # elements reduced at a time: float64 temporaries of a core's L2 size, calls long enough that
@@ -561,28 +562,6 @@ class VersionDiff:
                 "objects": [o.to_json() for o in self.objects]}
 
 
-@dataclass
-class TensorStats:
-    """Per-tensor statistics of one version."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    numel: int
-    norm: float
-    mean: float
-    std: float
-    min: float
-    max: float
-    nan: int
-    inf: int
-    absmax: float = math.nan         # max |x| over the finite values (of |x| for complex tensors)
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.__dict__.items()}
-
-
-
 def diff_versions(plumbing: Plumbing, a: str, b: str, pattern: str | None = None,
                   on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
     """Compare versions ``a`` and ``b`` tensor by tensor (the tensors ``pattern`` matches, read in parallel
@@ -663,36 +642,6 @@ def _tensor_stats(entry: TensorEntry, m: _Moments) -> TensorStats:
                            math.nan, math.nan, math.nan, math.nan, m.nan, m.inf, math.nan)
     return TensorStats(entry.name, entry.dtype, list(entry.shape), entry.numel, m.norm, m.mean,
                        m.dev / math.sqrt(m.count), m.lo, m.hi, m.nan, m.inf, max(abs(m.lo), abs(m.hi)))
-
-
-def recorded_stats(plumbing: Plumbing, vid: str, names: Sequence[str]) -> dict[str, dict[str, float]] | None:
-    """Version ``vid``'s capture-time statistics of ``names`` (None when it has none for all of them)."""
-    record = plumbing.manifest(vid).tensor_stats
-    if record is None:
-        return None
-    rows = record.rows()
-    if not all(n in rows for n in names):
-        return None
-    return {n: rows[n] for n in names}
-
-
-def recorded_or_read_stats(plumbing: Plumbing, rev: str, pattern: str | None = None,
-                           on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
-    """``tensor_stats`` answered from the statistics ``rev`` recorded at capture where it has them for every
-    matching tensor (no data read), else read."""
-    vid = plumbing.resolve(rev)
-    m = plumbing.manifest(vid)
-    entries = [e for e in m.tensors if not pattern or fnmatch.fnmatchcase(e.name, pattern)]
-    recorded = recorded_stats(plumbing, vid, [e.name for e in entries])
-    if recorded is None:
-        return tensor_stats(plumbing, vid, pattern, on_bytes)
-    plumbing.require_data(vid, m)
-    out = []
-    for e in entries:
-        r = recorded[e.name]
-        out.append(TensorStats(e.name, e.dtype, list(e.shape), e.numel, r["norm"], r["mean"], r["std"], r["min"],
-                               r["max"], int(r["nan"]), int(r["inf"]), r["absmax"]))
-    return out
 
 
 def _diff_objects(ta: Any, tb: Any) -> list[ObjectDiff]:

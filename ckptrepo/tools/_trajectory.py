@@ -63,7 +63,7 @@ class StatMatrix:
 
 def check_metric(metric: Any) -> str:
     if not isinstance(metric, str) or metric not in METRICS:
-        raise ArgumentError(f"unknown statistic {metric!r}; use one of {', '.join(METRICS)}")
+        raise ArgumentError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
     return metric
 
 

@@ -73,7 +73,7 @@ CASES: list[tuple[str, Callable[[ckptrepo.Repository], Any], type[CkptRepoError]
     ("stats(5)", lambda r: r.stats(5), RevisionError, "a revision is text"),
     ("metrics(5)", lambda r: r.metrics(5), RevisionError, "a revision is text"),
     ("trajectory(metric='bogus')", lambda r: r.trajectory("w", metric="bogus"), ArgumentError,
-     "unknown metric 'bogus'; use one of norm, delta, relative-change"),
+     "unknown metric 'bogus'; use one of norm, mean, std, min, max, absmax, nan, inf, delta, relative-change"),
     ("trajectory(5)", lambda r: r.trajectory(5), ArgumentError, "a tensor name pattern is text"),
     ("capture_stats(5)", lambda r: r.capture_stats(5), RevisionError, "a revision is text"),
     ("load(into=5)", lambda r: r.load(into=5), StateMismatchError,

@@ -128,7 +128,7 @@ def test_bad_input_gets_one_line_errors(tmp_path):
     repo.snapshot({"w": torch.ones(3)}, step=1)
     with pytest.raises(ArgumentError, match="no tensor matches 'nothing.*'"):
         repo.trajectory("nothing.*")
-    with pytest.raises(ArgumentError, match="unknown statistic"):
+    with pytest.raises(ArgumentError, match="unknown metric"):
         repo.stat_matrix("w", "entropy")
     with pytest.raises(ArgumentError, match="max_versions"):
         repo.stat_matrix("w", "norm", max_versions=0)
