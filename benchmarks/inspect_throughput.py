@@ -8,7 +8,8 @@ page cache warm (every figure is the best of ``--repeat``), it times
 * the floor: the library's read path (verified ``preadv`` reads, crc32c of every
   inner chunk) over the bytes of version A, into a reused buffer, with nothing
   computed on them;
-* ``repo.stats(A)``: every tensor's norm, mean, std, min, max, absmax, NaN and Inf;
+* ``stats A`` over the data (``tools._inspect.tensor_stats``: what ``repo.stats`` reads for a version
+  without capture-time statistics): every tensor's norm, mean, std, min, max, absmax, NaN and Inf;
 * ``repo.diff(A, B)``: every tensor of both versions (twice the bytes of the floor).
 
 and prints GB/s (bytes read from the version(s) per second), CPU seconds per GB
@@ -128,7 +129,8 @@ def profile(repo: ckptrepo.Repository, rows: int) -> None:
 
     inspect._run_jobs = serial
     try:
-        for what, fn in (("stats A", lambda: repo.stats("@1")), ("diff A B", lambda: repo.diff("@1", "@2"))):
+        for what, fn in (("stats A", lambda: inspect.tensor_stats(repo.plumbing, "@1")),
+                         ("diff A B", lambda: repo.diff("@1", "@2"))):
             prof = cProfile.Profile()
             t = cpu_s()
             prof.runcall(fn)
@@ -165,7 +167,7 @@ def main() -> int:
     read_floor(repo, "@2")
     rows = {
         "read + crc32c (floor)": (timed(lambda: read_floor(repo, "@1"), args.repeat), nbytes),
-        "stats A": (timed(lambda: repo.stats("@1"), args.repeat), nbytes),
+        "stats A": (timed(lambda: inspect.tensor_stats(repo.plumbing, "@1"), args.repeat), nbytes),
         "diff A B": (timed(lambda: repo.diff("@1", "@2"), args.repeat), 2 * nbytes),
     }
     floor = nbytes / rows["read + crc32c (floor)"][0][0]

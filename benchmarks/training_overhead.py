@@ -14,6 +14,8 @@ runs once per mode, all in one process:
                       previous checkpoint is waited on before the next call, and at the end
 * ``ckptrepo``        ``repo.snapshotter(host_memory=...)`` with ``attach(optimizer)``; ``snapshot()``
                       returns at once, ``optimizer.step()`` waits for the capture of the previous snapshot
+* ``ckptrepo-nostats`` the same without the per-tensor statistics capture takes (``tensor_stats=False``);
+                      not run unless named in ``--modes``
 
 A checkpoint is taken after loop step ``i`` whenever ``i % every == 0`` (so after the first timed
 step, then every ``every`` steps). Each mode writes every checkpoint it takes (nothing is
@@ -82,7 +84,7 @@ from tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 
 import ckptrepo  # noqa: E402
 
-MODES = ("none", "torch.save", "dcp.save", "dcp.async_save", "ckptrepo")
+MODES = ("none", "torch.save", "dcp.save", "dcp.async_save", "ckptrepo", "ckptrepo-nostats")
 MB = 1e6
 
 
@@ -263,11 +265,12 @@ class DcpAsyncSave(Mode):
 
 class CkptRepo(Mode):
     name = "ckptrepo"
+    options: dict[str, Any] = {}
 
     def __init__(self, *a: Any) -> None:
         super().__init__(*a)
         self.repo = ckptrepo.init(os.path.join(self.root, "repo"))
-        self.snap = self.repo.snapshotter(host_memory=self.args.host_memory)
+        self.snap = self.repo.snapshotter(host_memory=self.args.host_memory, **self.options)
         self.snap.attach(self.trainer.opt)
         self.handles: list[Any] = []
         self.call_s: list[float] = []
@@ -306,8 +309,15 @@ class CkptRepo(Mode):
         self.call_s.clear()
 
 
+class CkptRepoNoStats(CkptRepo):
+    """ckptrepo without the per-tensor statistics capture takes (``tensor_stats=False``): what they cost."""
+
+    name = "ckptrepo-nostats"
+    options = {"tensor_stats": False}
+
+
 MODE_CLASSES = {"none": Mode, "torch.save": TorchSave, "dcp.save": DcpSave, "dcp.async_save": DcpAsyncSave,
-                "ckptrepo": CkptRepo}
+                "ckptrepo": CkptRepo, "ckptrepo-nostats": CkptRepoNoStats}
 
 
 # ---------------------------------------------------------------- process group for DCP
@@ -594,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turn-steps", type=int, default=10, help="with --rounds: training steps per turn")
     p.add_argument("--no-warmup-checkpoint", dest="warmup_checkpoint", action="store_false",
                    help="do not take (and drain) one untimed checkpoint during warm-up")
-    p.add_argument("--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:],
+    p.add_argument("--modes", nargs="+", default=list(MODES[1:-1]), choices=MODES[1:],
                    help="checkpoint modes to run")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every mode this many times (alternating the order); the fastest run of each counts")

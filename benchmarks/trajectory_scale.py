@@ -48,7 +48,7 @@ def timed(args: list[str], repo: Path, repeat: int, code: Path) -> float | None:
         t = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "ckptrepo.cli", *args], env=env, capture_output=True, text=True)
         times.append(time.perf_counter() - t)
-        if p.returncode == 2 and "No such command" in p.stderr:
+        if p.returncode == 2 and ("No such command" in p.stderr or "Invalid value" in p.stderr):
             return None
         if p.returncode not in (0, 1):
             raise SystemExit(f"{args} failed: {p.stderr.strip()}")

@@ -339,7 +339,7 @@ class Repository:
                     retention: "RetentionPolicy | None" = None, max_in_flight: int = 4,
                     push_to: str | None = None, local_keep_last: int | None = None,
                     local_max_bytes: int | str | None = None, on_full: str = "wait",
-                    single_process: bool = False) -> "Snapshotter":
+                    single_process: bool = False, tensor_stats: bool = True) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.saving._capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
@@ -357,13 +357,16 @@ class Repository:
         here not pushed yet; a snapshot that would pass it waits (``on_full="wait"``) or is skipped
         (``"skip"``), with a ``BackpressureWarning``. ``single_process``: this process holds the whole state and
         snapshots it alone, whatever torch.distributed says (a framework that saves on rank 0 only under DDP).
+        ``tensor_stats``: record each tensor's statistics while capturing (norm, mean, std, min, max, absmax,
+        NaN and Inf counts), which ``trajectory``, ``stats``, ``bisect`` and the web page read instead of the
+        data; False saves the capture thread that pass over the bytes.
         """
         from ckptrepo.saving._capture import Snapshotter
         return Snapshotter(self._plumbing, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
                            parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
                            dedup=dedup, retention=retention, max_in_flight=max_in_flight, push_to=push_to,
                            local_keep_last=local_keep_last, local_max_bytes=local_max_bytes, on_full=on_full,
-                           single_process=single_process)
+                           single_process=single_process, tensor_stats=tensor_stats)
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,

@@ -801,12 +801,12 @@ _SPARK = "▁▂▃▄▅▆▇█"
 
 
 def _sparkline(values: list[float]) -> str:
-    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return ""
     lo, hi = min(finite), max(finite)
     span = (hi - lo) or 1.0
-    return "".join(" " if v not in finite else _SPARK[min(7, int((v - lo) / span * 7.999))] for v in values)
+    return "".join(_SPARK[min(7, int((v - lo) / span * 7.999))] if math.isfinite(v) else " " for v in values)
 
 
 def _write_csv(path: str, rows: Iterable[Sequence[Any]]) -> None:

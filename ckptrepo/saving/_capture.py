@@ -218,9 +218,12 @@ class Snapshotter:
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
                  retention: RetentionPolicy | None = None, max_in_flight: int = 4, push_to: str | None = None,
                  local_keep_last: int | None = None, local_max_bytes: int | str | None = None,
-                 on_full: str = "wait", single_process: bool = False) -> None:
-        if not isinstance(single_process, bool):
-            raise ArgumentError(f"single_process must be True or False, not {single_process!r:.40}")
+                 on_full: str = "wait", single_process: bool = False, tensor_stats: bool = True) -> None:
+        for name, flag in (("single_process", single_process), ("tensor_stats", tensor_stats)):
+            if not isinstance(flag, bool):
+                raise ArgumentError(f"{name} must be True or False, not {flag!r:.40}")
+        # per-tensor statistics taken while capturing (saving/_tensor_stats.py), which trajectory questions read
+        self.tensor_stats = tensor_stats
         host_bytes, tier_bytes = check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup,
                                                  retention, max_in_flight, push_to, local_keep_last,
                                                  local_max_bytes, on_full)
@@ -433,7 +436,8 @@ class Snapshotter:
         job.chunk_crcs = {d: np.zeros(info.chunks, dtype="<u4") for d, info in job.arrays.items()}
         job.hashers = {pi: xxhash.xxh3_128() for pi, ri in enumerate(written) if ri in job.watch}
         # statistics of each whole tensor a single-process snapshot writes (pieces of global tensors: none)
-        job.stats, job.feeds = stat_feeds(job, records, job.hashers)
+        job.stats, job.feeds = stat_feeds(job, records, job.hashers) if self.tensor_stats else ({}, dict(job.hashers))
+        job.record_stats = self.tensor_stats
         job.handle.stats.bytes = plan.nbytes
         job.remaining = len(plan.segments)
         job.plan = plan

@@ -162,6 +162,7 @@ class SnapshotJob:
     written: list[int] = field(default_factory=list)            # records written, in plan order
     watch: set[int] = field(default_factory=set)                # records to hash if written (maybe frozen)
     hashers: dict[int, Any] = field(default_factory=dict)        # plan index -> xxh3-128 of its staged bytes
+    record_stats: bool = True                                   # take the statistics below (the snapshotter's)
     stats: dict[int, Any] = field(default_factory=dict)          # plan index -> its statistics (_tensor_stats.py)
     feeds: dict[int, Any] = field(default_factory=dict)          # plan index -> what its staged bytes are fed to
     stat_rows: dict[int, tuple[float, ...]] = field(default_factory=dict)   # record -> its statistics, at commit

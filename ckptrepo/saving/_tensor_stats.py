@@ -167,9 +167,11 @@ def stat_feeds(job: Any, records: list[Any], hashers: dict[int, Any]) -> tuple[d
     return stats, feeds
 
 
-def piece_moments(job: Any) -> tuple[tuple[str, Any], ...]:
+def piece_moments(job: Any) -> tuple[tuple[str, Any], ...] | None:
     """A sharded job's moments per piece written (global name, ``Moments.to_raw()``), in plan order, for
-    rank 0 to merge into the version's statistics."""
+    rank 0 to merge into the version's statistics; None when the snapshotter takes none."""
+    if not job.record_stats:
+        return None
     return tuple((job.records[ri].name, job.stats[pi].moments().to_raw()) for pi, ri in enumerate(job.written)
                  if pi in job.stats and job.records[ri].numel)
 
@@ -177,7 +179,7 @@ def piece_moments(job: Any) -> tuple[tuple[str, Any], ...]:
 def stats_record(job: Any) -> TensorStatsRecord | None:
     """The ``tensor_stats`` of a single-process job at commit: written tensors from what their bytes fed,
     reused ones (unchanged since the version they point into) from that version's, with no change."""
-    if job.sharded or job.plan is None:
+    if job.sharded or job.plan is None or not job.record_stats:
         return None
     placement = {ri: pi for pi, ri in enumerate(job.written)}
     names, rows = [], []

@@ -164,3 +164,14 @@ def test_cuda_snapshots_record_statistics_taken_on_the_device(tmp_path):
     ref = _reference(t.cpu())
     assert rows["w"]["norm"] == pytest.approx(ref["norm"], rel=1e-6)
     assert rows["w"]["absmax"] == pytest.approx(ref["absmax"], rel=1e-6)
+
+
+def test_a_snapshotter_can_leave_the_statistics_out(tmp_path):
+    repo = ckptrepo.init(tmp_path / "r")
+    with repo.snapshotter(tensor_stats=False) as snap:
+        v = snap.snapshot({"w": torch.ones(4)}, step=1).result()
+    assert repo.plumbing.manifest(v.id).tensor_stats is None
+    m = repo.stat_matrix("w", "norm")
+    assert m.read == [v.id] and m.values.tolist() == [[2.0]]    # read from the data instead
+    with pytest.raises(ArgumentError, match="tensor_stats must be True or False"):
+        repo.snapshotter(tensor_stats="yes")
