@@ -46,7 +46,8 @@ def timed(args: list[str], repo: Path, repeat: int, code: Path) -> float | None:
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "ckptrepo.cli", *args], env=env, capture_output=True, text=True)
+        p = subprocess.run([sys.executable, "-m", "ckptrepo.cli", *args], env=env, capture_output=True, text=True,
+                           cwd=code)   # -m puts the working directory first on sys.path
         times.append(time.perf_counter() - t)
         if p.returncode == 2 and ("No such command" in p.stderr or "Invalid value" in p.stderr):
             return None

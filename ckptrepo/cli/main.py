@@ -781,6 +781,7 @@ def stats(ctx: click.Context, rev: str, pattern: str | None, as_json: bool) -> N
 SERIES_COLUMNS = ("first", "last", "min", "max", "trend")
 # tools/_trajectory.py's METRICS, spelled out so that parsing the command line imports no numpy
 TENSOR_METRICS = ("norm", "mean", "std", "min", "max", "absmax", "nan", "inf", "delta", "relative-change")
+CHANGES = ("delta", "relative-change")
 
 
 def _series_row(name: str, values: list[float], spark: int | None) -> tuple[str, ...]:
@@ -855,7 +856,7 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
     if not points and not as_json:
         raise CkptRepoError(f"no {metric} values: no tensor matches {pattern!r} in the versions of {rev}"
                             f"{' in the --since/--until range' if since is not None or until is not None else ''}"
-                            f"{' (delta and relative-change need two versions)' if metric != 'norm' else ''}")
+                            f"{' (delta and relative-change need two versions)' if metric in CHANGES else ''}")
     if png_path:
         _write_png(png_path, lambda: plot.trajectory_png(points, png_path, metric, pattern))
     if csv_path:

@@ -25,6 +25,7 @@ from ckptrepo.core.schema import STAT_COLUMNS, TensorStatsRecord
 from ckptrepo.storage._arrays import numpy_dtype
 
 CHUNK_ELEMS = 1 << 16   # 256 KiB of float32: the chunk and its temporaries stay in L2
+DEVICE_BLOCK = 1 << 22  # 4M elements: a CUDA block's float32 and float64 temporaries stay under 50 MB
 
 _FLOAT_NATIVE = ("float32", "float64")
 # magnitudes whose squares, summed over a chunk, stay normal numbers: by itemsize (float32, float64)
@@ -75,12 +76,12 @@ class HostStats:
             d = x - x.dtype.type(mean)
             r = float(d.sum()) / k
             mean += r
-            dev = math.sqrt(max(0.0, float(np.dot(d, d)) - k * r * r))
+            dev = math.sqrt(max(0.0, float(np.einsum("i,i", d, d)) - k * r * r))   # einsum: no BLAS threads
         else:   # squares would overflow or underflow: scaled by the largest magnitude, in float64
             d = x.astype(np.float64) / top
             mean = float(d.sum()) / k
             d -= mean
-            dev = top * math.sqrt(float(np.dot(d, d)))
+            dev = top * math.sqrt(float(np.einsum("i,i", d, d)))
             mean *= top
         m.add(k, mean, dev, lo, hi)
 
@@ -91,47 +92,50 @@ class HostStats:
 class DeviceStats:
     """Statistics of one CUDA tensor, computed by kernels queued on the current (side) stream.
 
-    ``update`` takes device slices; nothing waits for the device until ``row``, which the capture thread
-    calls after it has synchronised its copies. A tensor holding NaN or Inf records their counts; its
-    other statistics are left unrecorded (NaN): filtering on the device would cost a copy of the tensor.
+    ``update_device`` takes device slices and queues the work in blocks of ``DEVICE_BLOCK`` elements, each
+    converted to float32 (float64 stays float64), so its temporaries stay a few tens of MB whatever the
+    tensor and every dtype torch stores is covered (float8 has no reductions of its own). Nothing waits for
+    the device until ``moments``, which runs once the capture thread has synchronised its copies. A tensor
+    holding NaN or Inf records their counts; its other statistics are left unrecorded (NaN): filtering on
+    the device would cost a copy of the tensor. (The host path reports the finite values' statistics.)
     """
 
-    __slots__ = ("dtype", "_parts")
+    __slots__ = ("dtype", "_parts", "_counts")
 
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
-        self._parts: list[Any] = []
+        self._parts: list[Any] = []     # per block, on the device: mean, dev, min, max, NaN count, Inf count
+        self._counts: list[int] = []    # per block, on the host: its elements
 
     def update_device(self, x: Any) -> None:
         import torch
-        if x.is_complex():
-            x = x.abs()
-        if not x.is_floating_point():
-            x = x.double()
-        n = x.numel()
-        if not n:
-            return
-        lo, hi = torch.aminmax(x)
-        total = x.sum(dtype=torch.float64)
-        mean = total / n
-        dev = torch.linalg.vector_norm(x - mean.to(x.dtype), dtype=torch.float64)
-        nan = torch.isnan(x).sum()
-        inf = torch.isinf(x).sum()
-        self._parts.append(torch.stack([torch.tensor(float(n), dtype=torch.float64, device=x.device), mean, dev,
-                                        lo.double(), hi.double(), nan.double(), inf.double()]))
+        for s in range(0, x.numel(), DEVICE_BLOCK):
+            block = x[s:s + DEVICE_BLOCK]
+            if block.is_complex():
+                block = block.abs()
+            if block.dtype not in (torch.float32, torch.float64):   # integers exact in float64, halves in float32
+                block = block.float() if block.is_floating_point() else block.double()
+            n = block.numel()
+            lo, hi = torch.aminmax(block)
+            mean = block.sum(dtype=torch.float64) / n
+            dev = torch.linalg.vector_norm(block - mean.to(block.dtype), dtype=torch.float64)
+            nan = torch.isnan(block).sum()
+            inf = torch.isinf(block).sum()
+            self._parts.append(torch.stack([mean, dev, lo.double(), hi.double(), nan.double(), inf.double()]))
+            self._counts.append(n)
 
     def moments(self) -> Moments:
         import torch
         m = Moments()
         if self._parts:
             parts = torch.stack(self._parts).cpu().tolist()
-            self._parts = []
-            for n, mean, dev, lo, hi, nan, inf in parts:
+            for n, (mean, dev, lo, hi, nan, inf) in zip(self._counts, parts):
                 if nan or inf:
                     m.unknown = True   # only the counts of this part are right: see the class docstring
                 m.nan += int(nan)
                 m.inf += int(inf)
-                m.add(int(n), mean, dev, lo, hi)
+                m.add(n, mean, dev, lo, hi)
+            self._parts, self._counts = [], []
         return m
 
 

@@ -40,9 +40,14 @@ def recorded_stats(plumbing: Plumbing, vid: str, names: Sequence[str]) -> dict[s
     if record is None:
         return None
     rows = record.rows()
-    if not all(n in rows for n in names):
+    if not all(n in rows for n in names) or not _STATS.issubset(record.columns):
         return None
+    if any(math.isnan(rows[n][c]) for n in names for c in ("nan", "inf")):
+        return None   # counts not taken: only the data can tell
     return {n: rows[n] for n in names}
+
+
+_STATS = frozenset(("norm", "mean", "std", "min", "max", "absmax", "nan", "inf"))
 
 
 def recorded_tensor_stats(plumbing: Plumbing, vid: str, pattern: str | None = None) -> list[TensorStats] | None:

@@ -19,7 +19,13 @@ import numpy as np
 from ckptrepo.core._manifest import VERSIONS_PREFIX
 from ckptrepo.core._manifest_reads import HEADER_BATCH, missing_manifest, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core.schema import STAT_COLUMNS, ManifestHeader, TensorStatsRecord, decode_header_and_stats
+from ckptrepo.core.schema import (
+    STAT_COLUMNS,
+    ManifestHeader,
+    TensorStatsRecord,
+    decode_header,
+    decode_header_and_stats,
+)
 from ckptrepo.errors import ArgumentError, CkptRepoError
 
 METRICS = STAT_COLUMNS   # norm, mean, std, min, max, absmax, nan, inf, delta, relative-change
@@ -67,10 +73,12 @@ def check_metric(metric: Any) -> str:
     return metric
 
 
-def walk(plumbing: Plumbing, rev: str) -> Iterator[tuple[str, ManifestHeader, TensorStatsRecord | None]]:
-    """``rev`` and its first parents, newest first, each with its header and capture-time statistics, every
-    manifest read once: ``HEADER_BATCH`` per round trip, in the creation-time order a linear history follows
-    (one listing of the versions), and decoded without its tensor table."""
+def walk(plumbing: Plumbing, rev: str,
+         records: bool = True) -> Iterator[tuple[str, ManifestHeader, TensorStatsRecord | None]]:
+    """``rev`` and its first parents, newest first, each with its header and capture-time statistics (None
+    with ``records=False``: the headers alone are decoded), every manifest read once: ``HEADER_BATCH`` per
+    round trip, in the creation-time order a linear history follows (one listing of the versions), and
+    decoded without its tensor table."""
     reads = plumbing.reads
     vid: str | None = plumbing.resolve(rev)
     order: list[str] | None = None
@@ -97,7 +105,7 @@ def walk(plumbing: Plumbing, rev: str) -> Iterator[tuple[str, ManifestHeader, Te
                         raise missing_manifest(vid)
                     continue
                 try:
-                    pending[v] = decode_header_and_stats(raw, v)
+                    pending[v] = decode_header_and_stats(raw, v) if records else (decode_header(raw, v), None)
                 except CkptRepoError:
                     if v == vid:
                         raise
@@ -144,19 +152,23 @@ def stat_matrix(plumbing: Plumbing, pattern: str | None, stat: str = "norm", rev
 
     Versions gc pruned are skipped (their data is gone). ``delta`` (||v_i - v_{i-1}||) and
     ``relative-change`` (that over ||v_{i-1}||) are against the previous version of the range; the first
-    has none. ``max_versions`` samples the history evenly, the newest kept, and reads the statistics (and,
-    for a change capture did not measure, the data) of the sampled versions only.
+    has none. ``max_versions`` samples the history evenly, the newest kept: the walk decodes every header,
+    and only the sampled versions' statistics (and, for a change capture did not measure, their data).
+    A glob that matches no tensor of any version of the range is an ArgumentError; one that matches but
+    has no value (a change over a single version) gives an empty matrix.
     """
     from ckptrepo.maintenance._gc import pruned_ids
     check_metric(stat)
     pruned = pruned_ids(plumbing)
     matcher = _Matcher(pattern)
+    matched = False   # a record of the range names a matching tensor
     # (version, step, first parent, the record's answer or None), newest first
     chain: list[tuple[str, int | None, str | None, dict[str, float] | None]] = []
-    for vid, h, record in walk(plumbing, rev):
+    for vid, h, record in walk(plumbing, rev, records=max_versions is None):
         if vid in pruned or not _in_range(h.step, since, until):
             continue
-        answer = _from_record(record, stat, matcher) if max_versions is None else None
+        answer = _from_record(record, stat, matcher) if record is not None else None
+        matched = matched or (record is not None and bool(matcher.rows(record.names)))
         chain.append((vid, h.step, h.parents[0] if h.parents else None, answer))
     chain.reverse()
     picked = sample(len(chain), max_versions)
@@ -192,7 +204,8 @@ def stat_matrix(plumbing: Plumbing, pattern: str | None, stat: str = "norm", rev
         for name, value in column.items():
             out.values[index[name], j] = value
             out.present[index[name], j] = True
-    if chain and not out.names:
+    if chain and not out.names and not matched and not any(
+            matcher.match(t.name) for vid, *_ in chain for t in plumbing.manifest(vid).tensors):
         raise ArgumentError(f"no tensor matches {pattern!r} in the history of {rev}; "
                             f"`ckptrepo show {rev}` lists the tensors")
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import socketserver
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -45,8 +46,9 @@ class BadRequest(CkptRepoError):
 
 
 def _status(e: CkptRepoError) -> int:
-    """The HTTP status of a library error: a revision that names nothing is 404, a wrong argument 400, and any
-    other error (a version gc pruned, a damaged object) 409, the repository's state not allowing the answer."""
+    """The HTTP status of a library error: a revision that names nothing, or a version gc pruned (its data is
+    gone), is 404, a wrong argument 400, and any other error (a damaged object) 409, the repository's state
+    not allowing the answer."""
     if isinstance(e, BadRequest):
         return e.status
     if isinstance(e, RevisionError):
@@ -122,6 +124,12 @@ class UIServer(ThreadingHTTPServer):
     def port(self) -> int:
         return int(self.server_address[1])
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A browser that went away mid-answer is no error worth a traceback on the console."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
+
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}/"
@@ -162,6 +170,8 @@ class Handler(BaseHTTPRequestHandler):
             with self.server.lock:
                 data = answer()
             self._send_json(200, data)
+        except (BrokenPipeError, ConnectionResetError):
+            return   # the browser went away (a reload, a closed tab): no one to answer
         except CkptRepoError as e:
             self._send_json(_status(e), {"error": first_line(e)})
         except Exception as e:  # noqa: BLE001 - the page shows one line; the server goes on serving

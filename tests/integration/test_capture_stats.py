@@ -140,15 +140,20 @@ def test_the_cli_offers_every_statistic():
     assert TENSOR_METRICS == METRICS == STAT_COLUMNS
 
 
-def test_device_statistics_agree_with_host_ones():
-    """The CUDA path's arithmetic, run on CPU tensors (the same torch ops), against the host path."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64,
+                                   torch.bool])
+def test_device_statistics_agree_with_host_ones(dtype):
+    """The CUDA path's arithmetic, run on CPU tensors (the same torch ops), against the host path: every
+    dtype (float8 has no reductions of its own), and a low-precision mean does not inflate the spread."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(100_000, generator=g) * 3 + 2
-    host, dev = HostStats("float32"), DeviceStats("float32")
+    x = (torch.randn(100_000, generator=g) * 0.01 + 1.0137).to(dtype) if dtype.is_floating_point else \
+        torch.randint(0, 2 if dtype == torch.bool else 1000, (100_000,), generator=g).to(dtype)
+    name = str(dtype).removeprefix("torch.")
+    host, dev = HostStats(name), DeviceStats(name)
     for part in x.split(30_000):
-        host.update(part.numpy().view("uint8"))
+        host.update(part.view(torch.uint8).numpy())
         dev.update_device(part)
-    assert dev.moments().row(x.numel()) == pytest.approx(host.moments().row(x.numel()), rel=1e-6)
+    assert dev.moments().row(x.numel()) == pytest.approx(host.moments().row(x.numel()), rel=1e-5)
     bad = DeviceStats("float32")
     bad.update_device(torch.tensor([1.0, float("nan"), float("inf")]))
     row = bad.moments().row(3)
@@ -175,3 +180,15 @@ def test_a_snapshotter_can_leave_the_statistics_out(tmp_path):
     assert m.read == [v.id] and m.values.tolist() == [[2.0]]    # read from the data instead
     with pytest.raises(ArgumentError, match="tensor_stats must be True or False"):
         repo.snapshotter(tensor_stats="yes")
+
+
+def test_a_change_over_one_version_is_empty_not_a_glob_that_matches_nothing(tmp_path):
+    repo = ckptrepo.init(tmp_path / "r")
+    repo.snapshot({"w": torch.ones(3)}, step=1)
+    assert repo.trajectory("w", "delta") == []
+    m = repo.stat_matrix("w", "relative-change", max_versions=10)
+    assert m.names == [] and len(m.versions) == 1
+    r = run("trajectory", "w", "--metric", "delta", repo=str(tmp_path / "r"))
+    assert r.returncode != 0 and "need two versions" in r.stderr
+    r = run("trajectory", "w", "--metric", "mean", "--since", "5", repo=str(tmp_path / "r"))
+    assert r.returncode != 0 and "need two versions" not in r.stderr

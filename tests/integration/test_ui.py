@@ -300,3 +300,20 @@ def test_the_command_serves_until_interrupted(repo_url):
             p.kill()
         p.stdout.close()
         p.stderr.close()
+
+
+def test_a_browser_that_goes_away_leaves_no_traceback(tmp_path, capsys):
+    """A reset connection printed two tracebacks on the console (the answer, then the error page, both
+    written to the dead socket); other failures are still reported."""
+    repo = ckptrepo.init(tmp_path / "r")
+    server = make_server(repo, 0, "HEAD")
+    try:
+        for err, shown in ((ConnectionResetError(104, "reset"), False), (BrokenPipeError(32, "pipe"), False),
+                           (ValueError("a real bug"), True)):
+            try:
+                raise err
+            except Exception:   # noqa: BLE001 - what socketserver does around a handler
+                server.handle_error(None, ("127.0.0.1", 1))
+            assert bool(capsys.readouterr().err) == shown, err
+    finally:
+        server.server_close()
