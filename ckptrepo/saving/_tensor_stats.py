@@ -76,7 +76,9 @@ class HostStats:
             d = x - x.dtype.type(mean)
             r = float(d.sum()) / k
             mean += r
-            dev = math.sqrt(max(0.0, float(np.einsum("i,i", d, d)) - k * r * r))   # einsum: no BLAS threads
+            # einsum: no BLAS threads; summed in float64: float32 sums of heavy-tailed squares (Adam's second
+            # moments) are off by 1e-6
+            dev = math.sqrt(max(0.0, float(np.einsum("i,i", d, d, dtype=np.float64)) - k * r * r))
         else:   # squares would overflow or underflow: scaled by the largest magnitude, in float64
             d = x.astype(np.float64) / top
             mean = float(d.sum()) / k
