@@ -52,6 +52,12 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
+        if not name.startswith("_"):   # a subpackage or module (ckptrepo.repository, ckptrepo.dcp), as once imported
+            try:
+                return importlib.import_module(f"ckptrepo.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"ckptrepo.{name}":
+                    raise
         raise AttributeError(f"module 'ckptrepo' has no attribute {name!r}")
     module, attr = _LAZY[name]
     value = importlib.import_module(module) if attr is None else getattr(importlib.import_module(module), attr)

@@ -296,6 +296,9 @@ class TensorStoreStore:
         broken link) the value is absent, as TensorStore reads it. A failure to open it goes through
         TensorStore, which reports it.
         """
+        return self._get(key, max_bytes)
+
+    def _get(self, key: str, max_bytes: int) -> bytes | None:
         path = self.capabilities.local_path(key)
         if path is not None:
             try:
@@ -341,7 +344,7 @@ class TensorStoreStore:
         elsewhere once it is (TensorStore tells no size first). A local store reads each with one ``open``, as
         ``get`` does: a few microseconds each, where a TensorStore read costs tens."""
         if self.capabilities.local_root is not None:
-            return [self.get(key, max_bytes) for key in keys]
+            return [self._get(key, max_bytes) for key in keys]
         for key in keys:
             self._look(key, max_bytes)
         futures = [self.kv.read(key) for key in keys]

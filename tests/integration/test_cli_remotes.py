@@ -158,7 +158,8 @@ def test_progress_bars_on_a_terminal_only(pushed, tmp_path, monkeypatch):
     import ckptrepo.cli.main as cli_main
     a, remote = pushed
     screen = io.StringIO()
-    monkeypatch.setattr(cli_main, "err", Console(file=screen, force_terminal=True, width=100))
+    console = Console(file=screen, force_terminal=True, width=100)
+    monkeypatch.setattr(cli_main, "_err", lambda: console)
     ckptrepo.open(a).snapshot(_state(9), step=9)
     assert run("push", repo=a).returncode == 0
     assert "push to origin" in screen.getvalue()

@@ -101,3 +101,13 @@ def test_local_listing_is_tensorstores(tmp_path):
         assert store.list(prefix) == want, prefix
     assert store.exists("a/x") and not store.exists("a/nothing") and not store.exists("a") and store.exists("fifo")
     assert store.get_many(["a/x", "nothing", "a/b/y"]) == [b"1", None, b"1"]
+
+
+def test_the_lazy_package_still_reaches_its_modules_as_attributes():
+    """`import ckptrepo` then `ckptrepo.repository.X` (what the Lightning adapter does) failed once the API was
+    imported lazily: a module not yet imported is no attribute of its package."""
+    code = ("import ckptrepo; print(ckptrepo.repository.repo_url('memory://x'), ckptrepo.tools.__name__); "
+            "ckptrepo.no_such_thing")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.stdout.split() == ["memory://x", "ckptrepo.tools"], p.stderr[-500:]
+    assert "AttributeError: module 'ckptrepo' has no attribute 'no_such_thing'" in p.stderr
