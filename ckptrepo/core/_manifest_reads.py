@@ -10,7 +10,7 @@ they prove long (``HeaderWalk``), gc, fsck and du always (``iter_manifests``).
 from __future__ import annotations
 
 import heapq
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from ckptrepo.core._lru import LruCache
 from ckptrepo.core._manifest import VERSIONS_PREFIX, is_version_id, version_id_time
@@ -284,13 +284,24 @@ class HeaderWalk:
     def chain(self, vid: str | None) -> Iterator[tuple[str, ManifestHeader]]:
         """``vid`` and its first parents, newest first, each with its header; a version met twice is a parent
         cycle, raised as damage (the walk would go round for ever)."""
-        walked: list[str] = []
-        seen: set[str] = set()
-        while vid is not None:
-            if vid in seen:
-                raise parent_cycle_error(walked[walked.index(vid):] + [vid])
-            seen.add(vid)
-            walked.append(vid)
-            h = self(vid)
-            yield vid, h
-            vid = h.parents[0] if h.parents else None
+        for v, h, _ in first_parents(vid, lambda v: (self(v), None)):
+            yield v, h
+
+
+T = TypeVar("T")
+
+
+def first_parents(vid: str | None, visit: Callable[[str], tuple[ManifestHeader, T]]
+                  ) -> Iterator[tuple[str, ManifestHeader, T]]:
+    """``vid`` and its first parents, newest first, with what ``visit`` reads of each (its header, and
+    anything else); a version met twice is a parent cycle, raised as damage."""
+    walked: list[str] = []
+    seen: set[str] = set()
+    while vid is not None:
+        if vid in seen:
+            raise parent_cycle_error(walked[walked.index(vid):] + [vid])
+        seen.add(vid)
+        walked.append(vid)
+        h, extra = visit(vid)
+        yield vid, h, extra
+        vid = h.parents[0] if h.parents else None

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ckptrepo.core._manifest import VERSIONS_PREFIX
-from ckptrepo.core._manifest_reads import HEADER_BATCH, missing_manifest, parent_cycle_error
+from ckptrepo.core._manifest_reads import HEADER_BATCH, first_parents, missing_manifest
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core.schema import (
     STAT_COLUMNS,
@@ -80,39 +80,35 @@ def walk(plumbing: Plumbing, rev: str,
     round trip, in the creation-time order a linear history follows (one listing of the versions), and
     decoded without its tensor table."""
     reads = plumbing.reads
-    vid: str | None = plumbing.resolve(rev)
-    order: list[str] | None = None
+    order: list[str] = []
     where: dict[str, int] = {}
     pending: dict[str, tuple[ManifestHeader, TensorStatsRecord | None]] = {}
-    walked: list[str] = []
     seen: set[str] = set()
-    while vid is not None:
-        if vid in seen:
-            raise parent_cycle_error(walked[walked.index(vid):] + [vid])
+
+    def visit(vid: str) -> tuple[ManifestHeader, TensorStatsRecord | None]:
         seen.add(vid)
-        walked.append(vid)
         got = pending.pop(vid, None)
-        if got is None:
-            if order is None:
-                order = reads.newest_first()
-                where = {v: i for i, v in enumerate(order)}
-            at = where.get(vid)
-            batch = [vid] if at is None else \
-                [vid] + [v for v in order[at + 1:at + HEADER_BATCH] if v not in seen and v not in pending]
-            for v, raw in zip(batch, plumbing.store.get_many([VERSIONS_PREFIX + v for v in batch])):
-                if raw is None:
-                    if v == vid:
-                        raise missing_manifest(vid)
-                    continue
-                try:
-                    pending[v] = decode_header_and_stats(raw, v) if records else (decode_header(raw, v), None)
-                except CkptRepoError:
-                    if v == vid:
-                        raise
-            got = pending.pop(vid)
-        header, record = got
-        yield vid, header, record
-        vid = header.parents[0] if header.parents else None
+        if got is not None:
+            return got
+        if not order:
+            order.extend(reads.newest_first())
+            where.update((v, i) for i, v in enumerate(order))
+        at = where.get(vid)
+        batch = [vid] if at is None else \
+            [vid] + [v for v in order[at + 1:at + HEADER_BATCH] if v not in seen and v not in pending]
+        for v, raw in zip(batch, plumbing.store.get_many([VERSIONS_PREFIX + v for v in batch])):
+            if raw is None:
+                if v == vid:
+                    raise missing_manifest(vid)
+                continue
+            try:
+                pending[v] = decode_header_and_stats(raw, v) if records else (decode_header(raw, v), None)
+            except CkptRepoError:
+                if v == vid:
+                    raise
+        return pending.pop(vid)
+
+    return first_parents(plumbing.resolve(rev), visit)
 
 
 def _in_range(step: int | None, since: int | None, until: int | None) -> bool:
