@@ -47,7 +47,6 @@ class Moments:
         return (norm, self.mean, self.dev / math.sqrt(n), self.lo, self.hi,
                 max(abs(self.lo), abs(self.hi)), float(self.nan), float(self.inf))
 
-
     def merge(self, other: "Moments") -> None:
         """Take in another part's moments (another rank's piece of the same tensor)."""
         self.add(other.n, other.mean, other.dev, other.lo, other.hi)

@@ -25,7 +25,6 @@ from ckptrepo.maintenance._gc import (
     graph_damage,
     marked_ref_damage,
     marked_refs,
-    pruned_ids,
     reachable_versions,
     ref_targets,
 )
@@ -76,7 +75,7 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
             report.errors.append(str(m))
     head, refs = _check_refs(plumbing, manifests, report, starts)
     report.versions = len(manifests)
-    pruned = pruned_ids(plumbing)
+    pruned = plumbing.pruned_ids()
     evicted = evicted_ids(plumbing.store)
     data_ids = data_version_ids(plumbing)
     reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})

@@ -133,11 +133,6 @@ class VersionFacts:
                          if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)))
 
 
-def pruned_ids(plumbing: Plumbing) -> set[str]:
-    """Versions whose data gc deleted."""
-    return {k[len(PRUNED_PREFIX):] for k in plumbing.store.list(PRUNED_PREFIX)}
-
-
 def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str]]) -> set[str]:
     """Versions reachable from ``starts`` (ref targets) through parent links (``parents``: each known version's;
     a walk stops at an unknown one)."""
@@ -318,7 +313,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     head = plumbing.refs.head()
     tracking = tracking_refs(plumbing.store)   # what a remote holds: kept here like a branch (see ref_targets)
     facts = _facts(plumbing, {} if known is None else known)
-    already_pruned = pruned_ids(plumbing)
+    already_pruned = plumbing.pruned_ids()
     damage = graph_damage(plumbing, {vid: f.parents for vid, f in facts.items()}, head)
     if damage:
         raise CorruptionError(f"gc stopped before deleting anything: {damage[0]}")
@@ -490,7 +485,7 @@ def prune_version(plumbing: Plumbing, vid: str) -> int:
     leased, _ = leased_versions(plumbing.store, time.time())
     if vid in leased:
         raise RefError(f"version {vid[:12]} is being pushed right now; prune it once the push is done")
-    already = pruned_ids(plumbing)
+    already = plumbing.pruned_ids()
     if vid in already:
         return 0
     facts = _facts(plumbing, {})

@@ -56,8 +56,7 @@ def evict(plumbing: Plumbing, remote: str, keep_last: int, branch: str | None = 
     on_remote = tracking_tip(plumbing.store, f"{remote}/{branch}")
     if tip is None or on_remote is None:
         return report
-    from ckptrepo.maintenance._gc import pruned_ids
-    pruned = pruned_ids(plumbing)
+    pruned = plumbing.pruned_ids()
     marked = evicted_ids(plumbing.store)
     todo = _candidates(plumbing, tip, on_remote, keep_last, pruned, marked)
     if todo:   # a version the remote's own gc pruned since it was pushed: the copy here is the last one

@@ -153,9 +153,8 @@ def stat_matrix(plumbing: Plumbing, pattern: str | None, stat: str = "norm", rev
     A glob that matches no tensor of any version of the range is an ArgumentError; one that matches but
     has no value (a change over a single version) gives an empty matrix.
     """
-    from ckptrepo.maintenance._gc import pruned_ids
     check_metric(stat)
-    pruned = pruned_ids(plumbing)
+    pruned = plumbing.pruned_ids()
     matcher = _Matcher(pattern)
     matched = False   # a record of the range names a matching tensor
     # (version, step, first parent, the record's answer or None), newest first
