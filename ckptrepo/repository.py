@@ -323,7 +323,7 @@ class Repository:
         from ckptrepo.saving._capture import Snapshotter
         _layout(parallel_layout)
         with Snapshotter(self._plumbing, host_memory=self.host_memory, record_failures=False,
-                         parallel_layout=parallel_layout, dedup=False) as snap:  # no previous version to dedup against
+                         parallel_layout=parallel_layout) as snap:   # dedup compares with the parent version
             handle = snap.snapshot(state, step=step, message=message, metrics=metrics, tag=tag, force_tag=force_tag,
                                    meta=meta)
             try:
@@ -346,8 +346,8 @@ class Repository:
         if set, else a quarter of the available memory, at most 8 GiB). Under
         torch.distributed every rank makes the same ``snapshot`` calls; the
         layout's rules (or the DTensors' placements) name what each rank holds.
-        ``dedup``: a CPU tensor whose bytes are unchanged since this snapshotter's
-        previous version is not written again (single process only).
+        ``dedup``: a tensor whose bytes are unchanged since the parent version (whoever
+        wrote it) is not written again; its piece points at the stored bytes.
         ``retention``: a :class:`ckptrepo.RetentionPolicy` applied in the
         background after commits (what ``repo.gc(...)`` does by hand).
         ``max_in_flight``: snapshots not yet committed, at most; one more waits in ``snapshot()`` for the oldest.

@@ -42,19 +42,35 @@ MERGED_ORDER = ("layout", "arrays", "tensors", "size", "tree",
 
 class Piece(NamedTuple):
     """A part of a tensor: the elements of ``box`` (global coordinates), stored contiguous and row-major in
-    array ``array`` from element ``offset`` on."""
+    array ``array`` from element ``offset`` on. ``digest``: the content digest of those bytes (an algorithm
+    byte and 16 bytes, saving/_content_hash.py), which a later snapshot compares to reuse them; None where
+    they were not hashed."""
 
     box: Box
     array: str
     offset: int
+    digest: bytes | None = None
 
     def to_raw(self) -> dict[str, Any]:
-        return {"box": self.box, "array": self.array, "offset": self.offset}
+        raw = {"box": self.box, "array": self.array, "offset": self.offset}
+        if self.digest is not None:
+            raw["digest"] = self.digest
+        return raw
+
+
+DIGEST_BYTES = 17
 
 
 def _piece(p: dict[str, Any]) -> Piece:
     offs, sizes = p["box"]
-    return Piece((tuple(offs), tuple(sizes)), p["array"], p["offset"])
+    return Piece((tuple(offs), tuple(sizes)), p["array"], p["offset"], _digest(p.get("digest"), "a piece"))
+
+
+def _digest(raw: Any, what: str) -> bytes | None:
+    """A piece's ``digest`` field, checked (raises FieldError)."""
+    if raw is None or type(raw) is bytes and len(raw) == DIGEST_BYTES:
+        return raw
+    raise FieldError(f"{what} has the digest {_short(raw)}, not {DIGEST_BYTES} bytes")
 
 
 class TensorEntry(NamedTuple):
@@ -532,7 +548,7 @@ def _piece_of(p: Any, name: str, shape: tuple[int, ...], raw_shape: Any) -> Piec
     if type(offset) is not int or not 0 <= offset < _INT64:
         raise FieldError(f"a piece of tensor {name} starts at offset {_short(offset)}, not a whole number of at "
                          f"least 0")
-    return Piece((offs, sizes), array, offset)
+    return Piece((offs, sizes), array, offset, _digest(p.get("digest"), f"a piece of tensor {name}"))
 
 
 def _entry(t: Any, i: int) -> TensorEntry:

@@ -199,7 +199,7 @@ def _plan(targets: list[Piece], saved: dict[str, tuple[SavedPiece, ...]], arrays
         if have is None:
             raise CorruptionError(f"{tp.name} is not in the version's tensor table; run `ckptrepo fsck`")
         covered = 0
-        for sbox, array, offset in have:
+        for sbox, array, offset, _ in have:
             part = intersect(sbox, tp.box)
             if part is None:
                 continue

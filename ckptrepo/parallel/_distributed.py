@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ckptrepo.core._boxes import Box, check_coverage, volume
-from ckptrepo.core._manifest import STAGING_PREFIX, seal, unseal
+from ckptrepo.core._manifest import DATA_PREFIX, STAGING_PREFIX, seal, unseal
 from ckptrepo.core._moments import Moments
 from ckptrepo.core.schema import (
     MERGED_ORDER,
@@ -243,6 +243,7 @@ def merge_rank_manifests(ranks: Sequence[RankPart], layout: "ParallelLayout | No
         for name, mine in part.tensors:
             pieces[name].extend(mine)
     check_coverage({n: (declared[n][1], [p.box for p in ps]) for n, ps in pieces.items()})
+    own = f"{DATA_PREFIX}{header.id}/"
     tensors = tuple(TensorEntry(n, dtype, shape, tuple(pieces[n])) for n, (dtype, shape, _) in declared.items())
     index = {t.name: i for i, t in enumerate(tensors)}
     sections = layout.rules.all_sections() if layout is not None and layout.rules is not None else ()
@@ -254,7 +255,8 @@ def merge_rank_manifests(ranks: Sequence[RankPart], layout: "ParallelLayout | No
                            layout.rules.to_json() if layout.rules is not None else None)
     return Manifest.of(header, layout=lay, arrays=arrays, tensors=tensors, key_order=MERGED_ORDER,
                        tensor_stats=merged_stats(ranks, tensors),
-                       size=sum(volume(p.box[1]) * TORCH_DTYPES[t.dtype].itemsize for t in tensors for p in t.pieces),
+                       size=sum(volume(p.box[1]) * TORCH_DTYPES[t.dtype].itemsize for t in tensors for p in t.pieces
+                                if p.array.startswith(own)),   # the bytes it wrote: not the pieces it reuses
                        tree=full_tree(ranks[0].tree, ranks[0].leaf_names, tensors, index, sections))
 
 

@@ -83,7 +83,7 @@ from ckptrepo.parallel._replicas import fingerprints
 from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blocks
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._commit import Committer
-from ckptrepo.saving._dedup import DedupIndex, dedup_key
+from ckptrepo.saving._dedup import DedupIndex, dedup_key, piece_id
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change
 from ckptrepo.saving._host_memory import default_host_memory, parse_size
 from ckptrepo.saving._pusher import BackgroundPusher
@@ -197,11 +197,12 @@ class Snapshotter:
     or be copied by the caller: a change before its bytes are written is
     saved as changed (only one while they are written fails the checksum).
 
-    With ``dedup`` (the default; single process only), a CPU tensor whose
-    bytes equal those of the same tensor in the last version this snapshotter
-    committed is not written again: its piece points at the stored bytes. The
-    training thread only compares (data_ptr, version counter, dtype, shape,
-    stride); the capture thread confirms with an xxh3-128 of the bytes.
+    With ``dedup`` (the default), a tensor (a rank's piece of one) whose bytes
+    equal those stored for it in the parent version is not written again: its
+    piece points at the stored bytes (saving/_dedup.py). The training thread
+    only compares (data_ptr, version counter, dtype, shape, stride); the
+    capture thread confirms with a digest of the bytes, taken on the GPU for
+    CUDA tensors.
 
     With ``push_to`` (a remote's name), the snapshotter is a local tier in front of that remote: each version
     is committed here, then pushed in the background (saving/_pusher.py; rank 0 under torch.distributed),
@@ -254,7 +255,6 @@ class Snapshotter:
         # single process that names a layout (so a later tensor-parallel load reads whole column blocks)
         self.sharded = self.distributed or parallel_layout is not None
         self.group = group
-        self._dedup = DedupIndex() if dedup and not self.sharded else None   # sharded snapshots write everything
         self.plumbing = plumbing
         if plumbing.plans is None:   # the handle's first snapshotter: the next ones reuse its plans
             plumbing.plans = PlanCache()
@@ -264,6 +264,8 @@ class Snapshotter:
         self._committer = Committer(plumbing, parallel_layout, self.rank, self.world_size, self.sharded,
                                     commit_timeout_s)
         self._committer.before_ref = self._recheck_reused
+        # compares with the branch tip first, whoever wrote it, then with this snapshotter's last commit
+        self._dedup = DedupIndex(self._committer.tip, plumbing.manifest, plumbing.store) if dedup else None
         self.host_memory = host_bytes or default_host_memory()
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
@@ -351,6 +353,7 @@ class Snapshotter:
                 _refuse_spread_dtensors(records)
             # of the live tensors, before buffer copies
             keys = [dedup_key(r) for r in records] if self._dedup is not None and not sharded else []
+            ids = [piece_id(r.name, ((0,) * len(r.shape), r.shape)) for r in records] if keys else []
             self._bare_versions = copy_what_forward_may_change(state, records, self._step_owned(),
                                                                 self._bare_versions)
             local = self._local_pieces(records) if sharded else None
@@ -364,16 +367,19 @@ class Snapshotter:
         boxes: list[Any] = []
         if local is not None:
             vid, records, boxes, leaf_names, names = self._shard(records, local)
+            if self._dedup is not None:   # of this rank's pieces (views of the live tensors)
+                keys = [dedup_key(r) for r in records]
+                ids = [piece_id(r.name, box) for r, box in zip(records, boxes)]
         handle = SnapshotHandle(vid, step)
         job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0, sharded=local is not None,
                    meta=meta, tag=tag, force_tag=bool(force_tag),
-                   leaf_names=leaf_names, names=names, boxes=boxes, keys=keys,
+                   leaf_names=leaf_names, names=names, boxes=boxes, keys=keys, ids=ids,
                    replicas=[] if local is None else [(p.name, p.box, p.view, p.replicated) for p in local[0].pieces
                                                       if p.replicated])
         # a CPU state to a local store with O_DIRECT is written from where it is (not for CUDA tensors: their
         # bytes must come to the host anyway, and whole-segment DMAs into pinned staging are the cheap way)
         job.live = self._direct is not None and self._direct.direct_io and not any(r.tensor.is_cuda for r in records)
-        if self._dedup is None or job.sharded or not self._dedup.match(job):
+        if self._dedup is None or not self._dedup.match(job):
             self._plan(job, list(range(len(records))))   # nothing can be reused: plan here, as without dedup
         devices = {r.tensor.device for r in records if r.tensor.device.type == "cuda"}
         for dev in devices:
@@ -431,10 +437,13 @@ class Snapshotter:
         residues = live_residues(records, INNER_BYTES) if job.live else None
         plan = self.plans.get(records, self.shard_bytes, residues)
         job.written = written
+        job.plan_index = {ri: pi for pi, ri in enumerate(written)}
         job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
                       for d, (n, s, i) in plan.streams.items()}
         job.chunk_crcs = {d: np.zeros(info.chunks, dtype="<u4") for d, info in job.arrays.items()}
-        job.hashers = {pi: xxhash.xxh3_128() for pi, ri in enumerate(written) if ri in job.watch}
+        # CUDA tensors were hashed on their device before (DedupIndex.decide): nothing of theirs is hashed here
+        job.hashers = {pi: xxhash.xxh3_128() for pi, ri in enumerate(written)
+                       if ri in job.watch and not job.records[ri].tensor.is_cuda}
         # statistics of each whole tensor a single-process snapshot writes (pieces of global tensors: none)
         job.stats, job.feeds = stat_feeds(job, records, job.hashers) if self.tensor_stats else ({}, dict(job.hashers))
         job.record_stats = self.tensor_stats
@@ -695,18 +704,22 @@ class Snapshotter:
             del job
 
     def _capture(self, job: SnapshotJob) -> None:
+        cuda = bool(job.ready)
+        if cuda and self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
         if job.plan is None:
-            try:
-                self._plan(job, DedupIndex.decide(job))
+            assert self._dedup is not None   # only dedup defers the plan
+            try:   # CUDA tensors are hashed on the side stream, once the training stream has reached snapshot()
+                with torch.cuda.stream(self._side_stream) if cuda else contextlib.nullcontext():
+                    for ev in job.ready:
+                        self._side_stream.wait_event(ev)
+                    self._plan(job, self._dedup.decide(job))
             except BaseException:
                 job.data_done.set()   # no segment was queued; the commit thread sees the job's error
                 raise
         plan = job.plan
         assert plan is not None
         flat: dict[int, torch.Tensor] = {}
-        cuda = bool(job.ready)
-        if cuda and self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
         if cuda and self.pool.pin:   # the buffers this capture would otherwise pin one by one (see StagingPool)
             self.pool.grow_in_background(len(plan.segments))
         if job.replicas:   # read before the state may change again; a CUDA one once the training stream is done
@@ -912,7 +925,7 @@ class Snapshotter:
             self._dedup.check_reused(self.plumbing.store, job)
 
         version = self._committer.commit(job)
-        if self._dedup is not None and not job.sharded:
+        if self._dedup is not None:
             self._dedup.remember(job)
         return version
 

@@ -91,7 +91,8 @@ class Committer:
         assert job.plan is not None
         manifest = build_manifest(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.records,
                                   job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused,
-                                  meta=job.meta, tensor_stats=stats_record(job))
+                                  meta=job.meta, tensor_stats=stats_record(job),
+                                  digests=[job.stored_digest(i) for i in range(len(job.records))])
         return self._publish(job, manifest)
 
     def _commit_sharded(self, job: SnapshotJob) -> Version:
@@ -106,9 +107,8 @@ class Committer:
             rank=self.rank, step=job.handle.step, tree=job.skeleton, leaf_names=tuple(job.leaf_names),
             names=tuple((name, dtype, tuple(shape)) for name, dtype, shape in job.names),
             coords=vars(self.layout.coords(self.rank)) if self.layout is not None else None,
-            tensors=tuple((r.name, (Piece((tuple(box[0]), tuple(box[1])), job.arrays[p.dtype].key, p.offset),))
-                          for r, p, box in zip(job.records, job.plan.placements, job.boxes) if p.numel),
-            arrays={a.key: a for a in job.arrays.values()}, fingerprints=tuple(job.fingerprints),
+            tensors=tuple((r.name, (piece,)) for r, piece in zip(job.records, rank_pieces(job)) if piece is not None),
+            arrays=arrays_listed(job.arrays, job.reused), fingerprints=tuple(job.fingerprints),
             moments=piece_moments(job))
         if not self.distributed:
             return self._publish_merged(job, [part])
@@ -226,30 +226,55 @@ def version_header(vid: str, parent: str | None, step: int | None, message: str,
                           meta=meta)
 
 
+def rank_pieces(job: SnapshotJob) -> list[Piece | None]:
+    """A sharded job's piece of each record, written or reused, with its digest (None: no element)."""
+    assert job.plan is not None
+    out: list[Piece | None] = []
+    for i, box in enumerate(job.boxes):
+        box = (tuple(box[0]), tuple(box[1]))
+        prev = job.reused.get(i)
+        if prev is not None:
+            out.append(Piece(box, prev.array, prev.offset, prev.digest))
+            continue
+        p = job.plan.placements[job.plan_index[i]]
+        out.append(Piece(box, job.arrays[p.dtype].key, p.offset, job.stored_digest(i)) if p.numel else None)
+    return out
+
+
+def arrays_listed(arrays: dict[str, ArrayInfo], reused: dict[int, StoredTensor]) -> dict[str, ArrayInfo]:
+    """By key, the arrays a version's pieces point into: those it wrote (``arrays``, by dtype), and those of the
+    pieces it reuses."""
+    listed = {a.key: a for a in arrays.values()}
+    for s in reused.values():
+        if s.array not in listed:
+            listed[s.array] = ArrayInfo.from_json(s.array, s.info)
+    return listed
+
+
 def build_manifest(vid: str, parent: str | None, step: int | None, message: str, metrics: dict[str, Any],
                    records: list[TensorRecord], plan: WritePlan, arrays: dict[str, ArrayInfo],
                    skeleton: Any, written: list[int] | None = None,
                    reused: dict[int, StoredTensor] | None = None, meta: dict[str, str] | None = None,
-                   tensor_stats: TensorStatsRecord | None = None) -> Manifest:
+                   tensor_stats: TensorStatsRecord | None = None,
+                   digests: list[bytes | None] | None = None) -> Manifest:
     """The version manifest for a single-process snapshot (see docs/format.md).
 
     ``plan`` covers the ``written`` records (default: all); a ``reused`` record's
     piece points at bytes an earlier version stored, and that array is listed
     in ``arrays`` too. ``size`` counts only the bytes this version wrote.
+    ``digests``: per record, the content digest of its stored bytes, if taken.
     """
     reused = reused or {}
     placement = dict(zip(range(len(records)) if written is None else written, plan.placements))
-    listed = {a.key: a for a in arrays.values()}
-    for s in reused.values():
-        if s.array not in listed:
-            listed[s.array] = ArrayInfo.from_json(s.array, s.info)
+    listed = arrays_listed(arrays, reused)
 
     def pieces(i: int, r: TensorRecord) -> tuple[Piece, ...]:
         box = ((0,) * len(r.shape), tuple(r.shape))
+        digest = digests[i] if digests is not None else None
         if i in reused:
-            return (Piece(box, reused[i].array, reused[i].offset),)
+            return (Piece(box, reused[i].array, reused[i].offset, digest),)
         p = placement[i]
-        return (Piece(box, arrays[p.dtype].key, p.offset),) if p.numel else ()
+        return (Piece(box, arrays[p.dtype].key, p.offset, digest),) if p.numel else ()
 
     header = version_header(vid, parent, step, message, metrics, meta)
     return Manifest.of(header, size=plan.nbytes, layout=SINGLE_PROCESS_LAYOUT, arrays=listed,

@@ -1,24 +1,29 @@
-"""Dedup: a tensor whose bytes did not change since the last version a snapshotter committed is not written again.
+"""Dedup: a tensor (or a rank's piece of one) whose bytes did not change since the parent version is not
+written again; its piece in the new manifest points at the bytes stored before.
 
-Its piece in the new manifest points at the bytes the earlier version stored.
-Deciding that takes two looks, so that the training thread pays almost
-nothing: ``snapshot()`` compares a cheap key of each live CPU tensor (dtype,
-shape, stride, storage address, autograd version counter) with the one
-recorded at the last commit, which only says which tensors are worth
-hashing; the capture thread then reuses a stored piece only when the
-xxh3-128 of the current bytes equals the hash of the bytes stored there
-(writes through ``.data`` or a numpy view leave the version counter alone).
-Single process only: a sharded snapshot always writes everything.
+Whether bytes changed is decided by content, not by which process saw them: each piece of a manifest
+carries the digest of its stored bytes (saving/_content_hash.py), so a snapshotter compares with the parent
+version whoever wrote it: an earlier ``repo.snapshot`` call, another snapshotter, a process before a
+restart, this rank before it. Deciding takes two looks, so that the training thread pays almost nothing:
+``snapshot()`` compares a cheap key of each live tensor (dtype, shape, stride, storage address, autograd
+version counter) with the one recorded at this snapshotter's last commit, which only says which tensors
+are worth hashing (all of them for the first snapshot, whose parent was written elsewhere); the capture
+thread then reuses a stored piece only when the digest of the current bytes equals the digest of the bytes
+stored there (writes through ``.data`` or a numpy view leave the version counter alone). CUDA tensors are
+hashed on their device before any copy, so an unchanged one crosses neither PCIe nor the disk.
 """
 from __future__ import annotations
 
+import math
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
-import xxhash
 
+from ckptrepo.core.schema import STAT_COLUMNS, Manifest
 from ckptrepo.errors import StorageError
+from ckptrepo.saving._content_hash import WORDSUM, digest_as, wordsum_digests
+from ckptrepo.saving._tensor_stats import DeviceStats, HostStats
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo
 from ckptrepo.storage.protocol import Store
@@ -26,33 +31,35 @@ from ckptrepo.storage.protocol import Store
 if TYPE_CHECKING:
     from ckptrepo.saving._snapshot_job import SnapshotJob
 
-DedupKey = tuple  # (dtype, shape, stride, data_ptr, autograd version) of a live CPU tensor
+DedupKey = tuple  # (dtype, shape, stride, data_ptr, autograd version) of a live tensor
+PieceId = tuple   # (name, offsets, sizes): a tensor, or a piece of a global tensor, as the manifest names it
 
 
 class StoredTensor(NamedTuple):
-    """One tensor of the last version a snapshotter committed, and where its bytes are stored.
+    """A piece of the parent version (or of this snapshotter's last commit), and where its bytes are stored.
 
-    ``digest`` is the xxh3-128 of exactly the bytes stored at ``array``/``offset``
-    (None when they were not hashed); ``info`` is the array's ArrayInfo JSON,
-    copied into the manifest of every version that reuses the piece.
+    ``digest`` is the content digest of exactly the bytes stored at ``array``/``offset`` (None when they were
+    not hashed); ``info`` is the array's ArrayInfo JSON, copied into the manifest of every version that reuses
+    the piece. ``key`` is None for a piece learnt from a manifest: another process's addresses mean nothing.
 
     A tuple of plain values (the JSON shared by the array's tensors): the cyclic GC stops tracking such
     tuples at its first look, so the index a snapshotter keeps from one commit to the next does not age
     into the GC's oldest generation and bring on full collections of the training process.
     """
 
-    key: DedupKey
-    digest: int | None
+    key: DedupKey | None
+    digest: bytes | None
     array: str
     offset: int
     info: dict[str, Any]
-    stats: tuple[float, ...] | None = None   # its capture-time statistics (saving/_tensor_stats.py), if taken
+    stats: tuple[float, ...] | None = None   # a whole tensor's capture-time statistics (saving/_tensor_stats.py)
+    moments: Any = None                      # a sharded piece's Moments.to_raw(), which rank 0 merges
 
 
 def dedup_key(r: TensorRecord) -> DedupKey | None:
-    """What must be unchanged for a tensor to be worth hashing; None: never dedup it (CUDA, empty)."""
+    """What must be unchanged for a tensor to look unchanged; None: never dedup it (empty, or no storage)."""
     t = r.tensor
-    if t.device.type != "cpu" or not r.numel:
+    if not r.numel or t.device.type not in ("cpu", "cuda"):
         return None
     try:
         version = t._version
@@ -61,25 +68,50 @@ def dedup_key(r: TensorRecord) -> DedupKey | None:
     return (r.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), version)
 
 
-def digest(t: torch.Tensor) -> int:
-    """xxh3-128 of a CPU tensor's bytes in row-major order (no copy when contiguous).
+def piece_id(name: str, box: Any) -> PieceId:
+    return (name, tuple(box[0]), tuple(box[1]))
 
-    ``contiguous()`` after ``reshape``: a strided 1-D view (``x[::2]``) reshapes without a copy but cannot be
-    viewed as bytes, which would fail every snapshot after the first that holds one.
-    """
-    flat = t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
-    return xxhash.xxh3_128_intdigest(flat.view(torch.uint8).numpy().data)
+
+def missing_objects(store: Store, array: ArrayInfo) -> list[str]:
+    """The objects of ``array`` that are not in ``store`` (gc, prune or a local tier's eviction deleted them)."""
+    present = set(store.list(array.key + "/"))
+    return [k for k in [f"{array.key}/zarr.json", *(array.shard_key(s) for s in array.shards())] if k not in present]
+
+
+def seed_from(manifest: Manifest, store: Store) -> dict[PieceId, StoredTensor]:
+    """The pieces of ``manifest`` that a new snapshot may point at: those with a digest whose array is whole in
+    ``store`` (an evicted or pruned version's data is not), with their recorded statistics."""
+    rows = manifest.tensor_stats.rows() if manifest.tensor_stats is not None else {}
+    whole: dict[str, bool] = {}
+    out: dict[PieceId, StoredTensor] = {}
+    for t in manifest.tensors:
+        row = rows.get(t.name)
+        stats = None if row is None else tuple(row.get(c, math.nan) for c in STAT_COLUMNS[:-2])   # not the change
+        for p in t.pieces:
+            if p.digest is None:
+                continue
+            if p.array not in whole:
+                whole[p.array] = not missing_objects(store, manifest.arrays[p.array])
+            if whole[p.array]:
+                out[piece_id(t.name, p.box)] = StoredTensor(None, p.digest, p.array, p.offset,
+                                                            manifest.arrays[p.array].to_json(),
+                                                            stats if len(t.pieces) == 1 else None)
+    return out
 
 
 class DedupIndex:
-    """What the next snapshots compare with: the last committed version's tensors, by name.
+    """What the next snapshots compare with: by piece, the pieces of the last committed version.
 
-    The dict is replaced whole, never mutated, by the commit thread, so the
-    training thread reads it without a lock.
+    Until its first commit a snapshotter compares with the branch tip it starts on (``parent``), read once
+    by the capture thread. The dict is replaced whole, never mutated, by the capture or commit thread, so
+    the training thread reads it without a lock.
     """
 
-    def __init__(self) -> None:
-        self.stored: dict[str, StoredTensor] = {}
+    def __init__(self, parent: str | None = None, read: Callable[[str], Manifest] | None = None,
+                 store: Store | None = None) -> None:
+        self.stored: dict[PieceId, StoredTensor] = {}
+        self._parent, self._read, self._store = parent, read, store
+        self.seeded = parent is None
 
     def match(self, job: "SnapshotJob") -> bool:
         """Training thread: mark the job's tensors worth hashing (new, or with an unchanged key) and those that
@@ -88,23 +120,48 @@ class DedupIndex:
         for i, key in enumerate(job.keys):
             if key is None:
                 continue
-            prev = stored.get(job.records[i].name)
-            if prev is None or prev.key == key:   # new to this snapshotter, or looks unchanged: worth hashing
+            prev = stored.get(job.ids[i])
+            if prev is None or prev.key is None or prev.key == key:   # new here, or looks unchanged: worth hashing
                 job.watch.add(i)
                 if prev is not None:
                     job.match[i] = prev
-        return any(m.digest is not None for m in job.match.values())
+        return bool(job.watch) and (not self.seeded or any(m.digest is not None for m in job.match.values()))
 
-    @staticmethod
-    def decide(job: "SnapshotJob") -> list[int]:
-        """Capture thread: reuse the matched tensors whose bytes hash as stored; returns the records to write."""
+    def _seed(self) -> None:
+        """Capture thread, before the first decision: the parent's pieces (a failure to read it only costs
+        the dedup of this snapshot: everything is written)."""
+        self.seeded = True
+        if self._parent is None or self._read is None or self._store is None or self.stored:
+            return
+        self.stored = seed_from(self._read(self._parent), self._store)
+
+    def decide(self, job: "SnapshotJob") -> list[int]:
+        """Capture thread: reuse the matched pieces whose bytes hash as stored; returns the records to write.
+        CUDA tensors are hashed in the current stream, which must follow the training stream's events."""
+        if not self.seeded:
+            self._seed()
+            stored = self.stored
+            for i in job.watch:
+                prev = stored.get(job.ids[i])
+                if prev is not None and i not in job.match:
+                    job.match[i] = prev
+        cuda = [i for i in sorted(job.watch) if job.records[i].tensor.is_cuda]
+        # every watched CUDA tensor is hashed on its device: the digest of one that is written goes into the
+        # manifest, since no staging hasher sees its bytes
+        job.digests.update(zip(cuda, wordsum_digests([job.records[i].tensor for i in cuda])))
         written = []
         for i, r in enumerate(job.records):
             prev = job.match.get(i)
-            if prev is not None and prev.digest is not None and digest(r.tensor) == prev.digest:
-                job.reused[i] = prev
-            else:
-                written.append(i)
+            if prev is not None and prev.digest is not None and prev.info.get("dtype") == r.dtype:
+                now = job.digests.get(i) if r.tensor.is_cuda and prev.digest[0] == WORDSUM else \
+                    digest_as(prev.digest[0], r.tensor)
+                if now == prev.digest:
+                    job.reused[i] = prev
+                    continue
+            written.append(i)
+        if job.sharded and job.record_stats:   # rank 0 merges every piece's moments: a reused one's too
+            for i, prev in job.reused.items():
+                job.reused_moments[i] = prev.moments if prev.moments is not None else _moments(job.records[i])
         return written
 
     def check_reused(self, store: Store, job: "SnapshotJob", announced: bool = False) -> None:
@@ -112,10 +169,7 @@ class DedupIndex:
         refers to); if one is gone, nothing is reused from the next snapshot on. ``announced``: also not listed
         by a gc or prune under way (its intent), which only the check after the manifest needs to see."""
         for key, info in sorted({s.array: s.info for s in job.reused.values()}.items()):
-            array = ArrayInfo.from_json(key, info)
-            present = set(store.list(key + "/"))
-            missing = [k for k in [f"{key}/zarr.json", *(array.shard_key(s) for s in array.shards())]
-                       if k not in present]
+            missing = missing_objects(store, ArrayInfo.from_json(key, info))
             if missing:
                 self.stored = {}
                 raise StorageError(f"{missing[0]} was deleted (gc or prune) while snapshot {job.vid[:12]} was in "
@@ -132,19 +186,33 @@ class DedupIndex:
                                f"its unchanged tensors; take the snapshot again (the next one writes every tensor)")
 
     def remember(self, job: "SnapshotJob") -> None:
-        """Commit thread, after a commit: this version's tensors become what the next snapshots compare with."""
+        """Commit thread, after a commit: this version's pieces become what the next snapshots compare with."""
         assert job.plan is not None
         placement = {ri: pi for pi, ri in enumerate(job.written)}
         infos = {dtype: info.to_json() for dtype, info in job.arrays.items()}
-        stored: dict[str, StoredTensor] = {}
-        for i, (r, key) in enumerate(zip(job.records, job.keys)):
+        stored: dict[PieceId, StoredTensor] = {}
+        for i, key in enumerate(job.keys):
             if key is None:
                 continue
             if i in job.reused:
-                stored[r.name] = job.reused[i]
+                prev = job.reused[i]
+                stored[job.ids[i]] = prev._replace(key=key, moments=job.reused_moments.get(i, prev.moments))
                 continue
             pi = placement[i]
-            p, h = job.plan.placements[pi], job.hashers.get(pi)
-            stored[r.name] = StoredTensor(key, None if h is None else h.intdigest(), job.arrays[p.dtype].key,
-                                          p.offset, infos[p.dtype], job.stat_rows.get(i))
+            p = job.plan.placements[pi]
+            stored[job.ids[i]] = StoredTensor(key, job.stored_digest(i), job.arrays[p.dtype].key, p.offset,
+                                              infos[p.dtype], job.stat_rows.get(i), job.piece_moments.get(pi))
         self.stored = stored
+
+
+def _moments(r: TensorRecord) -> Any:
+    """The statistics' moments of a reused piece whose moments were not kept (its parent was written by
+    another process): from its bytes, which a written piece would have fed anyway."""
+    t = r.tensor.detach()
+    if t.is_cuda:
+        stats: Any = DeviceStats(r.dtype)
+        stats.update_device(t.reshape(-1))
+    else:
+        stats = HostStats(r.dtype)
+        stats.update(t.resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8).numpy())
+    return stats.moments().to_raw()

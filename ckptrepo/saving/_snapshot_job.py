@@ -16,7 +16,8 @@ import numpy as np
 
 from ckptrepo.core._manifest import Version
 from ckptrepo.errors import ArgumentError
-from ckptrepo.saving._dedup import DedupKey, StoredTensor
+from ckptrepo.saving._content_hash import hasher_digest
+from ckptrepo.saving._dedup import DedupKey, PieceId, StoredTensor
 from ckptrepo.saving._writer import WritePlan
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo
@@ -155,13 +156,18 @@ class SnapshotJob:
     # (parallel/_replicas.py)
     replicas: list[Any] = field(default_factory=list)
     fingerprints: list[Any] = field(default_factory=list)
-    # dedup (single process, CPU tensors): see saving/_dedup.py
+    # dedup: see saving/_dedup.py
     keys: list[DedupKey | None] = field(default_factory=list)   # per record; None: never deduped nor hashed
-    match: dict[int, StoredTensor] = field(default_factory=dict)      # record -> last committed tensor with its key
+    ids: list[PieceId] = field(default_factory=list)            # per record: (name, box), as the manifest names it
+    match: dict[int, StoredTensor] = field(default_factory=dict)      # record -> stored piece it may reuse
     reused: dict[int, StoredTensor] = field(default_factory=dict)     # record -> stored bytes it points at instead
+    reused_moments: dict[int, Any] = field(default_factory=dict)      # sharded: record -> its moments, for rank 0
     written: list[int] = field(default_factory=list)            # records written, in plan order
+    plan_index: dict[int, int] = field(default_factory=dict)    # written record -> its index in the plan
     watch: set[int] = field(default_factory=set)                # records to hash if written (maybe frozen)
     hashers: dict[int, Any] = field(default_factory=dict)        # plan index -> xxh3-128 of its staged bytes
+    digests: dict[int, bytes] = field(default_factory=dict)     # record -> digest taken before capture (CUDA)
+    piece_moments: dict[int, Any] = field(default_factory=dict)  # sharded: plan index -> Moments.to_raw()
     record_stats: bool = True                                   # take the statistics below (the snapshotter's)
     stats: dict[int, Any] = field(default_factory=dict)          # plan index -> its statistics (_tensor_stats.py)
     feeds: dict[int, Any] = field(default_factory=dict)          # plan index -> what its staged bytes are fed to
@@ -183,6 +189,15 @@ class SnapshotJob:
     @property
     def vid(self) -> str:
         return self.handle.id
+
+    def stored_digest(self, i: int) -> bytes | None:
+        """The content digest of the bytes record ``i`` is stored as in this version (None: not hashed)."""
+        if i in self.reused:
+            return self.reused[i].digest
+        if i in self.digests:
+            return self.digests[i]
+        hasher = self.hashers.get(self.plan_index.get(i, -1))
+        return None if hasher is None else hasher_digest(hasher)
 
     def fail(self, err: BaseException) -> None:
         with self.lock:

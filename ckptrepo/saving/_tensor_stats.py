@@ -174,12 +174,23 @@ def stat_feeds(job: Any, records: list[Any], hashers: dict[int, Any]) -> tuple[d
 
 
 def piece_moments(job: Any) -> tuple[tuple[str, Any], ...] | None:
-    """A sharded job's moments per piece written (global name, ``Moments.to_raw()``), in plan order, for
-    rank 0 to merge into the version's statistics; None when the snapshotter takes none."""
+    """A sharded job's moments per piece, written or reused (global name, ``Moments.to_raw()``), in record
+    order, for rank 0 to merge into the version's statistics; None when the snapshotter takes none. Those
+    of the written pieces are kept in ``job.piece_moments`` for the next snapshot's dedup."""
     if not job.record_stats:
         return None
-    return tuple((job.records[ri].name, job.stats[pi].moments().to_raw()) for pi, ri in enumerate(job.written)
-                 if pi in job.stats and job.records[ri].numel)
+    out = []
+    for i, r in enumerate(job.records):
+        if not r.numel:
+            continue
+        if i in job.reused_moments:
+            out.append((r.name, job.reused_moments[i]))
+            continue
+        pi = job.plan_index.get(i)
+        if pi in job.stats:
+            raw = job.piece_moments[pi] = job.stats[pi].moments().to_raw()
+            out.append((r.name, raw))
+    return tuple(out)
 
 
 def stats_record(job: Any) -> TensorStatsRecord | None:

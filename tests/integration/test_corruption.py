@@ -29,7 +29,7 @@ def _state(seed: int) -> dict:
         "layer1.weight": torch.randn(INNER, generator=g),      # inner chunk 0 of the float32 array
         "layer2.weight": torch.randn(INNER, generator=g),      # inner chunk 1
         "layer2.bias": torch.randn(1000, generator=g),          # inner chunk 2
-        "steps": torch.arange(10, dtype=torch.int64),
+        "steps": torch.arange(10, dtype=torch.int64) + seed,   # differs: no version shares another's bytes (dedup)
         "epoch": seed,
     }
 
