@@ -10,8 +10,8 @@ records the derived ``STAT_COLUMNS`` (core/schema.py); ``tools/_trajectory.py`` 
 CPU tensors are fed their bytes in order, in chunks that stay in cache, with numpy: single-threaded
 SIMD loops that never start an OpenMP team beside the training loop's (torch reductions called from this
 thread would), about four passes over cached data per chunk. CUDA tensors are summarised on the device,
-on the capture side stream, before their copy; their small results come to the host once the copies are
-synchronised anyway.
+on the capture side stream, beside their copy (a segment's parts together: saving/_device_copies.py);
+their small results come to the host once the copies are synchronised anyway.
 """
 from __future__ import annotations
 
