@@ -51,24 +51,38 @@ class DeviceCopies:
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type   # the tensors copied by _foreach_copy_ (tests: "cpu"); others by numpy
         self._plan: WritePlan | None = None
-        self._key: tuple[Any, ...] = ()
+        self._key: list[tuple[Any, ...]] = []                 # per plan index: where its tensor was
         self._flat: dict[int, torch.Tensor | None] = {}       # plan index -> flattened view (None: per snapshot)
         self._sources: dict[int, list[torch.Tensor | None]] = {}   # segment index -> source slices
         self._sizes: dict[int, list[int]] = {}               # segment index -> split sizes (gaps and parts)
         self._blocks: dict[tuple[Any, ...], list[_Block]] = {}   # (segment, fed parts) -> statistics blocks
-        self.builds = 0   # how often the views were built: a training loop builds them once
+        self._segments_of: dict[int, list[int]] = {}        # plan index -> the segments it has parts in
+        self.builds = 0    # how often a plan's views were built: a training loop builds them once
+        self.rebuilt = 0   # tensors whose views were (re)built
 
     def prepare(self, plan: WritePlan, tensors: Sequence[torch.Tensor], stream: Any = None) -> None:
-        """Make the views of ``plan`` over ``tensors`` (its sources, in plan order) current, building them only
-        if the plan or a tensor's place changed. ``stream``: the side stream the copies run on (recorded on
-        the kept tensors' memory, so the allocator never hands it out while a copy may read it)."""
-        key = tuple(_where(t) for t in tensors)
-        if plan is self._plan and key == self._key:
-            return
-        self.release()
-        self._plan, self._key = plan, key
-        self.builds += 1
-        for i, t in enumerate(tensors):
+        """Make the views of ``plan`` over ``tensors`` (its sources, in plan order) current: all built for a new
+        plan, and for a known one only those of the tensors that moved (a copy ``snapshot()`` made of a
+        module's buffers is a new tensor each time; the parameters and moments are not). ``stream``: the
+        side stream the copies run on, recorded on the kept tensors' memory so the allocator never hands
+        it out while a copy may read it."""
+        key = [_where(t) for t in tensors]
+        if plan is not self._plan:
+            self.release()
+            self._plan = plan
+            self.builds += 1
+            for k, seg in enumerate(plan.segments):
+                for idx, *_ in seg.parts:
+                    self._segments_of.setdefault(idx, []).append(k)
+            moved: Sequence[int] = range(len(tensors))
+        else:
+            moved = [i for i, (a, b) in enumerate(zip(key, self._key)) if a != b]
+        self._key = key
+        for i in moved:
+            t = tensors[i]
+            for k in self._segments_of.get(i, ()):
+                self._sources.pop(k, None)
+            self.rebuilt += 1
             if t.device.type == self.device_type and _reusable(t):
                 flat = t.reshape(-1)
                 if stream is not None and flat.is_cuda:
@@ -79,8 +93,8 @@ class DeviceCopies:
 
     def release(self) -> None:
         """Let go of every kept view (the state's memory is no longer held here)."""
-        self._plan, self._key = None, ()
-        self._flat, self._sources, self._sizes, self._blocks = {}, {}, {}, {}
+        self._plan, self._key = None, []
+        self._flat, self._sources, self._sizes, self._blocks, self._segments_of = {}, {}, {}, {}, {}
 
     def fill(self, k: int, seg: Segment, buf: torch.Tensor, source: Callable[[int], torch.Tensor],
              feeds: Mapping[int, Any] | None = None, non_blocking: bool = True) -> np.ndarray:

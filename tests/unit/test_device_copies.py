@@ -65,8 +65,11 @@ def test_the_views_are_built_once_per_plan_and_again_when_a_tensor_moves():
     state["big"].mul_(2)                         # changed in place, where it is: the same views see it
     _fill_both(state, copies, plan=plan)
     assert copies.builds == 1
-    state["small"] = torch.randn(33)             # a new tensor elsewhere: built again, and right
+    before = copies.rebuilt
+    state["small"] = torch.randn(33)             # a new tensor elsewhere: its views built again, and right
     _fill_both(state, copies, plan=plan)
+    assert copies.builds == 1 and copies.rebuilt == before + 1
+    _fill_both(state, copies)                    # another plan: everything built again
     assert copies.builds == 2
     copies.release()
     assert copies._flat == {} and copies._sources == {}
