@@ -412,8 +412,8 @@ class Repository:
                    on_bytes: Callable[[int], None] | None, parallel_layout: "ParallelLayout | None",
                    rank: int | None, read_stats: "ReadStats | None") -> Any:
         from ckptrepo.loading._binding import Binder
+        from ckptrepo.loading._device_load import ndarray_leaves, read_tensors_to
         from ckptrepo.loading._layout_load import load_layout, needs_layout_load
-        from ckptrepo.loading._reader import read_tensors
         from ckptrepo.state._providers import malformed_skeleton, unflatten
         store = self._plumbing.data_store(m)
         if needs_layout_load(m, parallel_layout, into):
@@ -432,13 +432,15 @@ class Repository:
             return unflatten(node, get_tensor)
 
         if into is None:
-            fresh.update(read_tensors(store, arrays, entries, list(range(len(entries))), on_bytes=on_bytes))
+            # onto a GPU: read through pinned buffers and copied as read (loading/_device_load.py)
+            fresh.update(read_tensors_to(store, arrays, entries, list(range(len(entries))), device=target_device,
+                                         on_host=ndarray_leaves(m.tree), on_bytes=on_bytes))
             return unflatten(m.tree, get_tensor)
         binder = Binder(entries, build, vid)
         with malformed_skeleton():
             finalize = binder.bind(m.tree, into)
         wanted = list(range(len(entries)))
-        got = read_tensors(store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
+        got = read_tensors_to(store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
         fresh.update({i: t for i, t in got.items() if i not in binder.destinations})
         return finalize()
 

@@ -7,7 +7,8 @@ section regenerated for the target layout (this rank's pipeline stage, its
 tensor-parallel slice, vocabulary padding, or a flat ZeRO partition). Either
 way the state is flattened, mapped to pieces of global tensors
 (:mod:`ckptrepo.parallel._sharding`) and filled by :func:`ckptrepo.loading._reshard.read_pieces`,
-which reads only the bytes those pieces need.
+which reads only the bytes those pieces need (pieces on a GPU through pinned buffers and a copy stream:
+:mod:`ckptrepo.loading._device_load`).
 
 Per-rank objects (RNG states and anything no rule or placement shards) come
 from the saved rank with the same number when the layout is unchanged; when it
@@ -32,9 +33,9 @@ from ckptrepo.core._boxes import volume
 from ckptrepo.core.schema import Manifest, RankRecord
 from ckptrepo.errors import LayoutError, StateMismatchError
 from ckptrepo.loading._binding import check_param_groups, fillable_array
+from ckptrepo.loading._device_load import read_pieces_to
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.loading._reader import read_tensors
-from ckptrepo.loading._reshard import read_pieces
 from ckptrepo.parallel._distributed import process_group_rank
 from ckptrepo.parallel._sharding import Sharder, rank_name, rank_path
 from ckptrepo.parallel.layout import ParallelLayout, zero_partition
@@ -309,7 +310,8 @@ def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None,
     shapes = {t.name: (t.shape, t.dtype) for t in manifest.tensors}
     fresh = into is None
     if fresh:
-        into = _build(manifest, tree, leaf_names, target, rank, shapes)
+        # on the target device from the start: the reads are copied there as they come (loading/_device_load.py)
+        into = _build(manifest, tree, leaf_names, target, rank, shapes, device=device)
     else:
         _check_arrays(into, ())
     _, records = flatten(into)
@@ -349,7 +351,7 @@ def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None,
                       f"it", stacklevel=3)
     for i in sharded.partial:          # padding rows and ZeRO tail padding load as zeros
         records[i].tensor.zero_()
-    read_pieces(store, manifest, sharded.pieces, stats)
+    read_pieces_to(store, manifest, sharded.pieces, stats)
     if not fresh:
         _merge_plain(tree, into)
         return into
@@ -485,12 +487,13 @@ def _check_into_tensors(manifest: Manifest, tree: Any, leaf_names: Sequence[str]
 
 
 def _build(manifest: Manifest, tree: Any, leaf_names: Sequence[str], layout: ParallelLayout, rank: int,
-           shapes: dict[str, tuple[tuple[int, ...], str]], empty: bool = False) -> Any:
+           shapes: dict[str, tuple[tuple[int, ...], str]], empty: bool = False, device: Any = None) -> Any:
     """A fresh state for ``rank`` of ``layout``: the template's structure, parameter sections regenerated.
 
-    ``empty``: the structure only, every tensor without elements (what ``_check_into_tensors`` compares)."""
+    ``empty``: the structure only, every tensor without elements (what ``_check_into_tensors`` compares).
+    ``device``: where its tensors are made (numpy leaves stay on the host)."""
     def zeros(shape: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(0, dtype=dtype) if empty else torch.zeros(shape, dtype=dtype)
+        return torch.empty(0, dtype=dtype) if empty else torch.zeros(shape, dtype=dtype, device=device)
 
     rules = layout.rules
     sections = set(rules.all_sections()) if rules is not None else set()
@@ -530,7 +533,7 @@ def _build(manifest: Manifest, tree: Any, leaf_names: Sequence[str], layout: Par
         built[name] = value
         return value
 
-    def tensor(i: int) -> torch.Tensor:
+    def tensor(i: int, numpy: bool) -> torch.Tensor:
         name = leaf_names[i]
         if name not in shapes:
             plain = rank_path(name)
@@ -538,7 +541,7 @@ def _build(manifest: Manifest, tree: Any, leaf_names: Sequence[str], layout: Par
                 raise StateMismatchError(f"{name}: not in the version's tensor table; run `ckptrepo fsck`")
             name = plain
         shape, dtype = shapes[name]
-        return torch.empty(0 if empty else shape, dtype=TORCH_DTYPES[dtype])
+        return torch.empty(0 if empty else shape, dtype=TORCH_DTYPES[dtype], device=None if numpy else device)
 
     def build(node: Any, path: str) -> Any:
         if path in sections:
@@ -556,7 +559,7 @@ def _build(manifest: Manifest, tree: Any, leaf_names: Sequence[str], layout: Par
         if tag == STATEFUL:
             return build(node[2], path)
         if tag in (TENSOR, NDARRAY):
-            t = tensor(node[1])
+            t = tensor(node[1], tag == NDARRAY)
             return t.numpy() if tag == NDARRAY else t
         return unflatten(node, lambda i, n: None)
 

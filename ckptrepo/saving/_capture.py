@@ -84,6 +84,7 @@ from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blo
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._commit import Committer
 from ckptrepo.saving._dedup import DedupIndex, dedup_key, piece_id
+from ckptrepo.saving._device_copies import DeviceCopies
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change
 from ckptrepo.saving._host_memory import default_host_memory, parse_size
 from ckptrepo.saving._pusher import BackgroundPusher
@@ -293,6 +294,7 @@ class Snapshotter:
         self._pid = os.getpid()   # a forked child inherits this object but none of its threads
         self._bare_versions: dict[str, tuple[int, int]] = {}   # see copy_what_forward_may_change
         self._side_stream: Any = None
+        self._device_copies = DeviceCopies()   # a CUDA state's source views, kept per plan
         ref = weakref.ref(self)
         def close_at_exit() -> None:
             s = ref()
@@ -742,7 +744,7 @@ class Snapshotter:
         last_event = None
         queued = 0
         try:
-            for seg in plan.segments:
+            for k, seg in enumerate(plan.segments):
                 buf = self.pool.take()
                 if job.error is not None:
                     self._flush_q.put((job, seg, buf, None, None))
@@ -763,10 +765,15 @@ class Snapshotter:
                             job.handle.stats.copied_bytes += cb * live.count(False)
                         job.live_shards.append(view)
                     elif cuda:
+                        # one _foreach_copy_ per segment over views kept per plan (saving/_device_copies.py): a
+                        # few calls per segment, so capture does not wait for the GIL once per tensor
                         with torch.cuda.stream(self._side_stream):
-                            for ev in job.ready:
-                                self._side_stream.wait_event(ev)
-                            view = fill_segment(seg, source, buf, non_blocking=True, hashers=job.feeds)
+                            if last_event is None:   # the side stream stays ordered after these from here on
+                                for ev in job.ready:
+                                    self._side_stream.wait_event(ev)
+                                self._device_copies.prepare(plan, [job.records[r].tensor for r in job.written],
+                                                            self._side_stream)
+                            view = self._device_copies.fill(k, seg, buf, source, job.feeds)
                             last_event = torch.cuda.Event()
                             last_event.record(self._side_stream)
                     else:

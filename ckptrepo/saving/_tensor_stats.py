@@ -10,8 +10,8 @@ records the derived ``STAT_COLUMNS`` (core/schema.py); ``tools/_trajectory.py`` 
 CPU tensors are fed their bytes in order, in chunks that stay in cache, with numpy: single-threaded
 SIMD loops that never start an OpenMP team beside the training loop's (torch reductions called from this
 thread would), about four passes over cached data per chunk. CUDA tensors are summarised on the device,
-on the capture side stream, before their copy; their small results come to the host once the copies are
-synchronised anyway.
+on the capture side stream, beside their copy (a segment's parts together: saving/_device_copies.py);
+their small results come to the host once the copies are synchronised anyway.
 """
 from __future__ import annotations
 
@@ -102,12 +102,18 @@ class DeviceStats:
     the device would cost a copy of the tensor. (The host path reports the finite values' statistics.)
     """
 
-    __slots__ = ("dtype", "_parts", "_counts")
+    __slots__ = ("dtype", "_parts", "_counts", "_rows")
 
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
         self._parts: list[Any] = []     # per block, on the device: mean, dev, min, max, NaN count, Inf count
         self._counts: list[int] = []    # per block, on the host: its elements
+        self._rows: list[tuple[Any, int, int]] = []   # batched blocks: (StatRows, row, elements)
+
+    def add_row(self, rows: Any, row: int, count: int) -> None:
+        """A block of ``count`` elements summarised with other tensors' blocks (saving/_device_copies.py):
+        row ``row`` of ``rows`` (a ``StatRows``); plain Python, so the capture thread makes no torch call."""
+        self._rows.append((rows, row, count))
 
     def update_device(self, x: Any) -> None:
         import torch
@@ -129,15 +135,17 @@ class DeviceStats:
     def moments(self) -> Moments:
         import torch
         m = Moments()
+        blocks: list[tuple[int, list[float]]] = []
         if self._parts:
-            parts = torch.stack(self._parts).cpu().tolist()
-            for n, (mean, dev, lo, hi, nan, inf) in zip(self._counts, parts):
-                if nan or inf:
-                    m.unknown = True   # only the counts of this part are right: see the class docstring
-                m.nan += int(nan)
-                m.inf += int(inf)
-                m.add(n, mean, dev, lo, hi)
-            self._parts, self._counts = [], []
+            blocks += zip(self._counts, torch.stack(self._parts).cpu().tolist())
+        blocks += [(n, rows.host()[r]) for rows, r, n in self._rows]
+        for n, (mean, dev, lo, hi, nan, inf) in blocks:
+            if nan or inf:
+                m.unknown = True   # only the counts of this part are right: see the class docstring
+            m.nan += int(nan)
+            m.inf += int(inf)
+            m.add(n, mean, dev, lo, hi)
+        self._parts, self._counts, self._rows = [], [], []
         return m
 
 

@@ -225,13 +225,13 @@ def test_mismatches_found_only_by_load_state_dict_or_set_state_are_refused_befor
 @pytest.mark.parametrize("path", ["plain", "layout"])
 def test_an_unavailable_or_bogus_device_is_refused_before_any_read(repo, path, monkeypatch):
     """torch would fail only at the first .to(), after the reads, with an AssertionError on a CPU-only build."""
+    from ckptrepo.loading import _device_load as device_load
     from ckptrepo.loading import _layout_load as layout_load
-    from ckptrepo.loading import _reader as reader
     layout = ckptrepo.ParallelLayout() if path == "layout" else None
     repo.snapshot({"w": torch.ones(3)}, step=1)
     reads = []
-    monkeypatch.setattr(reader, "read_tensors", lambda *a, **k: reads.append(1))
-    monkeypatch.setattr(layout_load, "read_pieces", lambda *a, **k: reads.append(1))
+    monkeypatch.setattr(device_load, "read_tensors_to", lambda *a, **k: reads.append(1))
+    monkeypatch.setattr(layout_load, "read_pieces_to", lambda *a, **k: reads.append(1))
     bad = "cuda:99" if torch.cuda.is_available() else "cuda"
     with pytest.raises(ValueError, match=r"cannot load onto device 'cuda(:99)?'.*load with device='cpu'"):
         repo.load("HEAD", device=bad, parallel_layout=layout)
