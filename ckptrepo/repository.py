@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ckptrepo.core._gcpause import collection_paused
 from ckptrepo.core._manifest import (
+    COMPRESSION_SETTING,
     CONFIG_KEY,
     CONFIG_MAX_BYTES,
     HEADS_PREFIX,
@@ -61,7 +62,7 @@ from ckptrepo.errors import (
 from ckptrepo.remotes._remote import REPOSITORY_ID
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage import Store, open_store
-from ckptrepo.storage._arrays import itemsize
+from ckptrepo.storage._arrays import check_compression, itemsize
 
 if TYPE_CHECKING:
     import torch
@@ -161,11 +162,22 @@ def _path(path: Any, what: str) -> None:
         raise ExchangeError(f"the {what} is a path (a str or pathlib.Path), not {_shown(path)}")
 
 
-def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str, Any] | None = None) -> "Repository":
-    """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it."""
+def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str, Any] | None = None,
+         compression: str | bool | None = None) -> "Repository":
+    """Create a repository at ``url`` (a path, file://, memory://, s3:// or gs:// URL) and open it.
+
+    ``compression="zstd"`` stores the tensors of its versions compressed losslessly (zarr's blosc codec: zstd
+    after a byte shuffle), which pays where storage is slower than compressing (a remote store), not on a
+    local NVMe disk; a snapshotter may override it (``repo.snapshotter(compression=...)``). With
+    ``exist_ok``, a compression named here becomes the existing repository's setting for later snapshots.
+    """
+    chosen = check_compression(compression)
     url = repo_url(url)
     store = open_store(url, options)
-    settings = {"created": time.time(), "default_branch": DEFAULT_BRANCH, REPOSITORY_ID: uuid.uuid4().hex}
+    settings: dict[str, Any] = {"created": time.time(), "default_branch": DEFAULT_BRANCH,
+                                REPOSITORY_ID: uuid.uuid4().hex}
+    if chosen is not None:
+        settings[COMPRESSION_SETTING] = chosen
     if not store.put_if_absent(CONFIG_KEY, encode_config(settings)):
         if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
@@ -181,6 +193,8 @@ def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str,
             raise RepositoryExistsError(f"a repository already exists at {url}; open it with ckptrepo.open, "
                                         f"or pass exist_ok=True")
         init_head(store, DEFAULT_BRANCH)   # only if absent: an init killed before it wrote HEAD is finished
+        if compression is not None:
+            update_config(store, {COMPRESSION_SETTING: chosen})
         return Repository(store)
     init_head(store, DEFAULT_BRANCH)
     return Repository(store)
@@ -339,7 +353,8 @@ class Repository:
                     retention: "RetentionPolicy | None" = None, max_in_flight: int = 4,
                     push_to: str | None = None, local_keep_last: int | None = None,
                     local_max_bytes: int | str | None = None, on_full: str = "wait",
-                    single_process: bool = False, tensor_stats: bool = True) -> "Snapshotter":
+                    single_process: bool = False, tensor_stats: bool = True,
+                    compression: str | bool | None = None) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.saving._capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
@@ -360,13 +375,15 @@ class Repository:
         ``tensor_stats``: record each tensor's statistics while capturing (norm, mean, std, min, max, absmax,
         NaN and Inf counts), which ``trajectory``, ``stats``, ``bisect`` and the web page read instead of the
         data; False saves the capture thread that pass over the bytes.
+        ``compression``: "zstd" or "none" (False) for this snapshotter's versions; None follows the repository's
+        setting (``ckptrepo.init(url, compression=...)``).
         """
         from ckptrepo.saving._capture import Snapshotter
         return Snapshotter(self._plumbing, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
                            parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
                            dedup=dedup, retention=retention, max_in_flight=max_in_flight, push_to=push_to,
                            local_keep_last=local_keep_last, local_max_bytes=local_max_bytes, on_full=on_full,
-                           single_process=single_process, tensor_stats=tensor_stats)
+                           single_process=single_process, tensor_stats=tensor_stats, compression=compression)
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,

@@ -259,8 +259,10 @@ def _complete_ref(kind: str):
 @cli.command()
 @click.argument("url", required=False)
 @click.option("--exist-ok", is_flag=True, help="Succeed if a repository is already there.")
+@click.option("--compression", type=click.Choice(["zstd", "none"]), default=None,
+              help="Store tensors compressed losslessly (zstd after a byte shuffle); pays on slow remote stores.")
 @click.pass_context
-def init(ctx: click.Context, url: str | None, exist_ok: bool) -> None:
+def init(ctx: click.Context, url: str | None, exist_ok: bool, compression: str | None) -> None:
     """Create a repository at URL (default: --repo)."""
     where = url or ctx.obj["url"]
     if where.startswith("memory://"):   # it would be gone when this command exits, after a "success"
@@ -268,7 +270,7 @@ def init(ctx: click.Context, url: str | None, exist_ok: bool) -> None:
                             "`ckptrepo init` is gone when the command ends; create it with ckptrepo.init() in "
                             "your program, or init a path, or an s3:// or gs:// URL")
     try:
-        repo = ckptrepo.init(where, exist_ok=exist_ok)
+        repo = ckptrepo.init(where, exist_ok=exist_ok, compression=compression)
     except ckptrepo.RepositoryExistsError:
         raise ckptrepo.RepositoryExistsError(f"a repository already exists at {where}; use it with "
                                              f"--repo, or pass --exist-ok") from None

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 2
 CONFIG_KEY = "ckptrepo.json"
+COMPRESSION_SETTING = "compression"   # ckptrepo.json: the arrays' compression, set at init (absent: none)
 HEAD_KEY = "HEAD"
 HEADS_PREFIX = "refs/heads/"
 TAGS_PREFIX = "refs/tags/"

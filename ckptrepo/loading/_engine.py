@@ -237,9 +237,9 @@ class _Execution:
 
     def _submit(self, run: _Run) -> _DirectRead | _BoundRead | list[Any]:
         """Start a run's reads: the direct read in flight, or (no direct reader) TensorStore's futures."""
-        if self.direct is None:
-            return self._submit_ts(run)
         info = self.arrays[run.array]
+        if self.direct is None or info.compression is not None:   # the direct reader reads plain chunks only
+            return self._submit_ts(run)
         table = self.engine.table(run.array)
         try:
             dests = [r.direct_target(info) for r in run.reads]

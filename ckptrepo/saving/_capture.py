@@ -53,6 +53,8 @@ import xxhash
 from ckptrepo import faults
 from ckptrepo.core._boxes import volume
 from ckptrepo.core._manifest import (
+    COMPRESSION_SETTING,
+    CONFIG_KEY,
     DATA_PREFIX,
     Version,
     checked_message,
@@ -70,6 +72,7 @@ from ckptrepo.errors import (
     BackpressureWarning,
     CkptRepoError,
     ConflictError,
+    FormatVersionError,
     LayoutError,
     RefError,
     RetentionError,
@@ -102,7 +105,15 @@ from ckptrepo.saving._writer import (
     live_residues,
 )
 from ckptrepo.state._providers import TensorRecord, flatten, is_dtensor
-from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, ArrayInfo, create_array, itemsize
+from ckptrepo.storage._arrays import (
+    COMPRESSIONS,
+    INNER_BYTES,
+    SHARD_BYTES,
+    ArrayInfo,
+    check_compression,
+    create_array,
+    itemsize,
+)
 from ckptrepo.storage._chunktable import chunk_crcs, write_table
 from ckptrepo.storage._localwrite import DirectWriter, LiveShard
 
@@ -180,6 +191,18 @@ def default_local_max_bytes(store: Any) -> int | None:
         return None
 
 
+def snapshot_compression(plumbing: Plumbing, compression: Any) -> str | None:
+    """The compression a snapshotter's arrays get: ``compression`` ("zstd", or "none"/False: off), or for None
+    the repository's setting (``ckptrepo.init(url, compression=...)``)."""
+    if compression is not None:
+        return check_compression(compression)
+    setting = plumbing.config.get(COMPRESSION_SETTING)
+    if setting is None or setting in COMPRESSIONS:
+        return setting
+    raise FormatVersionError(f"{plumbing.url}: {CONFIG_KEY} asks for compression {str(setting)[:20]!r}, which this "
+                             f"ckptrepo does not write; upgrade ckptrepo, or pass compression='none'")
+
+
 class Snapshotter:
     """Asynchronous snapshots of a training state onto the current branch.
 
@@ -220,10 +243,14 @@ class Snapshotter:
                  group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
                  retention: RetentionPolicy | None = None, max_in_flight: int = 4, push_to: str | None = None,
                  local_keep_last: int | None = None, local_max_bytes: int | str | None = None,
-                 on_full: str = "wait", single_process: bool = False, tensor_stats: bool = True) -> None:
+                 on_full: str = "wait", single_process: bool = False, tensor_stats: bool = True,
+                 compression: str | bool | None = None) -> None:
         for name, flag in (("single_process", single_process), ("tensor_stats", tensor_stats)):
             if not isinstance(flag, bool):
                 raise ArgumentError(f"{name} must be True or False, not {flag!r:.40}")
+        # the arrays' lossless compression (None: the repository's setting); compressed shards are encoded and
+        # written by TensorStore from staged copies, never from the tensors' memory (decisions/035)
+        self.compression = snapshot_compression(plumbing, compression)
         # per-tensor statistics taken while capturing (saving/_tensor_stats.py), which trajectory questions read
         self.tensor_stats = tensor_stats
         host_bytes, tier_bytes = check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup,
@@ -271,7 +298,8 @@ class Snapshotter:
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._direct = DirectWriter.for_store(plumbing.store)   # local store: shards written without TensorStore
+        # local store: plain shards written without TensorStore
+        self._direct = DirectWriter.for_store(plumbing.store) if self.compression is None else None
         # page-aligned buffers where the direct writer may write them with O_DIRECT as they are (fill_live)
         self.pool = StagingPool(shard, max(2, self.host_memory // shard), pin=pin,
                                 align=LIVE_ALIGN if self._direct is not None and self._direct.direct_io else 0)
@@ -440,7 +468,7 @@ class Snapshotter:
         plan = self.plans.get(records, self.shard_bytes, residues)
         job.written = written
         job.plan_index = {ri: pi for pi, ri in enumerate(written)}
-        job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i)
+        job.arrays = {d: ArrayInfo(f"{DATA_PREFIX}{job.vid}/{self.rank}/{d}", d, n, s, i, compression=self.compression)
                       for d, (n, s, i) in plan.streams.items()}
         job.chunk_crcs = {d: np.zeros(info.chunks, dtype="<u4") for d, info in job.arrays.items()}
         # CUDA tensors were hashed on their device before (DedupIndex.decide): nothing of theirs is hashed here

@@ -15,6 +15,7 @@ import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptrepo.errors import ArgumentError
 from ckptrepo.storage._localfs import file_kind, look
 from ckptrepo.storage.protocol import Store
 
@@ -29,6 +30,20 @@ MISSING_CHUNK = (1 << 64) - 1   # a shard index entry (offset and size) of an ab
 _BYTES_CODEC = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
 
+# The lossless compressions an array may be stored with (``ArrayInfo.compression``; docs/format.md). "zstd": each
+# inner chunk through zarr v3's standard ``blosc`` codec (zstd after a byte shuffle), which TensorStore and
+# zarr-python both read (docs/decisions/035-zstd-compression.md).
+COMPRESSIONS = ("zstd",)
+BLOSC_CLEVEL = 1            # blosc's level 1 is zstd's level 1: most of the ratio at the highest speed
+BLOSC_HEADER_BYTES = 16     # the least a blosc frame takes (its header): what a compressed chunk holds at least
+
+
+def blosc_codec(itemsize: int) -> dict[str, Any]:
+    """The inner-chunk codec of a "zstd" array: shuffling each element's bytes first groups the floating-point
+    exponents, which compress, apart from the mantissas, which barely do."""
+    return {"name": "blosc", "configuration": {"cname": "zstd", "clevel": BLOSC_CLEVEL, "shuffle": "shuffle",
+                                               "typesize": itemsize, "blocksize": 0}}
+
 
 @dataclass(frozen=True)
 class ArrayInfo:
@@ -40,6 +55,7 @@ class ArrayInfo:
     shard_elems: int
     inner_elems: int
     digest: int | None = None   # xxh3-64 of the chunk table (storage/_chunktable.py); None: written before format 2
+    compression: str | None = None   # one of COMPRESSIONS, or None: inner chunks stored as their bytes
 
     def with_digest(self, digest: int) -> "ArrayInfo":
         return dataclasses.replace(self, digest=digest)
@@ -73,12 +89,14 @@ class ArrayInfo:
                              "inner_elems": self.inner_elems}
         if self.digest is not None:
             d["digest"] = self.digest
+        if self.compression is not None:   # absent for plain arrays: their records stay as older releases wrote them
+            d["compression"] = self.compression
         return d
 
     @classmethod
     def from_json(cls, key: str, d: dict[str, Any]) -> "ArrayInfo":
         return cls(key=key, dtype=d["dtype"], numel=d["numel"], shard_elems=d["shard_elems"],
-                   inner_elems=d["inner_elems"], digest=d.get("digest"))
+                   inner_elems=d["inner_elems"], digest=d.get("digest"), compression=d.get("compression"))
 
 
 INDEX_ENTRY_BYTES = 16   # a shard index's (offset, length) per inner chunk, uint64 each
@@ -111,6 +129,9 @@ def array_problem(info: ArrayInfo) -> str | None:
         return f"array key {str(info.key)[:80]!r} is not data/<id>/<rank>/<dtype>"
     if info.dtype != match.group(1):
         return f"array {info.key} is said to hold {str(info.dtype)[:20]!r}, not the dtype its key names"
+    if info.compression is not None and info.compression not in COMPRESSIONS:
+        return f"array {info.key} is stored with compression {str(info.compression)[:20]!r}, which this ckptrepo " \
+               f"does not read; upgrade ckptrepo (pip install -U ckptrepo)"
     try:
         item = itemsize(info.dtype)
     except Exception:  # noqa: BLE001 - TensorStore raises ValueError and friends for a name it does not know
@@ -133,12 +154,13 @@ def array_problem(info: ArrayInfo) -> str | None:
 
 
 def shard_floor(info: ArrayInfo, index: int) -> int:
-    """The fewest bytes shard object ``index`` holds when whole: each of its inner chunks (the last one padded)
-    with its crc32c, then the index of every chunk the shard can hold, with its crc32c. Chunks written from
-    memory may sit further apart (localwrite), never closer."""
+    """The fewest bytes shard object ``index`` holds when whole: each of its inner chunks (the last one padded;
+    compressed, at least a blosc header) with its crc32c, then the index of every chunk the shard can hold, with
+    its crc32c. Chunks written from memory may sit further apart (localwrite), never closer."""
     lo = index * info.shard_elems
     chunks = -(-(min(info.numel, lo + info.shard_elems) - lo) // info.inner_elems)
-    return chunks * (info.inner_bytes + 4) + info.shard_elems // info.inner_elems * INDEX_ENTRY_BYTES + 4
+    chunk = BLOSC_HEADER_BYTES if info.compression is not None else info.inner_bytes
+    return chunks * (chunk + 4) + info.shard_elems // info.inner_elems * INDEX_ENTRY_BYTES + 4
 
 
 class StoredShards:
@@ -192,7 +214,8 @@ class StoredShards:
 def layout_bytes(info: ArrayInfo) -> int:
     """The sharded layout's size of array ``info``: every inner chunk whole with its crc32c (the last one
     padded) and each shard's index. Its tensor bytes alone (``nbytes``) leave out the padding of small arrays'
-    last chunks, so ``du`` would report less than the repository holds."""
+    last chunks, so ``du`` would report less than the repository holds. For a compressed array it is the
+    most it takes, as if nothing compressed (what it holds is known only from its objects' sizes)."""
     per_shard = info.shard_elems // info.inner_elems
     return info.chunks * (info.inner_bytes + 4) + len(info.shards()) * (per_shard * INDEX_ENTRY_BYTES + 4)
 
@@ -250,7 +273,8 @@ def zarr_metadata(info: ArrayInfo) -> dict[str, Any]:
         "chunk_key_encoding": {"name": "default"},
         "codecs": [{"name": "sharding_indexed", "configuration": {
             "chunk_shape": [info.inner_elems],
-            "codecs": [_BYTES_CODEC, _CRC],
+            "codecs": [_BYTES_CODEC, _CRC] if info.compression is None
+            else [_BYTES_CODEC, blosc_codec(info.itemsize), _CRC],
             "index_codecs": [_BYTES_CODEC, _CRC],
             "index_location": "end",
         }}],
@@ -275,7 +299,8 @@ def metadata_matches(info: ArrayInfo, stored: Any) -> bool:
     through TensorStore, which is slow per array on a cold load; anything that
     does not match is left to TensorStore to judge.
     """
-    if not isinstance(stored, dict) or stored.get("zarr_format") != 3 or stored.get("node_type") != "array":
+    if not isinstance(stored, dict) or stored.get("zarr_format") != 3 or stored.get("node_type") != "array" \
+            or info.compression is not None:   # the direct path reads plain chunks only
         return False
     # anything else TensorStore would have to understand (storage transformers, extensions), or a fill value
     # other than the zeros create_array leaves, is TensorStore's to judge: it refuses what it cannot read
@@ -296,6 +321,16 @@ def metadata_matches(info: ArrayInfo, stored: Any) -> bool:
                 and got_cfg == want["codecs"][0]["configuration"])
     except (KeyError, IndexError, TypeError, AttributeError):
         return False
+
+
+def check_compression(value: Any, what: str = "compression") -> str | None:
+    """``value`` as an ``ArrayInfo.compression`` (None: off); ArgumentError for anything but the accepted values."""
+    if value is None or value is False or value == "none":
+        return None
+    if isinstance(value, str) and value in COMPRESSIONS:
+        return value
+    accepted = ", ".join(repr(c) for c in COMPRESSIONS)
+    raise ArgumentError(f"{what} must be {accepted}, 'none' or None, not {value!r:.40}")
 
 
 def create_array(store: Store, info: ArrayInfo) -> ts.TensorStore:
