@@ -50,7 +50,9 @@ step tests 110 8 python -m pytest -q -p no:cacheprovider -k "cuda or gpu" $CUDA_
 step capture 75 12 python benchmarks/gpu_capture.py --gb 1 --repeat 1
 
 # (c) a GPT trained on the GPU, snapshotted every iteration, against no snapshot
-step training 85 6 python benchmarks/gpu_training.py --step-ms 100 --steps 10 --rounds 3
+step training 85 7 python benchmarks/gpu_training.py --step-ms 100 --steps 10 --rounds 3
+# (c') the same with a frozen model (only the LayerNorms train): what dedup leaves to write each step
+step training-frozen 60 7 python benchmarks/gpu_training.py --step-ms 100 --steps 10 --rounds 3 --frozen
 
 # (d) loads onto the GPU: ckptrepo against torch.load(map_location="cuda") and DCP
 step load 60 9 python benchmarks/gpu_load.py --gb 2 --repeat 2

@@ -89,6 +89,7 @@ from ckptrepo.saving._commit import Committer
 from ckptrepo.saving._dedup import DedupIndex, dedup_key, piece_id
 from ckptrepo.saving._device_copies import DeviceCopies
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change
+from ckptrepo.saving._gil import quick_gil_handoffs
 from ckptrepo.saving._host_memory import default_host_memory, parse_size
 from ckptrepo.saving._pusher import BackgroundPusher
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
@@ -725,7 +726,9 @@ class Snapshotter:
                 self._flush_q.put(None)
                 return
             try:
-                self._capture(job)
+                # a CUDA capture is a few hundred short torch calls, each taking the GIL back (saving/_gil.py)
+                with quick_gil_handoffs() if job.ready else contextlib.nullcontext():
+                    self._capture(job)
             except BaseException as err:  # noqa: BLE001 - reported through the job
                 job.fail(err)
             finally:

@@ -125,7 +125,10 @@ class DedupIndex:
                 job.watch.add(i)
                 if prev is not None:
                     job.match[i] = prev
-        return bool(job.watch) and (not self.seeded or any(m.digest is not None for m in job.match.values()))
+        # decided in the capture thread: before the first look at the parent, where a stored digest may match,
+        # and where a watched CUDA tensor is to be hashed on its device (no staging hasher sees its bytes)
+        return bool(job.watch) and (not self.seeded or any(m.digest is not None for m in job.match.values())
+                                    or any(job.records[i].tensor.is_cuda for i in job.watch))
 
     def _seed(self) -> None:
         """Capture thread, before the first decision: the parent's pieces (a failure to read it only costs
