@@ -47,7 +47,7 @@ CUDA_TESTS="tests/unit/test_content_hash.py tests/integration/test_cuda.py tests
 step tests 110 8 python -m pytest -q -p no:cacheprovider -k "cuda or gpu" $CUDA_TESTS
 
 # (b) capture rate against the pinned-copy floor; 1 GB of 416 tensors idle and with a busy Python thread
-step capture 75 12 python benchmarks/gpu_capture.py --gb 1 --repeat 1
+step capture 75 12 python benchmarks/gpu_capture.py --gb 1 --repeat ${CAPTURE_REPEAT:-1} ${CAPTURE_MODES:+--modes "$CAPTURE_MODES"}
 
 # (c) a GPT trained on the GPU, snapshotted every iteration, against no snapshot
 step training 85 7 python benchmarks/gpu_training.py --step-ms 100 --steps 10 --rounds 3

@@ -739,7 +739,10 @@ class Snapshotter:
     def _capture(self, job: SnapshotJob) -> None:
         cuda = bool(job.ready)
         if cuda and self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda))
+            # a high priority: the hash and statistics kernels run between the training step's kernels instead
+            # of after them, since the optimizer's step waits for this capture
+            self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda),
+                                                  priority=-1)
         if job.plan is None:
             assert self._dedup is not None   # only dedup defers the plan
             try:   # CUDA tensors are hashed on the side stream, once the training stream has reached snapshot()
