@@ -7,7 +7,7 @@ A digest is 17 bytes: an algorithm byte, then a 128-bit hash of the tensor's byt
 * ``WORDSUM`` (2): a sum of mixed 64-bit words, for CUDA tensors, computed by torch ops on the tensor's own
   device, so that an unchanged GPU tensor is recognised before its bytes cross PCIe. Each word, tagged with
   its position in the tensor, goes through a bijective mixer (multiply by odd constants, xor-shift right),
-  and two differently mixed lanes are summed modulo 2**64. A sum is order-free, so one ``index_add_`` per
+  and two differently mixed lanes are summed modulo 2**64. A sum is order-free, so one prefix sum per
   group of tensors reduces every tensor of the group at once, and integer sums give the same bits on every
   device and in every reduction order: the same function runs on CPU tensors, which is how CI checks it. A
   single changed word always changes a lane (the mixer is a bijection); changes that cancel in both lanes
@@ -125,30 +125,39 @@ def wordsum_digests(tensors: Sequence[torch.Tensor], group_bytes: int = GROUP_BY
         dst = [raw[s:s + src.numel() * src.element_size()].view(src.dtype).view(src.shape)
                for _, src, s, _ in g.parts]
         torch._foreach_copy_(dst, [src.detach() for _, src, _, _ in g.parts])
-        # per word: its owner, and what turns its index in the buffer into its index in the owner's words; the
-        # words between slots (alignment padding) go to an owner past the last, whose sum is dropped
-        owner, offset, repeat = [], [], []
+        # per word, what turns its index in the buffer into its index in its tensor's words (the padding
+        # between slots belongs to no tensor); per slot, its words [lo, hi) and its tensor
+        offset, repeat, lo, hi, owner = [], [], [], [], []
         for k, (o, src, start, first) in enumerate(g.parts):
-            owner += [o, len(tensors)]
+            n = -(-(src.numel() * src.element_size()) // 8)
             offset += [start // 8 - first, 0]
-            repeat += [-(-(src.numel() * src.element_size()) // 8), _gap(g, k)]
-        meta = torch.tensor([owner, offset, repeat], dtype=torch.int64).to(device)
-        seg = torch.repeat_interleave(meta[0], meta[2], output_size=words)
-        base = torch.repeat_interleave(meta[1], meta[2], output_size=words)
+            repeat += [n, _gap(g, k)]
+            lo.append(start // 8)
+            hi.append(start // 8 + n)
+            owner.append(o)
+        meta = torch.tensor([offset, repeat], dtype=torch.int64).to(device)
+        slots = torch.tensor([lo, hi, owner], dtype=torch.int64).to(device)
+        base = torch.repeat_interleave(meta[0], meta[1], output_size=words)
         z = torch.arange(words, dtype=torch.int64, device=device).sub_(base).mul_(_s64(_POS)).bitwise_xor_(buf)
         del buf, raw, dst, base
         z.mul_(_s64(_M1))
         z.bitwise_xor_(_lsr(z, 29))
         z.mul_(_s64(_M2))
         z.bitwise_xor_(_lsr(z, 32))
-        acc = torch.zeros((2, len(tensors) + 1), dtype=torch.int64, device=device)
-        acc[0].index_add_(0, seg, z)
+        lanes[0].index_add_(0, slots[2], _slot_sums(z, slots))
         z.mul_(_s64(_M3))
         z.bitwise_xor_(_lsr(z, 31))
-        acc[1].index_add_(0, seg, z)
-        lanes += acc[:, :len(tensors)]
+        lanes[1].index_add_(0, slots[2], _slot_sums(z, slots))
     sums = lanes.cpu().tolist()
     return [_finish(a & _U64, b & _U64, t.numel() * t.element_size()) for a, b, t in zip(sums[0], sums[1], tensors)]
+
+
+def _slot_sums(z: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The sum (mod 2**64) of each slot's words, from one prefix sum: a scan reads each word once, where an
+    ``index_add_`` into a few hundred sums would serialise millions of atomic adds on the same addresses."""
+    cs = torch.cumsum(z, 0)
+    lo, hi = slots[0], slots[1]
+    return cs.index_select(0, hi - 1) - cs.index_select(0, (lo - 1).clamp_(min=0)) * (lo > 0)
 
 
 def _gap(g: _Group, k: int) -> int:
