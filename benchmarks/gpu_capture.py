@@ -16,6 +16,11 @@ checkpointed while the GPU is otherwise idle, so the figures are the capture pat
                        data pipeline or bookkeeping): the capture thread then gets the GIL back once per
                        switch interval at best, so what counts is how few torch calls capture makes
 * ``ckptrepo busy -stats`` the same without the per-tensor statistics (``tensor_stats=False``)
+* ``ckptrepo unchanged`` the same state snapshotted again with dedup on: every tensor is hashed on the GPU,
+                       found unchanged, and not copied at all
+
+The ``ckptrepo`` modes other than ``unchanged`` run with dedup off, since the rounds snapshot one unchanged
+state and the copy path is what they measure.
 
 Reported per mode, fastest of ``--repeat``: the time the calling thread was held, the time until the
 host held the state (the moment training may change it), and that as GB/s. The default state (1 GB of
@@ -93,9 +98,12 @@ def dcp_async(state: dict[str, torch.Tensor], root: str) -> tuple[float, float]:
 
 
 class CkptRepoCapture:
-    def __init__(self, root: str, host_memory: str, name: str = "repo", tensor_stats: bool = True) -> None:
+    def __init__(self, root: str, host_memory: str, name: str = "repo", tensor_stats: bool = True,
+                 dedup: bool = False) -> None:
+        # dedup off by default: the rounds snapshot the same unchanged state, which dedup would not copy at all
+        # (the "unchanged" mode measures that: the GPU-side hash alone)
         self.repo = ckptrepo.init(os.path.join(root, name))
-        self.snap = self.repo.snapshotter(host_memory=host_memory, tensor_stats=tensor_stats)
+        self.snap = self.repo.snapshotter(host_memory=host_memory, tensor_stats=tensor_stats, dedup=dedup)
         self.step = 0
 
     def __call__(self, state: dict[str, torch.Tensor], root: str) -> tuple[float, float]:
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "floor pinned": floor_pinned, "ckptrepo": CkptRepoCapture(root, host_memory),
             "ckptrepo busy": BusyPython(CkptRepoCapture(root, host_memory, "repo-busy")),
             "ckptrepo busy -stats": BusyPython(CkptRepoCapture(root, host_memory, "repo-busy-ns", False)),
+            "ckptrepo unchanged": CkptRepoCapture(root, host_memory, "repo-dedup", dedup=True),
             "floor pageable": floor_pageable, "torch.save": torch_save, "dcp.async_save": dcp_async}
         if args.modes != "all":
             wanted = [m.strip() for m in args.modes.split(",")]
