@@ -58,7 +58,7 @@ class Piece(NamedTuple):
         return raw
 
 
-DIGEST_BYTES = 17
+DIGEST_BYTES = 17   # what this release writes; a reader takes any algorithm byte and hash up to 64 bytes
 
 
 def _piece(p: dict[str, Any]) -> Piece:
@@ -68,9 +68,9 @@ def _piece(p: dict[str, Any]) -> Piece:
 
 def _digest(raw: Any, what: str) -> bytes | None:
     """A piece's ``digest`` field, checked (raises FieldError)."""
-    if raw is None or type(raw) is bytes and len(raw) == DIGEST_BYTES:
+    if raw is None or type(raw) is bytes and 2 <= len(raw) <= 65:
         return raw
-    raise FieldError(f"{what} has the digest {_short(raw)}, not {DIGEST_BYTES} bytes")
+    raise FieldError(f"{what} has the digest {_short(raw)}, not an algorithm byte and a hash")
 
 
 class TensorEntry(NamedTuple):

@@ -67,6 +67,7 @@ from ckptrepo.core._manifest import (
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import check_ref_name
 from ckptrepo.core._remotes import remote_url
+from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import (
     ArgumentError,
     BackpressureWarning,
@@ -403,6 +404,7 @@ class Snapshotter:
                 ids = [piece_id(r.name, box) for r, box in zip(records, boxes)]
         handle = SnapshotHandle(vid, step)
         job = SnapshotJob(handle, skeleton, records, None, message, metrics, started=t0, sharded=local is not None,
+                   record_stats=self.tensor_stats,
                    meta=meta, tag=tag, force_tag=bool(force_tag),
                    leaf_names=leaf_names, names=names, boxes=boxes, keys=keys, ids=ids,
                    replicas=[] if local is None else [(p.name, p.box, p.view, p.replicated) for p in local[0].pieces
@@ -963,18 +965,22 @@ class Snapshotter:
     def _commit(self, job: SnapshotJob) -> Version:
         job.arrays = {d: write_table(self.plumbing.store, info, job.chunk_crcs[d]) for d, info in job.arrays.items()}
         if self._dedup is not None and job.reused:
-            self._dedup.check_reused(self.plumbing.store, job)
+            self._dedup.check_reused(self.plumbing.store, job, {s.array: ArrayInfo.from_json(s.array, s.info)
+                                                                for s in job.reused.values()})
 
         version = self._committer.commit(job)
         if self._dedup is not None:
             self._dedup.remember(job)
         return version
 
-    def _recheck_reused(self, job: SnapshotJob) -> None:
-        """Between the manifest and the ref: the reused arrays again. A prune that began meanwhile either reads
-        this manifest (and keeps what it reuses) or has its intent seen here (maintenance/_gc.py prune_version)."""
-        if self._dedup is not None and job.reused:
-            self._dedup.check_reused(self.plumbing.store, job, announced=True)
+    def _recheck_reused(self, job: SnapshotJob, manifest: Manifest) -> None:
+        """Between the manifest and the ref: the reused arrays again, every rank's (those of the manifest that
+        are not this version's own). A prune that began meanwhile either reads this manifest (and keeps what it
+        reuses) or has its intent seen here (maintenance/_gc.py prune_version)."""
+        own = f"{DATA_PREFIX}{job.vid}/"
+        reused = {k: a for k, a in manifest.arrays.items() if not k.startswith(own)}
+        if self._dedup is not None and reused:
+            self._dedup.check_reused(self.plumbing.store, job, reused, announced=True)
 
     def _apply_retention(self) -> None:
         """Background gc after a commit; a failure is logged and raised by the next call, like a failed snapshot."""

@@ -81,7 +81,7 @@ class Committer:
             refuse_new_root(plumbing, head.branch, head.orphan)
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
         # called between the manifest and the ref: a check that must see what a concurrent prune sees (dedup)
-        self.before_ref: Callable[[SnapshotJob], None] | None = None
+        self.before_ref: Callable[[SnapshotJob, Manifest], None] | None = None
         faults.point("after_read_head")
 
     def commit(self, job: SnapshotJob) -> Version:
@@ -155,7 +155,7 @@ class Committer:
         self.plumbing.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
         faults.point("after_manifest")
         if self.before_ref is not None:
-            self.before_ref(job)
+            self.before_ref(job, manifest)
         moved = self.plumbing.refs.move_branch(self.branch, job.vid, self.generation, self.tip,
                                                self.plumbing.first_parent)
         if moved is None:

@@ -10,8 +10,9 @@ A digest is 17 bytes: an algorithm byte, then a 128-bit hash of the tensor's byt
   and two differently mixed lanes are summed modulo 2**64. A sum is order-free, so one prefix sum per
   group of tensors reduces every tensor of the group at once, and integer sums give the same bits on every
   device and in every reduction order: the same function runs on CPU tensors, which is how CI checks it. A
-  single changed word always changes a lane (the mixer is a bijection); changes that cancel in both lanes
-  are as unlikely as a 128-bit collision, and like xxh3 it is not cryptographic.
+  single changed word always changes both lanes (the mixer is a bijection); several changes collide only if
+  their position-tagged words keep the same multiset (words moved to where their tags swap) or cancel in
+  both sums at once, which accidental changes do not do; like xxh3 it is not cryptographic.
 
 The number of torch calls per group is fixed, not per tensor: a capture thread that needs the GIL from a
 training thread running Python gets it once per switch interval, so a per-tensor loop of kernel launches
@@ -99,7 +100,7 @@ def _groups(tensors: Sequence[torch.Tensor], group_bytes: int) -> list[_Group]:
         if n == 0:
             continue
         flat = t.reshape(-1) if n * size > group_bytes else t
-        step = max(1, (group_bytes // size) // 8 * 8)   # elements per cut: a multiple of 8 elements is whole words
+        step = max(8, (group_bytes // size) // 8 * 8)   # elements per cut: a multiple of 8 elements is whole words
         for e in range(0, n, step):
             count = min(step, n - e)
             part = flat if count == n else flat[e:e + count]
@@ -124,7 +125,9 @@ def wordsum_digests(tensors: Sequence[torch.Tensor], group_bytes: int = GROUP_BY
         raw = buf.view(torch.uint8)
         dst = [raw[s:s + src.numel() * src.element_size()].view(src.dtype).view(src.shape)
                for _, src, s, _ in g.parts]
-        torch._foreach_copy_(dst, [src.detach() for _, src, _, _ in g.parts])
+        # resolved first: a CUDA _foreach_copy_ can take a fast path that ignores the conjugate and negative bits,
+        # and the digest must cover the values as stored (a lazy view's copy is made only for such views)
+        torch._foreach_copy_(dst, [src.detach().resolve_conj().resolve_neg() for _, src, _, _ in g.parts])
         # per word, what turns its index in the buffer into its index in its tensor's words (the padding
         # between slots belongs to no tensor); per slot, its words [lo, hi) and its tensor
         offset, repeat, lo, hi, owner = [], [], [], [], []

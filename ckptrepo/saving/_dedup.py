@@ -14,6 +14,7 @@ hashed on their device before any copy, so an unchanged one crosses neither PCIe
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -31,7 +32,9 @@ from ckptrepo.storage.protocol import Store
 if TYPE_CHECKING:
     from ckptrepo.saving._snapshot_job import SnapshotJob
 
-DedupKey = tuple  # (dtype, shape, stride, data_ptr, autograd version) of a live tensor
+log = logging.getLogger("ckptrepo")
+
+DedupKey = tuple  # (dtype, shape, stride, data_ptr, autograd version, conj and neg bits) of a live tensor
 PieceId = tuple   # (name, offsets, sizes): a tensor, or a piece of a global tensor, as the manifest names it
 
 
@@ -65,7 +68,7 @@ def dedup_key(r: TensorRecord) -> DedupKey | None:
         version = t._version
     except RuntimeError:   # inference tensors have no version counter: the hash alone decides
         version = -1
-    return (r.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), version)
+    return (r.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), version, t.is_conj(), t.is_neg())
 
 
 def piece_id(name: str, box: Any) -> PieceId:
@@ -78,9 +81,10 @@ def missing_objects(store: Store, array: ArrayInfo) -> list[str]:
     return [k for k in [f"{array.key}/zarr.json", *(array.shard_key(s) for s in array.shards())] if k not in present]
 
 
-def seed_from(manifest: Manifest, store: Store) -> dict[PieceId, StoredTensor]:
-    """The pieces of ``manifest`` that a new snapshot may point at: those with a digest whose array is whole in
-    ``store`` (an evicted or pruned version's data is not), with their recorded statistics."""
+def seed_from(manifest: Manifest, store: Store, ids: set[PieceId]) -> dict[PieceId, StoredTensor]:
+    """The pieces of ``manifest`` among ``ids`` that a new snapshot may point at: those with a digest whose
+    array is whole in ``store`` (an evicted or pruned version's data is not), with their recorded statistics.
+    Only the arrays of those pieces are listed: a rank never lists the arrays of pieces it does not hold."""
     rows = manifest.tensor_stats.rows() if manifest.tensor_stats is not None else {}
     whole: dict[str, bool] = {}
     out: dict[PieceId, StoredTensor] = {}
@@ -88,7 +92,7 @@ def seed_from(manifest: Manifest, store: Store) -> dict[PieceId, StoredTensor]:
         row = rows.get(t.name)
         stats = None if row is None else tuple(row.get(c, math.nan) for c in STAT_COLUMNS[:-2])   # not the change
         for p in t.pieces:
-            if p.digest is None:
+            if p.digest is None or piece_id(t.name, p.box) not in ids:
                 continue
             if p.array not in whole:
                 whole[p.array] = not missing_objects(store, manifest.arrays[p.array])
@@ -130,28 +134,37 @@ class DedupIndex:
         return bool(job.watch) and (not self.seeded or any(m.digest is not None for m in job.match.values())
                                     or any(job.records[i].tensor.is_cuda for i in job.watch))
 
-    def _seed(self) -> None:
-        """Capture thread, before the first decision: the parent's pieces (a failure to read it only costs
-        the dedup of this snapshot: everything is written)."""
+    def _seed(self, ids: set[PieceId]) -> None:
+        """Capture thread, before the first decision: the parent's pieces among ``ids`` (this rank's). A failure
+        to read them only costs this snapshot its dedup: everything is written."""
         self.seeded = True
         if self._parent is None or self._read is None or self._store is None or self.stored:
             return
-        self.stored = seed_from(self._read(self._parent), self._store)
+        try:
+            self.stored = seed_from(self._read(self._parent), self._store, ids)
+        except Exception as err:  # noqa: BLE001 - a store error here must not fail the snapshot
+            log.warning("ckptrepo: dedup could not read parent version %s (%s); this snapshot writes every tensor",
+                        self._parent[:12], err)
 
     def decide(self, job: "SnapshotJob") -> list[int]:
         """Capture thread: reuse the matched pieces whose bytes hash as stored; returns the records to write.
         CUDA tensors are hashed in the current stream, which must follow the training stream's events."""
         if not self.seeded:
-            self._seed()
+            self._seed({job.ids[i] for i in job.watch})
             stored = self.stored
             for i in job.watch:
                 prev = stored.get(job.ids[i])
                 if prev is not None and i not in job.match:
                     job.match[i] = prev
-        cuda = [i for i in sorted(job.watch) if job.records[i].tensor.is_cuda]
         # every watched CUDA tensor is hashed on its device: the digest of one that is written goes into the
         # manifest, since no staging hasher sees its bytes
-        job.digests.update(zip(cuda, wordsum_digests([job.records[i].tensor for i in cuda])))
+        by_device: dict[Any, list[int]] = {}
+        for i in sorted(job.watch):
+            if job.records[i].tensor.is_cuda:
+                by_device.setdefault(job.records[i].tensor.device, []).append(i)
+        for device, cuda in by_device.items():
+            with torch.cuda.device(device):
+                job.digests.update(zip(cuda, wordsum_digests([job.records[i].tensor for i in cuda])))
         written = []
         for i, r in enumerate(job.records):
             prev = job.match.get(i)
@@ -167,12 +180,14 @@ class DedupIndex:
                 job.reused_moments[i] = prev.moments if prev.moments is not None else _moments(job.records[i])
         return written
 
-    def check_reused(self, store: Store, job: "SnapshotJob", announced: bool = False) -> None:
-        """Commit thread: the arrays a version reuses must still be there (gc deletes an array no kept version
-        refers to); if one is gone, nothing is reused from the next snapshot on. ``announced``: also not listed
-        by a gc or prune under way (its intent), which only the check after the manifest needs to see."""
-        for key, info in sorted({s.array: s.info for s in job.reused.values()}.items()):
-            missing = missing_objects(store, ArrayInfo.from_json(key, info))
+    def check_reused(self, store: Store, job: "SnapshotJob", reused: dict[str, ArrayInfo],
+                     announced: bool = False) -> None:
+        """Commit thread: the arrays a version reuses (``reused``, by key) must still be there (gc deletes an
+        array no kept version refers to); if one is gone, nothing is reused from the next snapshot on.
+        ``announced``: also not listed by a gc or prune under way (its intent), which only the check after the
+        manifest needs to see."""
+        for key in sorted(reused):
+            missing = missing_objects(store, reused[key])
             if missing:
                 self.stored = {}
                 raise StorageError(f"{missing[0]} was deleted (gc or prune) while snapshot {job.vid[:12]} was in "
@@ -182,7 +197,7 @@ class DedupIndex:
         if not announced:
             return
         from ckptrepo.maintenance._gc import pruning_arrays
-        doomed = {s.array for s in job.reused.values()} & pruning_arrays(store, time.time())
+        doomed = set(reused) & pruning_arrays(store, time.time())
         if doomed:
             self.stored = {}
             raise StorageError(f"{min(doomed)} is being deleted by a `prune` while snapshot {job.vid[:12]} reuses "

@@ -36,7 +36,7 @@ __all__ = ["DeviceCopies", "StatRows", "segment_stats"]
 
 def _where(t: torch.Tensor) -> tuple[Any, ...]:
     """What must stay the same for a source view built earlier to still be this tensor's bytes."""
-    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device, t.is_conj(), t.is_neg())
 
 
 def _reusable(t: torch.Tensor) -> bool:
