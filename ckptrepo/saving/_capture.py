@@ -9,8 +9,10 @@ pipeline, each stage overlapping the others and the training loop:
   stream by an event on CUDA). A CPU state bound for a local store with
   ``O_DIRECT`` is not copied: each segment becomes a ``LiveShard`` whose whole
   inner chunks are written from the tensors' own memory, only the chunks at
-  tensor edges being copied (``_writer.fill_live``); the pre-step hook copies
-  whatever the writers have not written yet. An empty pool makes capture wait
+  tensor edges being copied (``_writer.fill_live``); once every segment is
+  queued, the capture thread feeds the bytes to the hashes and statistics
+  (``_writer.feed_live``); the pre-step hook copies whatever the writers or
+  that feed have not read yet. An empty pool makes capture wait
   (backpressure), so host memory stays bounded.
 * flush: hands each filled buffer on as one whole shard write (to the direct
   writer's threads for a local store, storage/_localwrite.py; to TensorStore
@@ -21,8 +23,8 @@ pipeline, each stage overlapping the others and the training loop:
 
 The training loop waits only for *capture*, and only before it mutates the
 state: ``attach(optimizer)`` installs a pre-step hook that does so, or call
-``wait_captured()``. It never waits for storage (for live shards: at most for
-the one ``LIVE_BATCH`` write in flight per writer thread, ~4 MiB each). A failed write never raises
+``wait_captured()``. It never waits for storage, nor, for live shards, for the
+hashes and statistics: only for the copy of what is still to be read. A failed write never raises
 inside training: the version is not committed, a failure record is written, and
 the error is raised by the next ``snapshot``/``wait``/``wait_captured``/``close``.
 
@@ -597,7 +599,7 @@ class Snapshotter:
             if job.live:   # what the writers have not written yet is copied out of the state now
                 job.staged.wait()
                 with interrupts_deferred():   # a Ctrl-C inside a release would lose its hold and hang the next step
-                    copied = sum(shard.release() for shard in list(job.live_shards))
+                    copied = sum(shard.release(_team_copy) for shard in list(job.live_shards))
                 with job.lock:
                     job.handle.stats.copied_bytes += copied
             job.handle._captured.wait()
@@ -1004,6 +1006,12 @@ class Snapshotter:
             self._errors.append(failure)
         log.error("ckptrepo: %s", failure)
         self._committer.record_failure(job, cause)   # rank 0 records the failure of a distributed version
+
+
+def _team_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy bytes with torch's intra-op threads: the pre-step hook runs in the training thread, whose team is idle
+    while it waits there, so the copy of what the writers have not reached takes every core, not one."""
+    torch.from_numpy(dst).copy_(torch.from_numpy(src))
 
 
 def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException, store_url: str, tier: bool) -> BaseException:

@@ -260,21 +260,33 @@ class LiveShard:
         self._feed_over = fed is None
         self._on_over = on_over
 
-    def release(self) -> int:
+    def release(self, copy: Callable[[np.ndarray, np.ndarray], Any] = np.copyto) -> int:
         """Copy the chunks still in the tensors' memory that a reader needs into the shadow; return how many bytes
-        that copied."""
+        that copied. Chunks that follow each other in memory go in one ``copy(dst, src)`` (the snapshotter's
+        copies with the training loop's threads, idle while it waits here)."""
         copied = 0
         with self._lock:
             if self.released:
                 return 0
-            for k in range(min(self.written, self.fed), len(self.chunks)):
-                if self.live[k]:
-                    cb = self.chunks[k].nbytes
-                    slot = self.shadow[k * cb:(k + 1) * cb]
-                    np.copyto(slot, self.chunks[k])
-                    self.chunks[k] = slot
-                    self.live[k] = False
-                    copied += cb
+            n = len(self.chunks)
+            k = min(self.written, self.fed)
+            while k < n:
+                if not self.live[k]:
+                    k += 1
+                    continue
+                cb = self.chunks[k].nbytes
+                start = self.chunks[k].ctypes.data
+                k1 = k + 1   # a run of live chunks adjacent in memory (the same tensor)
+                while k1 < n and self.live[k1] and self.chunks[k1].ctypes.data == start + (k1 - k) * cb:
+                    k1 += 1
+                # the run's bytes, one view from its first chunk: adjacent by address, so one stretch of memory
+                src = np.lib.stride_tricks.as_strided(self.chunks[k], shape=((k1 - k) * cb,))
+                copy(self.shadow[k * cb:k1 * cb], src)
+                for j in range(k, k1):
+                    self.chunks[j] = self.shadow[j * cb:(j + 1) * cb]
+                    self.live[j] = False
+                copied += (k1 - k) * cb
+                k = k1
             self._release()
         return copied
 
