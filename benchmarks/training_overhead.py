@@ -2,7 +2,11 @@
 
 One GPT-style model (examples/tiny_gpt.py) with AdamW trains on random tokens
 on the CPU for a fixed number of steps; the same loop (same seed, same batches)
-runs once per mode, all in one process:
+runs once per mode, all in one process. With ``--model mlp`` the model is
+instead an MLP of ``--n-layer`` square layers (about ``--model-mb`` of
+parameters and Adam moments, 230 MB by default) whose batch is chosen so that
+a step takes about ``--step-ms`` (100 ms by default), checkpointed every 5
+steps: the regime where a step is shorter than a checkpoint's write. The modes:
 
 * ``none``            no checkpoint (the baseline; run first and again at the end)
 * ``torch.save``      ``torch.save({model, optimizer state_dicts})`` to a new file, then fsync of the
@@ -48,6 +52,7 @@ CPU other processes and kernel threads (including writeback) used meanwhile.
     python benchmarks/training_overhead.py --every 1 10 --steps 30 --json out.json
     python benchmarks/training_overhead.py --model-mb 2000 --every 10   # ~2 GB of params+moments
     python benchmarks/training_overhead.py --rounds 12 --every 10 1     # one loop, the modes take turns
+    python benchmarks/training_overhead.py --model mlp --step-ms 100 --rounds 8   # short steps (issue 31)
 
 With ``--rounds R`` the modes are measured in turns instead (see overhead_turns.py): one training
 loop in which every mode, the baseline included, trains ``--turn-steps`` steps at a time in rotating
