@@ -2,7 +2,11 @@
 
 One GPT-style model (examples/tiny_gpt.py) with AdamW trains on random tokens
 on the CPU for a fixed number of steps; the same loop (same seed, same batches)
-runs once per mode, all in one process:
+runs once per mode, all in one process. With ``--model mlp`` the model is
+instead an MLP of ``--n-layer`` square layers (about ``--model-mb`` of
+parameters and Adam moments, 230 MB by default) whose batch is chosen so that
+a step takes about ``--step-ms`` (100 ms by default), checkpointed every 5
+steps: the regime where a step is shorter than a checkpoint's write. The modes:
 
 * ``none``            no checkpoint (the baseline; run first and again at the end)
 * ``torch.save``      ``torch.save({model, optimizer state_dicts})`` to a new file, then fsync of the
@@ -48,6 +52,7 @@ CPU other processes and kernel threads (including writeback) used meanwhile.
     python benchmarks/training_overhead.py --every 1 10 --steps 30 --json out.json
     python benchmarks/training_overhead.py --model-mb 2000 --every 10   # ~2 GB of params+moments
     python benchmarks/training_overhead.py --rounds 12 --every 10 1     # one loop, the modes take turns
+    python benchmarks/training_overhead.py --model mlp --step-ms 100 --rounds 8   # short steps (issue 31)
 
 With ``--rounds R`` the modes are measured in turns instead (see overhead_turns.py): one training
 loop in which every mode, the baseline included, trains ``--turn-steps`` steps at a time in rotating
@@ -109,24 +114,84 @@ def choose_embd(target_mb: float, n_layer: int, vocab: int, block: int, multiple
     return best
 
 
+def mlp(width: int, layers: int) -> torch.nn.Module:
+    """``layers`` square Linear layers with GELUs between them: few big tensors, a step that is mostly GEMMs."""
+    mods: list[torch.nn.Module] = []
+    for i in range(layers):
+        mods.append(torch.nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(torch.nn.GELU())
+    return torch.nn.Sequential(*mods)
+
+
+def mlp_numel(width: int, layers: int) -> int:
+    return layers * (width * width + width)
+
+
+def choose_width(target_mb: float, layers: int, multiple: int = 64) -> int:
+    """The MLP width (a multiple of ``multiple``) whose params + Adam moments come closest to ``target_mb``."""
+    return min(range(multiple, 32769, multiple), key=lambda w: abs(mlp_numel(w, layers) * 12 - target_mb * MB))
+
+
+def calibrate_batch(args: argparse.Namespace, target_s: float) -> tuple[int, float]:
+    """The batch size whose training step takes about ``target_s`` here (and the step time measured with it).
+
+    The step time is taken as linear in the batch (a fixed optimizer step plus GEMMs), fitted on two
+    batch sizes, then checked once; a target below the optimizer step alone gives batch 1.
+    """
+    def median_step(batch: int) -> float:
+        args.batch_size = batch
+        t = Trainer(args)
+        for _ in range(3):
+            t.step()
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            t.step()
+            t.sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    lo, hi = 16, 128
+    t_lo, t_hi = median_step(lo), median_step(hi)
+    slope = max(1e-9, (t_hi - t_lo) / (hi - lo))
+    batch = max(1, round(lo + (target_s - t_lo) / slope))
+    return batch, median_step(batch)
+
+
 class Trainer:
-    """The model, AdamW and the batch stream; identical for every mode (fixed seeds)."""
+    """The model, its optimizer and the batch stream; identical for every mode (fixed seeds).
+
+    ``--model gpt`` (the default): TinyGPT with AdamW on random tokens. ``--model mlp``: an MLP of
+    ``--n-layer`` square layers of ``--width`` with Adam on random inputs, regressing random targets: the
+    short-step regime, where a step is shorter than a checkpoint's write.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(args.seed)
-        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer,
-                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
         self.device = torch.device(args.device)
-        self.model = TinyGPT(cfg).to(self.device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        self.kind = getattr(args, "model", "gpt")
+        if self.kind == "mlp":
+            self.model = mlp(args.width, args.n_layer).to(self.device)
+            self.opt: torch.optim.Optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        else:
+            cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer,
+                            n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
+            self.model = TinyGPT(cfg).to(self.device)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
         self.gen = torch.Generator(device=self.device).manual_seed(args.seed + 1)
         self.args = args
 
     def step(self) -> torch.Tensor:
         a = self.args
-        x = torch.randint(0, a.vocab, (a.batch_size, a.block_size), generator=self.gen, device=self.device)
-        y = torch.randint(0, a.vocab, (a.batch_size, a.block_size), generator=self.gen, device=self.device)
-        _, loss = self.model(x, y)
+        if self.kind == "mlp":
+            x = torch.randn((a.batch_size, a.width), generator=self.gen, device=self.device)
+            y = torch.randn((a.batch_size, a.width), generator=self.gen, device=self.device)
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+        else:
+            x = torch.randint(0, a.vocab, (a.batch_size, a.block_size), generator=self.gen, device=self.device)
+            y = torch.randint(0, a.vocab, (a.batch_size, a.block_size), generator=self.gen, device=self.device)
+            _, loss = self.model(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -540,7 +605,7 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
     f = figure
     console = Console(width=200)
     table = Table(title=f"Training-loop cost of checkpointing: {meta['state_mb']:.0f} MB state "
-                        f"({meta['params_m']:.1f} M params + AdamW moments), {meta['steps']} steps, "
+                        f"({meta['params_m']:.1f} M params + moments, {meta['model']}), {meta['steps']} steps, "
                         f"{meta['threads']} torch threads, {meta['cpus']} CPUs, on {meta['device']}",
                   caption=f"baseline (no checkpoint): wall {summary['baseline_wall_s']:.2f} s (fastest of runs: "
                           + ", ".join(f"{w:.2f}" for w in summary["baseline_walls_s"])
@@ -601,9 +666,10 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=30, help="timed training steps per mode")
-    p.add_argument("--every", type=int, nargs="+", default=[10],
-                   help="checkpoint every N steps (several values allowed)")
+    p.add_argument("--steps", type=int, default=None, help="timed training steps per mode (default: 30 for gpt, "
+                   "60 for mlp)")
+    p.add_argument("--every", type=int, nargs="+", default=None,
+                   help="checkpoint every N steps (several values allowed; default: 10 for gpt, 5 for mlp)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each mode")
     p.add_argument("--rounds", type=int, default=0,
                    help="measure in turns instead (overhead_turns.py): one loop, the modes take turns, "
@@ -615,14 +681,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint modes to run")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every mode this many times (alternating the order); the fastest run of each counts")
-    p.add_argument("--model-mb", type=float, default=400.0,
-                   help="target size of params + AdamW moments in MB (chooses --n-embd unless given)")
+    p.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
+                   help="gpt: TinyGPT with AdamW (steps longer than a checkpoint's write); mlp: square Linear "
+                        "layers with Adam, sized by --model-mb, the batch chosen for --step-ms (short steps)")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help="mlp: choose the batch size so that a training step takes about this long "
+                        "(default: 100 ms, unless --batch-size is given)")
+    p.add_argument("--width", type=int, default=None, help="mlp: layer width (overrides --model-mb)")
+    p.add_argument("--model-mb", type=float, default=None,
+                   help="target size of params + optimizer moments in MB (chooses --n-embd or --width unless "
+                        "given; default 400 for gpt, 230 for mlp)")
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=None, help="hidden size (overrides --model-mb)")
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=64, help="sequence length")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=None, help="default: 4 for gpt; for mlp, from --step-ms")
     p.add_argument("--device", default="cpu", help="where the model trains: cpu, or cuda (the GPU path: pinned "
                    "staging, side-stream copies)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
@@ -637,8 +711,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    if args.n_embd is None:
-        args.n_embd = choose_embd(args.model_mb, args.n_layer, args.vocab, args.block_size)
+    short = args.model == "mlp"
+    args.steps = args.steps if args.steps is not None else (60 if short else 30)
+    args.every = args.every if args.every is not None else ([5] if short else [10])
+    args.model_mb = args.model_mb if args.model_mb is not None else (230.0 if short else 400.0)
+    calibrated = None
+    if short:
+        if args.width is None:
+            args.width = choose_width(args.model_mb, args.n_layer)
+        if args.batch_size is None:
+            args.batch_size, calibrated = calibrate_batch(args, (args.step_ms or 100.0) / 1e3)
+    else:
+        args.batch_size = args.batch_size if args.batch_size is not None else 4
+        if args.n_embd is None:
+            args.n_embd = choose_embd(args.model_mb, args.n_layer, args.vocab, args.block_size)
     made_dir = args.dir is None
     args.dir = tempfile.mkdtemp(prefix="training-overhead-") if made_dir else args.dir
     os.makedirs(args.dir, exist_ok=True)
@@ -651,7 +737,9 @@ def main(argv: list[str] | None = None) -> int:
     probe.step()
     state_b = probe.state_bytes()
     del probe
-    meta = {"steps": args.steps, "every": args.every, "threads": args.threads, "cpus": os.cpu_count(),
+    meta = {"model": args.model, "width": args.width, "step_ms_target": args.step_ms,
+            "calibrated_step_s": calibrated, "steps": args.steps,
+            "every": args.every, "threads": args.threads, "cpus": os.cpu_count(),
             "params_m": numel / 1e6, "state_mb": state_b / MB, "n_layer": args.n_layer, "n_embd": args.n_embd,
             "n_head": args.n_head, "vocab": args.vocab, "block_size": args.block_size,
             "batch_size": args.batch_size, "device": device_name(args.device), "host_memory": args.host_memory,
@@ -663,8 +751,9 @@ def main(argv: list[str] | None = None) -> int:
         meta["process_group"] = dcp_setup(args.modes, args.dir, args.process_group)
         plan = (f"{args.rounds} rounds of {args.turn_steps}-step turns" if args.rounds
                 else f"{args.steps} steps")
+        shape = (f"MLP width={args.width}, batch {args.batch_size}" if short else f"n_embd={args.n_embd}")
         print(f"state {state_b / MB:.0f} MB ({numel / 1e6:.1f} M params, n_layer={args.n_layer}, "
-              f"n_embd={args.n_embd}); {plan}, every {args.every}, {args.threads} threads; "
+              f"{shape}); {plan}, every {args.every}, {args.threads} threads; "
               f"on {meta['device']}; DCP process group: {meta['process_group']}; dir {args.dir}", flush=True)
         if args.rounds:
             summaries = []

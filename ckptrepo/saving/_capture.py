@@ -9,8 +9,10 @@ pipeline, each stage overlapping the others and the training loop:
   stream by an event on CUDA). A CPU state bound for a local store with
   ``O_DIRECT`` is not copied: each segment becomes a ``LiveShard`` whose whole
   inner chunks are written from the tensors' own memory, only the chunks at
-  tensor edges being copied (``_writer.fill_live``); the pre-step hook copies
-  whatever the writers have not written yet. An empty pool makes capture wait
+  tensor edges being copied (``_writer.fill_live``); once every segment is
+  queued, the capture thread feeds the bytes to the hashes and statistics
+  (``_writer.feed_live``); the pre-step hook copies whatever the writers or
+  that feed have not read yet. An empty pool makes capture wait
   (backpressure), so host memory stays bounded.
 * flush: hands each filled buffer on as one whole shard write (to the direct
   writer's threads for a local store, storage/_localwrite.py; to TensorStore
@@ -21,8 +23,8 @@ pipeline, each stage overlapping the others and the training loop:
 
 The training loop waits only for *capture*, and only before it mutates the
 state: ``attach(optimizer)`` installs a pre-step hook that does so, or call
-``wait_captured()``. It never waits for storage (for live shards: at most for
-the one ``LIVE_BATCH`` write in flight per writer thread, ~4 MiB each). A failed write never raises
+``wait_captured()``. It never waits for storage, nor, for live shards, for the
+hashes and statistics: only for the copy of what is still to be read. A failed write never raises
 inside training: the version is not committed, a failure record is written, and
 the error is raised by the next ``snapshot``/``wait``/``wait_captured``/``close``.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import functools
 import logging
 import os
 import queue
@@ -98,10 +101,12 @@ from ckptrepo.saving._tensor_stats import stat_feeds
 from ckptrepo.saving._trackers import tracker_meta
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import (
+    FEED_CHUNKS,
     LIVE_ALIGN,
     PlanCache,
     Segment,
     StagingPool,
+    feed_live,
     fill_live,
     fill_segment,
     live_residues,
@@ -636,7 +641,7 @@ class Snapshotter:
             if job.live:   # what the writers have not written yet is copied out of the state now
                 job.staged.wait()
                 with interrupts_deferred():   # a Ctrl-C inside a release would lose its hold and hang the next step
-                    copied = sum(shard.release() for shard in list(job.live_shards))
+                    copied = sum(shard.release(_team_copy) for shard in list(job.live_shards))
                 with job.lock:
                     job.handle.stats.copied_bytes += copied
             job.handle._captured.wait()
@@ -735,8 +740,36 @@ class Snapshotter:
                 job.fail(err)
             finally:
                 job.staged.set()
-                job.drop_hold()   # captured now, or once its live shards are written or released
+                job.drop_hold()   # captured now, or once its live shards are written and fed, or released
+            self._feed(job)
             del job
+
+    def _feed(self, job: SnapshotJob, final: bool = True) -> None:
+        """Feed a live job's hashes and statistics from its shards, while they are written (``feed_live``): after
+        every segment is queued, so neither the writes nor the pre-step hook wait for this pass. The job's data
+        is done only once the ``final`` pass is over (the commit reads the hashes and statistics); a pass before
+        (``final=False``) feeds the shards queued so far, to free their buffers."""
+        if job.feeding is None:
+            return
+        pairs = job.feeding
+        job.feeding = None if final else []
+        err: BaseException | None = None
+        try:
+            scratch = np.empty(0, dtype=np.uint8)
+            for seg, shard, source, cb in pairs:
+                if err is None and job.error is None:
+                    if scratch.nbytes < FEED_CHUNKS * cb:
+                        scratch = np.empty(FEED_CHUNKS * cb, dtype=np.uint8)
+                    try:
+                        feed_live(seg, source, shard, cb, job.feeds, scratch)
+                    except BaseException as e:  # noqa: BLE001 - reported through the job
+                        err = e
+                shard.feed_over()
+        finally:
+            if err is not None:
+                job.fail(err)
+            if final:
+                job.segment_done(err)
 
     def _capture(self, job: SnapshotJob) -> None:
         cuda = bool(job.ready)
@@ -781,6 +814,10 @@ class Snapshotter:
         queued = 0
         try:
             for k, seg in enumerate(plan.segments):
+                if job.feeding and not self.pool.has_room():
+                    # a pool smaller than the snapshot: the buffers of queued live shards come back only once
+                    # they are fed too, so feed them now rather than wait for ever
+                    self._feed(job, final=False)
                 buf = self.pool.take()
                 if job.error is not None:
                     self._flush_q.put((job, seg, buf, None, None))
@@ -791,15 +828,21 @@ class Snapshotter:
                     if job.live:
                         # written from where it is: only the chunks that are not wholly in one aligned tensor
                         # (edges, small and strided tensors) are copied into the buffer now; the rest stays in
-                        # the tensors until the writer has written it or the pre-step hook copies it
+                        # the tensors until the writer has written it and the feed read it, or the pre-step hook
+                        # copies it. The feed (hashes, statistics) comes after every segment is queued (_feed)
                         cb = job.arrays[seg.dtype].inner_bytes
-                        chunks, live = fill_live(seg, source, buf, cb, job.feeds)
+                        chunks, live = fill_live(seg, source, buf, cb)
                         keep = [source(p[0]).untyped_storage() for p in seg.parts]
-                        view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep)
+                        fed = 0 if any(p[0] in job.feeds for p in seg.parts) else None
+                        # the buffer goes back to the pool once the write and the feed are both over
+                        view: Any = LiveShard(chunks, live, buf.numpy(), job.drop_hold, keep, fed=fed,
+                                              on_over=functools.partial(self.pool.give, buf))
                         with job.lock:
                             job.holds += 0 if view.released else 1   # a shard of copies only: captured now
                             job.handle.stats.copied_bytes += cb * live.count(False)
                         job.live_shards.append(view)
+                        if fed is not None:
+                            self._start_feeding(job).append((seg, view, source, cb))
                     elif cuda:
                         # one _foreach_copy_ per segment over views kept per plan (saving/_device_copies.py): a
                         # few calls per segment, so capture does not wait for the GIL once per tensor
@@ -827,6 +870,16 @@ class Snapshotter:
             for _ in range(len(plan.segments) - queued):
                 job.segment_done(err)
             raise
+
+    @staticmethod
+    def _start_feeding(job: SnapshotJob) -> list[Any]:
+        """The job's list of shards to feed; made (and counted as one more part of its data) at the first, while
+        the segment of that shard is not queued yet (so the job's data cannot be done before)."""
+        if job.feeding is None:
+            with job.lock:
+                job.remaining += 1   # done by _feed
+            job.feeding = []
+        return job.feeding
 
     # flush thread
     def _flush_loop(self) -> None:
@@ -879,7 +932,8 @@ class Snapshotter:
         """A segment's write is over (durable, failed or never started): its buffer goes back to the pool, and a
         live shard lets go of the tensors (nothing reads their memory any more)."""
         if isinstance(view, LiveShard):
-            view.finish()
+            view.finish()   # gives the buffer back, now or once the feed is over too
+            return
         self.pool.give(buf)
 
     def _written(self, job: SnapshotJob, seg: Segment, buf: torch.Tensor, view: Any, fut: Any) -> None:
@@ -1012,6 +1066,12 @@ class Snapshotter:
             self._errors.append(failure)
         log.error("ckptrepo: %s", failure)
         self._committer.record_failure(job, cause)   # rank 0 records the failure of a distributed version
+
+
+def _team_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy bytes with torch's intra-op threads: the pre-step hook runs in the training thread, whose team is idle
+    while it waits there, so the copy of what the writers have not reached takes every core, not one."""
+    torch.from_numpy(dst).copy_(torch.from_numpy(src))
 
 
 def _storage_error(job: SnapshotJob, seg: Segment, err: BaseException, store_url: str, tier: bool) -> BaseException:

@@ -179,6 +179,7 @@ class SnapshotJob:
     # written from the tensors' memory (a CPU state, a local store with O_DIRECT): see Snapshotter._capture
     live: bool = False
     live_shards: list[LiveShard] = field(default_factory=list)
+    feeding: list[Any] | None = None   # live shards whose hashes and statistics are still to feed (_capture._feed)
     holds: int = 1                  # the capture thread's, plus one per live shard not yet released
     staged: threading.Event = field(default_factory=threading.Event)   # the capture thread is done with the job
     error: BaseException | None = None

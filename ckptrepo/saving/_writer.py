@@ -18,7 +18,7 @@ import torch
 from ckptrepo.core._lru import LruCache
 from ckptrepo.state._providers import TORCH_DTYPES, TensorRecord
 from ckptrepo.storage._arrays import choose_geometry, itemsize, numpy_dtype
-from ckptrepo.storage._localwrite import DIRECT_ALIGN
+from ckptrepo.storage._localwrite import DIRECT_ALIGN, LiveShard
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,11 @@ class StagingPool:
                 self._cv.notify()
             raise
 
+    def has_room(self) -> bool:
+        """Whether ``take`` would return without waiting for a ``give`` (a free buffer, or room for one more)."""
+        with self._cv:
+            return bool(self._free) or self._allocated < self.max_buffers
+
     def give(self, buf: torch.Tensor) -> None:
         with self._cv:
             self._free.append(buf)
@@ -365,6 +370,56 @@ def fill_live(seg: Segment, sources: Callable[[int], torch.Tensor], buf: torch.T
                 hasher.update(raw[a:b])
     zero(pos, n * cb)
     return [c if c is not None else raw[k * cb:(k + 1) * cb] for k, c in enumerate(chunks)], live
+
+
+FEED_CHUNKS = 4   # inner chunks per piece fed to hashes and statistics: 256 KiB, which stay in cache
+
+
+def feed_live(seg: Segment, sources: Callable[[int], torch.Tensor], shard: LiveShard, chunk_bytes: int,
+              feeds: Mapping[int, Any], scratch: np.ndarray) -> None:
+    """Feed a live shard's bytes to the hashes and statistics of its tensors (``feeds``, by plan index), in order.
+
+    Runs after the segment is queued for writing, so that the writes start
+    at once and the pre-step hook never waits for this pass: a piece is read
+    under the shard's lock, from the tensor's memory while its chunks are
+    live, else from the shadow (``LiveShard.release`` copies what the feed
+    has not read yet). Pieces end at every ``FEED_CHUNKS``-th chunk of the
+    segment and at its tensors' edges, whatever is live, so the same state
+    always gives the same figures; a piece over live and copied chunks is
+    gathered into ``scratch`` (``FEED_CHUNKS * chunk_bytes`` bytes) first.
+    """
+    item = itemsize(seg.dtype)
+    cb = chunk_bytes
+    group = FEED_CHUNKS * cb
+    raw = shard.shadow
+    try:
+        for idx, src, dst, count in seg.parts:
+            feed = feeds.get(idx)
+            if feed is None:
+                continue
+            flat = _flat_bytes(sources(idx))
+            data = None if flat is None else flat[src * item:(src + count) * item]
+            lo, hi = dst * item, (dst + count) * item
+            a = lo
+            while a < hi:
+                b = min(hi, (a // group + 1) * group)
+                with shard._lock:
+                    ks = range(a // cb, -(-b // cb))
+                    live = [shard.live[k] for k in ks]
+                    if data is not None and all(live):
+                        piece = data[a - lo:b - lo]
+                    elif not any(live):
+                        piece = raw[a:b]
+                    else:
+                        for k in ks:
+                            x0, x1 = max(a, k * cb), min(b, (k + 1) * cb)
+                            np.copyto(scratch[x0 - a:x1 - a], shard.chunks[k][x0 - k * cb:x1 - k * cb])
+                        piece = scratch[:b - a]
+                    feed.update(piece)
+                    shard.fed_upto(b // cb)
+                a = b
+    finally:
+        shard.feed_over()
 
 
 def _flat_bytes(tensor: torch.Tensor) -> np.ndarray | None:

@@ -225,50 +225,100 @@ LIVE_BATCH = 64   # inner chunks per pwritev of a live shard: what a release may
 class LiveShard:
     """A shard's inner chunks for ``write_live``, the ``live`` ones views of the tensors' own memory.
 
-    The tensors must not change until those chunks are written or copied
-    away: ``release()`` (the snapshotter's pre-step hook) copies every live
-    chunk not yet written into its slot of ``shadow`` (the staging buffer
-    ``saving._writer.fill_live`` copied the other chunks into) and returns once no
-    write reads the tensors any more, at most one batch of ``LIVE_BATCH``
-    chunks later. ``on_released`` runs once, after the last chunk was written
-    or after ``release``, whichever comes first (never, for a shard with no
-    live chunk: it is released from the start).
+    Two readers go through the chunks in order: the writer (``written``) and,
+    where the snapshot takes statistics or hashes of the bytes, the capture
+    thread's feed (``fed``, ``saving._writer.feed_live``). The tensors must not
+    change until both are through or the chunks are copied away: ``release()``
+    (the snapshotter's pre-step hook) copies every live chunk either reader
+    still needs into its slot of ``shadow`` (the staging buffer
+    ``saving._writer.fill_live`` copied the other chunks into) and returns at
+    once: it waits for neither the disk nor the feed, only for the lock a
+    reader holds over one piece. A batch the writer had in flight from a chunk
+    released meanwhile is written again from its copy (``_write_live``).
+    ``on_released`` runs once, when both readers are through or at
+    ``release``, whichever comes first (never, for a shard with no live chunk:
+    it is released from the start). ``on_over`` runs once both the write
+    (``finish``) and the feed (``feed_over``) are over: the shadow may be
+    reused from then on.
     """
 
     def __init__(self, chunks: list[np.ndarray], live: list[bool], shadow: np.ndarray,
-                 on_released: Callable[[], None], keep: Any = None) -> None:
+                 on_released: Callable[[], None], keep: Any = None, fed: int | None = None,
+                 on_over: Callable[[], None] | None = None) -> None:
         self.chunks = chunks
         self.live = live
         self.shadow = shadow
-        self.keep = keep            # the tensors' storages: alive while their memory is written from
-        self.written = 0            # chunks [0, written) are durable in the file or being written under the lock
+        self.keep = keep            # the tensors' storages: alive while their memory is read
+        self.written = 0            # chunks [0, written) are written (durable once the write is over)
+        self.fed = len(chunks) if fed is None else fed   # chunks [0, fed) are read by the feed (None: no feed)
         self.released = not any(live)   # nothing in the tensors' memory: released from the start
         # dropped once called (or at once, for a shard released from the start): it is usually a bound method of
         # the snapshot's job, which lists its shards, and that cycle would leave the job to the cyclic GC
         self._on_released: Callable[[], None] | None = None if self.released else on_released
         self._lock = threading.Lock()
+        self._write_over = False
+        self._feed_over = fed is None
+        self._on_over = on_over
 
-    def release(self) -> int:
-        """Copy the chunks still in the tensors' memory into the shadow; return how many bytes that copied."""
+    def release(self, copy: Callable[[np.ndarray, np.ndarray], Any] = np.copyto) -> int:
+        """Copy the chunks still in the tensors' memory that a reader needs into the shadow; return how many bytes
+        that copied. Chunks that follow each other in memory go in one ``copy(dst, src)`` (the snapshotter's
+        copies with the training loop's threads, idle while it waits here)."""
         copied = 0
         with self._lock:
             if self.released:
                 return 0
-            for k in range(self.written, len(self.chunks)):
-                if self.live[k]:
-                    cb = self.chunks[k].nbytes
-                    slot = self.shadow[k * cb:(k + 1) * cb]
-                    np.copyto(slot, self.chunks[k])
-                    self.chunks[k] = slot
-                    self.live[k] = False
-                    copied += cb
+            n = len(self.chunks)
+            k = min(self.written, self.fed)
+            while k < n:
+                if not self.live[k]:
+                    k += 1
+                    continue
+                cb = self.chunks[k].nbytes
+                start = self.chunks[k].ctypes.data
+                k1 = k + 1   # a run of live chunks adjacent in memory (the same tensor)
+                while k1 < n and self.live[k1] and self.chunks[k1].ctypes.data == start + (k1 - k) * cb:
+                    k1 += 1
+                # the run's bytes, one view from its first chunk: adjacent by address, so one stretch of memory
+                src = np.lib.stride_tricks.as_strided(self.chunks[k], shape=((k1 - k) * cb,))
+                copy(self.shadow[k * cb:k1 * cb], src)
+                for j in range(k, k1):
+                    self.chunks[j] = self.shadow[j * cb:(j + 1) * cb]
+                    self.live[j] = False
+                copied += (k1 - k) * cb
+                k = k1
             self._release()
         return copied
 
     def finish(self) -> None:
-        """The write is over (durable or failed): nothing reads the tensors' memory any more."""
+        """The write is over (durable or failed): the writer reads the tensors' memory no more."""
         with self._lock:
             self.written = len(self.chunks)
+            self._write_over = True
+            self._settle()
+        self._maybe_over()
+
+    def fed_upto(self, k: int) -> None:
+        """Chunks ``[0, k)`` are fed (the caller holds ``_lock``)."""
+        self.fed = max(self.fed, k)
+        self._settle()
+
+    def feed_over(self) -> None:
+        """The feed is over (done or given up): it reads the tensors' memory and the shadow no more."""
+        with self._lock:
+            self.fed_upto(len(self.chunks))
+            self._feed_over = True
+        self._maybe_over()
+
+    def _maybe_over(self) -> None:
+        with self._lock:
+            if not (self._write_over and self._feed_over) or self._on_over is None:
+                return
+            on_over, self._on_over = self._on_over, None
+        on_over()
+
+    def _settle(self) -> None:
+        if self.written >= len(self.chunks) and self.fed >= len(self.chunks):
             self._release()
 
     def _release(self) -> None:
@@ -284,9 +334,12 @@ def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io
     """The chunks of ``shard`` at ``layout``'s stride, each followed by a block holding its crc32c, then the index;
     ``crcs`` gets each chunk's crc32c.
 
-    The crc32c of a chunk is taken just before it is written, from the same
-    memory, under the shard's lock: ``release`` cannot copy (and the training
-    loop cannot change) a chunk between its checksum and its write.
+    A batch's crc32cs and its write run outside the shard's lock, so that
+    ``release`` never waits for the disk. A chunk ``release`` copied away
+    meanwhile (its view in ``shard.chunks`` is then another object) may have
+    been checksummed or written while the training loop changed it: it is
+    checksummed and written again from its copy, which holds the bytes as
+    they were, before the batch counts as written.
     """
     n, stride, cb = layout.chunks, layout.stride, layout.chunk_bytes
     pad = stride - cb   # the crc32c and zeros up to the next block
@@ -295,20 +348,31 @@ def _write_live(fd: int, layout: _Shard, shard: LiveShard, block: int, direct_io
     chunks = shard.chunks
     iov: list[Any] = [None] * (2 * LIVE_BATCH)   # chunk j, then the block holding its crc32c
     iov[1::2] = slots
+    batch: list[np.ndarray] = []
     k = 0
     while k < n:
         k1 = min(n, k + LIVE_BATCH)
         m = k1 - k
         with shard._lock:
             batch = chunks[k:k1]
-            words[:m * step:step] = crcs[k:k1] = list(map(crc32c, batch))
-            iov[:2 * m:2] = batch
-            _pwritev_all(fd, iov if m == LIVE_BATCH else iov[:2 * m], k * stride, m * stride)
+        words[:m * step:step] = crcs[k:k1] = list(map(crc32c, batch))
+        iov[:2 * m:2] = batch
+        _pwritev_all(fd, iov if m == LIVE_BATCH else iov[:2 * m], k * stride, m * stride)
+        with shard._lock:
+            moved = [j for j in range(m) if chunks[k + j] is not batch[j]]
+            if moved:   # copied away by a release while in flight: again from the copies, in one write
+                j0, j1 = moved[0], moved[-1] + 1
+                for j in moved:
+                    words[j * step] = crcs[k + j] = crc32c(chunks[k + j])
+                # a release copies every live chunk of the batch, so none in between is the tensors' memory
+                assert not any(shard.live[k + j0:k + j1])
+                iov[2 * j0:2 * j1:2] = chunks[k + j0:k + j1]
+                _pwritev_all(fd, iov[2 * j0:2 * j1], (k + j0) * stride, (j1 - j0) * stride)
             shard.written = k1
-            if k1 == n:
-                shard._release()
+            shard._settle()
         k = k1
     iov[::2] = [None] * LIVE_BATCH   # this thread's list must not keep the tensors alive
+    del batch
     tail = np.frombuffer(layout.tail, dtype=np.uint8)
     if direct_io:
         padded = _aligned(-(-tail.nbytes // block) * block)
