@@ -53,6 +53,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -69,6 +70,7 @@ from ckptrepo.storage._chunktable import chunk_crcs
 from ckptrepo.storage._crc import crc32c
 from ckptrepo.storage._localfs import LOCK_SUFFIX, ByteCounter
 from ckptrepo.storage._vectored import transfer_all
+from ckptrepo.storage._write_mode import WriteModes
 from ckptrepo.storage.protocol import Store
 
 DIRECT_WRITES = True     # False: every shard goes through TensorStore (read when a Snapshotter is created)
@@ -432,6 +434,7 @@ class DirectWriter:
         self.threads = max(1, threads)
         self.direct_io = DIRECT_IO and hasattr(os, "O_DIRECT")   # cleared at the first refusal
         self.block = 512   # write_live's chunk alignment: the device's logical block size (4096 once 512 is refused)
+        self.modes = WriteModes()   # O_DIRECT or the page cache, whichever this disk writes faster
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._dirs: set[str] = set()
@@ -516,16 +519,20 @@ class DirectWriter:
             raise ValueError(f"elements [{start}, {start + data.size}) are not one shard of {info.key}")
         shard = _Shard(info, data)
         path = os.path.join(self.root, info.shard_key(start // info.shard_elems))
-        if bounce is not None and self.direct_io:
+        direct = self.direct_io and self.modes.pick()
+        t0 = time.perf_counter()
+        if bounce is not None and direct:
             crcs = np.empty(shard.chunks, dtype="<u4")
             try:
                 write_object(path, shard.total, lambda fd: _write_aligned(fd, shard, bounce, crcs), self._make_dir,
                              direct_io=True)
+                self.modes.record(True, shard.total, time.perf_counter() - t0)
                 return crcs
             except _NoDirectIO:
                 self.direct_io = False
         iov, total, crcs = encode_shard(info, data)
         write_object(path, total, lambda fd: _pwritev_all(fd, iov, 0), self._make_dir)
+        self.modes.record(False, total, time.perf_counter() - t0)
         return crcs
 
     def write_live(self, info: ArrayInfo, start: int, shard: "LiveShard") -> np.ndarray:
@@ -544,7 +551,8 @@ class DirectWriter:
         nbytes = min(info.numel - start, info.shard_elems) * info.itemsize
         path = os.path.join(self.root, info.shard_key(start // info.shard_elems))
         while True:
-            block, direct = self.block, self.direct_io   # other threads may change them meanwhile
+            block, direct = self.block, self.direct_io and self.modes.pick()   # other threads may change them
+            t0 = time.perf_counter()
             layout = _Shard(info, None, nbytes, stride=-(-(info.inner_bytes + 4) // block) * block)
             if layout.chunks != len(shard.chunks):
                 raise ValueError(f"{len(shard.chunks)} chunks given for a shard of {layout.chunks} of {info.key}")
@@ -554,6 +562,7 @@ class DirectWriter:
                 write_object(path, layout.total,
                              lambda fd: _write_live(fd, layout, shard, block, direct, crcs),  # noqa: B023
                              self._make_dir, direct_io=direct)
+                self.modes.record(direct, layout.total, time.perf_counter() - t0)
                 return crcs
             except _NoDirectIO:
                 with shard._lock:   # chunks already written from the tensors may have changed since a release
