@@ -22,7 +22,7 @@ D, RANK, LAYERS = 512, 8, 4   # a frozen base of ~4 MiB, adapters of 128 KiB
 
 
 class LoRALinear(torch.nn.Module):
-    """A frozen Linear plus a trainable low-rank update B @ A."""
+    """A frozen Linear plus a trainable low-rank update B @ A, and a frozen buffer."""
 
     def __init__(self, d: int, rank: int) -> None:
         super().__init__()
@@ -30,9 +30,10 @@ class LoRALinear(torch.nn.Module):
         self.base.requires_grad_(False)
         self.A = torch.nn.Parameter(torch.randn(rank, d) * 0.01)
         self.B = torch.nn.Parameter(torch.zeros(d, rank))
+        self.register_buffer("scale", torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.A.t()) @ self.B.t()
+        return self.base(x) * self.scale + (x @ self.A.t()) @ self.B.t()
 
 
 def lora(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

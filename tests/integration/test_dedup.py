@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from _dedup_workers import LoRALinear
 from helpers import assert_bit_exact
 
 from ckptrepo import faults
@@ -16,21 +17,6 @@ from ckptrepo.errors import SnapshotFailedError
 def _no_fault_hooks():
     yield
     faults.clear()
-
-
-class LoRALinear(torch.nn.Module):
-    """A frozen Linear plus a trainable low-rank update B @ A, and a frozen buffer."""
-
-    def __init__(self, d: int, rank: int) -> None:
-        super().__init__()
-        self.base = torch.nn.Linear(d, d)
-        self.base.requires_grad_(False)
-        self.A = torch.nn.Parameter(torch.randn(rank, d) * 0.01)
-        self.B = torch.nn.Parameter(torch.zeros(d, rank))
-        self.register_buffer("scale", torch.ones(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) * self.scale + (x @ self.A.t()) @ self.B.t()
 
 
 def nbytes(t: torch.Tensor) -> int:
