@@ -273,21 +273,21 @@ def test_a_load_or_fsck_that_races_a_pruning_gc_says_pruned_not_corrupt(tmp_path
     """An eval process loading a version while training's retention prunes it was told the repository is
     corrupt ("run ckptrepo fsck"), and an fsck running beside a pruning gc reported damage and exited 1; an fsck
     right after said ok. The gc runs between each one's check of the pruned/ marker and its reads."""
-    import ckptrepo.loading._reader as reader
+    import ckptrepo.loading._device_load as reader  # Repository.load calls read_tensors_to from here
     import ckptrepo.maintenance._fsck as fsck_module
     url = str(tmp_path / "r")
     repo = ckptrepo.init(url)
     for i in range(3):
         repo.snapshot({"w": torch.full((1000,), float(i))}, step=i)
-    real_read, real_check = reader.read_tensors, fsck_module._check_version_data
+    real_read, real_check = reader.read_tensors_to, fsck_module._check_version_data
 
     def read_after_gc(*args, **kwargs):
         ckptrepo.open(url).gc(keep_last=1, grace_period_s=0)   # another process
         return real_read(*args, **kwargs)
-    monkeypatch.setattr(reader, "read_tensors", read_after_gc)
+    monkeypatch.setattr(reader, "read_tensors_to", read_after_gc)
     with pytest.raises(ckptrepo.errors.RevisionError, match=r"\(step 1\) was pruned by gc"):
         ckptrepo.open(url).load("@1")
-    monkeypatch.setattr(reader, "read_tensors", real_read)
+    monkeypatch.setattr(reader, "read_tensors_to", real_read)
     repo.snapshot({"w": torch.full((1000,), 3.0)}, step=3)
     repo.snapshot({"w": torch.full((1000,), 4.0)}, step=4)
     ran = []

@@ -31,17 +31,17 @@ def test_pause_keeps_a_disabled_collector_disabled() -> None:
 
 
 def test_load_pauses_collection_and_restores_it_even_on_error(tmp_path, monkeypatch) -> None:
-    import ckptrepo.loading._reader as reader_mod  # Repository.load imports read_tensors from here at each call
+    import ckptrepo.loading._device_load as reader_mod  # Repository.load imports read_tensors_to from here at each call
     repo = ckptrepo.init(str(tmp_path / "r"))
     repo.snapshot({"w": torch.arange(10.0)}, step=1)
     during = []
-    real = reader_mod.read_tensors
+    real = reader_mod.read_tensors_to
 
     def spy(*a, **k):
         during.append(gc.isenabled())
         return real(*a, **k)
 
-    monkeypatch.setattr(reader_mod, "read_tensors", spy)
+    monkeypatch.setattr(reader_mod, "read_tensors_to", spy)
     out = repo.load("HEAD")
     assert torch.equal(out["w"], torch.arange(10.0))
     assert during == [False] and gc.isenabled()
