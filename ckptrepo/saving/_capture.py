@@ -89,7 +89,7 @@ from ckptrepo.parallel._distributed import all_gather, assign_writers, process_g
 from ckptrepo.parallel._replicas import fingerprints
 from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blocks
 from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.saving._commit import Committer
+from ckptrepo.saving._commit import Committer, arrays_listed
 from ckptrepo.saving._dedup import DedupIndex, dedup_key, piece_id
 from ckptrepo.saving._device_copies import DeviceCopies
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change
@@ -484,7 +484,6 @@ class Snapshotter:
                        if ri in job.watch and not job.records[ri].tensor.is_cuda}
         # statistics of each whole tensor a single-process snapshot writes (pieces of global tensors: none)
         job.stats, job.feeds = stat_feeds(job, records, job.hashers) if self.tensor_stats else ({}, dict(job.hashers))
-        job.record_stats = self.tensor_stats
         job.handle.stats.bytes = plan.nbytes
         job.remaining = len(plan.segments)
         job.plan = plan
@@ -778,12 +777,12 @@ class Snapshotter:
             # of after them, since the optimizer's step waits for this capture
             self._side_stream = torch.cuda.Stream(device=next(r.tensor.device for r in job.records if r.tensor.is_cuda),
                                                   priority=-1)
+        for ev in job.ready:   # every kernel the side stream runs below comes after the training stream's snapshot()
+            self._side_stream.wait_event(ev)
         if job.plan is None:
             assert self._dedup is not None   # only dedup defers the plan
-            try:   # CUDA tensors are hashed on the side stream, once the training stream has reached snapshot()
+            try:   # CUDA tensors are hashed on the side stream
                 with torch.cuda.stream(self._side_stream) if cuda else contextlib.nullcontext():
-                    for ev in job.ready:
-                        self._side_stream.wait_event(ev)
                     self._plan(job, self._dedup.decide(job))
             except BaseException:
                 job.data_done.set()   # no segment was queued; the commit thread sees the job's error
@@ -795,8 +794,6 @@ class Snapshotter:
             self.pool.grow_in_background(len(plan.segments))
         if job.replicas:   # read before the state may change again; a CUDA one once the training stream is done
             with torch.cuda.stream(self._side_stream) if cuda else contextlib.nullcontext():
-                for ev in job.ready:
-                    self._side_stream.wait_event(ev)
                 job.fingerprints = fingerprints(job.replicas)
             job.replicas = []
 
@@ -847,9 +844,7 @@ class Snapshotter:
                         # one _foreach_copy_ per segment over views kept per plan (saving/_device_copies.py): a
                         # few calls per segment, so capture does not wait for the GIL once per tensor
                         with torch.cuda.stream(self._side_stream):
-                            if last_event is None:   # the side stream stays ordered after these from here on
-                                for ev in job.ready:
-                                    self._side_stream.wait_event(ev)
+                            if last_event is None:
                                 self._device_copies.prepare(plan, [job.records[r].tensor for r in job.written],
                                                             self._side_stream)
                             view = self._device_copies.fill(k, seg, buf, source, job.feeds)
@@ -1019,8 +1014,7 @@ class Snapshotter:
     def _commit(self, job: SnapshotJob) -> Version:
         job.arrays = {d: write_table(self.plumbing.store, info, job.chunk_crcs[d]) for d, info in job.arrays.items()}
         if self._dedup is not None and job.reused:
-            self._dedup.check_reused(self.plumbing.store, job, {s.array: ArrayInfo.from_json(s.array, s.info)
-                                                                for s in job.reused.values()})
+            self._dedup.check_reused(self.plumbing.store, job, arrays_listed({}, job.reused))
 
         version = self._committer.commit(job)
         if self._dedup is not None:

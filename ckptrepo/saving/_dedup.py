@@ -92,14 +92,14 @@ def seed_from(manifest: Manifest, store: Store, ids: set[PieceId]) -> dict[Piece
         row = rows.get(t.name)
         stats = None if row is None else tuple(row.get(c, math.nan) for c in STAT_COLUMNS[:-2])   # not the change
         for p in t.pieces:
-            if p.digest is None or piece_id(t.name, p.box) not in ids:
+            pid = piece_id(t.name, p.box)
+            if p.digest is None or pid not in ids:
                 continue
             if p.array not in whole:
                 whole[p.array] = not missing_objects(store, manifest.arrays[p.array])
             if whole[p.array]:
-                out[piece_id(t.name, p.box)] = StoredTensor(None, p.digest, p.array, p.offset,
-                                                            manifest.arrays[p.array].to_json(),
-                                                            stats if len(t.pieces) == 1 else None)
+                out[pid] = StoredTensor(None, p.digest, p.array, p.offset, manifest.arrays[p.array].to_json(),
+                                        stats if len(t.pieces) == 1 else None)
     return out
 
 
