@@ -17,7 +17,7 @@ calls whatever its tensors:
   the device (one ``cat``), block by block, each block's parts reduced together by ``segment_reduce``.
 
 Strided sources (and ones with a conjugate or negative bit) are flattened on the device for each snapshot
-by the caller's ``source`` (a copy there), as before; only their slices are taken anew.
+by the caller's ``source`` (a copy there); only their slices are taken anew.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Which way a shard object goes to a local disk: with O_DIRECT, or through the page cache.
 
 O_DIRECT spares the CPU a copy into the page cache and keeps the cache for the training data, which is
-what a fast NVMe device rewards. Some devices write far faster through the page cache (a virtual disk
-that merges the kernel's larger writeback requests: 0.34 GB/s buffered against 0.11 GB/s direct on the
-developers' VM). So the writer measures both, as they come: each mode's recent throughput (bytes over
+what a fast NVMe device rewards. Some devices write several times faster through the page cache (a
+virtual disk that merges the kernel's larger writeback requests; benchmarks/RESULTS.md has a case). So
+the writer measures both, as they come: each mode's recent throughput (bytes over
 the object's write and fsync) is kept, the faster one is used, and the other is tried again every
 ``PROBE_EVERY`` objects in case the device's behaviour changed.
 """
