@@ -8,11 +8,34 @@ from typing import Callable, Iterable, Iterator
 from ckptrepo.core._manifest import CONFIG_KEY, VERSIONS_PREFIX, encode_config, is_version_id
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
-from ckptrepo.core._remotes import remote_url
+from ckptrepo.core._remotes import evicted_remote, remote_url
+from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
 from ckptrepo.storage import open_store
+from ckptrepo.storage.protocol import Store
 
 REPOSITORY_ID = "id"   # ckptrepo.json: the identity a repository shares with its clones and pushes
+
+
+class RemotePlumbing(Plumbing):
+    """A remote (or a clone's source) opened as a repository: everything is read from its own store only.
+
+    Its ``ckptrepo.json`` and eviction markers are the remote's to write, so whoever controls the remote could
+    name any URL there; following it would read (with this user's credentials) from a place the user never
+    named. A version whose data the remote evicted to its own remote is refused instead, naming that remote."""
+
+    def data_store(self, manifest: Manifest) -> Store:
+        for vid in sorted({key.split("/")[1] for key in manifest.arrays if key.count("/") >= 1} | {manifest.id}):
+            there = evicted_remote(self.store, vid)
+            if there is not None and any(not self.store.exists(f"{key}/zarr.json") for key in manifest.arrays):
+                raise RemoteError(f"{self.url} lacks the data of version {manifest.id[:12]}: it lives on that "
+                                  f"repository's own remote {there[:40]!r}, which ckptrepo never follows; fetch "
+                                  f"or clone the repository that holds it, or pass --lazy")
+        return self.store
+
+    def remote_store(self, name: str) -> Store:
+        raise RemoteError(f"{self.url} names a remote of its own ({name[:40]!r}), which ckptrepo never follows; "
+                          f"fetch or clone the repository that holds its data instead")
 
 
 def open_remote(local: Plumbing, name: str, create_with_branch: str | None = None) -> Plumbing:
@@ -45,7 +68,7 @@ def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str |
             raise StorageError(f"could not create a repository at remote {name!r} ({url}); check that the bucket "
                                f"exists and is writable")
         init_head(store, create_with_branch)
-    remote = Plumbing(store)
+    remote = RemotePlumbing(store)
     mine, theirs = local.config.get(REPOSITORY_ID), remote.config.get(REPOSITORY_ID)
     if mine and theirs and mine != theirs and remote.all_version_ids():
         raise RemoteError(f"remote {name!r} ({url}) holds another repository (id {str(theirs)[:12]}, this one is "
@@ -60,7 +83,7 @@ def open_source(url: str) -> Plumbing:
         if store.get(CONFIG_KEY) is None:
             store.list("")   # a bucket that does not exist says so here
             raise NotARepositoryError(f"cannot clone {url}: there is no ckptrepo repository there; check the URL")
-        return Plumbing(store)
+        return RemotePlumbing(store)
 
 
 @contextmanager
