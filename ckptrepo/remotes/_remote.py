@@ -5,12 +5,13 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from ckptrepo.core._manifest import CONFIG_KEY, VERSIONS_PREFIX, encode_config, is_version_id
+from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, VERSIONS_PREFIX, encode_config, is_version_id
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
 from ckptrepo.core._remotes import evicted_remote, remote_url
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
+from ckptrepo.remotes._transfer import read_bounded
 from ckptrepo.storage import open_store
 from ckptrepo.storage.protocol import Store
 
@@ -53,7 +54,7 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
 
 def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str | None) -> Plumbing:
     store = local.remote_store(name)
-    if store.get(CONFIG_KEY) is None:
+    if read_bounded(store, CONFIG_KEY, CONFIG_MAX_BYTES) is None:
         held = store.list("")   # also what says that a bucket does not exist: a read of one absent key does not
         if create_with_branch is None:
             raise NotARepositoryError(f"remote {name!r} ({url}) holds no ckptrepo repository; push to it first, or "
@@ -80,7 +81,7 @@ def open_source(url: str) -> Plumbing:
     """The repository at ``url`` that a clone copies, with one-line errors that name it and say what to check."""
     with remote_errors(f"cannot clone {url}", "check the URL"):
         store = open_store(url)
-        if store.get(CONFIG_KEY) is None:
+        if read_bounded(store, CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             store.list("")   # a bucket that does not exist says so here
             raise NotARepositoryError(f"cannot clone {url}: there is no ckptrepo repository there; check the URL")
         return RemotePlumbing(store)

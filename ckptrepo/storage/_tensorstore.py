@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -322,20 +323,24 @@ class TensorStoreStore:
         if offset < 0 or length < 0:
             raise ValueError(f"a byte range needs a non-negative offset and length, not {offset}, {length}")
         self._look(key)
-        r = self._read_range(key, offset, offset + length)
+        r, size = self._read_range(key, offset, offset + length)
+        if r is None and size is not None and offset >= size:
+            return b""   # the refusal said how long the value is: nothing from offset on, and no second request
         if r is None:   # the range runs past the value's end
-            r = self._read_range(key, offset, None)
+            r, _ = self._read_range(key, offset, size)
             if r is None:   # so does its start
                 return b"" if self.exists(key) else None
         return bytes(r.value) if r.state == "value" else None
 
-    def _read_range(self, key: str, start: int, stop: int | None) -> Any:
-        """TensorStore's read result for bytes ``[start, stop)`` of ``key``; None when the value is shorter."""
+    def _read_range(self, key: str, start: int, stop: int | None) -> tuple[Any, int | None]:
+        """TensorStore's read result for bytes ``[start, stop)`` of ``key``; None when the value is shorter, with
+        the value's size where TensorStore's refusal names it."""
         try:
-            return self.kv.read(key, byte_range=slice(start, stop)).result()
+            return self.kv.read(key, byte_range=slice(start, stop)).result(), None
         except Exception as err:  # noqa: BLE001
             if isinstance(err, ValueError) and str(err).startswith("OUT_OF_RANGE"):
-                return None
+                found = _REFUSED_SIZE.search(str(err))
+                return None, int(found.group(1)) if found else None
             raise _wrap(err, f"reading {key}") from err
 
     def get_many(self, keys: Sequence[str], max_bytes: int = MAX_VALUE_BYTES) -> list[bytes | None]:
@@ -487,6 +492,10 @@ def _list_files(root: str, prefix: str, reserved: tuple[str, ...]) -> list[str]:
             elif key.startswith(prefix) and not key.endswith(reserved):
                 keys.append(key)
     return sorted(keys)
+
+
+# how TensorStore's refusal of a byte range past a value's end names the value's size
+_REFUSED_SIZE = re.compile(r"(?:value of size|total size) (\d+)")
 
 
 def _bounded(key: str, r: Any, max_bytes: int) -> bytes | None:

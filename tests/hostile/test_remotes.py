@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,169 @@ def test_clone_never_follows_the_remotes_a_remote_names(tmp_path: Path) -> None:
     assert tip[:12] in msg and "evil" in msg
     assert not (tmp_path / "c" / "data" / tip).exists()
     assert str(elsewhere) not in json.dumps(json.loads((tmp_path / "c" / "ckptrepo.json").read_bytes()))
+
+
+# ---- unbounded copies ----------------------------------------------------------------------------------------
+
+def _array_dir(repo_path: Path, vid: str) -> Path:
+    return repo_path / "data" / vid / "0" / "float32"
+
+
+def test_clone_copies_only_the_objects_the_manifests_name(tmp_path: Path) -> None:
+    src = _source(tmp_path / "src")
+    tip = src.log()[0].id
+    folder = _array_dir(tmp_path / "src", tip)
+    for name in ("junk", "c/7"):   # not in the manifest's geometry: one shard of 64 elements, index 0 only
+        with open(folder / name, "wb") as f:
+            f.truncate(64 << 20)   # sparse: costs nothing here, and everything in a copy that reads it
+    c = ckptrepo.clone(tmp_path / "src", tmp_path / "c")
+    assert sorted(p.name for p in _array_dir(tmp_path / "c", tip).rglob("*")) == ["0", "c", "crc32c", "zarr.json"]
+    assert torch.equal(c.load(tip)["w"], torch.arange(64, dtype=torch.float32) + 1)
+    assert c.fsck().ok
+
+
+def test_clone_refuses_a_shard_bigger_than_its_declared_geometry(tmp_path: Path) -> None:
+    src = _source(tmp_path / "src")
+    tip = src.log()[0].id
+    with open(_array_dir(tmp_path / "src", tip) / "c" / "0", "r+b") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(CkptRepoError) as err:
+        ckptrepo.clone(tmp_path / "src", tmp_path / "c")
+    msg = _one_line(err.value)
+    assert "c/0" in msg and "bytes" in msg
+    assert not (_array_dir(tmp_path / "c", tip) / "c" / "0").exists()
+
+
+
+class FakeS3:
+    """A hostile S3 endpoint on 127.0.0.1, served from a thread of the test: ``huge`` answers every object with a
+    20 GiB body (honouring byte ranges, streaming zeros otherwise), ``silent`` accepts requests and never answers,
+    ``trickle`` answers one byte every few seconds."""
+
+    SIZE = 20 << 30
+
+    def __init__(self, mode: str, trickle_s: float = 5.0) -> None:
+        self.mode, self.trickle_s = mode, trickle_s
+        self.stopped = threading.Event()
+        self.streamed = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _drain(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                if n:
+                    self.rfile.read(n)
+
+            def do_PUT(self) -> None:
+                self._drain()
+                self.send_response(200)
+                self.send_header("ETag", '"e"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_HEAD(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(fake.SIZE))
+                self.send_header("ETag", '"e"')
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                if fake.mode == "silent":
+                    fake.stopped.wait()
+                    return
+                if fake.mode == "trickle":
+                    for byte in b"HTTP/1.1 200 OK\r\n":
+                        if fake.stopped.wait(fake.trickle_s):
+                            return
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                    return
+                if "list-type" in self.path:
+                    body = b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated></ListBucketResult>'
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                ranged = self.headers.get("Range", "")
+                if ranged.startswith("bytes="):
+                    first, _, last = ranged[len("bytes="):].partition("-")
+                    lo, hi = int(first), min(int(last) if last else fake.SIZE - 1, fake.SIZE - 1)
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {lo}-{hi}/{fake.SIZE}")
+                    self.send_header("Content-Length", str(hi - lo + 1))
+                    self.send_header("ETag", '"e"')
+                    self.end_headers()
+                    self.wfile.write(bytes(hi - lo + 1))
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(fake.SIZE))
+                self.send_header("ETag", '"e"')
+                self.end_headers()
+                chunk = bytes(1 << 20)
+                try:
+                    while fake.streamed < fake.SIZE and not fake.stopped.is_set():
+                        self.wfile.write(chunk)
+                        fake.streamed += len(chunk)
+                except OSError:
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeS3":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# the child a fake endpoint is tried from: its address space capped, so a read that would take the machine's
+# memory fails there instead; it prints its error (one line, or the traceback) and its peak resident memory
+CLONE_CHILD = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+import ckptrepo
+from ckptrepo.errors import CkptRepoError
+t = time.monotonic()
+try:
+    ckptrepo.clone(sys.argv[1], sys.argv[2])
+    print("cloned")
+except CkptRepoError as err:
+    print("error:", err)
+print("seconds:", round(time.monotonic() - t, 1))
+print("maxrss_mib:", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def _clone_from(endpoint: str, target: Path, timeout: float, **env: str) -> tuple[str, dict[str, float]]:
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing",
+                   AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1", **env)
+    environ.pop("AWS_ENDPOINT_URL_S3", None)
+    proc = subprocess.run([sys.executable, "-c", CLONE_CHILD, "s3://hostile-bucket/repo", str(target)],
+                          capture_output=True, text=True, timeout=timeout, env=environ)
+    figures = {}
+    for line in proc.stdout.splitlines():
+        name, _, value = line.partition(": ")
+        if name in ("seconds", "maxrss_mib"):
+            figures[name] = float(value)
+    return proc.stdout + proc.stderr, figures
+
+
+def test_clone_from_an_endpoint_that_answers_with_a_huge_body_stays_small(tmp_path: Path) -> None:
+    with FakeS3("huge") as fake:
+        out, figures = _clone_from(fake.endpoint, tmp_path / "c", timeout=120)
+    assert "error:" in out and "Traceback" not in out, out
+    assert "ckptrepo.json" in out and "hostile" in out, out
+    assert figures["maxrss_mib"] < 1024, out
+    assert fake.streamed < 1 << 30
