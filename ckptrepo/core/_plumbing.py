@@ -156,8 +156,10 @@ class Plumbing:
     def remote_store(self, name: str) -> Store:
         """The store of remote ``name`` (opened once per handle)."""
         if name not in self._remote_stores:
+            from ckptrepo.storage._nolinks import without_links
             from ckptrepo.storage._tensorstore import TensorStoreStore
-            self._remote_stores[name] = TensorStoreStore.open(remote_url(self.store, name))
+            # a remote's files are not this user's: a link in them never makes a push or read leave it
+            self._remote_stores[name] = without_links(TensorStoreStore.open(remote_url(self.store, name)))
         return self._remote_stores[name]
 
     def failures(self) -> list[dict[str, Any]]:

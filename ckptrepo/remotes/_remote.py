@@ -13,6 +13,7 @@ from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
 from ckptrepo.remotes._transfer import read_bounded
 from ckptrepo.storage import open_store
+from ckptrepo.storage._nolinks import without_links
 from ckptrepo.storage.protocol import Store
 
 REPOSITORY_ID = "id"   # ckptrepo.json: the identity a repository shares with its clones and pushes
@@ -80,7 +81,7 @@ def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str |
 def open_source(url: str) -> Plumbing:
     """The repository at ``url`` that a clone copies, with one-line errors that name it and say what to check."""
     with remote_errors(f"cannot clone {url}", "check the URL"):
-        store = open_store(url)
+        store = without_links(open_store(url))
         if read_bounded(store, CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             store.list("")   # a bucket that does not exist says so here
             raise NotARepositoryError(f"cannot clone {url}: there is no ckptrepo repository there; check the URL")

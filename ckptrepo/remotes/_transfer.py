@@ -166,9 +166,9 @@ def array_objects(src: Store, info: ArrayInfo) -> list[tuple[str, int]] | None:
 
 def read_bounded(src: Store, key: str, bound: int) -> bytes | None:
     """The value at ``key`` in ``src`` (None when absent), refused with CorruptionError when it holds more than
-    ``bound`` bytes. A local store looks at the file's size before reading; an object store is asked for the
+    ``bound`` bytes. A local store looks at the file's size before reading it; an object store is asked for the
     byte just past the bound first, so an oversized object is refused without being downloaded."""
-    if src.capabilities.local_root is None and src.get_range(key, bound, 1):
+    if src.capabilities.file_path(key) is None and src.get_range(key, bound, 1):
         raise CorruptionError(f"object {key} in {src.url} holds more than the {bound} bytes the format allows "
                               f"there: the repository is damaged or hostile; run `ckptrepo fsck` on it")
     return src.get(key, bound)

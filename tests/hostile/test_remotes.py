@@ -237,3 +237,39 @@ def test_clone_from_an_endpoint_that_answers_with_a_huge_body_stays_small(tmp_pa
     assert "ckptrepo.json" in out and "hostile" in out, out
     assert figures["maxrss_mib"] < 1024, out
     assert fake.streamed < 1 << 30
+
+
+# ---- symbolic links in a local remote ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("folder", ["data", "versions"])
+def test_push_never_writes_through_a_link_in_the_remote(tmp_path: Path, folder: str) -> None:
+    a = _source(tmp_path / "a", steps=1)
+    a.remote_add("origin", str(tmp_path / "remote"))
+    a.push()
+    outside = tmp_path / "outside"
+    shutil.move(tmp_path / "remote" / folder, outside)
+    os.symlink(outside, tmp_path / "remote" / folder)
+    before = sorted(p.relative_to(outside) for p in outside.rglob("*"))
+    a.snapshot({"w": torch.zeros(64)}, step=9)
+
+    with pytest.raises(CkptRepoError) as err:
+        a.push()
+    msg = _one_line(err.value)
+    assert folder in msg and "symbolic link" in msg
+    assert sorted(p.relative_to(outside) for p in outside.rglob("*")) == before
+
+
+def test_clone_never_reads_a_file_through_a_link_in_the_source(tmp_path: Path) -> None:
+    src = _source(tmp_path / "src")
+    tip = src.log()[0].id
+    secret = tmp_path / "secret"
+    shard = _array_dir(tmp_path / "src", tip) / "c" / "0"
+    secret.write_bytes(b"not the remote's: " + bytes(shard.stat().st_size - 18))
+    shard.unlink()
+    os.symlink(secret, shard)
+
+    with pytest.raises(CkptRepoError) as err:
+        ckptrepo.clone(tmp_path / "src", tmp_path / "c")
+    msg = _one_line(err.value)
+    assert "c/0" in msg and "symbolic link" in msg
+    assert not any(b"not the remote's" in p.read_bytes() for p in (tmp_path / "c").rglob("*") if p.is_file())
