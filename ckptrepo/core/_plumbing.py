@@ -25,7 +25,7 @@ from ckptrepo.core._manifest import (
 )
 from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
 from ckptrepo.core._refs import Refs, lost_head_branch
-from ckptrepo.core._remotes import evicted_remote, remote_url, tracking_tip
+from ckptrepo.core._remotes import evicted_remote, interrupted_clone, remote_url, tracking_tip
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError, StorageError
 from ckptrepo.storage._store_check import needs_check, probe_conditional_writes, refusal, store_identity
@@ -204,7 +204,7 @@ class Plumbing:
             raise CorruptionError(h.damage)
         lost = lost_head_branch(self.store, h)
         if lost is not None:
-            raise CorruptionError(lost)
+            raise CorruptionError(interrupted_clone(self.config, self.url) or lost)
         return h.version
 
     def head_description(self) -> str:

@@ -263,3 +263,17 @@ def leased_versions(store: Store, now: float) -> tuple[set[str], list[str]]:
         if isinstance(named, list):
             held.update(v for v in named if isinstance(v, str))
     return held, stale
+
+
+CLONING_SETTING = "cloning"   # ckptrepo.json: a clone in progress, {"url": ..., "remote": ...}; null once done
+
+
+def interrupted_clone(config: dict[str, Any], target: str) -> str | None:
+    """The one line that says ``config``'s repository (at ``target``) is a clone killed midway and how to finish
+    it (remotes/_clone.py); None for any other repository."""
+    cloning = config.get(CLONING_SETTING)
+    if not isinstance(cloning, dict) or not isinstance(cloning.get("url"), str):
+        return None
+    url = cloning["url"][:300]
+    return (f"{target} is an interrupted clone of {url} (its refs are not set yet); finish it by running the "
+            f"same clone again: `ckptrepo clone {url} {target}`")

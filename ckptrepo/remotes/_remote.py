@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, VERSIONS_PREFIX, encode_config, is_version_id
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import init_head
+from ckptrepo.core._refs import Head, init_head
 from ckptrepo.core._remotes import evicted_remote, remote_url
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
@@ -154,3 +155,77 @@ def is_ancestor(plumbing: Plumbing, ancestor: str, tip: str, known: set[str]) ->
         seen.add(vid)
         stack.extend(plumbing.header(vid).parents)
     return False
+
+
+@dataclass
+class RemoteHistory:
+    """A remote's refs and version listing, as push and fetch read them once."""
+
+    branches: dict[str, str]
+    tags: dict[str, str]
+    head: Head
+    known: set[str]
+
+    @property
+    def tips(self) -> list[str]:
+        """Every version a fetch starts from: branches, tags, and a detached HEAD (as git fetches its commit)."""
+        detached = [self.head.version] if self.head.branch is None and self.head.version else []
+        return [*self.branches.values(), *self.tags.values(), *detached]
+
+
+def sound_history(there: Plumbing, label: str) -> RemoteHistory:
+    """The refs and versions of ``there`` (named ``label`` in errors), refused in one line unless a copy of them
+    would be a sound repository: every ref names a version it holds, no ref name is a folder of another
+    (``a`` and ``a/b``), and every version's parents are held and lead back to roots without a cycle.
+
+    A clone or fetch of a damaged remote is refused whole, before anything is copied, rather than cloned in
+    part: what is missing there is missing for good, and a partial copy would pass fsck here while its refs
+    fail every command (docs/decisions/040-hostile-remotes.md)."""
+    branches, tags, head = there.refs.branches(), there.refs.tags(), there.refs.head()
+    known = version_ids(there)
+    refs = [(f"branch {b!r}", vid) for b, vid in branches.items()] + [(f"tag {t!r}", vid) for t, vid in tags.items()]
+    if head.branch is None and head.version:
+        refs.append(("detached HEAD", head.version))
+
+    def refuse(problem: str) -> RemoteError:
+        return RemoteError(f"{label} is damaged: {problem}; nothing was copied: repair it there first "
+                           f"(`ckptrepo --repo {there.url} fsck`)")
+
+    for what, vid in refs:
+        if vid not in known:
+            raise refuse(f"its {what} names version {vid[:12]}, which it does not hold")
+    for kind, names in (("branch", branches), ("tag", tags)):
+        for name in names:
+            inner = next((o for o in names if o.startswith(name + "/")), None)
+            if inner is not None:
+                raise refuse(f"its {kind}es {name!r} and {inner!r} cannot both be refs (one would be a folder)")
+    _check_ancestry(there, [vid for _, vid in refs], known, refuse)
+    return RemoteHistory(branches, tags, head, known)
+
+
+def _check_ancestry(there: Plumbing, tips: list[str], known: set[str],
+                    refuse: Callable[[str], RemoteError]) -> None:
+    """Walk back from ``tips`` (depth first, each version once): a parent ``there`` does not hold, or one still
+    being walked from (a cycle), is refused."""
+    done: set[str] = set()
+    walking: set[str] = set()
+    for tip in tips:
+        stack: list[tuple[str, bool]] = [(tip, False)]
+        while stack:
+            vid, finished = stack.pop()
+            if finished:
+                walking.discard(vid)
+                done.add(vid)
+                continue
+            if vid in done:
+                continue
+            if vid in walking:
+                raise refuse(f"version {vid[:12]} is its own ancestor (its parents form a cycle)")
+            walking.add(vid)
+            stack.append((vid, True))
+            for parent in there.header(vid).parents:
+                if parent not in known:
+                    raise refuse(f"version {vid[:12]} names parent {parent[:12]}, which it does not hold")
+                if parent in walking:
+                    raise refuse(f"version {parent[:12]} is its own ancestor (its parents form a cycle)")
+                stack.append((parent, False))

@@ -28,7 +28,7 @@ HOSTILE_CLASS = "hostile remotes"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _source(path: Path, steps: int = 2) -> ckptrepo.Repository:
+def _source(path: Path | str, steps: int = 2) -> ckptrepo.Repository:
     repo = ckptrepo.init(path)
     for step in range(steps):
         repo.snapshot({"w": torch.arange(64, dtype=torch.float32) + step}, step=step)
@@ -273,3 +273,81 @@ def test_clone_never_reads_a_file_through_a_link_in_the_source(tmp_path: Path) -
     msg = _one_line(err.value)
     assert "c/0" in msg and "symbolic link" in msg
     assert not any(b"not the remote's" in p.read_bytes() for p in (tmp_path / "c").rglob("*") if p.is_file())
+
+
+# ---- damaged remotes -----------------------------------------------------------------------------------------
+
+def _damage(src: Path, how: str, ids: list[str]) -> None:
+    missing = "0" * 16 + ids[0][16:]   # a well-formed id the source does not hold
+    if how == "branch at a missing version":
+        (src / "refs" / "heads" / "ghost").write_text(missing)
+    elif how == "detached HEAD at a missing version":
+        (src / "HEAD").write_text(missing)
+    elif how == "cyclic parents":
+        from ckptrepo.core._manifest import VERSIONS_PREFIX, seal, unseal
+        key = src / (VERSIONS_PREFIX + ids[-1])   # the root names the tip as its parent
+        body = unseal(key.read_bytes(), VERSIONS_PREFIX + ids[-1])
+        body["parents"] = [ids[0]]
+        key.write_bytes(seal(body))
+
+
+@pytest.mark.parametrize("how", ["branch at a missing version", "detached HEAD at a missing version",
+                                 "cyclic parents"])
+def test_clone_refuses_a_damaged_source_and_writes_nothing(tmp_path: Path, how: str) -> None:
+    src = _source(tmp_path / "src", steps=3)
+    _damage(tmp_path / "src", how, [v.id for v in src.log()])
+    proc = _cli("clone", str(tmp_path / "src"), str(tmp_path / "c"))
+    assert proc.returncode != 0
+    msg = _one_line(proc.stderr)
+    assert "is damaged" in msg and "fsck" in msg, msg
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_clone_refuses_refs_that_are_folders_of_each_other(s3_url: str, tmp_path: Path) -> None:
+    from ckptrepo.storage import open_store
+    src = _source(s3_url, steps=1)
+    tip = src.log()[0].id
+    store = open_store(s3_url)
+    store.put("refs/heads/a", tip.encode())
+    store.put("refs/heads/a/b", tip.encode())
+    with pytest.raises(CkptRepoError) as err:
+        ckptrepo.clone(s3_url, tmp_path / "c")
+    msg = _one_line(err.value)
+    assert "'a'" in msg and "'a/b'" in msg and "is damaged" in msg
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+# ---- interrupted clones ---------------------------------------------------------------------------------------
+
+KILLED_CLONE = """
+import os, signal, sys
+import ckptrepo
+from ckptrepo import faults
+faults.set_hook("push_after_manifest", lambda _: os.kill(os.getpid(), signal.SIGKILL))
+ckptrepo.clone(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_killed_clone_is_named_by_fsck_and_finished_by_the_same_clone(tmp_path: Path) -> None:
+    src = _source(tmp_path / "src", steps=3)
+    target = tmp_path / "c"
+    proc = subprocess.run([sys.executable, "-c", KILLED_CLONE, str(tmp_path / "src"), str(target)],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert (target / "versions").is_dir()
+
+    for args in (("fsck",), ("log",)):
+        out = _cli("--repo", str(target), *args)
+        assert out.returncode != 0
+        assert "Traceback" not in out.stdout + out.stderr
+        lines = [line for line in (out.stdout + out.stderr).splitlines() if "interrupted clone" in line]
+        assert len(lines) == 1 and f"ckptrepo clone {tmp_path / 'src'} {target}" in lines[0], out
+        assert "does not exist" not in out.stdout + out.stderr   # not called a lost HEAD branch
+
+    again = _cli("clone", str(tmp_path / "src"), str(target))
+    assert again.returncode == 0, again.stderr
+    c = ckptrepo.open(target)
+    assert [v.id for v in c.log()] == [v.id for v in src.log()]
+    assert c.current_branch() == "main" and c.fsck().ok
+    assert torch.equal(c.load("HEAD")["w"], torch.arange(64, dtype=torch.float32) + 2)
+    assert _cli("clone", str(tmp_path / "src"), str(target)).returncode != 0   # done: a clone again is refused
