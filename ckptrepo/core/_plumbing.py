@@ -20,6 +20,7 @@ from ckptrepo.core._manifest import (
     FAILURES_PREFIX,
     PRUNED_PREFIX,
     decode_config,
+    read_config,
     unseal,
     update_config,
 )
@@ -53,7 +54,7 @@ class Plumbing:
     """
 
     def __init__(self, store: Store) -> None:
-        raw = store.get(CONFIG_KEY, CONFIG_MAX_BYTES)
+        raw = read_config(store)
         if raw is None:
             raise NotARepositoryError(f"{store.url} is not a ckptrepo repository; create one with "
                                       f"`ckptrepo init {store.url}` or pass --repo URL")

@@ -31,6 +31,7 @@ from ckptrepo.core._manifest import (
     REF_MAX_BYTES,
     decode_config,
     new_version_id,
+    read_config,
     seal,
     update_config,
     version_id_time,
@@ -55,9 +56,23 @@ def check_remote_name(name: Any) -> str:
     return name
 
 
+# The longest remote URL taken: a path as long as Linux allows, or an object store key prefix many times over;
+# the URLs of a repository's remotes live in its config, which readers refuse past CONFIG_MAX_BYTES.
+MAX_REMOTE_URL_CHARS = 4096
+
+
+def check_remote_url(url: str) -> str:
+    """A remote's URL as ``remote add`` takes it: text no longer than ``MAX_REMOTE_URL_CHARS``."""
+    if not isinstance(url, str) or not url or len(url) > MAX_REMOTE_URL_CHARS or "\0" in url:
+        shown = f"{len(url)} characters" if isinstance(url, str) and url else repr(url)[:40]
+        raise ArgumentError(f"a remote URL must be 1 to {MAX_REMOTE_URL_CHARS} characters without NUL, not "
+                            f"{shown}; check the URL")
+    return url
+
+
 def remotes(store: Store) -> dict[str, str]:
     """Remote name -> URL, as ``ckptrepo.json`` records them."""
-    raw = store.get(CONFIG_KEY, CONFIG_MAX_BYTES)
+    raw = read_config(store)
     cfg = decode_config(raw, store.url) if raw is not None else {}
     found = cfg.get(REMOTES_SETTING) or {}
     if not isinstance(found, dict):
@@ -78,6 +93,7 @@ def remote_url(store: Store, name: str) -> str:
 def add_remote(store: Store, name: str, url: str) -> None:
     """Record remote ``name`` at ``url``; refuses a name already taken, as git does."""
     check_remote_name(name)
+    check_remote_url(url)
     found = remotes(store)
     if name in found:
         raise RefError(f"remote {name!r} exists (at {found[name]}); remove it first with "

@@ -351,3 +351,31 @@ def test_a_killed_clone_is_named_by_fsck_and_finished_by_the_same_clone(tmp_path
     assert c.current_branch() == "main" and c.fsck().ok
     assert torch.equal(c.load("HEAD")["w"], torch.arange(64, dtype=torch.float32) + 2)
     assert _cli("clone", str(tmp_path / "src"), str(target)).returncode != 0   # done: a clone again is refused
+
+
+# ---- the config's size -----------------------------------------------------------------------------------------
+
+def test_remote_add_refuses_a_url_that_would_outgrow_the_config(tmp_path: Path) -> None:
+    _source(tmp_path / "a", steps=1)
+    before = (tmp_path / "a" / "ckptrepo.json").read_bytes()
+    out = _cli("--repo", str(tmp_path / "a"), "remote", "add", "origin", "/" + "x" * (70 << 10))
+    assert out.returncode != 0
+    assert "URL" in _one_line(out.stderr)
+    assert (tmp_path / "a" / "ckptrepo.json").read_bytes() == before
+    assert _cli("--repo", str(tmp_path / "a"), "log").returncode == 0
+
+
+def test_repair_config_shrinks_an_oversized_config(tmp_path: Path) -> None:
+    a = _source(tmp_path / "a", steps=1)
+    a.remote_add("origin", str(tmp_path / "remote"))
+    _set_config(tmp_path / "a", remotes={"origin": {"url": str(tmp_path / "remote")},
+                                         "huge": {"url": "/" + "x" * (70 << 10)}})
+    broken = _cli("--repo", str(tmp_path / "a"), "log")
+    assert broken.returncode != 0 and "--repair-config" in _one_line(broken.stderr)
+
+    out = _cli("--repo", str(tmp_path / "a"), "fsck", "--repair-config")
+    assert "intact" not in out.stdout and "huge" in out.stdout, out
+    assert (tmp_path / "a" / "ckptrepo.json").stat().st_size < 64 << 10
+    fixed = ckptrepo.open(tmp_path / "a")
+    assert fixed.remotes() == {"origin": str(tmp_path / "remote")}
+    assert len(fixed.log()) == 1 and fixed.fsck().ok
