@@ -379,3 +379,14 @@ def test_repair_config_shrinks_an_oversized_config(tmp_path: Path) -> None:
     fixed = ckptrepo.open(tmp_path / "a")
     assert fixed.remotes() == {"origin": str(tmp_path / "remote")}
     assert len(fixed.log()) == 1 and fixed.fsck().ok
+
+
+# ---- endpoints that stall --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["silent", "trickle"])
+def test_clone_from_a_stalling_endpoint_ends_at_the_store_timeout(tmp_path: Path, mode: str) -> None:
+    with FakeS3(mode, trickle_s=1.0) as fake:
+        out, figures = _clone_from(fake.endpoint, tmp_path / "c", timeout=60, CKPTREPO_STORE_TIMEOUT="3")
+    assert "error:" in out and "Traceback" not in out, out
+    assert "CKPTREPO_STORE_TIMEOUT" in out, out
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
