@@ -390,3 +390,19 @@ def test_clone_from_a_stalling_endpoint_ends_at_the_store_timeout(tmp_path: Path
     assert "error:" in out and "Traceback" not in out, out
     assert "CKPTREPO_STORE_TIMEOUT" in out, out
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+# ---- keys that are no object names ----------------------------------------------------------------------------
+
+def test_clone_leaves_dot_dot_keys_on_an_s3_source_alone(s3_url: str, tmp_path: Path) -> None:
+    import boto3
+    src = _source(s3_url, steps=1)
+    tip = src.log()[0].id
+    bucket, _, prefix = s3_url[len("s3://"):].partition("/")
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    for rest in ("..", "c/..", "../float32/c/0", "c/../0"):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/data/{tip}/0/float32/{rest}", Body=b"hostile")
+    c = ckptrepo.clone(s3_url, tmp_path / "c")
+    assert torch.equal(c.load(tip)["w"], torch.arange(64, dtype=torch.float32))
+    assert not any(b"hostile" in p.read_bytes() for p in (tmp_path / "c").rglob("*") if p.is_file())
+    assert c.fsck().ok
