@@ -157,10 +157,10 @@ class Plumbing:
     def remote_store(self, name: str) -> Store:
         """The store of remote ``name`` (opened once per handle)."""
         if name not in self._remote_stores:
-            from ckptrepo.storage._nolinks import without_links
             from ckptrepo.storage._tensorstore import TensorStoreStore
-            # a remote's files are not this user's: a link in them never makes a push or read leave it
-            self._remote_stores[name] = without_links(TensorStoreStore.open(remote_url(self.store, name)))
+            from ckptrepo.storage._untrusted import untrusted
+            # a remote is not this user's: its links are never followed, its reads bounded before they download
+            self._remote_stores[name] = untrusted(TensorStoreStore.open(remote_url(self.store, name)))
         return self._remote_stores[name]
 
     def failures(self) -> list[dict[str, Any]]:

@@ -12,9 +12,8 @@ from ckptrepo.core._refs import Head, init_head
 from ckptrepo.core._remotes import evicted_remote, remote_url
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
-from ckptrepo.remotes._transfer import read_bounded
 from ckptrepo.storage import open_store
-from ckptrepo.storage._nolinks import without_links
+from ckptrepo.storage._untrusted import untrusted
 from ckptrepo.storage.protocol import Store
 
 REPOSITORY_ID = "id"   # ckptrepo.json: the identity a repository shares with its clones and pushes
@@ -56,7 +55,7 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
 
 def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str | None) -> Plumbing:
     store = local.remote_store(name)
-    if read_bounded(store, CONFIG_KEY, CONFIG_MAX_BYTES) is None:
+    if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
         held = store.list("")   # also what says that a bucket does not exist: a read of one absent key does not
         if create_with_branch is None:
             raise NotARepositoryError(f"remote {name!r} ({url}) holds no ckptrepo repository; push to it first, or "
@@ -82,8 +81,8 @@ def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str |
 def open_source(url: str) -> Plumbing:
     """The repository at ``url`` that a clone copies, with one-line errors that name it and say what to check."""
     with remote_errors(f"cannot clone {url}", "check the URL"):
-        store = without_links(open_store(url))
-        if read_bounded(store, CONFIG_KEY, CONFIG_MAX_BYTES) is None:
+        store = untrusted(open_store(url))
+        if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             store.list("")   # a bucket that does not exist says so here
             raise NotARepositoryError(f"cannot clone {url}: there is no ckptrepo repository there; check the URL")
         return RemotePlumbing(store)
@@ -173,10 +172,11 @@ class RemoteHistory:
         return [*self.branches.values(), *self.tags.values(), *detached]
 
 
-def sound_history(there: Plumbing, label: str) -> RemoteHistory:
+def sound_history(there: Plumbing, label: str, present: set[str] | frozenset[str] = frozenset()) -> RemoteHistory:
     """The refs and versions of ``there`` (named ``label`` in errors), refused in one line unless a copy of them
     would be a sound repository: every ref names a version it holds, no ref name is a folder of another
-    (``a`` and ``a/b``), and every version's parents are held and lead back to roots without a cycle.
+    (``a`` and ``a/b``), and every version's parents are held and lead back to roots without a cycle. The walk
+    stops at the versions ``present`` here (fetched, and checked, before): a fetch reads only new headers.
 
     A clone or fetch of a damaged remote is refused whole, before anything is copied, rather than cloned in
     part: what is missing there is missing for good, and a partial copy would pass fsck here while its refs
@@ -199,15 +199,14 @@ def sound_history(there: Plumbing, label: str) -> RemoteHistory:
             inner = next((o for o in names if o.startswith(name + "/")), None)
             if inner is not None:
                 raise refuse(f"its {kind}es {name!r} and {inner!r} cannot both be refs (one would be a folder)")
-    _check_ancestry(there, [vid for _, vid in refs], known, refuse)
+    _check_ancestry(there, [vid for _, vid in refs], known, set(present), refuse)
     return RemoteHistory(branches, tags, head, known)
 
 
-def _check_ancestry(there: Plumbing, tips: list[str], known: set[str],
+def _check_ancestry(there: Plumbing, tips: list[str], known: set[str], done: set[str],
                     refuse: Callable[[str], RemoteError]) -> None:
-    """Walk back from ``tips`` (depth first, each version once): a parent ``there`` does not hold, or one still
-    being walked from (a cycle), is refused."""
-    done: set[str] = set()
+    """Walk back from ``tips`` (depth first, each version once, none of ``done``): a parent ``there`` does not
+    hold, or one still being walked from (a cycle), is refused."""
     walking: set[str] = set()
     for tip in tips:
         stack: list[tuple[str, bool]] = [(tip, False)]

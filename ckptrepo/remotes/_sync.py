@@ -195,14 +195,14 @@ def fetch(local: Plumbing, remote: str, lazy: bool = False, depth: int | None = 
     (first parents), the older ones are fetched as lazily; every manifest is fetched either way, so history,
     ``log`` and loads of any version work. A damaged remote is refused before anything is copied
     (``sound_history``). ``source``: the remote as a clone opened and checked it (its headers read once)."""
+    present = version_ids(local)
     if source is None:
         there = open_remote(local, remote)
-        history = sound_history(there, f"remote {remote!r} ({there.url})")
+        history = sound_history(there, f"remote {remote!r} ({there.url})", present)
     else:
         there, history = source
     result = SyncResult(remote, there.url)
     branches, tags = history.branches, history.tags
-    present = version_ids(local)
     todo = missing_ancestors(lambda v: there.header(v).parents, history.tips, present, history.known)
     with_data = set() if lazy else _within_depth(there, branches.values(), depth, set(todo))
     pruned = {v for v in todo if there.store.exists(PRUNED_PREFIX + v)}

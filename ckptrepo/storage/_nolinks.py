@@ -18,12 +18,6 @@ if TYPE_CHECKING:
     import tensorstore as ts
 
 
-def without_links(store: Store) -> Store:
-    """``store`` itself when its keys are no files; else the same store, refusing keys reached through links."""
-    root = store.capabilities.file_root or store.capabilities.local_root
-    return store if root is None else NoLinkStore(store, root)
-
-
 class NoLinkStore:
     """``inner`` (a store of local files under ``root``), refusing every key whose path under ``root`` passes
     through, or ends at, a symbolic link. It offers no local root, so that nothing opens its files directly past

@@ -534,8 +534,9 @@ def _list_files(root: str, prefix: str, reserved: tuple[str, ...]) -> list[str]:
     return sorted(keys)
 
 
-# how TensorStore's refusal of a byte range past a value's end names the value's size
-_REFUSED_SIZE = re.compile(r"(?:value of size|total size) (\d+)")
+# how TensorStore's refusal of a byte range past a value's end names the value's size (S3's own error body
+# carries it as ActualObjectSize)
+_REFUSED_SIZE = re.compile(r"(?:value of size |total size |ActualObjectSize>)(\d+)")
 
 
 def _bounded(key: str, r: Any, max_bytes: int) -> bytes | None:

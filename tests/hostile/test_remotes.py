@@ -406,3 +406,16 @@ def test_clone_leaves_dot_dot_keys_on_an_s3_source_alone(s3_url: str, tmp_path: 
     assert torch.equal(c.load(tip)["w"], torch.arange(64, dtype=torch.float32))
     assert not any(b"hostile" in p.read_bytes() for p in (tmp_path / "c").rglob("*") if p.is_file())
     assert c.fsck().ok
+
+
+def test_clone_never_downloads_an_oversized_object_whole(s3_proxy, s3_url: str, tmp_path: Path) -> None:
+    from ckptrepo.storage import open_store
+    src = _source(s3_url, steps=1)
+    open_store(s3_url).put("refs/heads/big", src.log()[0].id.encode() + bytes(1 << 20))
+    reads: list[dict[str, str]] = []
+    s3_proxy.before_forward = lambda r: reads.append(r.headers) if r.method == "GET" and r.path.endswith(
+        "/refs/heads/big") else None
+    with pytest.raises(CkptRepoError) as err:
+        ckptrepo.clone(s3_url, tmp_path / "c")
+    assert "refs/heads/big" in _one_line(err.value)
+    assert reads and all("range" in h for h in reads), reads   # asked for a byte past the bound, never the whole
