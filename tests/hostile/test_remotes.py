@@ -147,11 +147,14 @@ class FakeS3:
                     fake.stopped.wait()
                     return
                 if fake.mode == "trickle":
-                    for byte in b"HTTP/1.1 200 OK\r\n":
-                        if fake.stopped.wait(fake.trickle_s):
-                            return
-                        self.wfile.write(bytes([byte]))
-                        self.wfile.flush()
+                    try:
+                        for byte in b"HTTP/1.1 200 OK\r\n":
+                            if fake.stopped.wait(fake.trickle_s):
+                                return
+                            self.wfile.write(bytes([byte]))
+                            self.wfile.flush()
+                    except OSError:   # the client gave up
+                        pass
                     return
                 if "list-type" in self.path:
                     body = b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated></ListBucketResult>'
