@@ -13,14 +13,18 @@ Two kinds of deletion:
 Safe against a concurrent writer: nothing younger than the grace period is
 collected (a writer in flight has objects no ref points to yet), branch heads
 and tagged versions are never pruned by default, and data still referenced by a
-kept version is never deleted.
+kept version is never deleted. Without a grace period a writer is not safe: gc
+reads the refs again just before it deletes and keeps what they reach then, but
+a writer whose branch moves after that read names a version gc collected
+(``maintenance/_lost.py``: fsck names it, ``fsck --repair`` lets gc run again).
 
 Safe against damage: gc deletes only what it can prove unreachable in a
 repository whose refs and history pass fsck's checks. It stops before deleting
 anything, naming the damage, when a ref or manifest cannot be read, a ref or
-parent names a missing version, HEAD's branch is lost while versions exist,
-parent links form a cycle, or a ``pruned/`` marker names a branch tip, a tag
-or a detached HEAD whose data is still stored (see ``graph_damage``). There is
+parent names a missing version (one that ``fsck --repair`` marked lost ends the
+walk instead), HEAD's branch is lost while versions exist, parent links form a
+cycle, or a ``pruned/`` marker names a branch tip, a tag or a detached HEAD
+whose data is still stored (see ``graph_damage``). There is
 no trash to undo a gc (docs/decisions/016-gc-refuses-on-damage.md): ``--dry-run``
 lists what would go.
 """
@@ -52,6 +56,7 @@ from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
 from ckptrepo.core._remotes import leased_versions, tracking_refs
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RefError, RetentionError, StorageError
+from ckptrepo.maintenance._lost import lost_ids
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -227,10 +232,11 @@ def reaches(plumbing: Plumbing, starts: Sequence[str], target: str) -> bool:
     return False
 
 
-def _reachable(plumbing: Plumbing, starts: Sequence[str], facts: dict[str, "VersionFacts"]) -> set[str]:
+def _reachable(plumbing: Plumbing, starts: Sequence[str], facts: dict[str, "VersionFacts"],
+               lost: Collection[str] = ()) -> set[str]:
     """The versions reachable from ``starts`` through parent links; a version missing from ``facts`` is read
     (and added to them) before the walk goes on, and gc stops before it deletes anything when its manifest is
-    gone.
+    gone, unless ``fsck --repair`` marked it lost (maintenance/_lost.py): the walk ends there.
 
     Without the manifest that version's data would look like an interrupted
     snapshot's and be collected: a repository that is already damaged would
@@ -247,6 +253,8 @@ def _reachable(plumbing: Plumbing, starts: Sequence[str], facts: dict[str, "Vers
             continue
         if vid not in facts:
             if not plumbing.store.exists(VERSIONS_PREFIX + vid):
+                if vid in lost:
+                    continue
                 raise CorruptionError(f"gc stopped before deleting anything: {missing_manifest(vid)}")
             facts[vid] = VersionFacts.of(plumbing.manifest(vid))
         seen.add(vid)
@@ -317,7 +325,8 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     damage = graph_damage(plumbing, {vid: f.parents for vid, f in facts.items()}, head)
     if damage:
         raise CorruptionError(f"gc stopped before deleting anything: {damage[0]}")
-    reachable = _reachable(plumbing, _targets(branches, tags, head) + list(tracking.values()), facts)
+    lost = lost_ids(plumbing)
+    reachable = _reachable(plumbing, _targets(branches, tags, head) + list(tracking.values()), facts, lost)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None
     keep: set[str] = set()
@@ -371,7 +380,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
             report.too_young.append(vid)
         else:
             report.collected.append(vid)
-    for vid in sorted(data_ids - set(facts)):
+    for vid in sorted(data_ids - set(facts) - lost):   # a lost version's data: a restored manifest uses it
         young_data = young(vid, version_id_time(vid)) or vid in leased
         (report.too_young if young_data else report.orphan_data).append(vid)
     # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now, by any
@@ -397,7 +406,15 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     if dry_run:
         return report
 
+    doomed = set(doomed_arrays)
+
     def mark_and_unlist() -> None:
+        # a writer may have moved a ref onto a version listed here since the refs were read (the grace period
+        # is what protects it; with none, this narrows the race to the deletes that follow)
+        for vid in committed_meanwhile(plumbing, report.collected, facts):
+            report.collected.remove(vid)
+            report.kept.append(vid)
+            doomed.difference_update(facts[vid].referenced)
         for vid in report.pruned:
             # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
             # marker with content would fail, and gc, the way to free space, would free nothing
@@ -407,8 +424,8 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
             plumbing.store.delete(VERSIONS_PREFIX + vid)              # manifest before data: never a dangling manifest
             plumbing.store.delete(PRUNED_PREFIX + vid)
 
-    kept = delete_arrays_announced(plumbing, "gc-" + new_version_id(), set(doomed_arrays), set(facts),
-                                   mark_and_unlist)
+    kept = delete_arrays_announced(plumbing, "gc-" + new_version_id(), doomed, set(facts), mark_and_unlist)
+    kept |= set(doomed_arrays) - doomed
     if kept:   # reused by snapshots committed meanwhile (dedup): not freed after all
         report.bytes_freed -= sum(doomed_arrays[k][0] for k in kept)
         report.stored_bytes_freed -= sum(stored[k] for k in kept)
@@ -428,6 +445,27 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         if not young(vid, version_id_time(vid)):
             plumbing.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
     return report
+
+
+def committed_meanwhile(plumbing: Plumbing, candidates: Collection[str],
+                        facts: Mapping[str, VersionFacts]) -> list[str]:
+    """The ``candidates`` (versions about to be collected) that the refs, read again now, reach: committed by a
+    writer after gc first read the refs. Versions missing from ``facts`` (committed since the listing) are
+    walked through by their headers."""
+    if not candidates:
+        return []
+    seen: set[str] = set()
+    stack = ref_targets(plumbing)
+    while stack:
+        vid = stack.pop()
+        if vid in seen:
+            continue
+        seen.add(vid)
+        if vid in facts:
+            stack.extend(facts[vid].parents)
+        elif plumbing.store.exists(VERSIONS_PREFIX + vid):
+            stack.extend(plumbing.header(vid).parents)
+    return sorted(seen.intersection(candidates))
 
 
 def _best(facts: dict[str, VersionFacts], candidates: set[str], n: int, metric: str, mode: str) -> list[str]:
