@@ -408,10 +408,12 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
 
     doomed = set(doomed_arrays)
 
-    def mark_and_unlist() -> None:
+    def mark_and_unlist() -> list[str]:
         # a writer may have moved a ref onto a version listed here since the refs were read (the grace period
-        # is what protects it; with none, this narrows the race to the deletes that follow)
-        for vid in committed_meanwhile(plumbing, report.collected, facts):
+        # is what protects it; with none, the intent, written before this read, names the versions to collect,
+        # and a writer whose ref moves after it waits for this pass, see maintenance/_lost.py)
+        rescued = committed_meanwhile(plumbing, report.collected, facts)
+        for vid in rescued:
             report.collected.remove(vid)
             report.kept.append(vid)
             doomed.difference_update(facts[vid].referenced)
@@ -423,8 +425,10 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         for vid in children_first(report.collected, {v: facts[v].parents for v in report.collected}):
             plumbing.store.delete(VERSIONS_PREFIX + vid)              # manifest before data: never a dangling manifest
             plumbing.store.delete(PRUNED_PREFIX + vid)
+        return rescued
 
-    kept = delete_arrays_announced(plumbing, "gc-" + new_version_id(), doomed, set(facts), mark_and_unlist)
+    kept = delete_arrays_announced(plumbing, "gc-" + new_version_id(), doomed, set(facts), mark_and_unlist,
+                                   versions=report.collected)
     kept |= set(doomed_arrays) - doomed
     if kept:   # reused by snapshots committed meanwhile (dedup): not freed after all
         report.bytes_freed -= sum(doomed_arrays[k][0] for k in kept)
@@ -433,7 +437,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
     for key in stale_leases:
         plumbing.store.delete(key)
-    for key, (born, _) in _intents(plumbing.store):   # the intents of prunes that died midway
+    for key, (born, _, _) in _intents(plumbing.store):   # the intents of prunes that died midway
         if now - born >= PRUNING_STALE_S:
             plumbing.store.delete(key)
     for key in plumbing.store.list(FAILURES_PREFIX):
@@ -540,7 +544,8 @@ def prune_version(plumbing: Plumbing, vid: str) -> int:
 
 
 def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], known: Collection[str],
-                            before: Callable[[], None]) -> set[str]:
+                            before: Callable[[], Collection[str] | None],
+                            versions: Collection[str] = ()) -> set[str]:
     """Delete the ``doomed`` arrays without pulling them from under a snapshot that reuses one (dedup) and
     commits meanwhile; returns the arrays kept for such snapshots.
 
@@ -548,17 +553,25 @@ def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], kno
     (saving/_dedup.py) and fails rather than point at deleted bytes. After ``before`` (markers, manifest
     deletes), the manifests written since the caller listed ``known`` ones are read, and what they use is kept:
     a commit either wrote its manifest before this read, or sees the intent.
+
+    ``versions``: the versions whose manifests ``before`` deletes, also listed in the intent, for a writer whose
+    ref moves onto one meanwhile (maintenance/_lost.py); those ``before`` returns it kept after all, and the
+    intent is written again without them.
     """
     intent: str | None = PRUNING_PREFIX + name
     try:
-        plumbing.store.put(PRUNING_PREFIX + name, seal({"time": time.time(), "arrays": sorted(doomed)}))
+        plumbing.store.put(PRUNING_PREFIX + name, seal({"time": time.time(), "arrays": sorted(doomed),
+                                                        "versions": sorted(versions)}))
     except StorageError:
         # a full disk takes no intent, and then no commit's manifest either: nothing can land meanwhile, and
         # gc, what a user runs to free space, must still free it
         intent = None
     kept: set[str] = set()
     try:
-        before()
+        rescued = before()
+        if versions and rescued and intent is not None:
+            plumbing.store.put(intent, seal({"time": time.time(), "arrays": sorted(doomed),
+                                             "versions": sorted(set(versions) - set(rescued))}))
         for _new, m in plumbing.iter_manifests([v for v in plumbing.all_version_ids() if v not in known]):
             if isinstance(m, Manifest):
                 kept.update(p.array for t in m.tensors for p in t.pieces if p.array in doomed)
@@ -570,8 +583,9 @@ def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], kno
     return kept
 
 
-def _intents(store: Any) -> list[tuple[str, tuple[float, list[str]]]]:
-    """Every intent (``pruning/<name>``): its key, when it was written and the arrays it lists."""
+def _intents(store: Any) -> list[tuple[str, tuple[float, list[str], list[str]]]]:
+    """Every intent (``pruning/<name>``): its key, when it was written, the arrays it lists and the versions
+    whose manifests it deletes."""
     out = []
     for key in store.list(PRUNING_PREFIX):
         raw = store.get(key)
@@ -579,12 +593,19 @@ def _intents(store: Any) -> list[tuple[str, tuple[float, list[str]]]]:
             continue
         try:
             intent = unseal(raw, key)
-            out.append((key, (float(intent["time"]), [a for a in intent["arrays"] if isinstance(a, str)])))
-        except (CorruptionError, KeyError, TypeError, ValueError):
-            out.append((key, (0.0, [])))   # torn by a crash: that prune is over
+            out.append((key, (float(intent["time"]), [a for a in intent["arrays"] if isinstance(a, str)],
+                              [v for v in intent.get("versions", ()) if isinstance(v, str)])))
+        except (CorruptionError, KeyError, TypeError, ValueError, AttributeError):
+            out.append((key, (0.0, [], [])))   # torn by a crash: that prune is over
     return out
+
+
+def collecting(store: Any, now: float) -> set[str]:
+    """The versions whose manifests gc passes in progress are deleting (intents younger than
+    ``PRUNING_STALE_S``)."""
+    return {v for _, (t, _, versions) in _intents(store) if now - t < PRUNING_STALE_S for v in versions}
 
 
 def pruning_arrays(store: Any, now: float) -> set[str]:
     """The arrays prunes in progress are deleting (intents younger than ``PRUNING_STALE_S``)."""
-    return {a for _, (t, arrays) in _intents(store) if now - t < PRUNING_STALE_S for a in arrays}
+    return {a for _, (t, arrays, _) in _intents(store) if now - t < PRUNING_STALE_S for a in arrays}

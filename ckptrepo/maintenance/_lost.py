@@ -15,6 +15,7 @@ the lost version itself moves back to the newest of them, as git's ORIG_HEAD wou
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -25,6 +26,7 @@ from ckptrepo.errors import CkptRepoError
 
 LOST_PREFIX = "lost/"   # an empty marker per version whose manifest a gc collected while a ref came to name it
 LOST_TAG_PREFIX = "lost/"
+COLLECTED_WAIT_S = 120.0   # the longest a writer waits for a gc pass whose intent names its version
 
 
 @dataclass(frozen=True)
@@ -155,3 +157,36 @@ def repair_lost(plumbing: Plumbing) -> list[str]:
             refs.set_head(None, candidates[0], now.generation)
             done.append(f"moved detached HEAD from lost version {item.vid[:12]} back to {candidates[0][:12]}")
     return done
+
+
+def collected_while_committing(plumbing: Plumbing, vid: str) -> bool:
+    """Whether a gc pass collected version ``vid`` while its branch moved onto it; its writer asks right after
+    the move.
+
+    A pass names the versions it collects in its intent (``pruning/``) before it reads the refs again and
+    deletes (maintenance/_gc.py): either that read sees this writer's ref, and the version is kept, or this
+    check, which comes after the ref moved, sees the intent. The writer then waits for the pass: the manifest
+    goes (collected), or the intent stops naming it (kept). Without an intent naming it, the manifest tells.
+    """
+    from ckptrepo.maintenance._gc import collecting
+    deadline = time.monotonic() + COLLECTED_WAIT_S
+    while vid in collecting(plumbing.store, time.time()) and time.monotonic() < deadline:
+        if not plumbing.store.exists(VERSIONS_PREFIX + vid):
+            return True
+        time.sleep(0.02)
+    return not plumbing.store.exists(VERSIONS_PREFIX + vid)   # past the deadline: a pass that died holding it
+
+
+def undo_collected_commit(plumbing: Plumbing, branch: str, vid: str, parent: str | None,
+                          generation: bytes | None) -> tuple[str, bytes | None]:
+    """Move ``branch`` back from ``vid``, which a gc collected as it was committed, to ``parent``, if it is still
+    at ``generation``. Returns the one line to raise, and the branch's new generation (None: not moved back)."""
+    moved = None
+    if parent is not None and generation is not None:
+        moved = plumbing.refs.move_branch(branch, parent, generation, vid, lambda _v: None)
+    where = (f"branch {branch!r} is back at {parent[:12]}; take the snapshot again"
+             if moved is not None and parent is not None else
+             f"branch {branch!r} still names it: run `ckptrepo fsck --repair`, then take the snapshot again")
+    return (f"version {vid[:12]} was not committed: a gc with a grace period shorter than a commit (`gc --grace "
+            f"0`) collected it while it was committed; {where}, and give gc a grace period longer than a commit",
+            moved.generation if moved is not None else None)

@@ -52,15 +52,45 @@ def paused_writer(url: str, step: int) -> tuple[threading.Thread, threading.Even
 
 
 def lose_a_version(url: str, step: int) -> str:
-    """The end state of issue 39: a gc with no grace period collects the version a writer is committing, and
-    then the writer's branch moves onto it."""
+    """The end state of issue 39: a gc with no grace period collects the version a writer is committing, then
+    the writer's branch moves onto it, and the writer dies before it checks what gc did."""
     writer, release, result = paused_writer(url, step)
+    report = ckptrepo.open(url).gc(grace_period_s=0)
+    faults.set_hook("after_ref", lambda _point: (_ for _ in ()).throw(OSError("killed")))
+    release.set()
+    writer.join(60)
+    faults.clear()
+    assert "killed" in str(result["error"])
+    assert len(report.collected) == 1 and ckptrepo.open(url).resolve("main") == report.collected[0]
+    return report.collected[0]
+
+
+def test_a_writer_whose_version_gc_collected_as_it_committed_moves_its_branch_back(tmp_path):
+    """gc names the versions it collects in its intent before it reads the refs again; a writer whose branch
+    moved after that read finds its version there, and moves the branch back instead of leaving it on a
+    version that does not exist (every later gc refused)."""
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    ids = [repo.snapshot(state_at(s), step=s).id for s in range(3)]
+    writer, release, result = paused_writer(url, 3)
     report = ckptrepo.open(url).gc(grace_period_s=0)
     release.set()
     writer.join(60)
-    vid = result["version"].id
-    assert report.collected == [vid]
-    return vid
+    assert len(report.collected) == 1
+    err = result.get("error")
+    assert isinstance(err, ckptrepo.errors.SnapshotFailedError), result
+    assert all(s in str(err) for s in (f"version {report.collected[0][:12]} was not committed", "gc --grace 0",
+                                       f"branch 'main' is back at {ids[2][:12]}")), str(err)
+    repo = ckptrepo.open(url)
+    assert repo.resolve("main") == ids[2]
+    v = repo.snapshot(state_at(4), step=4)
+    assert repo.version(v.id).parents == (ids[2],)
+    assert repo.gc(grace_period_s=0).collected == []
+    check = repo.fsck()
+    assert check.ok, check.errors
+    assert not [w for w in check.warnings if "not reachable" in w or "lost" in w], check.warnings
+    for s, vid in zip(range(3), ids):
+        assert_bit_exact(state_at(s), repo.load(vid))
 
 
 def test_gc_keeps_a_version_its_branch_moved_onto_while_gc_ran(tmp_path, monkeypatch):
