@@ -27,6 +27,7 @@ from ckptrepo.maintenance._gc import (
     marked_refs,
     reachable_versions,
     ref_targets,
+    unshared_data,
 )
 from ckptrepo.maintenance._lost import describe_refs, find_lost, lost_ids, lost_line
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
@@ -81,7 +82,9 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
     evicted = evicted_ids(plumbing.store)
     data_ids = data_version_ids(plumbing)
     reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})
-    marked = _check_graph(plumbing, manifests, head or Head(None, None, b""), refs, pruned, data_ids, report)
+    held = unshared_data(plumbing, pruned, data_ids, {vid: list(m.arrays) for vid, m in manifests.items()},
+                         {vid: {p.array for t in m.tensors for p in t.pieces} for vid, m in manifests.items()})
+    marked = _check_graph(plumbing, manifests, head or Head(None, None, b""), refs, pruned, held, report)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
         on_total(sum(a.nbytes for vid, m in manifests.items() if vid not in pruned for a in m.arrays.values()))
     stored: dict[str, set[tuple[str, int, int]]] = {}
@@ -115,7 +118,7 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
             continue
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
-    limbo = sorted((pruned & data_ids & set(manifests)) - marked)   # a ref's version: an error above
+    limbo = sorted((held & set(manifests)) - marked)   # a ref's version: an error above
     if limbo:
         shown = ", ".join(v[:12] for v in limbo[:3]) + (" ..." if len(limbo) > 3 else "")
         report.warnings.append(f"{len(limbo)} version(s) marked pruned still hold data ({shown}): a gc was "

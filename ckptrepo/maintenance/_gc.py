@@ -191,6 +191,21 @@ def marked_refs(pruned: set[str], data_ids: set[str], branches: Mapping[str, str
     return {vid: refs for vid, refs in sorted(names.items()) if vid in pruned and vid in data_ids}
 
 
+def unshared_data(plumbing: Plumbing, pruned: set[str], data_ids: set[str], arrays: Mapping[str, Collection[str]],
+                  referenced: Mapping[str, Collection[str]]) -> set[str]:
+    """The pruned versions that still store an array of their own that no unpruned version points into: what a
+    gc interrupted after its markers leaves. A pruned version's array that another version's pieces use (dedup)
+    stays on purpose, and says nothing of an interrupted gc. ``arrays``: each version's array keys;
+    ``referenced``: the arrays each version's pieces point into; ``data_ids``: the versions with data stored."""
+    live = {a for vid, keys in referenced.items() if vid not in pruned for a in keys}
+    out = set()
+    for vid in sorted(pruned & data_ids & set(arrays)):
+        own = [a for a in arrays[vid] if a.startswith(f"{DATA_PREFIX}{vid}/") and a not in live]
+        if own and any(k.startswith(a + "/") for k in plumbing.store.list(f"{DATA_PREFIX}{vid}/") for a in own):
+            out.add(vid)
+    return out
+
+
 def marked_ref_damage(vid: str, refs: Sequence[str]) -> str:
     """One line for a version ``marked_refs`` found."""
     return (f"{PRUNED_PREFIX}{vid} marks version {vid[:12]} ({', '.join(refs)}) as pruned, but its data is still "
@@ -357,7 +372,10 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     data_ids = data_version_ids(plumbing)
     # a marker on a ref's version whose data is stored: finishing that prune deletes live data, unless these
     # very rules prune the version too (the rerun of an interrupted --no-keep-branch-heads pass)
-    for vid, refs in marked_refs(already_pruned, data_ids, branches, tags, head).items():
+    unfinished_ids = unshared_data(plumbing, already_pruned, data_ids,
+                                   {v: [a for a, _, _ in f.arrays] for v, f in facts.items()},
+                                   {v: f.referenced for v, f in facts.items()})
+    for vid, refs in marked_refs(already_pruned, unfinished_ids, branches, tags, head).items():
         if vid in keep:
             raise CorruptionError(f"gc stopped before deleting anything: {marked_ref_damage(vid, refs)}")
 
