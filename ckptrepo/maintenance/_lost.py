@@ -4,6 +4,9 @@ A gc whose grace period is shorter than a commit (``--grace 0``) can collect a v
 wrote the manifest and before the branch moved onto it: the manifest and the data go, and then the branch
 names the version, and the writer's next snapshots name it as their parent. gc refuses to run past a
 missing manifest (the history behind it would look unreachable, and be collected), so it refuses for good.
+A writer therefore checks, once its ref moved, whether a gc pass collected its version
+(:func:`collected_while_committing`), and moves its branch back if so (:func:`undo_collected_commit`); a
+writer killed in between, or one from a release without that check, still leaves the state above.
 
 The repair (``ckptrepo fsck --repair``, :func:`repair_lost`) deletes nothing. It marks each such version
 lost (``lost/<id>``, an empty marker like ``pruned/<id>``), where gc's and fsck's walks then stop instead
@@ -35,7 +38,7 @@ class LostVersion:
 
     vid: str
     named_by: tuple[str, ...]   # "branch 'main'", "HEAD", "version 1d62119692af of branch 'main', as its parent,"
-    data_left: bool             # data/<id>/ is still stored (a gc leaves none: it deletes the manifest first)
+    data_left: bool             # data/<id>/ is still stored (a finished gc pass leaves none)
     marked: bool                # lost/<id> exists: fsck --repair has dealt with it
 
 
@@ -88,9 +91,9 @@ def lost_line(lost: LostVersion) -> str:
     short = lost.vid[:12]
     by = ", ".join(lost.named_by)
     if lost.marked:
-        return (f"version {short} is lost ({LOST_PREFIX}{lost.vid}): {by} names it, but its manifest is gone, "
-                f"and history walks stop there; the versions that may have preceded it are tagged "
-                f"{LOST_TAG_PREFIX}{short}*")
+        return (f"version {short} is lost ({LOST_PREFIX}{lost.vid}): {by} names it, but its manifest is gone; "
+                f"gc and fsck stop there, `log` past it fails, and the versions that may have preceded it are "
+                f"tagged {LOST_TAG_PREFIX}{short}* (`ckptrepo log {LOST_TAG_PREFIX}{short}`)")
     cause = ("its data is still stored: restore the manifest from a backup if there is one, or"
              if lost.data_left else
              "its data is gone too, as a gc whose grace period is shorter than a commit (`gc --grace 0` beside a "
