@@ -443,16 +443,23 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         for vid in children_first(report.collected, {v: facts[v].parents for v in report.collected}):
             plumbing.store.delete(VERSIONS_PREFIX + vid)              # manifest before data: never a dangling manifest
             plumbing.store.delete(PRUNED_PREFIX + vid)
+        # data without a manifest: a manifest written since the listing is a commit under way (checked after the
+        # intent that names it, as the refs above: a writer that sees the intent checks its data)
+        for vid in list(report.orphan_data):
+            if plumbing.store.exists(VERSIONS_PREFIX + vid):
+                report.orphan_data.remove(vid)
+                report.too_young.append(vid)
+                rescued.append(vid)
+                continue
+            plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
         return rescued
 
     kept = delete_arrays_announced(plumbing, "gc-" + new_version_id(), doomed, set(facts), mark_and_unlist,
-                                   versions=report.collected)
+                                   versions=report.collected + report.orphan_data)
     kept |= set(doomed_arrays) - doomed
     if kept:   # reused by snapshots committed meanwhile (dedup): not freed after all
         report.bytes_freed -= sum(doomed_arrays[k][0] for k in kept)
         report.stored_bytes_freed -= sum(stored[k] for k in kept)
-    for vid in report.orphan_data:
-        plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
     for key in stale_leases:
         plumbing.store.delete(key)
     for key, (born, _, _) in _intents(plumbing.store):   # the intents of prunes that died midway
@@ -572,9 +579,9 @@ def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], kno
     deletes), the manifests written since the caller listed ``known`` ones are read, and what they use is kept:
     a commit either wrote its manifest before this read, or sees the intent.
 
-    ``versions``: the versions whose manifests ``before`` deletes, also listed in the intent, for a writer whose
-    ref moves onto one meanwhile (maintenance/_lost.py); those ``before`` returns it kept after all, and the
-    intent is written again without them.
+    ``versions``: the versions whose manifests or data ``before`` deletes, also listed in the intent, for a
+    writer whose ref moves onto one meanwhile (maintenance/_lost.py); those ``before`` returns it kept after
+    all, and the intent is written again without them.
     """
     intent: str | None = PRUNING_PREFIX + name
     try:

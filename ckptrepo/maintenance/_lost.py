@@ -25,7 +25,9 @@ from typing import Mapping, Sequence
 from ckptrepo.core._manifest import DATA_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id, version_id_time
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head
+from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError
+from ckptrepo.storage._arrays import ZARR_JSON
 
 LOST_PREFIX = "lost/"   # an empty marker per version whose manifest a gc collected while a ref came to name it
 LOST_TAG_PREFIX = "lost/"
@@ -162,28 +164,34 @@ def repair_lost(plumbing: Plumbing) -> list[str]:
     return done
 
 
-def collected_while_committing(plumbing: Plumbing, vid: str) -> bool:
-    """Whether a gc pass collected version ``vid`` while its branch moved onto it; its writer asks right after
-    the move.
+def collected_while_committing(plumbing: Plumbing, vid: str, arrays: Sequence[str]) -> str | None:
+    """What a gc pass deleted of version ``vid`` while its branch moved onto it, or None; its writer asks right
+    after the move. ``arrays``: the keys of the arrays the version wrote.
 
-    A pass names the versions it collects in its intent (``pruning/``) before it reads the refs again and
-    deletes (maintenance/_gc.py): either that read sees this writer's ref, and the version is kept, or this
-    check, which comes after the ref moved, sees the intent. The writer then waits for the pass: the manifest
-    goes (collected), or the intent stops naming it (kept). Without an intent naming it, the manifest tells.
+    A pass names the versions whose manifest or data (data without a manifest) it deletes in its intent
+    (``pruning/``), then reads the refs, or looks for each manifest, again, and deletes (maintenance/_gc.py):
+    either that read sees this writer's ref or manifest, and the version is kept, or this check, which comes
+    after both, sees the intent, or the pass is over. The writer waits for a pass that names it: the manifest
+    goes (collected), or the intent stops naming it (kept). Then the manifest and the first object of each
+    array (its ``zarr.json``, created before any shard) tell.
     """
     from ckptrepo.maintenance._gc import collecting
     deadline = time.monotonic() + COLLECTED_WAIT_S
     while vid in collecting(plumbing.store, time.time()) and time.monotonic() < deadline:
         if not plumbing.store.exists(VERSIONS_PREFIX + vid):
-            return True
-        time.sleep(0.02)
-    return not plumbing.store.exists(VERSIONS_PREFIX + vid)   # past the deadline: a pass that died holding it
+            break
+        time.sleep(0.02)   # past the deadline: a pass that died holding it; what is stored tells
+    if not plumbing.store.exists(VERSIONS_PREFIX + vid):
+        return "collected it (manifest and data) while it was committed"
+    gone = next((key for key in arrays if not plumbing.store.exists(f"{key}/{ZARR_JSON}")), None)
+    return None if gone is None else f"deleted its data ({gone}) as data without a manifest while it was written"
 
 
 def undo_collected_commit(plumbing: Plumbing, branch: str, vid: str, parent: str | None,
-                          generation: bytes | None) -> tuple[str, bytes | None]:
-    """Move ``branch`` back from ``vid``, which a gc collected as it was committed, to ``parent``, if it is still
-    at ``generation``. Returns the one line to raise, and the branch's new generation (None: not moved back)."""
+                          generation: bytes | None, what: str) -> tuple[str, bytes | None]:
+    """Move ``branch`` back from ``vid``, of which a gc deleted ``what`` (``collected_while_committing``) as it
+    was committed, to ``parent``, if it is still at ``generation``. Returns the one line to raise, and the
+    branch's new generation (None: not moved back)."""
     moved = None
     if parent is not None and generation is not None:
         moved = plumbing.refs.move_branch(branch, parent, generation, vid, lambda _v: None)
@@ -191,5 +199,10 @@ def undo_collected_commit(plumbing: Plumbing, branch: str, vid: str, parent: str
              if moved is not None and parent is not None else
              f"branch {branch!r} still names it: run `ckptrepo fsck --repair`, then take the snapshot again")
     return (f"version {vid[:12]} was not committed: a gc with a grace period shorter than a commit (`gc --grace "
-            f"0`) collected it while it was committed; {where}, and give gc a grace period longer than a commit",
+            f"0`) {what}; {where}, and give gc a grace period longer than a commit",
             moved.generation if moved is not None else None)
+
+
+def own_arrays(manifest: Manifest) -> list[str]:
+    """The keys of the arrays version ``manifest`` wrote (not those it reuses from other versions)."""
+    return [key for key in manifest.arrays if key.startswith(f"{DATA_PREFIX}{manifest.id}/")]

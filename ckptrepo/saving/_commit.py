@@ -39,7 +39,7 @@ from ckptrepo.errors import (
     SnapshotFailedError,
     first_line,
 )
-from ckptrepo.maintenance._lost import collected_while_committing, undo_collected_commit
+from ckptrepo.maintenance._lost import collected_while_committing, own_arrays, undo_collected_commit
 from ckptrepo.parallel._distributed import GroupHealth, Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
 from ckptrepo.parallel.layout import ParallelLayout
@@ -177,9 +177,10 @@ class Committer:
                              f"committed on top of it), so this snapshotter commits nothing more to it: load the "
                              f"branch tip and snapshot with a new snapshotter, or give each writer a branch of its own")
         faults.point("after_ref")
-        if collected_while_committing(self.plumbing, job.vid):
+        deleted = collected_while_committing(self.plumbing, job.vid, own_arrays(manifest))
+        if deleted is not None:
             message, generation = undo_collected_commit(self.plumbing, self.branch, job.vid, parent,
-                                                        moved.generation)
+                                                        moved.generation, deleted)
             if generation is not None:
                 self.tip, self.generation = parent, generation
             else:

@@ -44,7 +44,7 @@ from ckptrepo.errors import (
 )
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.loading._reshard import read_pieces
-from ckptrepo.maintenance._lost import collected_while_committing, undo_collected_commit
+from ckptrepo.maintenance._lost import collected_while_committing, own_arrays, undo_collected_commit
 from ckptrepo.parallel._sharding import Piece as TargetPiece
 from ckptrepo.saving._commit import refuse_new_root, version_header
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
@@ -228,8 +228,10 @@ def commit_chunks(plumbing: Plumbing, vid: str, writes: Sequence[RankWrite], tre
                             f"(another writer) while this save wrote on top of {on}; save again, or give each "
                             f"writer a branch of its own")
     faults.point("after_ref")
-    if collected_while_committing(plumbing, vid):
-        raise SnapshotFailedError(undo_collected_commit(plumbing, base.branch, vid, base.tip, moved.generation)[0])
+    deleted = collected_while_committing(plumbing, vid, own_arrays(manifest))
+    if deleted is not None:
+        raise SnapshotFailedError(undo_collected_commit(plumbing, base.branch, vid, base.tip, moved.generation,
+                                                        deleted)[0])
     if base.tip is None and base.orphan:
         try:
             plumbing.refs.settle_orphan(base.branch)

@@ -29,15 +29,16 @@ def stored(path: Path) -> set[str]:
     return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
 
 
-def paused_writer(url: str, step: int) -> tuple[threading.Thread, threading.Event, dict]:
-    """A writer in another thread that snapshots ``step`` and stops after its manifest is written, before its
-    branch moves; it goes on once the returned event is set (its version, or error, lands in the dict)."""
+def paused_writer(url: str, step: int, point: str = "after_manifest") -> tuple[threading.Thread, threading.Event, dict]:
+    """A writer in another thread that snapshots ``step`` and stops at fault point ``point`` (by default after
+    its manifest is written, before its branch moves); it goes on once the returned event is set (its version,
+    or error, lands in the dict)."""
     reached, release, result = threading.Event(), threading.Event(), {}
 
     def hold(_point: str) -> None:
         reached.set()
         release.wait(60)
-    faults.set_hook("after_manifest", hold)
+    faults.set_hook(point, hold)
 
     def write() -> None:
         try:
@@ -182,3 +183,26 @@ def test_repair_moves_a_branch_that_names_a_lost_version_back_and_snapshots_go_o
     report = repo.fsck()
     assert report.ok and not report.warnings, (report.errors, report.warnings)
     assert [x.step for x in repo.log()] == [6, 2, 1, 0]
+
+
+def test_a_writer_whose_data_gc_deleted_as_leftover_moves_its_branch_back(tmp_path):
+    """Before its manifest, a snapshot's data is data without a manifest, which a gc with no grace period
+    deletes: the snapshot then committed a version whose arrays were gone (fsck: "cannot be opened")."""
+    url = str(tmp_path / "r")
+    repo = ckptrepo.init(url)
+    ids = [repo.snapshot(state_at(s), step=s).id for s in range(3)]
+    writer, release, result = paused_writer(url, 3, point="after_data")
+    report = ckptrepo.open(url).gc(grace_period_s=0)
+    release.set()
+    writer.join(60)
+    assert len(report.orphan_data) == 1
+    err = result.get("error")
+    assert isinstance(err, ckptrepo.errors.SnapshotFailedError), result
+    assert all(s in str(err) for s in (f"version {report.orphan_data[0][:12]} was not committed", "gc --grace 0",
+                                       "deleted its data", f"branch 'main' is back at {ids[2][:12]}")), str(err)
+    repo = ckptrepo.open(url)
+    assert repo.resolve("main") == ids[2]
+    assert repo.gc(grace_period_s=0).collected == report.orphan_data   # the manifest it wrote, now unreachable
+    check = repo.fsck()
+    assert check.ok and not [w for w in check.warnings if "failed" not in w], (check.errors, check.warnings)
+    assert_bit_exact(state_at(2), repo.load("main"))
