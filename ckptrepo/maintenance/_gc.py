@@ -13,10 +13,13 @@ Two kinds of deletion:
 Safe against a concurrent writer: nothing younger than the grace period is
 collected (a writer in flight has objects no ref points to yet), branch heads
 and tagged versions are never pruned by default, and data still referenced by a
-kept version is never deleted. Without a grace period a writer is not safe: gc
-reads the refs again just before it deletes and keeps what they reach then, but
-a writer whose branch moves after that read names a version gc collected
-(``maintenance/_lost.py``: fsck names it, ``fsck --repair`` lets gc run again).
+kept version is never deleted. Without a grace period a writer's snapshots may
+fail: gc names what it collects in its intent, reads the refs (and leftover
+data's manifests) again just before it deletes and keeps what they reach then,
+and a writer whose branch moved after that read finds its version in the intent
+and moves its branch back; one killed before that check leaves a branch naming a
+version gc collected (``maintenance/_lost.py``: fsck names it, ``fsck --repair``
+lets gc run again).
 
 Safe against damage: gc deletes only what it can prove unreachable in a
 repository whose refs and history pass fsck's checks. It stops before deleting
