@@ -59,6 +59,7 @@ from ckptrepo.errors import (
     StorageError,
     first_line,
 )
+from ckptrepo.maintenance._lost import header_unless_lost
 from ckptrepo.remotes._remote import REPOSITORY_ID
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage import Store, open_store
@@ -500,8 +501,9 @@ class Repository:
         def reach(vid: str) -> None:
             if vid not in seen:
                 seen.add(vid)
-                h = walk(vid)
-                heapq.heappush(frontier, (-h.time, vid, h))
+                h = header_unless_lost(walk, self._plumbing, vid)   # None: fsck --repair marked it lost
+                if h is not None:
+                    heapq.heappush(frontier, (-h.time, vid, h))
         for vid in starts:
             if vid:
                 reach(vid)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ckptrepo.core._manifest import DATA_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id, version_id_time
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head
-from ckptrepo.core.schema import Manifest
-from ckptrepo.errors import CkptRepoError
+from ckptrepo.core.schema import Manifest, ManifestHeader
+from ckptrepo.errors import CkptRepoError, CorruptionError
 from ckptrepo.storage._arrays import ZARR_JSON
 
 LOST_PREFIX = "lost/"   # an empty marker per version whose manifest a gc collected while a ref came to name it
@@ -94,8 +94,8 @@ def lost_line(lost: LostVersion) -> str:
     by = ", ".join(lost.named_by)
     if lost.marked:
         return (f"version {short} is lost ({LOST_PREFIX}{lost.vid}): {by} names it, but its manifest is gone; "
-                f"gc and fsck stop there, `log` past it fails, and the versions that may have preceded it are "
-                f"tagged {LOST_TAG_PREFIX}{short}* (`ckptrepo log {LOST_TAG_PREFIX}{short}`)")
+                f"gc, fsck and `log` stop there (`REV~N` past it fails), and the versions that may have preceded "
+                f"it are tagged {LOST_TAG_PREFIX}{short}* (`ckptrepo log {LOST_TAG_PREFIX}{short}`)")
     cause = ("its data is still stored: restore the manifest from a backup if there is one, or"
              if lost.data_left else
              "its data is gone too, as a gc whose grace period is shorter than a commit (`gc --grace 0` beside a "
@@ -206,3 +206,14 @@ def undo_collected_commit(plumbing: Plumbing, branch: str, vid: str, parent: str
 def own_arrays(manifest: Manifest) -> list[str]:
     """The keys of the arrays version ``manifest`` wrote (not those it reuses from other versions)."""
     return [key for key in manifest.arrays if key.startswith(f"{DATA_PREFIX}{manifest.id}/")]
+
+
+def header_unless_lost(walk: Callable[[str], ManifestHeader], plumbing: Plumbing, vid: str) -> ManifestHeader | None:
+    """``walk(vid)``, or None when ``vid`` has no manifest and is marked lost (``log`` ends there); only a read
+    that failed looks for the marker."""
+    try:
+        return walk(vid)
+    except CorruptionError:
+        if plumbing.store.exists(LOST_PREFIX + vid) and not plumbing.store.exists(VERSIONS_PREFIX + vid):
+            return None
+        raise

@@ -157,6 +157,9 @@ def test_fsck_names_a_version_gc_collected_under_a_writer_and_repair_lets_gc_run
     assert not any("not reachable" in w for w in report.warnings), report.warnings
     for s, vid in zip((0, 1, 2, 4, 5), ids + later):
         assert_bit_exact(state_at(s), repo.load(vid))
+    assert [v.step for v in repo.log()] == [5, 4], "log ends at the lost version"
+    assert [v.step for v in repo.log(f"lost/{lost[:12]}")] == [2, 1, 0]
+    assert {v.step for v in repo.log(all=True)} == {0, 1, 2, 4, 5}
     again = run("fsck", "--repair", repo=url)
     assert again.returncode == 0 and "repair:" not in again.stdout, again.stdout
 
