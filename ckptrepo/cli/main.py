@@ -657,7 +657,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
               help="Never prune branch tips and HEAD.")
 @click.option("--grace", "grace_s", type=float, default=3600.0, show_default=True,
               help="Seconds an unreferenced object must have existed before it is collected (protects writers: "
-                   "0 can collect a snapshot being committed by another process).")
+                   "0 can make snapshots that another process is committing fail).")
 @click.option("--dry-run", is_flag=True, help="List what would be pruned and deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
