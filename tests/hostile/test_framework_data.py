@@ -97,3 +97,97 @@ def test_a_byte_item_that_is_no_pickle_is_damage(tmp_path: Path) -> None:
     repo.snapshot({"w": torch.ones(2), "x@dcp-pickle": junk}, step=1)
     err = _refusal({"w": torch.zeros(2), "x@dcp-pickle": None}, cdcp.Reader(url))
     assert isinstance(err, CorruptionError) and "'x@dcp-pickle'" in str(err) and "\n" not in str(err)
+
+
+# ---- DeepSpeed: a fixed list of types, with fixed fields and attributes -----------------------------------------
+
+_FORGED_IN_CHILD = r"""
+import json, sys
+from ckptrepo.errors import CkptRepoError
+from ckptrepo.integrations.deepspeed import TYPE_KEY, from_plain
+nodes = [
+    # a class another DeepSpeed module imports from torch, reachable by its attribute
+    {TYPE_KEY: "enum", "class": "deepspeed.compile.partitioner.CheckpointPolicy", "name": "MUST_SAVE"},
+    # any other DeepSpeed module: importing it would run its code
+    {TYPE_KEY: "attrs", "class": "deepspeed.autotuning.autotuner.Autotuner", "attrs": {}},
+    {TYPE_KEY: "dataclass", "class": "deepspeed.runtime.zero.stage3.IPGBucketZ3", "fields": {}},
+    {TYPE_KEY: "enum", "class": "os.system", "name": "x"},
+    {TYPE_KEY: "call", "class": "builtins.eval", "args": ["1"]},
+]
+out = []
+for node in nodes:
+    try:
+        from_plain({"optimizer": node}, "mp_rank_00_model_states.pt")
+        out.append("rebuilt")
+    except CkptRepoError as err:
+        out.append(type(err).__name__ + ": " + str(err))
+print(json.dumps({"errors": out, "imported": sorted(m for m in sys.modules if m.split(".")[0] == "deepspeed")}))
+"""
+
+
+def test_deepspeed_values_naming_other_classes_import_nothing() -> None:
+    import json
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", _FORGED_IN_CHILD], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["imported"] == []   # no DeepSpeed module was imported to look a name up
+    for err in got["errors"]:
+        assert err.startswith("CorruptionError: mp_rank_00_model_states.pt/optimizer: ") and "\n" not in err, err
+        assert "fixed list" in err and "ckptrepo fsck" in err
+
+
+def test_deepspeed_types_take_only_their_own_fields_and_attributes() -> None:
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from ckptrepo.integrations.deepspeed import TYPE_KEY, from_plain, to_plain
+    scaler = DynamicLossScaler(init_scale=2.0 ** 16, scale_window=10, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    node = to_plain(scaler)
+    back = from_plain(node)
+    assert type(back) is DynamicLossScaler and vars(back) == vars(scaler)
+    where = "zero_pp_rank_0_mp_rank_00_optim_states.pt/loss_scaler"
+    for attrs, words in [({**node["attrs"], "update_scale": 1}, "sets attributes it does not have (update_scale)"),
+                         ({**node["attrs"], "__class__": 0}, "(__class__)"),
+                         ({**node["attrs"], "cur_scale": {"a": 1}}, "malformed"),
+                         ({**node["attrs"], "cur_scale": [TYPE_KEY]}, "malformed")]:
+        with pytest.raises(CorruptionError, match=r"^zero_pp_rank") as failed:
+            from_plain({**node, "attrs": attrs}, where)
+        assert words in str(failed.value) and "\n" not in str(failed.value)
+    frag = to_plain(fragment_address(numel=6, start=2))
+    assert from_plain(frag) == fragment_address(numel=6, start=2)
+    for fields in ({"numel": 6}, {"numel": 6, "start": 2, "extra": 1}, {"numel": "6", "start": 2},
+                   {"numel": 6, "start": True}):
+        with pytest.raises(CorruptionError, match="malformed"):
+            from_plain({**frag, "fields": fields}, where)
+    # a subclass of a listed scaler (a class of the caller's) is not on the list: the snapshot refuses it
+    sub = type("MyScaler", (DynamicLossScaler,), {})(init_scale=2.0, scale_window=1, min_scale=1, delayed_shift=1,
+                                                    consecutive_hysteresis=False)
+    assert to_plain(sub) is sub
+    scaler.planted = print   # an attribute a later DeepSpeed might add: refused at save, not at load
+    with pytest.raises(ckptrepo.UnsupportedValueError, match=r"^f/loss_scaler: .*\(planted\)"):
+        to_plain({"loss_scaler": scaler}, "f")
+
+
+def test_a_forged_deepspeed_version_is_refused_by_the_engine(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    from ckptrepo.integrations.deepspeed import TYPE_KEY, CkptRepoCheckpointEngine, checkout
+    url = str(tmp_path / "repo")
+    repo = ckptrepo.init(url)
+    forged = {TYPE_KEY: "attrs", "class": "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+              "attrs": {"cur_scale": 1.0, "step": 0}}   # would shadow a method with a stored value
+    repo.snapshot({"mp_rank_00_model_states.pt": {"module": {"w": torch.ones(2)}, "loss_scaler": forged}}, step=1,
+                  meta={"deepspeed.tag": "t"})
+    [path] = checkout(url, tmp_path / "ckpt")
+    eng = CkptRepoCheckpointEngine(url)
+    try:
+        with pytest.raises(CorruptionError, match=r"mp_rank_00_model_states.pt/loss_scaler: .*\(step\)") as failed:
+            eng.load(path)
+        assert "\n" not in str(failed.value)
+    finally:
+        eng.cleanup()
