@@ -45,6 +45,7 @@ import torch
 from ckptrepo.errors import (
     ArgumentError,
     CkptRepoError,
+    CorruptionError,
     RevisionError,
     StateMismatchError,
     StorageError,
@@ -343,16 +344,30 @@ def checkout(url: str | os.PathLike[str], save_dir: str | os.PathLike[str], rev:
     if not tag:
         raise ArgumentError(f"version {vid[:12]} was not saved by the DeepSpeed engine (it records no DeepSpeed "
                             f"tag); pass tag= to name the directory")
+    _below(vid, tag, "DeepSpeed tag")
+    entries = [str(e) for e in entry_keys(repo.plumbing.manifest(vid))]
+    for entry in entries:   # all checked before anything is written
+        _below(vid, entry, "file")
     root = os.path.join(os.fspath(save_dir), tag)
     paths = []
-    for entry in entry_keys(repo.plumbing.manifest(vid)):
-        path = os.path.join(root, *str(entry).split("/"))
+    for entry in entries:
+        path = os.path.join(root, *entry.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_stub(path, repo.url, vid, tag, str(entry))
         paths.append(path)
     with open(os.path.join(os.fspath(save_dir), "latest"), "w") as f:
         f.write(tag)
     return paths
+
+
+def _below(vid: str, name: str, what: str) -> None:
+    """Refuse a tag or file name of a version that would put a stub outside ``<save_dir>/<tag>/``: the names
+    come from the repository, which must never choose where ckptrepo writes."""
+    parts = name.split("/")
+    if any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts) or os.path.isabs(name):
+        raise CorruptionError(f"version {vid[:12]} names the {what} {name[:80]!r}, which is no path below the "
+                              f"checkpoint directory (the DeepSpeed engine never saves one); checkout writes "
+                              f"nothing outside save_dir: load it with repo.load instead")
 
 
 # ---- swapping the engine in -------------------------------------------------------------------------------------

@@ -191,3 +191,18 @@ def test_a_forged_deepspeed_version_is_refused_by_the_engine(tmp_path: Path) -> 
         assert "\n" not in str(failed.value)
     finally:
         eng.cleanup()
+
+
+@pytest.mark.parametrize("tag, entry", [("t", "../../escape.pt"), ("t", "/abs/escape.pt"), ("../..", "m.pt"),
+                                        ("t", "a/./b.pt"), ("t", "a\\..\\..\\b.pt")])
+def test_deepspeed_checkout_writes_nothing_outside_save_dir(tmp_path: Path, tag: str, entry: str) -> None:
+    from ckptrepo.integrations.deepspeed import checkout
+    url = str(tmp_path / "repo")
+    repo = ckptrepo.init(url)
+    repo.snapshot({"ok.pt": {"w": torch.ones(1)}, entry: {"w": torch.ones(1)}}, step=1, meta={"deepspeed.tag": tag})
+    save_dir = tmp_path / "a" / "b" / "ckpt"
+    before = sorted(p for p in tmp_path.rglob("*") if "repo" not in p.parts)
+    with pytest.raises(CorruptionError, match="no path below the checkpoint directory") as failed:
+        checkout(url, save_dir)
+    assert "\n" not in str(failed.value)
+    assert sorted(p for p in tmp_path.rglob("*") if "repo" not in p.parts) == before   # nothing written at all
