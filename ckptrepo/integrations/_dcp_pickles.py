@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ckptrepo.errors import CorruptionError, TrustRequiredError, first_line
+from ckptrepo.errors import CorruptionError, TrustRequiredError, UnsupportedValueError, first_line
 
 _allow_lock = threading.Lock()   # torch's list of allowed globals is one per process
 
@@ -54,10 +54,12 @@ def _named_globals(data: bytes) -> list[str] | None:
 def safe_bytes(data: bytes, item: str, vid: str) -> bytes:
     """``data`` (the bytes of byte item ``item`` of version ``vid``) as bytes whose full unpickling builds
     only what torch's restricted unpickler built from them; TrustRequiredError when they name other code,
-    CorruptionError when they are no ``torch.save`` bytes at all."""
+    CorruptionError when they are no ``torch.save`` bytes at all, UnsupportedValueError when torch cannot load
+    them here (a CUDA tensor on a machine without CUDA, as DCP's own load would fail)."""
     try:
         with _allow_lock, torch.serialization.safe_globals(_extra_safe_globals()):
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            # no map_location: tensors go back to the device they were saved from, as DCP's own load puts them
+            value = torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError:
         found = _named_globals(data)
         if found is None:
@@ -71,8 +73,12 @@ def safe_bytes(data: bytes, item: str, vid: str) -> bytes:
             f"can run arbitrary code; load with ckptrepo.dcp.Reader(url, rev, trust=True) only if you trust the "
             f"repository, or allow its types with torch.serialization.add_safe_globals") from None
     except Exception as err:  # noqa: BLE001 - torch raises many types for bytes that are no torch file
-        raise CorruptionError(f"DCP item {item!r} of version {vid[:12]} is not a torch.save pickle "
-                              f"({type(err).__name__}: {first_line(err)}); run `ckptrepo fsck`") from None
+        cause = f"{type(err).__name__}: {first_line(err)}"
+        if _named_globals(data) is None:
+            raise CorruptionError(f"DCP item {item!r} of version {vid[:12]} is not a torch.save pickle ({cause}); "
+                                  f"run `ckptrepo fsck`") from None
+        raise UnsupportedValueError(f"DCP item {item!r} of version {vid[:12]} cannot be loaded here ({cause})") \
+            from None
     out = io.BytesIO()
     torch.save(value, out)
     return out.getvalue()
