@@ -5,9 +5,9 @@ remote's own gc or retention may prune it there since, or a config edited by han
 itself as the remote. An evicted version is then history without data: it loads nowhere. Three readers ask:
 
 * ``log`` and ``show`` (``durability``): an evicted version whose remote pruned it, or lacks it, reads as
-  pruned and on no remote (``[-]``). They look only at remotes in a local directory (a few ``stat`` calls);
-  an object store is not contacted, so that ``log`` stays fast and works while the remote is down: there,
-  ``fsck`` and a failing load say it.
+  pruned and on no remote (``[-]``); a remote that is this repository holds no copy of any version. They look
+  only at remotes in a local directory (a few ``stat`` calls); an object store is not contacted, so that
+  ``log`` stays fast and works while the remote is down: there, ``fsck`` and a failing load say it.
 * ``fsck`` (``check_evicted``): an error for each such version some ref reaches, and for each array that is
   neither here nor there; a remote that cannot be reached is a warning that says its versions went unchecked.
 * ``load`` (``require_data_somewhere``): a one-line error that says the data is gone, instead of a missing
@@ -84,6 +84,10 @@ def durability(plumbing: Plumbing, shown: Sequence[ManifestHeader], header: Call
     """The versions of ``shown`` whose data is gone (pruned here, or evicted here and gone from the remote: see
     the module docstring), and version -> the remotes holding its data."""
     held = remote_holders(plumbing.store, shown, header)
+    known = remotes(plumbing.store) if held else {}
+    itself = {r for r, url in known.items() if same_location(plumbing.store.url, url)}
+    if itself:   # no copy of anything: a remote that is this repository (a config edited by hand)
+        held = {vid: tuple(r for r in names if r not in itself) for vid, names in held.items()}
     candidates = [h.id for h in shown if h.id in evicted and h.id not in pruned]
     gone = data_gone(plumbing, candidates, local_only=True) if candidates else {}
     for vid, (remote, _) in gone.items():
