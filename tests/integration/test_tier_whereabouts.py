@@ -217,3 +217,22 @@ def test_a_remote_directory_that_is_gone_is_an_error_naming_its_url(tmp_path):
     shutil.rmtree(tmp_path / "remote")
     report = repo.fsck()
     assert sum("holds no repository" in e for e in report.errors) == 2, report.errors
+
+
+def test_an_s3_remote_at_the_repository_itself_is_refused(s3_url, s3_endpoint, s3_proxy):
+    """The same bucket and prefix, spelt with a trailing slash, is refused at remote add and, written by hand,
+    at push; reached through another endpoint (a proxy in front of the same server), only the probe sees it."""
+    from ckptrepo.core._same_store import probe_same_store
+    from ckptrepo.storage import open_store
+    repo = ckptrepo.init(s3_url)
+    repo.snapshot(make_state(0, big=False), step=0)
+    with pytest.raises(RemoteError, match="cannot be its own remote"):
+        repo.remote_add("origin", s3_url + "/")
+    update_config(repo.plumbing.store, {"remotes": {"origin": {"url": s3_url}}})
+    with pytest.raises(RemoteError, match="cannot be its own remote"):
+        repo.push("origin")
+    direct = open_store(s3_url, {"endpoint": s3_endpoint})
+    assert probe_same_store(direct, open_store(s3_url))   # through the proxy (AWS_ENDPOINT_URL)
+    assert not probe_same_store(direct, open_store(s3_url + "-other"))
+    assert direct.list("pushes/") == []
+    assert_bit_exact(repo.load("HEAD"), make_state(0, big=False))
