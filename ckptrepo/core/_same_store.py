@@ -30,7 +30,8 @@ PROBE_PREFIX = "pushes/"   # the push leases' prefix: an empty lease names no ve
 _PROBE_BODY = b"[]"
 
 
-def _spec(url: str) -> dict[str, Any] | None:
+def location_spec(url: str) -> dict[str, Any] | None:
+    """The kvstore spec of ``url`` (nothing is opened), or None when it is not a URL ckptrepo reads."""
     try:
         return kvstore_spec_from_url(url)
     except StorageError:
@@ -43,7 +44,7 @@ def _real_dir(path: str) -> str:
 
 def same_location(here: str, there: str) -> str | None:
     """Why URL ``there`` is the store at ``here`` or overlaps it (a short phrase), or None when it does not."""
-    a, b = _spec(here), _spec(there)
+    a, b = location_spec(here), location_spec(there)
     if a is None or b is None or a.get("driver") != b.get("driver"):
         return None
     if a["driver"] == "file":
@@ -97,4 +98,4 @@ def refuse_if_same_store(local: Store, remote: Store, name: str) -> None:
                           f"point it elsewhere with `ckptrepo remote remove {name}` and `remote add`")
 
 
-__all__ = ["check_not_itself", "probe_same_store", "refuse_if_same_store", "same_location"]
+__all__ = ["check_not_itself", "location_spec", "probe_same_store", "refuse_if_same_store", "same_location"]

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 from ckptrepo.core._manifest import CONFIG_KEY, DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._remotes import evicted_remote, remote_holders, remotes
-from ckptrepo.core._same_store import same_location
+from ckptrepo.core._same_store import location_spec, same_location
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, RevisionError, first_line, some_names
 from ckptrepo.storage.protocol import Store
@@ -56,7 +56,11 @@ def data_gone(plumbing: Plumbing, vids: Iterable[str], local_only: bool) -> dict
     ``local_only``: remotes in a local directory only (no round trip); a remote that cannot be read, or holds no
     repository (not mounted?), is left out: whether the data is there is unknown, not gone."""
     known = remotes(plumbing.store)
+    if local_only:   # without reading a marker when no remote is a local directory
+        known = {r: url for r, url in known.items() if (location_spec(url) or {}).get("driver") == "file"}
     out: dict[str, tuple[str, str]] = {}
+    if not known:
+        return out
     for remote, held in _by_remote(plumbing, vids).items():
         if remote not in known:
             continue
