@@ -25,7 +25,6 @@ from ckptrepo.core._manifest import (
     CONFIG_KEY,
     CONFIG_MAX_BYTES,
     HEADS_PREFIX,
-    PRUNED_PREFIX,
     Version,
     encode_config,
     update_config,
@@ -34,7 +33,6 @@ from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, find_cycle, 
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
 from ckptrepo.core._remotes import (
-    EVICTED_PREFIX,
     add_remote,
     check_remote_name,
     evicted_ids,
@@ -43,7 +41,8 @@ from ckptrepo.core._remotes import (
     tracking_refs,
     tracking_tip,
 )
-from ckptrepo.core._whereabouts import durability, require_data_somewhere
+from ckptrepo.core._same_store import check_not_itself
+from ckptrepo.core._whereabouts import durability, require_data_somewhere, version_durability
 from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
     ArgumentError,
@@ -215,6 +214,7 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     head = theirs.refs.head()
     branch = head.branch or str(theirs.config.get("default_branch") or DEFAULT_BRANCH)
     target = repo_url(directory)
+    check_not_itself(target, remote, url)   # before anything is made there
     store = open_store(target)
     if store.list(""):
         raise RepositoryExistsError(f"{target} is not empty; clone into a new directory")
@@ -311,11 +311,8 @@ class Repository:
     def _described(self, vid: str, header: ManifestHeader) -> Version:
         """One version as ``log`` describes it: its refs, and where its data is durable (see ``log``)."""
         p = self._plumbing
-        evicted = {vid} if p.store.exists(EVICTED_PREFIX + vid) else set()
-        pruned, held = durability(p, [header], p.header, {vid} if p.store.exists(PRUNED_PREFIX + vid) else set(),
-                                  evicted)   # as log says: gc deleted its data, here or on the remote
-        return version_from_manifest(header, p.ref_names().get(vid, ()), vid in pruned, bool(evicted),
-                                     held.get(vid, ()))
+        pruned, evicted, held = version_durability(p, header)
+        return version_from_manifest(header, p.ref_names().get(vid, ()), pruned, evicted, held)
 
     def resolve(self, rev: str) -> str:
         """The full id of the version ``rev`` names (see ckptrepo.core._revisions for the syntax)."""

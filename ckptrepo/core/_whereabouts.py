@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Sequence
 
 from ckptrepo.core._manifest import CONFIG_KEY, DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import evicted_remote, remote_holders, remotes
+from ckptrepo.core._remotes import EVICTED_PREFIX, evicted_remote, remote_holders, remotes
 from ckptrepo.core._same_store import location_spec, same_location
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, RevisionError, first_line, some_names
@@ -99,6 +99,15 @@ def durability(plumbing: Plumbing, shown: Sequence[ManifestHeader], header: Call
     return pruned | set(gone), held
 
 
+def version_durability(plumbing: Plumbing, header: ManifestHeader) -> tuple[bool, bool, tuple[str, ...]]:
+    """One version's (data gone, evicted here, remotes holding its data), as ``durability`` says for a listing."""
+    vid, store = header.id, plumbing.store
+    evicted = {vid} if store.exists(EVICTED_PREFIX + vid) else set()
+    gone, held = durability(plumbing, [header], plumbing.header,
+                            {vid} if store.exists(PRUNED_PREFIX + vid) else set(), evicted)
+    return vid in gone, bool(evicted), held.get(vid, ())
+
+
 def require_data_somewhere(plumbing: Plumbing, vid: str, manifest: Manifest) -> None:
     """Refuse, in one line, to read a version whose data gc pruned here or that its remote no longer holds."""
     plumbing.require_data(vid, manifest)
@@ -162,4 +171,4 @@ def _missing_here(plumbing: Plumbing, m: Manifest) -> list[str]:
     return [key for key in sorted(m.arrays) if not plumbing.store.exists(f"{key}/zarr.json")]
 
 
-__all__ = ["check_evicted", "data_gone", "durability", "require_data_somewhere"]
+__all__ = ["check_evicted", "data_gone", "durability", "require_data_somewhere", "version_durability"]

@@ -120,3 +120,13 @@ def test_the_probe_sees_the_store_itself_under_any_name_and_leaves_nothing(tmp_p
         assert probe_same_store(here, open_store(url)), url
     assert not probe_same_store(here, open_store(str(tmp_path / "other")))
     assert here.list("pushes/") == [] and os.listdir(tmp_path / "other") == []
+
+
+def test_clone_into_the_source_itself_leaves_nothing_behind(tmp_path):
+    """A clone inside the repository it copies would be its own remote's objects: refused before anything is
+    written there."""
+    repo = _repo(tmp_path, steps=1)
+    target = tmp_path / "local" / "copy"
+    _one_line_error(run("clone", repo.url, str(target)), 2, "cannot be its own remote")
+    assert not target.exists()
+    assert run("fsck", repo=repo.url).returncode == 0
