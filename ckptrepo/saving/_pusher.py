@@ -205,7 +205,7 @@ class BackgroundPusher:
             evict(self.plumbing, self.remote, self.keep_last, self.branch, protect=set(self._protect()))
         except Exception as err:  # noqa: BLE001 - as a failed push
             failure = RemoteError(f"local retention after a push to {self.remote!r} failed: {first_line(err)}; "
-                                  f"the versions are safe (here and there); run `ckptrepo fsck`")
+                                  f"nothing the remote lacks was deleted here; run `ckptrepo fsck`")
             failure.__cause__ = err
             self._fail(failure)
 
