@@ -1043,7 +1043,7 @@ def _location(url: str) -> str:
     if url.startswith("memory://"):
         raise CkptRepoError("a memory:// repository lives only in the process that creates it, so the CLI cannot "
                             "reach one as a remote; use a path, or an s3:// or gs:// URL")
-    return url if "://" in url else os.path.abspath(url)
+    return url if "://" in url or url.startswith("file:") else os.path.abspath(url)
 
 
 @cli.group(invoke_without_command=True)

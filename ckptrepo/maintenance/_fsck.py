@@ -18,6 +18,7 @@ from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head
 from ckptrepo.core._remotes import evicted_ids, tracking_refs
+from ckptrepo.core._whereabouts import check_evicted
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, CorruptionError, first_line, is_storage_failure, some_names, storage_failure
 from ckptrepo.maintenance._gc import (
@@ -103,7 +104,8 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
             if len(report.errors) > before and plumbing.store.exists(PRUNED_PREFIX + vid):
                 del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
-    elsewhere = sorted(evicted & set(manifests))
+    elsewhere = sorted((evicted & set(manifests)) - pruned)
+    check_evicted(plumbing, elsewhere, manifests, reachable, report.errors.append, report.warnings.append)
     if elsewhere:
         report.warnings.append(f"{len(elsewhere)} version(s) keep their data on a remote (evicted after a push, or "
                                f"cloned lazily: {some_names([v[:12] for v in elsewhere])}): what is not here is not "
