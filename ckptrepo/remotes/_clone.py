@@ -16,6 +16,7 @@ from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, decode_config,
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
 from ckptrepo.core._remotes import CLONING_SETTING, add_remote, check_remote_name, remotes, tracking_tip
+from ckptrepo.core._same_store import check_not_itself
 from ckptrepo.errors import CkptRepoError, RepositoryExistsError, first_line
 from ckptrepo.remotes._remote import REPOSITORY_ID, open_source, sound_history
 from ckptrepo.remotes._sync import fetch
@@ -32,6 +33,7 @@ def clone(url: str, target: str, default_branch: str, depth: int | None = None, 
     history = sound_history(theirs, f"cannot clone {url}: the repository there")
     head = history.head
     branch = head.branch or str(theirs.config.get("default_branch") or default_branch)
+    check_not_itself(target, remote, url)   # before anything is made there
     store = open_store(target)
     _start(store, url, target, remote, {"created": time.time(), "default_branch": branch,
                                         REPOSITORY_ID: theirs.config.get(REPOSITORY_ID) or uuid.uuid4().hex})

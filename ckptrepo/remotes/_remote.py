@@ -10,6 +10,7 @@ from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, VERSIONS_PREFI
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, init_head
 from ckptrepo.core._remotes import evicted_remote, remote_url
+from ckptrepo.core._same_store import check_not_itself, refuse_if_same_store
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
 from ckptrepo.storage import open_store
@@ -45,7 +46,8 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
 
     An empty location is made a repository when ``create_with_branch`` is given (a first push, as to a bare
     repository), its HEAD on that branch. A location holding other objects, or another repository (its
-    ``id`` differs and it has versions), is refused: a push would mix two histories.
+    ``id`` differs and it has versions), is refused: a push would mix two histories. So is this repository
+    itself under another name (core/_same_store.py): a push would find it up to date.
     """
     url = remote_url(local.store, name)
     with remote_errors(f"remote {name!r} ({url})", f"fix the URL with `ckptrepo remote remove {name}`, then "
@@ -54,6 +56,7 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
 
 
 def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str | None) -> Plumbing:
+    check_not_itself(local.store.url, name, url)   # a config edited by hand: before anything is created there
     store = local.remote_store(name)
     if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
         held = store.list("")   # also what says that a bucket does not exist: a read of one absent key does not
@@ -72,6 +75,8 @@ def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str |
         init_head(store, create_with_branch)
     remote = RemotePlumbing(store)
     mine, theirs = local.config.get(REPOSITORY_ID), remote.config.get(REPOSITORY_ID)
+    if mine == theirs:   # this repository, a clone or a push of it: only a probe tells the store itself apart
+        refuse_if_same_store(local.store, store, name)
     if mine and theirs and mine != theirs and remote.all_version_ids():
         raise RemoteError(f"remote {name!r} ({url}) holds another repository (id {str(theirs)[:12]}, this one is "
                           f"{str(mine)[:12]}); check the URL, or clone it into a directory of its own")

@@ -12,7 +12,7 @@ import stat
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ckptrepo.errors import CorruptionError
-from ckptrepo.storage.protocol import MAX_VALUE_BYTES, Store, StoreCapabilities
+from ckptrepo.storage.protocol import MAX_VALUE_BYTES, Store
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -20,15 +20,12 @@ if TYPE_CHECKING:
 
 class NoLinkStore:
     """``inner`` (a store of local files under ``root``), refusing every key whose path under ``root`` passes
-    through, or ends at, a symbolic link. It offers no local root, so that nothing opens its files directly past
-    these checks."""
+    through, or ends at, a symbolic link. Its capabilities are ``inner``'s: what a remote's store is used for
+    (copies, refs, reads of single objects) goes through these methods, not through direct file I/O."""
 
     def __init__(self, inner: Store, root: str) -> None:
         self.inner, self.root, self.url = inner, root, inner.url
-        caps = inner.capabilities
-        self.capabilities = StoreCapabilities(
-            atomic_conditional_writes=caps.atomic_conditional_writes, keeps_written_buffers=caps.keeps_written_buffers,
-            reserved_suffixes=caps.reserved_suffixes, file_root=root)
+        self.capabilities = inner.capabilities
 
     def _check(self, key: str) -> str:
         path = self.root
