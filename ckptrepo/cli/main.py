@@ -960,11 +960,11 @@ def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, tb_
     if png_path:
         plot.require_matplotlib()
     repo = _repo(ctx)
+    png_path = _output(repo, png_path, force, "the plot")
     if tb_dir:
         n = repo.metrics_to_tensorboard(tb_dir, rev)
         if not as_json:
             click.echo(f"wrote {n} scalars to {tb_dir}", err=True)
-    png_path = _output(repo, png_path, force, "the plot")
     rows = repo.metrics(rev)
     if png_path:
         _write_png(png_path, lambda: plot.metrics_png(rows, png_path, f"metrics of {rev}"))
