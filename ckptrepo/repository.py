@@ -173,7 +173,7 @@ def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str,
     """
     chosen = check_compression(compression)
     url = repo_url(url)
-    store = open_store(url, options)
+    store = open_store(url, options, create=True)
     settings: dict[str, Any] = {"created": time.time(), "default_branch": DEFAULT_BRANCH,
                                 REPOSITORY_ID: uuid.uuid4().hex}
     if chosen is not None:
@@ -215,7 +215,7 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     head = theirs.refs.head()
     branch = head.branch or str(theirs.config.get("default_branch") or DEFAULT_BRANCH)
     target = repo_url(directory)
-    store = open_store(target)
+    store = open_store(target, create=True)
     if store.list(""):
         raise RepositoryExistsError(f"{target} is not empty; clone into a new directory")
     settings = {"created": time.time(), "default_branch": branch,

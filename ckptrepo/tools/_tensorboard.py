@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ckptrepo.errors import ArgumentError
+from ckptrepo.errors import ArgumentError, ExchangeError, os_error_hint, os_error_text
 from ckptrepo.tools._paths import output_folder
 
 if TYPE_CHECKING:
@@ -32,7 +32,11 @@ def write_scalars(log_dir: str | os.PathLike[str], history: Callable[[], Sequenc
                             f"pip install \"ckptrepo[tensorboard]\"") from None
     headers = [h for _, h in history()]
     written = 0
-    writer = SummaryWriter(log_dir=os.fspath(folder))
+    try:
+        writer = SummaryWriter(log_dir=os.fspath(folder))
+    except OSError as err:   # a link loop or a folder the OS will not make: what os.makedirs met, and what to do
+        raise ExchangeError(f"cannot write TensorBoard scalars to {folder}: {os_error_text(err)}; "
+                            f"{os_error_hint(err)}") from None
     try:
         for position, h in enumerate(headers):
             at = position if h.step is None else h.step
