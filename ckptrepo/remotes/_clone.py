@@ -34,7 +34,7 @@ def clone(url: str, target: str, default_branch: str, depth: int | None = None, 
     head = history.head
     branch = head.branch or str(theirs.config.get("default_branch") or default_branch)
     check_not_itself(target, remote, url)   # before anything is made there
-    store = open_store(target)
+    store = open_store(target, create=True)
     _start(store, url, target, remote, {"created": time.time(), "default_branch": branch,
                                         REPOSITORY_ID: theirs.config.get(REPOSITORY_ID) or uuid.uuid4().hex})
     init_head(store, branch)
