@@ -25,7 +25,7 @@ from ckptrepo.errors import CkptRepoError
 pytestmark = pytest.mark.hostile
 HOSTILE_CLASS = "hostile remotes"
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(ckptrepo.__file__).resolve().parents[1]   # the checkout under test: children import the same library
 
 
 def _source(path: Path | str, steps: int = 2) -> ckptrepo.Repository:
