@@ -83,13 +83,14 @@ def run_classes(classes: dict[str, list[Path]], library: Path | None,
                 pattern: str | None) -> dict[str, collections.Counter[str]]:
     """Each class's tests in one pytest child; the outcome counts per class, from its JUnit XML report."""
     counts: dict[str, collections.Counter[str]] = {}
-    env = dict(os.environ)
-    if library is not None:   # the library under test first; tests/ for the helpers the tests import
-        env["PYTHONPATH"] = os.pathsep.join([str(library.resolve()), str(HERE.parent)])
+    # the library under test first, tests/ for the helpers the tests import; ``-P`` keeps the working
+    # directory (this worktree, whose ckptrepo would shadow another checkout's) off the path
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str((library or HERE.parents[1]).resolve()),
+                                                       str(HERE.parent)]))
     with tempfile.TemporaryDirectory(prefix="ckptrepo-hostile-classes-") as tmp:
         for name, paths in sorted(classes.items()):
             report = Path(tmp) / "report.xml"
-            command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            command = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                        f"--junitxml={report}", *map(str, paths)] + (["-k", pattern] if pattern else [])
             subprocess.run(command, cwd=HERE.parents[1], env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=1800)
