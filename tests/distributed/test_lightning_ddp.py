@@ -23,7 +23,8 @@ def test_ddp_fit_saves_from_rank_zero_alone(tmp_path):
     url, ckpt_dir = str(tmp_path / "repo"), str(tmp_path / "ckpts")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests._lightning_ddp_run", url, ckpt_dir, str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "tests._lightning_ddp_run", "ddp_fork", url, ckpt_dir,
+                           str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     repo = ckptrepo.open(url)
