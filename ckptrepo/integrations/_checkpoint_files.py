@@ -239,15 +239,16 @@ class CheckpointFiles:
             old = read_pointer(path)
         except PointerError:   # a damaged pointer is overwritten, never followed
             return None, None
-        if old is None or not self._ours(old):
+        if old is None or not self._owns(path, old):
             return None, None
         with self._lock:
             if old.version in self._priors:
                 return self._priors[old.version], old.version
         if _is_committed(self.repo, old.version):
-            return old, None
+            return (old, None) if self._saved_for(old.version, path) else (None, None)
         # a save a crash stopped before its commit: the path held its previous version
-        if old.previous is not None and _is_committed(self.repo, old.previous):
+        if old.previous is not None and _is_committed(self.repo, old.previous) \
+                and self._saved_for(old.previous, path):
             return Pointer(old.repository, old.previous, old.tag, None), None
         return None, None
 

@@ -18,6 +18,7 @@ Lightning is imported only when ``CkptRepoIO`` is first used (``import ckptrepo`
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -206,7 +207,12 @@ def _define() -> type[CheckpointIO]:
             names no checkpoint."""
             state = self.files.load(path, device=_device(map_location))
             if state is None:
-                return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+                try:
+                    return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+                except (pickle.UnpicklingError, EOFError, RuntimeError) as err:   # torch's run over many lines
+                    raise CkptRepoError(f"checkpoint file {os.fspath(path)} is no ckptrepo pointer, and torch.load "
+                                        f"cannot read it ({type(err).__name__}: {first_line(err)[:200]}); pass a "
+                                        f"checkpoint this plugin or Lightning saved") from None
             if not isinstance(state, dict):
                 raise CkptRepoError(f"{os.fspath(path)} names a version that holds a {type(state).__name__}, not a "
                                     f"Lightning checkpoint (a dict); pick one Lightning saved")
