@@ -13,42 +13,44 @@ import os
 import signal
 import sys
 
+import lightning.pytorch as pl
 import torch
 
 KILL_AFTER_STEPS = 4
 
 
+class Tiny(pl.LightningModule):   # at module level: ddp_spawn pickles it into each process
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch, _i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+
+class Kill(pl.Callback):
+    """SIGKILL, ``KILL_AFTER_STEPS`` optimizer steps after the third save: nothing is flushed or closed."""
+
+    def __init__(self) -> None:
+        self.saved_at: list[int] = []
+
+    def on_save_checkpoint(self, trainer, _module, _checkpoint) -> None:
+        self.saved_at.append(trainer.global_step)
+
+    def on_train_batch_end(self, trainer, *_args) -> None:
+        if len(self.saved_at) >= 3 and trainer.global_step >= self.saved_at[2] + KILL_AFTER_STEPS:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(strategy: str, url: str, ckpt_dir: str, out: str) -> None:
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
     from ckptrepo.integrations.lightning import CkptRepoIO
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-
-        def training_step(self, batch, _i):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.02)
-
-    class Kill(pl.Callback):
-        """SIGKILL, ``KILL_AFTER_STEPS`` optimizer steps after the third save: nothing is flushed or closed."""
-
-        def __init__(self) -> None:
-            self.saved_at: list[int] = []
-
-        def on_save_checkpoint(self, trainer, _module, _checkpoint) -> None:
-            self.saved_at.append(trainer.global_step)
-
-        def on_train_batch_end(self, trainer, *_args) -> None:
-            if len(self.saved_at) >= 3 and trainer.global_step >= self.saved_at[2] + KILL_AFTER_STEPS:
-                os.kill(os.getpid(), signal.SIGKILL)
 
     pl.seed_everything(3, verbose=False)
     g = torch.Generator().manual_seed(1)
@@ -65,7 +67,7 @@ def main(strategy: str, url: str, ckpt_dir: str, out: str) -> None:
                              plugins=[CkptRepoIO(url)])
     model = Tiny()
     trainer.fit(model, data)
-    if trainer.is_global_zero:
+    if trainer.is_global_zero:   # under ddp_spawn, the main process: its model holds the weights handed back
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}/final.pt")
 
 

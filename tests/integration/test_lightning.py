@@ -438,3 +438,75 @@ def test_killed_a_few_steps_after_a_save_the_newest_checkpoint_loads(tmp_path: P
                                                                             "net.2.weight", "net.2.bias"}
     assert [v.step for v in ckptrepo.open(url).log()] == [15, 10, 5]
     io.teardown()
+
+
+def ckptrepo_threads() -> list[str]:
+    """The threads of ckptrepo's alive now, but the process's reader pool, which the first load of any kind
+    starts and keeps, idle, by design (storage/_localread.py)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("ckptrepo")
+            and not t.name.startswith("ckptrepo-read")]
+
+
+def test_load_from_checkpoint_builds_the_module(tmp_path: Path) -> None:
+    """Lightning's ``Model.load_from_checkpoint(path)`` reads the file with torch.load, and a pointer holds no
+    tensors; ``io.load_from_checkpoint(Model, path)`` builds the module, hyperparameters and weights."""
+    ck = checkpoint_callback(tmp_path / "ck", save_last=True)
+    _, trainer = fit(1, [ck], [CkptRepoIO(tmp_path / "repo")])
+    io = CkptRepoIO(tmp_path / "repo")
+    model = io.load_from_checkpoint(Tiny, tmp_path / "ck" / "last.ckpt", lr=0.5)   # an override, as Lightning's
+    trained = trainer.lightning_module.state_dict()
+    assert set(model.state_dict()) == set(trained)
+    assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
+    assert model.hparams.lr == 0.5 and isinstance(model, Tiny)
+    assert Tiny.load_from_checkpoint is not None   # the classmethod itself still reads files Lightning wrote
+    io.teardown()
+
+
+def test_the_plugin_pickles_for_process_launchers(tmp_path: Path) -> None:
+    """``strategy="ddp_spawn"`` pickles the plugin into each process: it pickles as its arguments, also with
+    a save in flight and its threads running, and the copy saves into the same repository."""
+    import pickle
+    io = CkptRepoIO(tmp_path / "repo", tag_prefix="run/", host_memory="64MiB")
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, tmp_path / "a.ckpt")
+    copy = pickle.loads(pickle.dumps(io))
+    assert copy.url == io.url and copy.files.tag_prefix == "run/" and copy.files.current_snapshotter is None
+    io.teardown()   # one writer at a time on the branch, as a launcher's processes save one after the other
+    copy.save_checkpoint({"global_step": 2, "w": torch.zeros(3)}, tmp_path / "b.ckpt")
+    copy.teardown()
+    assert sorted(ckptrepo.open(tmp_path / "repo").tags()) == ["run/a.ckpt", "run/b.ckpt"]
+    assert not ckptrepo_threads()
+
+
+def test_async_checkpoint_io_keeps_lightnings_top_k_and_leaves_no_thread(tmp_path: Path) -> None:
+    """``AsyncCheckpointIO(CkptRepoIO(...))``: Lightning removes a checkpoint whose save still waits in the
+    wrapper's queue; that save, when it comes, must not bring its file, tag and data back. The wrapper never
+    passes ``teardown`` on, so each save is committed on the wrapper's thread and no thread is left."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    def slow(_name: str) -> None:   # every save takes a while: the next ones queue up behind it
+        import time
+        time.sleep(0.05)
+    faults.set_hook("before_capture", slow)
+    ck = checkpoint_callback(tmp_path / "ck", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max")
+    fit(1, [ck], [AsyncCheckpointIO(CkptRepoIO(tmp_path / "repo"))])
+    faults.clear()
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names == sorted(os.path.basename(p) for p in ck.best_k_models) and len(names) == 2, names
+    repo = ckptrepo.open(tmp_path / "repo")
+    assert sorted(repo.tags()) == names
+    kept = {read_pointer(tmp_path / "ck" / n).version for n in names}   # type: ignore[union-attr]
+    assert all(v.pruned for v in repo.log() if v.id not in kept)
+    assert not ckptrepo_threads()
+
+
+def test_no_thread_survives_teardown(tmp_path: Path) -> None:
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    hooks = len(_global_optimizer_pre_hooks)
+    ck = checkpoint_callback(tmp_path / "ck", every_n_train_steps=3, save_top_k=-1, save_last=True)
+    fit(1, [ck], [CkptRepoIO(tmp_path / "repo")])
+    assert not ckptrepo_threads()
+    assert len(_global_optimizer_pre_hooks) == hooks   # the step watch's hook is gone too
+    assert len(ckptrepo.open(tmp_path / "repo").tags()) == len(os.listdir(tmp_path / "ck"))
+    # a resume that saves again
+    fit(2, [checkpoint_callback(tmp_path / "ck", save_last=True)], [CkptRepoIO(tmp_path / "repo")], ckpt_path="last")
+    assert not ckptrepo_threads() and len(_global_optimizer_pre_hooks) == hooks
