@@ -17,7 +17,6 @@ This module imports no framework; ``integrations/lightning.py`` adapts it to Lig
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -48,7 +47,6 @@ from ckptrepo.integrations._pointer_files import (
     sync_pointer,
     write_pointer,
 )
-from ckptrepo.saving._gil import quick_gil_handoffs
 
 if TYPE_CHECKING:
     from ckptrepo.core.schema import ManifestHeader
@@ -58,7 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptrepo")
 
-SAVE_SWITCH_INTERVAL_S = 5e-4   # the interpreter's switch interval while a save is in flight (see save)
 _NOT_IN_TAG = re.compile(r"[^A-Za-z0-9._/=+,-]")
 
 
@@ -153,7 +150,6 @@ class CheckpointFiles:
         # commits), and -> the later save of the same path that replaced its pointer while it was in flight
         self._priors: dict[str, Pointer | None] = {}
         self._successors: dict[str, str] = {}
-        self._quick: dict[threading.Event, contextlib.AbstractContextManager[None]] = {}   # a save -> its GIL hand-offs
 
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "tag_prefix": self.tag_prefix, "options": self._options}
@@ -208,12 +204,7 @@ class CheckpointFiles:
                                            tag=tag, force_tag=True, meta={"path": key})
         pointer = Pointer(self.repo.url, handle.id, tag, step, prior.version if prior is not None else None)
         done = threading.Event()
-        # until it is committed, the training thread hands the GIL to the save's threads quickly: each of their
-        # steps (capture, write, commit, this pointer) waits for the GIL, a switch interval each by default
-        quick = quick_gil_handoffs(SAVE_SWITCH_INTERVAL_S)
-        quick.__enter__()
         with self._lock:
-            self._quick[done] = quick
             self._pending.setdefault(key, []).append(done)
             self._priors[handle.id] = prior
             if replaces is not None:
@@ -360,9 +351,6 @@ class CheckpointFiles:
                 waiting.remove(done)
             if not waiting:
                 self._pending.pop(key, None)
-            quick = self._quick.pop(done, None)
-        if quick is not None:
-            quick.__exit__(None, None, None)
         done.set()
 
     # ---- remove ----------------------------------------------------------------------------------------------
