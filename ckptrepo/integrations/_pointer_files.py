@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,12 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
             with fs.open(where, "rb") as f:
                 raw = f.read(POINTER_MAX_BYTES + 1)
         else:
+            mode = os.stat(local(path)).st_mode
+            if stat.S_ISDIR(mode):
+                return None   # a framework's own sharded checkpoint
+            if not stat.S_ISREG(mode):   # a pipe or a device would block the read, or never end
+                raise PointerError(f"checkpoint file {path} is no regular file; delete it, or pass the path of a "
+                                   f"checkpoint")
             with open(local(path), "rb") as f:   # noqa: PTH123 - a path or a file:// URL
                 raw = f.read(POINTER_MAX_BYTES + 1)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -101,7 +108,7 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
         return None
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):   # RecursionError: nested deeper than the interpreter's stack allows
         if _MARK in raw:
             raise PointerError(damaged.format("not JSON")) from None
         return None

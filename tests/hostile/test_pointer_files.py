@@ -115,7 +115,7 @@ GARBAGE: dict[str, bytes] = {
     "oversized": b'{"kind": "ckptrepo-checkpoint", "pad": "' + b"x" * (1 << 20) + b'"}',
     "not UTF-8": b'{"kind": "ckptrepo-checkpoint", "repository": "\xff\xfe"}',
     "a list": b'["ckptrepo-checkpoint"]',
-    "nested deep": b'{"kind": "ckptrepo-checkpoint", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+    "nested deep": b'{"kind": "ckptrepo-checkpoint", "x": ' + b"[" * 30000 + b"]" * 30000 + b"}",   # < 64 KiB
 }
 
 
@@ -157,3 +157,32 @@ def test_a_pointer_saved_then_overwritten_by_a_hostile_one_prunes_nothing_else(s
         scene.io.remove_checkpoint(scene.ck / "evil.ckpt")
         scene.before = (scene.state()[0], scene.before[1], *scene.before[2:])   # the new version, pruned now
         check_untouched(scene)
+
+
+@pytest.mark.parametrize("kind", ["a named pipe", "a link to a device"])
+def test_a_checkpoint_path_that_is_no_regular_file_is_refused_without_blocking(scene: Scene, kind: str) -> None:
+    import os
+    import threading
+    path = scene.ck / "evil.ckpt"
+    if kind == "a named pipe":
+        os.mkfifo(path)
+    else:
+        os.symlink("/dev/zero", path)
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            scene.io.load_checkpoint(path)
+        except BaseException as err:  # noqa: BLE001 - checked below
+            failures.append(err)
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loader.join(30)
+    if loader.is_alive() and kind == "a named pipe":   # unblock it before failing
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert not loader.is_alive(), "the load blocked on the file"
+    assert len(failures) == 1 and isinstance(failures[0], PointerError)
+    assert "no regular file" in one_line(failures[0])
+    scene.io.remove_checkpoint(path)
+    assert not os.path.lexists(path)
+    check_untouched(scene)
