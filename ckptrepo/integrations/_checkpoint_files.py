@@ -211,7 +211,7 @@ class CheckpointFiles:
                 self._successors[replaces] = handle.id
         try:
             write_pointer(path, pointer, sync=False)
-        except OSError as err:
+        except Exception as err:   # an OSError, or a remote file system's own error
             handle.add_done_callback(lambda h: self._finish(path, done, h.id))
             raise StorageError(f"cannot write checkpoint file {path}: {first_line(err)}; its version "
                                f"{handle.id[:12]} is saved all the same (tag {tag}): load it by its id") from None

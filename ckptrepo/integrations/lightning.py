@@ -49,7 +49,7 @@ _HANDOFF_FILE = ".temp.ckpt"
 # a save of a state up to this size is committed by the COMMIT_WITHIN_STEPS-th optimizer step after it: that
 # step waits for it if it is not (a small state's write takes milliseconds, so it seldom waits); a larger
 # state's write overlaps as many steps as it takes
-SMALL_STATE_BYTES = 256 << 20
+SMALL_STATE_BYTES = 64 << 20
 COMMIT_WITHIN_STEPS = 2
 
 

@@ -510,3 +510,41 @@ def test_no_thread_survives_teardown(tmp_path: Path) -> None:
     # a resume that saves again
     fit(2, [checkpoint_callback(tmp_path / "ck", save_last=True)], [CkptRepoIO(tmp_path / "repo")], ckpt_path="last")
     assert not ckptrepo_threads() and len(_global_optimizer_pre_hooks) == hooks
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_the_second_step_after_a_save_waits_for_a_small_states_commit(tmp_path: Path, small: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash two optimizer steps after the save of a small state keeps it: the second step waits for its
+    commit. A large state's write overlaps as many steps as it takes."""
+    import ckptrepo.integrations.lightning as plugin
+    if not small:
+        monkeypatch.setattr(plugin, "SMALL_STATE_BYTES", 0)
+    io = CkptRepoIO(tmp_path / "repo")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step() -> None:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 0}, tmp_path / "a.ckpt")
+    train_step()   # attaches the optimizer
+    held, release = threading.Event(), threading.Event()
+
+    def hold(_name: str) -> None:
+        held.set()
+        release.wait(30)
+    faults.set_hook("after_data", hold)
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 1}, tmp_path / "b.ckpt")
+    train_step()   # the first step waits for capture only
+    assert held.wait(10)
+    second = threading.Thread(target=train_step)
+    second.start()
+    second.join(0.5 if small else 10)
+    assert second.is_alive() is small
+    release.set()
+    second.join(10)
+    if not small:
+        io.files.wait()
+    assert "b.ckpt" in ckptrepo.open(tmp_path / "repo").tags()   # committed once the second step has run
+    io.teardown()
