@@ -21,7 +21,7 @@ import os
 import pickle
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckptrepo.errors import ArgumentError, CkptRepoError, UnsupportedValueError, first_line
 from ckptrepo.integrations._checkpoint_files import CheckpointFiles
@@ -117,6 +117,51 @@ class _StepWatch:
                 pass
 
 
+class _WrapperQueue:
+    """Lightning's ``AsyncCheckpointIO`` calls ``save_checkpoint`` on its own thread, from a queue, but passes
+    ``remove_checkpoint`` on at once, on the training thread: a remove can reach the plugin before the save of
+    the same path does. Lightning removes only paths it saved, so a path with no file and no save here yet has
+    its save still queued: it is marked, and that save is dropped when it comes (saved, then removed, in
+    Lightning's order). A remove of a path whose save is under way waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._removed: set[str] = set()   # paths removed before their queued save came
+        self._arriving: dict[str, threading.Event] = {}   # path -> its save under way in the plugin
+
+    def arrive(self, key: str, queued: bool) -> threading.Event | None:
+        """A save of ``key`` begins (``queued``: on a wrapper's thread); None when it is to be dropped."""
+        with self._lock:
+            if queued and key in self._removed:
+                self._removed.discard(key)
+                return None
+            self._removed.discard(key)
+            self._arriving[key] = arrived = threading.Event()
+            return arrived
+
+    def leave(self, key: str, arrived: threading.Event) -> None:
+        with self._lock:
+            if self._arriving.get(key) is arrived:
+                del self._arriving[key]
+        arrived.set()
+
+    def removed_first(self, key: str, nothing_there: Callable[[], bool]) -> bool:
+        """Whether a remove of ``key`` is of a save still queued (``nothing_there()``: no file and no save in
+        flight); otherwise waits for a save of it under way."""
+        with self._lock:
+            arriving = self._arriving.get(key)
+            if arriving is None and nothing_there():
+                self._removed.add(key)
+                return True
+        if arriving is not None:
+            arriving.wait()
+        return False
+
+    def clear(self) -> None:
+        with self._lock:
+            self._removed.clear()
+
+
 def _define() -> type[CheckpointIO]:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -142,10 +187,7 @@ def _define() -> type[CheckpointIO]:
             # after teardown nothing waits for a save any more (Lightning's process launchers save the final
             # weights then, and the worker process exits at once): such a save is committed before it returns
             self._torn_down = False
-            # paths Lightning removed before their save reached the plugin (through AsyncCheckpointIO's queue)
-            self._removed_first: set[str] = set()
-            self._arriving: dict[str, threading.Event] = {}   # path -> its save under way in this plugin
-            self._lock = threading.Lock()
+            self._queue = _WrapperQueue()
 
         def __getstate__(self) -> dict[str, Any]:
             return {"arguments": self._arguments}
@@ -167,15 +209,13 @@ def _define() -> type[CheckpointIO]:
             if os.path.basename(os.fspath(path)) == _HANDOFF_FILE:
                 self._torch_io.save_checkpoint(checkpoint, path)   # a hand-off between processes, not a checkpoint
                 return
+            # a save off the main thread comes from a wrapper's queue (AsyncCheckpointIO), which never passes
+            # teardown on: it is committed before it returns
             wrapped = threading.current_thread() is not threading.main_thread()
             key = path_key(os.fspath(path))
-            arrived = threading.Event()
-            with self._lock:
-                if wrapped and key in self._removed_first:
-                    self._removed_first.discard(key)
-                    return   # queued before Lightning removed it: saved and removed, in Lightning's order
-                self._removed_first.discard(key)
-                self._arriving[key] = arrived
+            arrived = self._queue.arrive(key, queued=wrapped)
+            if arrived is None:
+                return   # Lightning removed it while it was queued
             step = checkpoint.get("global_step")
             if not wrapped:
                 self._steps.start()
@@ -194,10 +234,7 @@ def _define() -> type[CheckpointIO]:
                                             f"an enum), or leave that one out with "
                                             f"save_hyperparameters(ignore=[...])") from None
             finally:
-                with self._lock:
-                    if self._arriving.get(key) is arrived:
-                        del self._arriving[key]
-                arrived.set()
+                self._queue.leave(key, arrived)
 
         def load_checkpoint(self, path: Any, map_location: Any | None = None,
                             weights_only: bool | None = None) -> dict[str, Any]:
@@ -232,18 +269,12 @@ def _define() -> type[CheckpointIO]:
             return cls.load_from_checkpoint(buffer, map_location=map_location, **kwargs)
 
         def remove_checkpoint(self, path: Any) -> None:
-            """Delete the checkpoint file; the version's tag goes now, its data once nothing else names it. A path
-            with no file and no save here yet is one whose save a wrapper (AsyncCheckpointIO) still queues:
-            Lightning removes only paths it saved; that save, when it comes, is dropped."""
+            """Delete the checkpoint file; the version's tag goes now, its data once nothing else names it (see
+            ``_WrapperQueue`` for a path whose save a wrapper still queues)."""
             text = os.fspath(path)
-            key = path_key(text)
-            with self._lock:
-                arriving = self._arriving.get(key)
-                if arriving is None and not file_exists(text) and not self.files.in_flight(text):
-                    self._removed_first.add(key)
-                    return
-            if arriving is not None:
-                arriving.wait()   # its save is under way on the wrapper's thread: it goes first
+            if self._queue.removed_first(path_key(text),
+                                         lambda: not file_exists(text) and not self.files.in_flight(text)):
+                return
             self.files.remove(text)
 
         def teardown(self) -> None:
@@ -251,8 +282,7 @@ def _define() -> type[CheckpointIO]:
             no thread of the plugin's is left."""
             self._steps.stop()
             self._torn_down = True
-            with self._lock:
-                self._removed_first.clear()
+            self._queue.clear()
             self.files.close()
 
     CkptRepoIO.__module__ = __name__
