@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import click
 
 import ckptrepo
-from ckptrepo.errors import ArgumentError, CkptRepoError, ExchangeError, first_line
+from ckptrepo.cli import _errors as errors
+from ckptrepo.errors import ArgumentError, CkptRepoError, ExchangeError
 from ckptrepo.tools import _plot as plot
 from ckptrepo.tools._graph import GraphRow
 from ckptrepo.tools._graph import graph as graph_rows
@@ -561,17 +562,22 @@ def prune(ctx: click.Context, rev: str) -> None:
 @click.option("--repair-config", is_flag=True,
               help="First rebuild a damaged or missing ckptrepo.json from what the repository holds (format "
                    "version, default branch, creation time), saying what it did; an intact one is left as it is.")
+@click.option("--repair", is_flag=True,
+              help="First mark versions whose manifest a gc collected while a ref came to name them (`gc --grace 0` "
+                   "beside a writer) lost, so that gc runs again: tag the versions that may have preceded each "
+                   "lost/ID, and move a branch that names one back to the newest of them. Deletes nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def fsck(ctx: click.Context, repair_config: bool, as_json: bool) -> None:
+def fsck(ctx: click.Context, repair_config: bool, repair: bool, as_json: bool) -> None:
     """Read every object and verify every checksum and reference; exit 1 if anything is broken."""
-    repaired: list[str] = []
-    if repair_config:
-        repaired = _repair_config(ctx)
-        if not as_json:
-            for line in repaired:
-                click.echo(f"repair: {line}")
+    repaired: list[str] = _repair_config(ctx) if repair_config else []
     repo = _repo(ctx)
+    if repair:
+        from ckptrepo.maintenance._lost import repair_lost
+        repaired += repair_lost(repo.plumbing)
+    if not as_json:
+        for line in repaired:
+            click.echo(f"repair: {line}")
     progress = _progress()
     if progress is not None:
         with progress:
@@ -581,7 +587,7 @@ def fsck(ctx: click.Context, repair_config: bool, as_json: bool) -> None:
     else:
         report = repo.fsck()
     if as_json:
-        _emit_json(dict(report.to_json(), **({"repaired": repaired} if repair_config else {})))
+        _emit_json(dict(report.to_json(), **({"repaired": repaired} if repair_config or repair else {})))
     else:
         for w in report.warnings:
             click.echo(f"warning: {w}")
@@ -652,7 +658,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
               help="Never prune branch tips and HEAD.")
 @click.option("--grace", "grace_s", type=float, default=3600.0, show_default=True,
               help="Seconds an unreferenced object must have existed before it is collected (protects writers: "
-                   "0 can collect a snapshot being committed by another process).")
+                   "0 can make snapshots that another process is committing fail).")
 @click.option("--dry-run", is_flag=True, help="List what would be pruned and deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
@@ -818,14 +824,14 @@ def _write_csv(path: str, rows: Iterable[Sequence[Any]]) -> None:
         with open(path, "w", newline="") as f:
             csv.writer(f).writerows(rows)
     except OSError as e:
-        raise ExchangeError(f"could not write {path}: {first_line(e)}") from None
+        raise ExchangeError(f"could not write {path}: {errors.message(e)}") from None
 
 
 def _write_png(path: str, draw: Any) -> None:
     try:
         draw()
     except OSError as e:
-        raise ExchangeError(f"could not write {path}: {first_line(e)}") from None
+        raise ExchangeError(f"could not write {path}: {errors.message(e)}") from None
 
 
 @cli.command()
@@ -960,11 +966,11 @@ def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, tb_
     if png_path:
         plot.require_matplotlib()
     repo = _repo(ctx)
+    png_path = _output(repo, png_path, force, "the plot")
     if tb_dir:
         n = repo.metrics_to_tensorboard(tb_dir, rev)
         if not as_json:
             click.echo(f"wrote {n} scalars to {tb_dir}", err=True)
-    png_path = _output(repo, png_path, force, "the plot")
     rows = repo.metrics(rev)
     if png_path:
         _write_png(png_path, lambda: plot.metrics_png(rows, png_path, f"metrics of {rev}"))
@@ -1038,7 +1044,7 @@ def _location(url: str) -> str:
     if url.startswith("memory://"):
         raise CkptRepoError("a memory:// repository lives only in the process that creates it, so the CLI cannot "
                             "reach one as a remote; use a path, or an s3:// or gs:// URL")
-    return url if "://" in url else os.path.abspath(url)
+    return url if "://" in url or url.startswith("file:") else os.path.abspath(url)
 
 
 @cli.group(invoke_without_command=True)
@@ -1274,18 +1280,14 @@ def main() -> None:
         _err().print("aborted")
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        errors.show_usage_error(e)
         sys.exit(e.exit_code)
-    except CkptRepoError as e:
-        click.echo(f"ckptrepo: error: {e}", err=True)
-        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback unless asked
-        if os.environ.get("CKPTREPO_DEBUG"):
+        if errors.debugging() and not isinstance(e, CkptRepoError):
             raise
-        click.echo(f"ckptrepo: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                   f"(set CKPTREPO_DEBUG=1 for a traceback)", err=True)
+        errors.report(e)
         sys.exit(2)
 
 
