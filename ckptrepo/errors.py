@@ -198,3 +198,15 @@ __all__ = ["ArgumentError", "CkptRepoError", "ConflictError", "CorruptionError",
            "StorageError", "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line",
            "is_storage_failure", "os_error_hint", "os_error_text", "some_names", "storage_failure",
            "storage_failure_hint"]
+
+
+class CheckpointNotFoundError(CkptRepoError, FileNotFoundError):
+    """A checkpoint path names nothing loadable: no file and no revision of that name, or a pointer file whose
+    version was never committed (a FileNotFoundError too, which frameworks such as Lightning expect)."""
+
+
+class PointerError(CkptRepoError):
+    """A checkpoint pointer file is damaged, or names what its reader may not follow (another repository)."""
+
+
+__all__ += ["CheckpointNotFoundError", "PointerError"]

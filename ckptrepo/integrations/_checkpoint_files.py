@@ -4,51 +4,59 @@ Frameworks such as Lightning name each checkpoint by a path, check that it exist
 delete it when it falls out of their top-k. ``CheckpointFiles`` keeps those paths true while the data lives
 in a repository: each save is one asynchronous snapshot, tagged with the file's name (with as many of its
 parent directories as keep it apart from another live checkpoint of that name), and once the version
-is committed a small *pointer file* is written at the path (JSON: repository, version id, tag; no tensors).
-A pointer is written only after its version is committed, so a crash never leaves a path that names nothing.
-Removing a path deletes its pointer and its tag, then prunes the version's data (``repo.prune``) once no tag
-or branch tip names it. See docs/decisions/027-lightning-checkpointio.md.
+a small *pointer file* is written at the path before ``save`` returns (JSON: repository, version id, tag, the
+path's previous version; no tensors; ``_pointer_files.py``), so the path exists at once, as a framework's own
+file would. The version may still be in flight then: a load in this process waits for it, and after a crash
+a pointer whose version was never committed loads the path's previous version, or says it was never
+committed. The commit makes the pointer durable with its version; a failed save puts the previous pointer back.
+A pointer is followed only into this repository. Removing a path deletes its pointer and its tag, then prunes
+the version's data (``repo.prune``) once no tag or branch tip names it, and only a version saved for that
+path. See docs/decisions/027-lightning-checkpointio.md.
 
 This module imports no framework; ``integrations/lightning.py`` adapts it to Lightning's ``CheckpointIO``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ckptrepo
+from ckptrepo.core._manifest import VERSIONS_PREFIX
 from ckptrepo.core._refs import is_new_ref_name
-from ckptrepo.errors import CkptRepoError, RefError, RevisionError, StorageError, first_line
+from ckptrepo.errors import (
+    CheckpointNotFoundError,
+    CkptRepoError,
+    NotARepositoryError,
+    PointerError,
+    RefError,
+    RevisionError,
+    StorageError,
+    first_line,
+)
+from ckptrepo.integrations._pointer_files import (
+    Pointer,
+    delete_file,
+    file_exists,
+    is_remote,
+    local,
+    path_key,
+    read_pointer,
+    sync_pointer,
+    write_pointer,
+)
 
 if TYPE_CHECKING:
+    from ckptrepo.core.schema import ManifestHeader
     from ckptrepo.repository import Repository
     from ckptrepo.saving._capture import Snapshotter
     from ckptrepo.saving._snapshot_job import SnapshotHandle
 
 log = logging.getLogger("ckptrepo")
 
-POINTER_KIND = "ckptrepo-checkpoint"   # the "kind" of a pointer file: what tells it from a framework's own file
-POINTER_MAX_BYTES = 64 * 1024          # a pointer is a few hundred bytes; anything longer is not one
 _NOT_IN_TAG = re.compile(r"[^A-Za-z0-9._/=+,-]")
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """What a pointer file says: the repository, the version and the tag the save gave it."""
-
-    repository: str
-    version: str
-    tag: str | None
-    step: int | None
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": POINTER_KIND, "format": 1, "repository": self.repository,
-                           "version": self.version, "tag": self.tag, "step": self.step}, indent=1) + "\n"
 
 
 def tag_for(path: str | os.PathLike[str], prefix: str = "") -> str | None:
@@ -76,109 +84,39 @@ def tag_candidates(path: str | os.PathLike[str], prefix: str = "") -> list[str]:
     return found
 
 
-def _is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def _remote_fs(path: str) -> tuple[Any, str]:
-    """fsspec's file system for a URL such as ``s3://bucket/ck/last.ckpt`` (Lightning installs fsspec), and the
-    path in it."""
-    import fsspec  # type: ignore[import-untyped]
-    fs, where = fsspec.core.url_to_fs(path)
-    return fs, where
-
-
-def _key(path: str) -> str:
-    """One spelling per checkpoint file, for matching a remove with the saves of that path still in flight."""
-    return path if _is_remote(path) else os.path.abspath(_local(path))
-
-
 def _absolute(url: str) -> str:
     return url if "://" in url else os.path.abspath(url)
 
 
-def _local(path: str) -> str:
-    return path[len("file://"):] if path.startswith("file://") else path
-
-
-def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
-    """The pointer at ``path``; None when there is no file there, or one that is not a pointer (a framework's
-    own checkpoint, which its own loader reads)."""
-    path = os.fspath(path)
-    try:
-        if _is_remote(path):
-            fs, where = _remote_fs(path)
-            if not fs.isfile(where):
-                return None
-            with fs.open(where, "rb") as f:
-                raw = f.read(POINTER_MAX_BYTES + 1)
-        else:
-            with open(_local(path), "rb") as f:   # noqa: PTH123 - a path or a file:// URL
-                raw = f.read(POINTER_MAX_BYTES + 1)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+def _header(repo: Repository, vid: str) -> ManifestHeader | None:
+    """The header of version ``vid`` of ``repo``; None when its manifest is not there (a save still in flight, or
+    one a crash stopped before its manifest)."""
+    if not repo.plumbing.store.exists(VERSIONS_PREFIX + vid):
         return None
-    except OSError as err:
-        raise StorageError(f"cannot read checkpoint file {path}: {first_line(err)}") from None
-    if len(raw) > POINTER_MAX_BYTES or not raw.lstrip().startswith(b"{"):
-        return None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict) or doc.get("kind") != POINTER_KIND:
-        return None
-    if not isinstance(doc.get("repository"), str) or not isinstance(doc.get("version"), str):
-        raise CkptRepoError(f"checkpoint file {path} is a damaged ckptrepo pointer (no repository or version); "
-                            f"delete it, or load the version by its tag or id")
-    step = doc.get("step")
-    tag = doc.get("tag")
-    return Pointer(doc["repository"], doc["version"], tag if isinstance(tag, str) else None,
-                   step if isinstance(step, int) and not isinstance(step, bool) else None)
+    return repo.plumbing.header(vid)
 
 
-def write_pointer(path: str | os.PathLike[str], pointer: Pointer) -> None:
-    """Write the pointer at ``path``, creating its directory; on a local disk by rename, so a reader sees the
-    old pointer or the new one, never half of one."""
-    path = os.fspath(path)
-    text = pointer.to_json()
-    if _is_remote(path):
-        fs, where = _remote_fs(path)
-        fs.makedirs(os.path.dirname(where), exist_ok=True)
-        with fs.open(where, "w") as f:
-            f.write(text)
-        return
-    path = _local(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:   # noqa: PTH123
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+_HISTORY_DEPTH = 1000   # versions walked back from each branch tip to find a checkpoint's (as the committer does)
 
 
-def delete_file(path: str | os.PathLike[str]) -> None:
-    """Delete the file (or directory: a framework's own sharded checkpoint) at ``path`` if there is one."""
-    path = os.fspath(path)
-    if _is_remote(path):
-        fs, where = _remote_fs(path)
-        if fs.exists(where):
-            fs.rm(where, recursive=True)
-        return
-    path = _local(path)
-    if os.path.isdir(path):
-        import shutil
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def file_exists(path: str | os.PathLike[str]) -> bool:
-    path = os.fspath(path)
-    if _is_remote(path):
-        fs, where = _remote_fs(path)
-        return bool(fs.exists(where))
-    return os.path.exists(_local(path))
+def _is_committed(repo: Repository, vid: str) -> bool:
+    """Whether version ``vid`` is committed: its manifest is there and a tag, or a branch's recent history, holds
+    it (a crash between the manifest and the branch's move leaves a manifest no history holds, which gc collects)."""
+    if _header(repo, vid) is None:
+        return False
+    tips = set(repo.branches().values())
+    if vid in tips or vid in set(repo.tags().values()):
+        return True
+    for tip in tips:
+        v: str | None = tip
+        for _ in range(_HISTORY_DEPTH):
+            if v is None:
+                break
+            if v == vid:
+                return True
+            parents = repo.plumbing.header(v).parents
+            v = parents[0] if parents else None
+    return False
 
 
 class CheckpointFiles:
@@ -188,6 +126,7 @@ class CheckpointFiles:
     tag, to keep runs that share a repository and their file names apart. ``snapshotter_options`` go to
     ``repo.snapshotter()`` (``host_memory``, ``max_in_flight``, ...). The snapshotter runs without dedup: a
     removed checkpoint is pruned at once, and a snapshot in flight that reused its arrays would fail.
+    It pickles as its settings (a process launcher hands it to new processes): saves in flight stay here.
     """
 
     def __init__(self, url: str | os.PathLike[str], tag_prefix: str = "", **snapshotter_options: Any) -> None:
@@ -196,14 +135,28 @@ class CheckpointFiles:
             raise ckptrepo.ArgumentError(f"tag_prefix is text (such as 'run7/'), not {tag_prefix!r}")
         self.tag_prefix = tag_prefix
         self._options = {**snapshotter_options, "dedup": False}
+        self._start()
+
+    def _start(self) -> None:
         self._repo: Repository | None = None
         self._snap: Snapshotter | None = None
         self._lock = threading.Lock()
         self._prune_lock = threading.Lock()
-        self._pending: dict[str, list[threading.Event]] = {}   # path -> its saves whose pointer is not written yet
+        self._pending: dict[str, list[threading.Event]] = {}   # path -> its saves whose commit has not finished
         self._releasable: list[str] = []   # versions of removed checkpoints, pruned once nothing names them
         self._errors: list[CkptRepoError] = []   # failures on the commit thread, raised by the next call
         self._claims: dict[str, str] = {}   # tag -> the path this process last saved under it (in flight too)
+        # a save in flight -> the committed pointer its path held before (put back if it fails, released when it
+        # commits), and -> the later save of the same path that replaced its pointer while it was in flight
+        self._priors: dict[str, Pointer | None] = {}
+        self._successors: dict[str, str] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "tag_prefix": self.tag_prefix, "options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.url, self.tag_prefix, self._options = state["url"], state["tag_prefix"], state["options"]
+        self._start()
 
     # ---- the repository and its snapshotter ----------------------------------------------------------------
     @property
@@ -211,6 +164,16 @@ class CheckpointFiles:
         if self._repo is None:
             self._repo = ckptrepo.init(self.url, exist_ok=True)
         return self._repo
+
+    def _existing_repo(self) -> Repository:
+        """The repository, for a read: CheckpointNotFoundError when there is none yet (nothing saved)."""
+        if self._repo is not None:
+            return self._repo
+        try:
+            return ckptrepo.open(self.url)
+        except NotARepositoryError:
+            raise CheckpointNotFoundError(f"no checkpoint has been saved into {self.url} yet (no repository there); "
+                                          f"pass the path of a checkpoint that exists") from None
 
     @property
     def snapshotter(self) -> Snapshotter:
@@ -223,25 +186,62 @@ class CheckpointFiles:
         """The snapshotter saves go through now; None before the first save and after ``close``."""
         return self._snap
 
+    def _ours(self, pointer: Pointer) -> bool:
+        return pointer.repository == self.url or (self._repo is not None and pointer.repository == self._repo.url)
+
     # ---- save ------------------------------------------------------------------------------------------------
     def save(self, state: Any, path: str | os.PathLike[str], step: int | None = None, message: str = "",
              wait_captured: bool = True) -> SnapshotHandle:
-        """Start one snapshot of ``state``, tagged after ``path``'s file name (see ``_choose_tag``); the pointer at
-        ``path`` is written once it is committed. Returns once the state is captured (``wait_captured``), not
-        written."""
+        """Start one snapshot of ``state``, tagged after ``path``'s file name (see ``_choose_tag``), and write the
+        pointer at ``path`` naming it. Returns once the state is captured (``wait_captured``), not written; the
+        commit makes the pointer durable with the version."""
         self._raise_failures()
         path = os.fspath(path)
-        key = _key(path)
+        key = path_key(path)
         tag = self._choose_tag(path, key)
+        prior, replaces = self._prior(path)
         handle = self.snapshotter.snapshot(state, step=step, message=message or f"checkpoint {os.path.basename(path)}",
-                                           tag=tag, force_tag=True, meta={"path": path})
+                                           tag=tag, force_tag=True, meta={"path": key})
+        pointer = Pointer(self.repo.url, handle.id, tag, step, prior.version if prior is not None else None)
         done = threading.Event()
         with self._lock:
             self._pending.setdefault(key, []).append(done)
-        handle.add_done_callback(lambda h: self._committed(h, path, tag, done))
-        if wait_captured:
-            handle.wait_captured()
+            self._priors[handle.id] = prior
+            if replaces is not None:
+                self._successors[replaces] = handle.id
+        try:
+            write_pointer(path, pointer, sync=False)
+        except Exception as err:   # an OSError, or a remote file system's own error
+            handle.add_done_callback(lambda h: self._finish(path, done, h.id))
+            raise StorageError(f"cannot write checkpoint file {path}: {first_line(err)}; its version "
+                               f"{handle.id[:12]} is saved all the same (tag {tag}): load it by its id") from None
+        finally:
+            if wait_captured:
+                handle.wait_captured()
+        # after the pointer is written: a save that failed at once must find it there to put the prior back
+        handle.add_done_callback(lambda h: self._committed(h, path, pointer, done))
         return handle
+
+    def _prior(self, path: str) -> tuple[Pointer | None, str | None]:
+        """The committed pointer of this repository ``path`` holds (what a failed save there puts back), and the
+        save in flight whose pointer is there (None if none): a save of the same path while another is in
+        flight takes that one's prior until it commits."""
+        try:
+            old = read_pointer(path)
+        except PointerError:   # a damaged pointer is overwritten, never followed
+            return None, None
+        if old is None or not self._owns(path, old):
+            return None, None
+        with self._lock:
+            if old.version in self._priors:
+                return self._priors[old.version], old.version
+        if _is_committed(self.repo, old.version):
+            return (old, None) if self._saved_for(old.version, path) else (None, None)
+        # a save a crash stopped before its commit: the path held its previous version
+        if old.previous is not None and _is_committed(self.repo, old.previous) \
+                and self._saved_for(old.previous, path):
+            return Pointer(old.repository, old.previous, old.tag, None), None
+        return None, None
 
     def _choose_tag(self, path: str, key: str) -> str | None:
         """The tag of a save at ``path``: the shortest of ``tag_candidates`` that no *other* live checkpoint holds.
@@ -262,8 +262,8 @@ class CheckpointFiles:
         flight or named by its pointer, or saved earlier (the version's ``meta`` path) and named by its pointer."""
         with self._lock:
             claim = self._claims.get(tag)
-            in_flight = claim is not None and _key(claim) in self._pending
-        if claim is not None and _key(claim) == key:
+            in_flight = claim is not None and path_key(claim) in self._pending
+        if claim is not None and path_key(claim) == key:
             return False
         try:
             if claim is not None and (in_flight or self._names(claim, tag, None)):
@@ -272,7 +272,7 @@ class CheckpointFiles:
             if vid is None:
                 return False
             other = self.repo.version(vid).meta.get("path")
-            return other is not None and _key(other) != key and self._names(other, tag, vid)
+            return other is not None and path_key(other) != key and self._names(other, tag, vid)
         except CkptRepoError as err:   # a pointer or header that cannot be read: leave that tag where it is
             log.debug("ckptrepo: tag %s stays where it is: %s", tag, err)
             return True
@@ -280,36 +280,72 @@ class CheckpointFiles:
     def _names(self, path: str, tag: str, vid: str | None) -> bool:
         """Whether the pointer at ``path`` is one of this repository's under ``tag`` (of version ``vid``)."""
         pointer = read_pointer(path)
-        return pointer is not None and pointer.repository == self.url and pointer.tag == tag \
+        return pointer is not None and self._ours(pointer) and pointer.tag == tag \
             and (vid is None or pointer.version == vid)
 
-    def _committed(self, handle: SnapshotHandle, path: str, tag: str | None, done: threading.Event) -> None:
-        """Commit thread: write the pointer of a committed save, and prune the version it replaces."""
+    def _committed(self, handle: SnapshotHandle, path: str, pointer: Pointer, done: threading.Event) -> None:
+        """Commit thread: make a committed save's pointer durable and release the version it replaced; put the
+        prior pointer back for a failed one."""
+        vid = pointer.version
+        with self._lock:
+            prior = self._priors.pop(vid, None)
+            successor = self._successors.pop(vid, None)
         try:
-            version = handle.result()
-        except CkptRepoError:   # the snapshotter raises it from the next call; no pointer to a version not there
-            self._finish(path, done)
-            return
-        try:
-            old = read_pointer(path)
-            write_pointer(path, Pointer(self.repo.url, version.id, tag, version.step))
-            if old is not None and old.version != version.id and self._owns(path, old):
-                if old.tag != tag:   # the path took a shorter name, freed meanwhile: its old tag goes with its version
-                    self._drop_tag(old.tag, old.version)
-                self._release(old.version)   # overwritten (last.ckpt): as on disk, the old data goes once unnamed
+            try:
+                handle.result()
+                ok = True
+            except CkptRepoError:   # the snapshotter raises it from the next call
+                ok = False
+            with self._lock:
+                if successor is not None and successor in self._priors:   # it replaced this pointer meanwhile
+                    self._priors[successor] = pointer if ok else prior
+            if not ok:
+                if successor is None and self._current(path) == pointer:
+                    if prior is not None:
+                        write_pointer(path, prior)
+                    else:
+                        delete_file(path)
+                return
+            if successor is None and self._current(path) == pointer:
+                sync_pointer(path)
+            if prior is not None and prior.version != vid and self._saved_for(prior.version, path):
+                if prior.tag != pointer.tag:   # the path took a shorter name, freed meanwhile: its old tag goes too
+                    self._drop_tag(prior.tag, prior.version)
+                self._release(prior.version)   # overwritten (last.ckpt): as on disk, the old data goes once unnamed
             self._prune_released()
         except Exception as err:  # noqa: BLE001 - the commit thread must go on; the next call raises it
-            failure = StorageError(f"version {version.id[:12]} is committed, but its checkpoint file {path} was not "
-                                   f"written: {first_line(err)}; load it by its id")
+            failure = StorageError(f"snapshot {vid[:12]} of checkpoint file {path}: the file could not be "
+                                   f"{'made durable' if handle.done() else 'put back'}: {first_line(err)}; "
+                                   f"load the version by its id")
             log.error("ckptrepo: %s", failure)
             with self._lock:
                 self._errors.append(failure)
         finally:
-            self._finish(path, done)
+            self._finish(path, done, vid)
 
-    def _finish(self, path: str, done: threading.Event) -> None:
-        key = _key(path)
+    def _current(self, path: str) -> Pointer | None:
+        try:
+            return read_pointer(path)
+        except PointerError:
+            return None
+
+    def _saved_for(self, vid: str, path: str) -> bool:
+        """Whether version ``vid`` of this repository was saved for the checkpoint at ``path`` (its header's
+        ``meta`` path): only such a version may be pruned when that path is overwritten or removed."""
+        try:
+            header = _header(self.repo, vid)
+        except CkptRepoError as err:
+            log.debug("ckptrepo: version %s stays: %s", vid[:12], err)
+            return False
+        saved = (header.meta or {}).get("path") if header is not None else None
+        return isinstance(saved, str) and path_key(saved) == path_key(path)
+
+    def _finish(self, path: str, done: threading.Event, vid: str | None = None) -> None:
+        key = path_key(path)
         with self._lock:
+            if vid is not None:
+                self._priors.pop(vid, None)
+                self._successors.pop(vid, None)
             waiting = self._pending.get(key, [])
             if done in waiting:
                 waiting.remove(done)
@@ -321,20 +357,26 @@ class CheckpointFiles:
     def remove(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint at ``path``: its pointer and tag at once, its version's data once no tag or
         branch tip names it. A file that is no pointer is deleted as the framework would; so is a link or a copy
-        of another checkpoint's pointer (``save_last="link"``), whose version stays with that checkpoint."""
+        of another checkpoint's pointer (``save_last="link"``), and a pointer into another repository or to a
+        version not saved for this path: only a version saved for this path is ever pruned."""
         path = os.fspath(path)
-        self._wait_for(path)   # a save of this path still in flight would write its pointer after the delete
-        linked = not _is_remote(path) and os.path.islink(_local(path))
-        pointer = None if linked else read_pointer(path)
+        self._wait_for(path)   # a save of this path still in flight: its outcome first
+        linked = not is_remote(path) and os.path.islink(local(path))
+        pointer = None if linked else self._current(path)
         delete_file(path)
         if pointer is None or not self._owns(path, pointer):
             return
         with self._lock:
             if pointer.tag is not None and self._claims.get(pointer.tag) is not None \
-                    and _key(self._claims[pointer.tag]) == _key(path):
+                    and path_key(self._claims[pointer.tag]) == path_key(path):
                 del self._claims[pointer.tag]
-        self._drop_tag(pointer.tag, pointer.version)
-        self._release(pointer.version)
+        versions = [pointer.version]
+        if pointer.previous is not None and not _is_committed(self.repo, pointer.version):
+            versions.append(pointer.previous)   # its save never committed: the path held the previous version
+        for vid in versions:
+            if self._saved_for(vid, path):
+                self._drop_tag(pointer.tag, vid)
+                self._release(vid)
         self._prune_released()
 
     def _drop_tag(self, tag: str | None, vid: str) -> None:
@@ -347,10 +389,10 @@ class CheckpointFiles:
             log.debug("ckptrepo: tag %s: %s", tag, err)
 
     def _owns(self, path: str, pointer: Pointer) -> bool:
-        """Whether the pointer at ``path`` is the one its save wrote there (not a copy of another checkpoint's)
-        into this repository: only then do its tag and data go with the file."""
+        """Whether the pointer at ``path`` is one its save wrote there (not a copy of another checkpoint's) into
+        this repository: only then may its tag and data go with the file."""
         mine: list[str | None] = [*tag_candidates(path, self.tag_prefix)] or [None]
-        return pointer.repository == self.url and pointer.tag in mine
+        return self._ours(pointer) and pointer.tag in mine
 
     def _release(self, vid: str) -> None:
         with self._lock:
@@ -386,29 +428,45 @@ class CheckpointFiles:
 
     # ---- load ------------------------------------------------------------------------------------------------
     def resolve(self, where: str | os.PathLike[str]) -> tuple[Repository, str] | None:
-        """The repository and version id ``where`` names: a pointer file, a revision of this repository (``@20``,
-        a tag, an id, ``HEAD``), or a checkpoint file name (``best/epoch=0-step=10.ckpt``) whose tag is here; None
-        for a file that is not a pointer (the framework's own format). RevisionError when it names nothing."""
-        self.wait()   # a checkpoint just saved is loadable at once: its pointer is written when committed
+        """The repository and version id ``where`` names: a pointer file into this repository, a revision of it
+        (``@20``, a tag, an id, ``HEAD``), or a checkpoint file name (``best/epoch=0-step=10.ckpt``) whose tag is
+        there; None for a file that is not a pointer (the framework's own format). CheckpointNotFoundError when
+        it names nothing, PointerError for a pointer into another repository."""
+        self.wait()   # a checkpoint just saved is loadable at once
         text = os.fspath(where)
         pointer = read_pointer(text)
         if pointer is not None:
-            repo = self.repo if pointer.repository == self.url or (self._repo is not None and
-                                                                   pointer.repository == self._repo.url) \
-                else ckptrepo.open(pointer.repository)
-            return repo, pointer.version
+            if not self._ours(pointer):
+                raise PointerError(f"checkpoint file {text} names the repository {pointer.repository[:200]!r}, not "
+                                   f"this one ({self.url}); a pointer is followed only into its plugin's own "
+                                   f"repository: open that one to load it")
+            repo = self._existing_repo()
+            return repo, self._committed_version(repo, text, pointer)
         if file_exists(text):
             return None
-        repo = ckptrepo.open(self.url)
+        repo = self._existing_repo()
         for rev in (text, *reversed(tag_candidates(text, self.tag_prefix))):   # the most specific name first
-            if rev is None:
-                continue
             try:
                 return repo, repo.resolve(rev)
             except RevisionError:
                 continue
-        raise RevisionError(f"{text} is no checkpoint file, and no revision, tag or file name of {self.url}; "
-                            f"pass a checkpoint path, a tag or a revision such as @STEP (see `ckptrepo log`)")
+        raise CheckpointNotFoundError(f"{text} is no checkpoint file, and no revision, tag or file name of "
+                                      f"{self.url}; pass a checkpoint path, a tag or a revision such as @STEP "
+                                      f"(see `ckptrepo log`)")
+
+    @staticmethod
+    def _committed_version(repo: Repository, text: str, pointer: Pointer) -> str:
+        """The version the pointer at ``text`` stands for: its own once committed; if a crash stopped its save
+        first, the version the path held before (as a file a crash interrupted keeps its old content)."""
+        if _is_committed(repo, pointer.version):
+            return pointer.version
+        if pointer.previous is not None and _is_committed(repo, pointer.previous):
+            log.warning("ckptrepo: %s: version %s was never committed (its save stopped first); loading the one "
+                        "it was to replace, %s", text, pointer.version[:12], pointer.previous[:12])
+            return pointer.previous
+        raise CheckpointNotFoundError(f"{text} names version {pointer.version[:12]}, which was never committed (the "
+                                      f"process saving it stopped first, or is saving it still); resume from "
+                                      f"another checkpoint (see `ckptrepo log`)")
 
     def load(self, where: str | os.PathLike[str], device: Any = None) -> Any:
         """The state ``where`` names (see ``resolve``); None for a file that is not a pointer."""
@@ -419,14 +477,19 @@ class CheckpointFiles:
         return repo.load(vid, device=device)
 
     # ---- waiting ---------------------------------------------------------------------------------------------
+    def in_flight(self, path: str | os.PathLike[str]) -> bool:
+        """Whether a save of ``path`` has not finished its commit yet."""
+        with self._lock:
+            return path_key(os.fspath(path)) in self._pending
+
     def _wait_for(self, path: str) -> None:
         with self._lock:
-            waiting = list(self._pending.get(_key(path), ()))
+            waiting = list(self._pending.get(path_key(path), ()))
         for done in waiting:
             done.wait()
 
     def wait(self) -> None:
-        """Block until every save so far is committed and its pointer written; raise the first failure."""
+        """Block until every save so far is committed and its pointer durable; raise the first failure."""
         if self._snap is not None:
             try:
                 self._snap.wait()

@@ -3,26 +3,34 @@
 ``CkptRepoIO`` is a ``CheckpointIO`` plugin. ``save_checkpoint`` takes one asynchronous snapshot through
 ckptrepo's snapshotter (it returns once the state is captured, and the bytes are written in the
 background), tagged with the file name ``ModelCheckpoint`` chose (with its parent directories where another
-checkpoint directory holds that name); once the version is committed, a small
-pointer file is written at that path, so Lightning's own bookkeeping (top-k, ``ckpt_path="last"``, its
-existence checks) works on files as usual. ``load_checkpoint`` follows a pointer file, or takes a revision
-(``"@20"``, a tag, an id); ``remove_checkpoint`` deletes the pointer and the tag and prunes the version's
-data. The mechanics live in ``integrations/_checkpoint_files.py``; docs/decisions/027-lightning-checkpointio.md
-says why it is built this way.
+checkpoint directory holds that name), and writes a small pointer file at that path before it returns, so
+Lightning's own bookkeeping (``-vN`` names, top-k, ``ckpt_path="last"``) works on files as usual. The
+second optimizer step after the save of a small state waits for its commit if it is not committed yet, so a
+crash loses no checkpoint older than two steps. ``load_checkpoint`` follows a pointer file into this
+repository (never another), or takes a revision (``"@20"``, a tag, an id); ``remove_checkpoint`` deletes the
+pointer and the tag and prunes the version's data. ``load_from_checkpoint`` builds a ``LightningModule``
+from a checkpoint (Lightning's own classmethod reads the file with ``torch.load``, which a pointer is not
+for). The mechanics live in ``integrations/_checkpoint_files.py``; docs/decisions/027-lightning-checkpointio.md
+and 041-lightning-paths-exist-at-once.md say why it is built this way.
 
 Lightning is imported only when ``CkptRepoIO`` is first used (``import ckptrepo`` never imports it).
 """
 from __future__ import annotations
 
 import os
+import pickle
+import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckptrepo.errors import ArgumentError, CkptRepoError, UnsupportedValueError, first_line
 from ckptrepo.integrations._checkpoint_files import CheckpointFiles
+from ckptrepo.integrations._pointer_files import file_exists, path_key
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+    from ckptrepo.saving._snapshot_job import SnapshotHandle
 
 
 def _device(map_location: Any) -> Any:
@@ -38,17 +46,27 @@ def _device(map_location: Any) -> Any:
 _HANDOFF_FILE = ".temp.ckpt"
 
 
+# a save of a state up to this size is committed by the COMMIT_WITHIN_STEPS-th optimizer step after it: that
+# step waits for it if it is not (a small state's write takes milliseconds, so it seldom waits); a larger
+# state's write overlaps as many steps as it takes
+SMALL_STATE_BYTES = 64 << 20
+COMMIT_WITHIN_STEPS = 2
+
+
 class _StepWatch:
     """Attaches each optimizer that steps while checkpoints are being saved to the snapshotter, so that its
     ``step()`` waits for capture and ``save_checkpoint`` need not: the plugin never sees Lightning's optimizers,
     but a global step pre-hook of torch sees every one (Lightning's ``LightningOptimizer`` steps the inner one).
-    Until an optimizer is attached, a save waits for its capture itself."""
+    Until an optimizer is attached, a save waits for its capture itself. The same hook makes the
+    ``COMMIT_WITHIN_STEPS``-th step after the save of a small state wait for its commit."""
 
     def __init__(self, files: CheckpointFiles) -> None:
         self.files = files
         self._hook: Any = None
         self._snap: Any = None   # the snapshotter the optimizers below are attached to
         self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._young: list[list[Any]] = []   # [handle, optimizer steps since its save] of small saves in flight
 
     def start(self) -> None:
         if self._hook is None:
@@ -59,11 +77,19 @@ class _StepWatch:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        with self._lock:
+            self._young.clear()
 
     def attached(self) -> bool:
         return self._snap is self.files.current_snapshotter and len(self._seen) > 0
 
+    def track(self, handle: SnapshotHandle) -> None:
+        if handle.stats.bytes <= SMALL_STATE_BYTES and not handle.done():
+            with self._lock:
+                self._young.append([handle, 0])
+
     def _pre_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._commit_old_saves()
         snap = self.files.current_snapshotter
         if snap is None:
             return
@@ -73,6 +99,67 @@ class _StepWatch:
             snap.attach(optimizer)   # from the next step on, its own pre-hook waits for capture
             self._seen.add(optimizer)
             snap.wait_captured()     # this step: wait here
+
+    def _commit_old_saves(self) -> None:
+        with self._lock:
+            due = []
+            for entry in list(self._young):
+                entry[1] += 1
+                if entry[0].done():
+                    self._young.remove(entry)
+                elif entry[1] >= COMMIT_WITHIN_STEPS:
+                    due.append(entry[0])
+                    self._young.remove(entry)
+        for handle in due:
+            try:
+                handle.result()
+            except CkptRepoError:   # the plugin's next call raises it
+                pass
+
+
+class _WrapperQueue:
+    """Lightning's ``AsyncCheckpointIO`` calls ``save_checkpoint`` on its own thread, from a queue, but passes
+    ``remove_checkpoint`` on at once, on the training thread: a remove can reach the plugin before the save of
+    the same path does. Lightning removes only paths it saved, so a path with no file and no save here yet has
+    its save still queued: it is marked, and that save is dropped when it comes (saved, then removed, in
+    Lightning's order). A remove of a path whose save is under way waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._removed: set[str] = set()   # paths removed before their queued save came
+        self._arriving: dict[str, threading.Event] = {}   # path -> its save under way in the plugin
+
+    def arrive(self, key: str, queued: bool) -> threading.Event | None:
+        """A save of ``key`` begins (``queued``: on a wrapper's thread); None when it is to be dropped."""
+        with self._lock:
+            if queued and key in self._removed:
+                self._removed.discard(key)
+                return None
+            self._removed.discard(key)
+            self._arriving[key] = arrived = threading.Event()
+            return arrived
+
+    def leave(self, key: str, arrived: threading.Event) -> None:
+        with self._lock:
+            if self._arriving.get(key) is arrived:
+                del self._arriving[key]
+        arrived.set()
+
+    def removed_first(self, key: str, nothing_there: Callable[[], bool]) -> bool:
+        """Whether a remove of ``key`` is of a save still queued (``nothing_there()``: no file and no save in
+        flight); otherwise waits for a save of it under way."""
+        with self._lock:
+            arriving = self._arriving.get(key)
+            if arriving is None and nothing_there():
+                self._removed.add(key)
+                return True
+        if arriving is not None:
+            arriving.wait()
+        return False
+
+    def clear(self) -> None:
+        with self._lock:
+            self._removed.clear()
 
 
 def _define() -> type[CheckpointIO]:
@@ -85,11 +172,14 @@ def _define() -> type[CheckpointIO]:
         ``tag_prefix`` goes before each tag (``run7/`` keeps runs that share a repository and their file names
         apart); other keywords go to ``repo.snapshotter()`` (``host_memory``, ``max_in_flight``, ...). A
         checkpoint file that is not a ckptrepo pointer (written by Lightning itself) loads and is removed as
-        ``TorchCheckpointIO`` would.
+        ``TorchCheckpointIO`` would. It pickles as its arguments (``strategy="ddp_spawn"`` sends it to each
+        process). Wrapped in ``AsyncCheckpointIO``, each save (on that wrapper's thread) is committed before it
+        returns, as that wrapper never passes ``teardown`` on.
         """
 
         def __init__(self, url: str | os.PathLike[str], tag_prefix: str = "", **snapshotter_options: Any) -> None:
             super().__init__()
+            self._arguments: tuple[Any, str, dict[str, Any]] = (url, tag_prefix, snapshotter_options)
             # Lightning saves on global rank 0 alone, under DDP too: that process holds the whole state
             self.files = CheckpointFiles(url, tag_prefix=tag_prefix, **{"single_process": True, **snapshotter_options})
             self._torch_io = TorchCheckpointIO()
@@ -97,6 +187,14 @@ def _define() -> type[CheckpointIO]:
             # after teardown nothing waits for a save any more (Lightning's process launchers save the final
             # weights then, and the worker process exits at once): such a save is committed before it returns
             self._torn_down = False
+            self._queue = _WrapperQueue()
+
+        def __getstate__(self) -> dict[str, Any]:
+            return {"arguments": self._arguments}
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            url, tag_prefix, options = state["arguments"]
+            self.__init__(url, tag_prefix, **options)   # type: ignore[misc]
 
         @property
         def url(self) -> str:
@@ -104,20 +202,30 @@ def _define() -> type[CheckpointIO]:
 
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
             """One version of ``checkpoint``, tagged with ``path``'s file name (more of the path where another live
-            checkpoint holds that name); returns once it is captured."""
+            checkpoint holds that name), with its pointer file at ``path``; returns once it is captured."""
             if storage_options is not None:
                 raise ArgumentError(f"CkptRepoIO takes no storage_options (got {storage_options!r}); pass the "
                                 f"snapshotter's options to CkptRepoIO(...) instead")
             if os.path.basename(os.fspath(path)) == _HANDOFF_FILE:
                 self._torch_io.save_checkpoint(checkpoint, path)   # a hand-off between processes, not a checkpoint
                 return
+            # a save off the main thread comes from a wrapper's queue (AsyncCheckpointIO), which never passes
+            # teardown on: it is committed before it returns
+            wrapped = threading.current_thread() is not threading.main_thread()
+            key = path_key(os.fspath(path))
+            arrived = self._queue.arrive(key, queued=wrapped)
+            if arrived is None:
+                return   # Lightning removed it while it was queued
             step = checkpoint.get("global_step")
-            self._steps.start()
+            if not wrapped:
+                self._steps.start()
             try:
-                self.files.save(checkpoint, path, step=step if isinstance(step, int) else None,
-                                wait_captured=not self._steps.attached())
-                if self._torn_down:
+                handle = self.files.save(checkpoint, path, step=step if isinstance(step, int) else None,
+                                         wait_captured=wrapped or not self._steps.attached())
+                if self._torn_down or wrapped:
                     self.files.close()
+                else:
+                    self._steps.track(handle)
             except UnsupportedValueError as err:
                 if "hyper_parameters']" not in str(err):
                     raise
@@ -125,28 +233,56 @@ def _define() -> type[CheckpointIO]:
                                             f"checkpoint: pass them as plain values (str for a path, the value of "
                                             f"an enum), or leave that one out with "
                                             f"save_hyperparameters(ignore=[...])") from None
+            finally:
+                self._queue.leave(key, arrived)
 
         def load_checkpoint(self, path: Any, map_location: Any | None = None,
                             weights_only: bool | None = None) -> dict[str, Any]:
             """The checkpoint a pointer file at ``path`` names, or the version ``path`` names as a revision; a
             file of Lightning's own format loads as ``TorchCheckpointIO`` loads it. Waits for the saves in flight
-            first. ckptrepo never unpickles, whatever ``weights_only`` says."""
+            first. ckptrepo never unpickles, whatever ``weights_only`` says. FileNotFoundError when ``path``
+            names no checkpoint."""
             state = self.files.load(path, device=_device(map_location))
             if state is None:
-                return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+                try:
+                    return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+                except (pickle.UnpicklingError, EOFError, RuntimeError) as err:   # torch's run over many lines
+                    raise CkptRepoError(f"checkpoint file {os.fspath(path)} is no ckptrepo pointer, and torch.load "
+                                        f"cannot read it ({type(err).__name__}: {first_line(err)[:200]}); pass a "
+                                        f"checkpoint this plugin or Lightning saved") from None
             if not isinstance(state, dict):
                 raise CkptRepoError(f"{os.fspath(path)} names a version that holds a {type(state).__name__}, not a "
                                     f"Lightning checkpoint (a dict); pick one Lightning saved")
             return state
 
+        def load_from_checkpoint(self, cls: type[Any], path: Any, map_location: Any | None = None,
+                                 **kwargs: Any) -> Any:
+            """``cls.load_from_checkpoint(path, ...)`` for a checkpoint this plugin saved (or any ``path`` its
+            ``load_checkpoint`` takes): Lightning's classmethod reads the file with ``torch.load`` itself, and a
+            pointer file holds no tensors. ``kwargs`` go to it (``strict``, hyperparameters to override)."""
+            import io
+
+            import torch
+            buffer = io.BytesIO()
+            torch.save(self.load_checkpoint(path, map_location=map_location), buffer)
+            buffer.seek(0)
+            return cls.load_from_checkpoint(buffer, map_location=map_location, **kwargs)
+
         def remove_checkpoint(self, path: Any) -> None:
-            """Delete the checkpoint file; the version's tag goes now, its data once nothing else names it."""
-            self.files.remove(path)
+            """Delete the checkpoint file; the version's tag goes now, its data once nothing else names it (see
+            ``_WrapperQueue`` for a path whose save a wrapper still queues)."""
+            text = os.fspath(path)
+            if self._queue.removed_first(path_key(text),
+                                         lambda: not file_exists(text) and not self.files.in_flight(text)):
+                return
+            self.files.remove(text)
 
         def teardown(self) -> None:
-            """At the end of ``fit``: every save is committed and its pointer written (failures raised here)."""
+            """At the end of ``fit``: every save is committed and its pointer durable (failures raised here), and
+            no thread of the plugin's is left."""
             self._steps.stop()
             self._torn_down = True
+            self._queue.clear()
             self.files.close()
 
     CkptRepoIO.__module__ = __name__

@@ -1,5 +1,6 @@
-"""Lightning under DDP (2 CPU processes, gloo): rank 0 alone saves each checkpoint through ``CkptRepoIO`` as one
-version, with the whole state, and the last one holds exactly the weights the fit ended with."""
+"""Lightning under DDP (2 CPU processes, gloo; forked and spawned): rank 0 alone saves each checkpoint through
+``CkptRepoIO`` as one version, with the whole state, and the last one holds exactly the weights the fit ended
+with."""
 from __future__ import annotations
 
 import os
@@ -19,11 +20,13 @@ from tests.helpers import assert_bit_exact  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_ddp_fit_saves_from_rank_zero_alone(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])   # ddp_spawn pickles the plugin into each process
+def test_ddp_fit_saves_from_rank_zero_alone(tmp_path, strategy):
     url, ckpt_dir = str(tmp_path / "repo"), str(tmp_path / "ckpts")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests._lightning_ddp_run", url, ckpt_dir, str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "tests._lightning_ddp_run", strategy, url, ckpt_dir,
+                           str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     repo = ckptrepo.open(url)

@@ -159,7 +159,10 @@ def test_importing_the_plugin_module_imports_no_lightning() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})
 
 
-def test_pointer_is_written_only_once_committed(tmp_path: Path) -> None:
+def test_pointer_names_the_pending_version_once_save_returns(tmp_path: Path) -> None:
+    """As with Lightning's own files, the path exists when the save returns (ModelCheckpoint picks its ``-vN``
+    names by that); until its version is committed a load waits for it, and a failed save puts back what the
+    path held before."""
     files = CheckpointFiles(tmp_path / "repo")
     path = tmp_path / "ck" / "a.ckpt"
     held, release = threading.Event(), threading.Event()
@@ -168,16 +171,21 @@ def test_pointer_is_written_only_once_committed(tmp_path: Path) -> None:
         held.set()
         release.wait(10)
     faults.set_hook("after_manifest", hold)
-    files.save({"w": torch.ones(4), "global_step": 3}, path, step=3)
+    handle = files.save({"w": torch.ones(4), "global_step": 3}, path, step=3)
+    doc = json.loads(path.read_text())   # at once: the manifest is not even written yet
+    assert doc["kind"] == "ckptrepo-checkpoint" and doc["version"] == handle.id and doc["tag"] == "a.ckpt"
+    assert doc["step"] == 3 and "previous" not in doc
     assert held.wait(10)
-    assert not path.exists()   # the manifest is written, the branch has not moved: no pointer yet
+    loaded: list[Any] = []
+    loader = threading.Thread(target=lambda: loaded.append(files.load(path)))
+    loader.start()
+    loader.join(0.3)
+    assert loader.is_alive() and not loaded   # waits for the commit
     release.set()
-    files.wait()
-    doc = json.loads(path.read_text())
-    assert doc["kind"] == "ckptrepo-checkpoint" and doc["step"] == 3 and doc["tag"] == "a.ckpt"
-    assert torch.equal(files.load(path)["w"], torch.ones(4))
+    loader.join(10)
+    assert torch.equal(loaded[0]["w"], torch.ones(4))
 
-    # a remove of a path whose save is in flight waits for its pointer, then deletes pointer and tag; the
+    # a remove of a path whose save is in flight waits for its commit, then deletes pointer and tag; the
     # version, the branch tip until the next commit, is pruned by that commit
     held.clear()
     release.clear()
@@ -196,6 +204,9 @@ def test_pointer_is_written_only_once_committed(tmp_path: Path) -> None:
     files.wait()
     assert files.repo.version(tip).pruned
 
+    # a failed save: a new path's pointer goes, an overwritten path gets its committed pointer back
+    before = (tmp_path / "ck" / "c.ckpt").read_bytes()
+
     def fail(_name: str) -> None:
         raise OSError("disk on fire")
     faults.set_hook("after_data", fail)
@@ -203,7 +214,71 @@ def test_pointer_is_written_only_once_committed(tmp_path: Path) -> None:
     with pytest.raises(SnapshotFailedError, match="disk on fire"):
         files.wait()
     assert not (tmp_path / "ck" / "b.ckpt").exists()
+    files.save({"w": torch.ones(4)}, tmp_path / "ck" / "c.ckpt", step=6)
+    with pytest.raises(SnapshotFailedError, match="disk on fire"):
+        files.wait()
+    assert (tmp_path / "ck" / "c.ckpt").read_bytes() == before
+    faults.clear()
+    assert torch.equal(files.load(tmp_path / "ck" / "c.ckpt")["w"], torch.zeros(4))
     files.close()
+
+
+def test_saves_of_one_path_in_flight_release_each_version_once(tmp_path: Path) -> None:
+    """last.ckpt saved again while its previous save is in flight: each commit releases the version before
+    it, the newest stays, and no version is left behind untagged and unpruned."""
+    files = CheckpointFiles(tmp_path / "repo")
+    path = tmp_path / "last.ckpt"
+    ids = [files.save({"w": torch.full((4,), float(i))}, path, step=i).id for i in range(4)]
+    files.save({"w": torch.zeros(1)}, tmp_path / "other.ckpt", step=9)   # moves the branch past the last
+    files.wait()
+    repo = files.repo
+    assert read_pointer(path).version == ids[-1] and repo.tags()["last.ckpt"] == ids[-1]   # type: ignore[union-attr]
+    assert [repo.version(v).pruned for v in ids] == [True, True, True, False]
+    assert torch.equal(files.load(path)["w"], torch.full((4,), 3.0))
+    files.close()
+
+
+_CRASH = """
+import os, signal, sys, torch
+from ckptrepo import faults
+from ckptrepo.integrations._checkpoint_files import CheckpointFiles
+files = CheckpointFiles(sys.argv[1])
+files.save({"w": torch.ones(4)}, sys.argv[2] + "/last.ckpt", step=1)
+files.wait()
+faults.set_hook("after_data", lambda _name: os.kill(os.getpid(), signal.SIGKILL))
+files.save({"w": torch.full((4,), 2.0)}, sys.argv[2] + "/last.ckpt", step=2)
+files.save({"w": torch.full((4,), 3.0)}, sys.argv[2] + "/new.ckpt", step=3)
+files.wait()
+"""
+
+
+def test_a_crash_before_the_commit_leaves_no_pointer_to_nothing(tmp_path: Path) -> None:
+    """Killed between a save and its commit: the overwritten path loads the version it held before (as a file
+    a crash interrupted keeps its old content); a new path says its version was never committed, a
+    FileNotFoundError as Lightning expects of a missing checkpoint; removing either prunes nothing else."""
+    import subprocess
+    import sys
+    url, ck = tmp_path / "repo", tmp_path / "ck"
+    done = subprocess.run([sys.executable, "-c", _CRASH, str(url), str(ck)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -9, done.stderr[-2000:]
+    last, new = read_pointer(ck / "last.ckpt"), read_pointer(ck / "new.ckpt")
+    assert last is not None and new is not None and last.previous is not None and new.previous is None
+    repo = ckptrepo.open(url)
+    assert [v.id for v in repo.log()] == [last.previous]   # neither save was committed
+    io = CkptRepoIO(url)
+    assert torch.equal(io.load_checkpoint(ck / "last.ckpt")["w"], torch.ones(4))
+    with pytest.raises(FileNotFoundError, match="never committed"):
+        io.load_checkpoint(ck / "new.ckpt")
+    io.remove_checkpoint(ck / "new.ckpt")
+    assert not (ck / "new.ckpt").exists() and repo.tags() == {"last.ckpt": last.previous}
+    # a save after the crash replaces the version the path held, which goes as an overwritten one does
+    io.save_checkpoint({"w": torch.full((4,), 4.0)}, ck / "last.ckpt")
+    io.teardown()
+    pointer = read_pointer(ck / "last.ckpt")
+    assert pointer is not None and pointer.previous == last.previous and repo.version(last.previous).pruned
+    assert torch.equal(io.load_checkpoint(ck / "last.ckpt")["w"], torch.full((4,), 4.0))
+    io.teardown()
 
 
 def test_two_directories_saving_one_file_name_keep_a_tag_each(tmp_path: Path) -> None:
@@ -254,6 +329,20 @@ def test_two_directories_saving_one_file_name_keep_a_tag_each(tmp_path: Path) ->
     other.close()
 
 
+def test_a_missing_checkpoint_is_a_file_not_found_error(tmp_path: Path) -> None:
+    """What Lightning's own code catches: before the first save (no repository yet) and after it."""
+    io = CkptRepoIO(tmp_path / "repo")
+    for where in (tmp_path / "nothing.ckpt", "@3", "last.ckpt"):
+        with pytest.raises(FileNotFoundError, match="no checkpoint has been saved"):
+            io.load_checkpoint(where)
+    assert not (tmp_path / "repo").exists()   # a load creates no repository
+    io.save_checkpoint({"global_step": 1}, tmp_path / "a.ckpt")
+    for where in (tmp_path / "nothing.ckpt", "@3", "last.ckpt"):
+        with pytest.raises(FileNotFoundError, match=r"no checkpoint file.*@STEP"):
+            io.load_checkpoint(where)
+    io.teardown()
+
+
 def test_load_right_after_save_and_lightning_files(tmp_path: Path) -> None:
     io = CkptRepoIO(tmp_path / "repo")
     io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.arange(6.0)}}, tmp_path / "x.ckpt")
@@ -264,7 +353,7 @@ def test_load_right_after_save_and_lightning_files(tmp_path: Path) -> None:
     assert io.load_checkpoint(tmp_path / "own.ckpt")["global_step"] == 1
     io.remove_checkpoint(tmp_path / "own.ckpt")
     assert not (tmp_path / "own.ckpt").exists()
-    with pytest.raises(RevisionError, match="no checkpoint file"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint file"):   # as TorchCheckpointIO raises
         io.load_checkpoint(tmp_path / "nothing.ckpt")
     # hyperparameters are saved too, never pickled: a value the skeleton cannot hold is named, with what to do
     with pytest.raises(UnsupportedValueError, match=r"hyper_parameters.*save_hyperparameters\(ignore"):
@@ -305,4 +394,157 @@ def test_save_returns_before_capture_once_the_optimizer_is_attached(tmp_path: Pa
     saved = io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]
     assert all(torch.equal(saved[k], before[k]) for k in before)
     assert not torch.equal(model.weight, before["weight"])
+    io.teardown()
+
+
+def test_a_repeated_file_name_takes_a_new_version_suffix_as_with_lightnings_files(tmp_path: Path) -> None:
+    """``filename="{epoch}"`` with four validations an epoch: ModelCheckpoint names the second save of an epoch
+    ``epoch=0-v1.ckpt`` because the first one's file exists, and keeps every checkpoint (save_top_k=-1)."""
+    def run(name: str, plugins: list[Any]) -> list[str]:
+        ck = checkpoint_callback(tmp_path / name, filename="{epoch}", save_top_k=-1, monitor="step", mode="max")
+        pl.seed_everything(7, verbose=False)
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, val_check_interval=0.25, callbacks=[ck], plugins=plugins)
+        trainer.fit(Tiny(), *loaders())
+        return sorted(os.listdir(tmp_path / name))
+    theirs = run("own", [])
+    ours = run("ck", [CkptRepoIO(tmp_path / "repo")])
+    assert len(theirs) == 8 and ours == theirs
+    repo = ckptrepo.open(tmp_path / "repo")
+    assert sorted(repo.tags()) == ours and len(repo.log()) == 8
+    steps = sorted(read_pointer(tmp_path / "ck" / n).step for n in ours)   # type: ignore[union-attr,type-var]
+    assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert not any(v.pruned for v in repo.log())
+
+
+def test_killed_a_few_steps_after_a_save_the_newest_checkpoint_loads(tmp_path: Path) -> None:
+    """SIGKILL 4 optimizer steps after a save (tests/_lightning_ddp_run.py, ``kill``): nothing is flushed or
+    closed, and the newest checkpoint ModelCheckpoint wrote must load, with the step it was saved at, as
+    Lightning's own torch.save file would."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    url, ck = tmp_path / "repo", tmp_path / "ck"
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "tests._lightning_ddp_run", "kill", str(url), str(ck), str(tmp_path)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-3000:]
+    names = sorted(os.listdir(ck))
+    assert names == ["epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt", "epoch=1-step=15.ckpt"], names
+    io = CkptRepoIO(url)
+    for name, step in (("epoch=1-step=15.ckpt", 15), ("epoch=1-step=10.ckpt", 10)):
+        state = io.load_checkpoint(ck / name)
+        assert state["global_step"] == step and set(state["state_dict"]) == {"net.0.weight", "net.0.bias",
+                                                                            "net.2.weight", "net.2.bias"}
+    assert [v.step for v in ckptrepo.open(url).log()] == [15, 10, 5]
+    io.teardown()
+
+
+def ckptrepo_threads() -> list[str]:
+    """The threads of ckptrepo's alive now, but the process's reader pool, which the first load of any kind
+    starts and keeps, idle, by design (storage/_localread.py)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("ckptrepo")
+            and not t.name.startswith("ckptrepo-read")]
+
+
+def test_load_from_checkpoint_builds_the_module(tmp_path: Path) -> None:
+    """Lightning's ``Model.load_from_checkpoint(path)`` reads the file with torch.load, and a pointer holds no
+    tensors; ``io.load_from_checkpoint(Model, path)`` builds the module, hyperparameters and weights."""
+    ck = checkpoint_callback(tmp_path / "ck", save_last=True)
+    _, trainer = fit(1, [ck], [CkptRepoIO(tmp_path / "repo")])
+    io = CkptRepoIO(tmp_path / "repo")
+    model = io.load_from_checkpoint(Tiny, tmp_path / "ck" / "last.ckpt", lr=0.5)   # an override, as Lightning's
+    trained = trainer.lightning_module.state_dict()
+    assert set(model.state_dict()) == set(trained)
+    assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
+    assert model.hparams.lr == 0.5 and isinstance(model, Tiny)
+    assert Tiny.load_from_checkpoint is not None   # the classmethod itself still reads files Lightning wrote
+    io.teardown()
+
+
+def test_the_plugin_pickles_for_process_launchers(tmp_path: Path) -> None:
+    """``strategy="ddp_spawn"`` pickles the plugin into each process: it pickles as its arguments, also with
+    a save in flight and its threads running, and the copy saves into the same repository."""
+    import pickle
+    io = CkptRepoIO(tmp_path / "repo", tag_prefix="run/", host_memory="64MiB")
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, tmp_path / "a.ckpt")
+    copy = pickle.loads(pickle.dumps(io))
+    assert copy.url == io.url and copy.files.tag_prefix == "run/" and copy.files.current_snapshotter is None
+    io.teardown()   # one writer at a time on the branch, as a launcher's processes save one after the other
+    copy.save_checkpoint({"global_step": 2, "w": torch.zeros(3)}, tmp_path / "b.ckpt")
+    copy.teardown()
+    assert sorted(ckptrepo.open(tmp_path / "repo").tags()) == ["run/a.ckpt", "run/b.ckpt"]
+    assert not ckptrepo_threads()
+
+
+def test_async_checkpoint_io_keeps_lightnings_top_k_and_leaves_no_thread(tmp_path: Path) -> None:
+    """``AsyncCheckpointIO(CkptRepoIO(...))``: Lightning removes a checkpoint whose save still waits in the
+    wrapper's queue; that save, when it comes, must not bring its file, tag and data back. The wrapper never
+    passes ``teardown`` on, so each save is committed on the wrapper's thread and no thread is left."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    def slow(_name: str) -> None:   # every save takes a while: the next ones queue up behind it
+        import time
+        time.sleep(0.05)
+    faults.set_hook("before_capture", slow)
+    ck = checkpoint_callback(tmp_path / "ck", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max")
+    fit(1, [ck], [AsyncCheckpointIO(CkptRepoIO(tmp_path / "repo"))])
+    faults.clear()
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names == sorted(os.path.basename(p) for p in ck.best_k_models) and len(names) == 2, names
+    repo = ckptrepo.open(tmp_path / "repo")
+    assert sorted(repo.tags()) == names
+    kept = {read_pointer(tmp_path / "ck" / n).version for n in names}   # type: ignore[union-attr]
+    assert all(v.pruned for v in repo.log() if v.id not in kept)
+    assert not ckptrepo_threads()
+
+
+def test_no_thread_survives_teardown(tmp_path: Path) -> None:
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    hooks = len(_global_optimizer_pre_hooks)
+    ck = checkpoint_callback(tmp_path / "ck", every_n_train_steps=3, save_top_k=-1, save_last=True)
+    fit(1, [ck], [CkptRepoIO(tmp_path / "repo")])
+    assert not ckptrepo_threads()
+    assert len(_global_optimizer_pre_hooks) == hooks   # the step watch's hook is gone too
+    assert len(ckptrepo.open(tmp_path / "repo").tags()) == len(os.listdir(tmp_path / "ck"))
+    # a resume that saves again
+    fit(2, [checkpoint_callback(tmp_path / "ck", save_last=True)], [CkptRepoIO(tmp_path / "repo")], ckpt_path="last")
+    assert not ckptrepo_threads() and len(_global_optimizer_pre_hooks) == hooks
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_the_second_step_after_a_save_waits_for_a_small_states_commit(tmp_path: Path, small: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash two optimizer steps after the save of a small state keeps it: the second step waits for its
+    commit. A large state's write overlaps as many steps as it takes."""
+    import ckptrepo.integrations.lightning as plugin
+    if not small:
+        monkeypatch.setattr(plugin, "SMALL_STATE_BYTES", 0)
+    io = CkptRepoIO(tmp_path / "repo")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step() -> None:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 0}, tmp_path / "a.ckpt")
+    train_step()   # attaches the optimizer
+    held, release = threading.Event(), threading.Event()
+
+    def hold(_name: str) -> None:
+        held.set()
+        release.wait(30)
+    faults.set_hook("after_data", hold)
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 1}, tmp_path / "b.ckpt")
+    train_step()   # the first step waits for capture only
+    assert held.wait(10)
+    second = threading.Thread(target=train_step)
+    second.start()
+    second.join(0.5 if small else 10)
+    assert second.is_alive() is small
+    release.set()
+    second.join(10)
+    if not small:
+        io.files.wait()
+    assert "b.ckpt" in ckptrepo.open(tmp_path / "repo").tags()   # committed once the second step has run
     io.teardown()
