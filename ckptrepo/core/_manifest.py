@@ -44,6 +44,7 @@ VERSIONS_PREFIX = "versions/"
 DATA_PREFIX = "data/"
 STAGING_PREFIX = "staging/"   # rank manifests of a distributed snapshot until rank 0 commits it
 FAILURES_PREFIX = "failures/"   # a record per background snapshot that failed (log --all, fsck)
+LOST_PREFIX = "lost/"   # an empty marker per version whose manifest a gc collected while a ref came to name it
 PRUNED_PREFIX = "pruned/"   # an empty marker per version whose data gc deleted (its manifest stays)
 # while `prune` deletes one version's data: the arrays it is about to delete, so that a commit reusing one of
 # them (dedup) fails instead of landing on deleted bytes (maintenance/_gc.py prune_version, saving/_dedup.py)

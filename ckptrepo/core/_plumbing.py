@@ -18,8 +18,10 @@ from ckptrepo.core._manifest import (
     CONFIG_KEY,
     CONFIG_MAX_BYTES,
     FAILURES_PREFIX,
+    LOST_PREFIX,
     PRUNED_PREFIX,
     decode_config,
+    is_version_id,
     read_config,
     unseal,
     update_config,
@@ -197,6 +199,10 @@ class Plumbing:
     def pruned_ids(self) -> set[str]:
         """Versions whose data gc deleted (their markers); here, so that ``log`` need not load gc to ask."""
         return {k[len(PRUNED_PREFIX):] for k in self.store.list(PRUNED_PREFIX)}
+
+    def lost_ids(self) -> set[str]:
+        """Versions ``fsck --repair`` marked lost (maintenance/_lost.py); here, so that gc and fsck share it."""
+        return {vid for k in self.store.list(LOST_PREFIX) for vid in [k[len(LOST_PREFIX):]] if is_version_id(vid)}
 
     def head_version(self) -> str | None:
         """HEAD's version; None on a branch without versions (a new repository, an orphan checkout), unless

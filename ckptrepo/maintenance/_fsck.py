@@ -30,7 +30,7 @@ from ckptrepo.maintenance._gc import (
     ref_targets,
     unshared_data,
 )
-from ckptrepo.maintenance._lost import describe_refs, find_lost, lost_ids, lost_line
+from ckptrepo.maintenance._lost import describe_refs, find_lost, lost_line
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
 
@@ -76,7 +76,7 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
             manifests[vid] = m
         elif plumbing.store.exists(VERSIONS_PREFIX + vid):
             report.errors.append(str(m))
-    lost = lost_ids(plumbing)
+    lost = plumbing.lost_ids()
     head, refs = _check_refs(plumbing, manifests, report, starts, lost)
     report.versions = len(manifests)
     pruned = plumbing.pruned_ids()

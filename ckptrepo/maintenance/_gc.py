@@ -59,7 +59,6 @@ from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
 from ckptrepo.core._remotes import leased_versions, tracking_refs
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RefError, RetentionError, StorageError
-from ckptrepo.maintenance._lost import lost_ids
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -343,7 +342,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     damage = graph_damage(plumbing, {vid: f.parents for vid, f in facts.items()}, head)
     if damage:
         raise CorruptionError(f"gc stopped before deleting anything: {damage[0]}")
-    lost = lost_ids(plumbing)
+    lost = plumbing.lost_ids()
     reachable = _reachable(plumbing, _targets(branches, tags, head) + list(tracking.values()), facts, lost)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None

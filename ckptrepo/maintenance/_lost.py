@@ -22,14 +22,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from ckptrepo.core._manifest import DATA_PREFIX, TAGS_PREFIX, VERSIONS_PREFIX, is_version_id, version_id_time
+from ckptrepo.core._manifest import (
+    DATA_PREFIX,
+    LOST_PREFIX,
+    TAGS_PREFIX,
+    VERSIONS_PREFIX,
+    version_id_time,
+)
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, CorruptionError
 from ckptrepo.storage._arrays import ZARR_JSON
 
-LOST_PREFIX = "lost/"   # an empty marker per version whose manifest a gc collected while a ref came to name it
 LOST_TAG_PREFIX = "lost/"
 COLLECTED_WAIT_S = 120.0   # the longest a writer waits for a gc pass whose intent names its version
 
@@ -42,11 +47,6 @@ class LostVersion:
     named_by: tuple[str, ...]   # "branch 'main'", "HEAD", "version 1d62119692af of branch 'main', as its parent,"
     data_left: bool             # data/<id>/ is still stored (a finished gc pass leaves none)
     marked: bool                # lost/<id> exists: fsck --repair has dealt with it
-
-
-def lost_ids(plumbing: Plumbing) -> set[str]:
-    """The versions marked lost."""
-    return {vid for k in plumbing.store.list(LOST_PREFIX) for vid in [k[len(LOST_PREFIX):]] if is_version_id(vid)}
 
 
 def named_missing(parents: Mapping[str, Sequence[str]], refs: Mapping[str, str]) -> dict[str, list[str]]:
@@ -82,7 +82,7 @@ def describe_refs(branches: Mapping[str, str], tags: Mapping[str, str], head: He
 def find_lost(plumbing: Plumbing, parents: Mapping[str, Sequence[str]], refs: Mapping[str, str]) -> list[LostVersion]:
     """Every version the refs or their history name whose manifest is gone (``parents``: every stored
     manifest's), as :class:`LostVersion`."""
-    marked = lost_ids(plumbing)
+    marked = plumbing.lost_ids()
     return [LostVersion(vid, tuple(by), bool(plumbing.store.list(f"{DATA_PREFIX}{vid}/")), vid in marked)
             for vid, by in named_missing(parents, refs).items()
             if not plumbing.store.exists(VERSIONS_PREFIX + vid)]   # committed since the listing: not lost
