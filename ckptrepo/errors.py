@@ -162,3 +162,11 @@ __all__ = ["ArgumentError", "CkptRepoError", "ConflictError", "CorruptionError",
            "RepositoryExistsError", "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError",
            "StorageError", "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line",
            "is_storage_failure", "some_names", "storage_failure", "storage_failure_hint"]
+
+
+class DigestMismatchError(CorruptionError):
+    """A piece read whole does not hash to the content digest its manifest records: its stored bytes changed
+    after they were written, though every chunk's crc32c may still pass (a crc32c can be restored by design)."""
+
+
+__all__ += ["DigestMismatchError"]

@@ -32,6 +32,7 @@ from ckptrepo.parallel._sharding import Piece
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.state._skeleton import BIGINT, NDARRAY, NPSCALAR, SCALAR
 from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage._piece_digest import PieceHasher, checkable, mismatch_error
 from ckptrepo.storage.protocol import Store
 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "DEVICE_TYPES", "Pipeline", "Transfer", "batches", "ndarray_leaves",
@@ -118,8 +119,10 @@ class Pipeline:
         self.copied_batches = 0
 
     def run(self, transfers: Sequence[Transfer],
-            read: Callable[[list[tuple[Transfer, torch.Tensor]]], None]) -> None:
-        """Fill every transfer's destination: ``read`` fills a batch's host tensors (in a worker thread)."""
+            read: Callable[[list[tuple[Transfer, torch.Tensor]]], None],
+            check: Callable[[list[tuple[Transfer, torch.Tensor]]], None] | None = None) -> None:
+        """Fill every transfer's destination: ``read`` fills a batch's host tensors (in a worker thread);
+        ``check`` is given each batch's host tensors in plan order, once read, while its copies run."""
         plan = batches(transfers, self.buffer_bytes)
         if not plan:
             return
@@ -135,9 +138,9 @@ class Pipeline:
                 reading.append((batch, buf, hosts, pool.submit(_read_in, read, list(zip((t for t, _ in batch), hosts)),
                                                                grad)))
                 if len(reading) >= self.readers:
-                    self._copy_batch(*reading.popleft())
+                    self._copy_batch(*reading.popleft(), check)
             while reading:
-                self._copy_batch(*reading.popleft())
+                self._copy_batch(*reading.popleft(), check)
         finally:
             for _, _, _, fut in reading:   # a failed load: no reader writes into a buffer after this returns
                 fut.cancel()
@@ -158,7 +161,7 @@ class Pipeline:
         return buf
 
     def _copy_batch(self, batch: list[tuple[Transfer, int]], buf: torch.Tensor, hosts: list[torch.Tensor],
-                    fut: Future) -> None:
+                    fut: Future, check: Callable[[list[tuple[Transfer, torch.Tensor]]], None] | None = None) -> None:
         fut.result()
         dests = [t.dest for t, _ in batch]
         event = None
@@ -171,6 +174,8 @@ class Pipeline:
             self._queue_copies(dests, hosts)
         self.copied_batches += 1
         self._copying.append((buf, event))
+        if check is not None:   # the buffer is not reused before the next batch is taken: it is still this batch's
+            check([(t, h) for (t, _), h in zip(batch, hosts)])
 
     def _queue_copies(self, dests: list[torch.Tensor], hosts: list[torch.Tensor]) -> None:
         if self._copy is not None:
@@ -264,13 +269,37 @@ def read_tensors_to(store: Store, arrays: dict[str, ArrayInfo], entries: list[Te
     def read(pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
         engine.execute([_StagedRead(t.what[0], t.what[1], t.what[2], t.what[3], h) for t, h in pairs], on_bytes)
 
-    pipe.run(transfers, read)
+    pipe.run(transfers, read, _WholeDigests(entries, gpu).check)
     def into_strided() -> None:
         for d, f in unstrided:
             d.copy_(f.view(d.shape))
     if unstrided:
         pipe.after(into_strided)
     return out
+
+
+class _WholeDigests:
+    """The content digests of the tensors a plain load sends through the pipeline, each taken over its staged
+    host bytes as the batches come in plan order (a tensor larger than a buffer spans several), and checked
+    once its last transfer is in: where the host already has the bytes, whatever the device."""
+
+    def __init__(self, entries: list[TensorEntry], wanted: list[int]) -> None:
+        self.entries = entries
+        self.hashers = {entries[i].name: (entries[i], PieceHasher(digest[0]))
+                        for i in wanted if len(entries[i].pieces) == 1
+                        for digest in (entries[i].pieces[0].digest,) if digest is not None and checkable(digest)}
+
+    def check(self, pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
+        for t, host in pairs:
+            array, _start, stop, name = t.what
+            got = self.hashers.get(name)
+            if got is None:
+                continue
+            entry, hasher = got
+            hasher.update(host.reshape(-1).view(torch.uint8).numpy())
+            piece = entry.pieces[0]
+            if stop == piece.offset + entry.numel and hasher.digest() != piece.digest:
+                raise mismatch_error(name, piece.box, array, piece.offset, entry.numel)
 
 
 def _flat_ok(t: torch.Tensor) -> bool:

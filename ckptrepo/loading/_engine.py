@@ -51,12 +51,14 @@ from ckptrepo.errors import (
     some_names,
     storage_failure,
 )
+from ckptrepo.loading._digest_check import DigestFeed, check_read
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, foreign_chunk_error, read_table
 from ckptrepo.storage._localread import DirectReader
+from ckptrepo.storage._piece_digest import checkable
 from ckptrepo.storage._tensorstore import local_bytes_read
 from ckptrepo.storage.protocol import Store
 
@@ -87,12 +89,17 @@ def kvstore_bytes_read() -> int:
 
 
 class Read:
-    """Elements ``[start, stop)`` of flat array ``array``, and where they go (a subclass says where)."""
+    """Elements ``[start, stop)`` of flat array ``array``, and where they go (a subclass says where).
 
-    __slots__ = ("array", "start", "stop")
+    ``digest``: where the read covers one stored piece exactly, the content digest the manifest records of it
+    (and ``box``, the piece's box), checked once the elements are read (loading/_digest_check.py)."""
+
+    __slots__ = ("array", "start", "stop", "digest", "box")
 
     def __init__(self, array: str, start: int, stop: int) -> None:
         self.array, self.start, self.stop = array, start, stop
+        self.digest: bytes | None = None
+        self.box: Any = None
 
     @property
     def offset(self) -> int:   # the direct reader's view of a read (see DirectReader.submit)
@@ -258,7 +265,11 @@ class _Execution:
         # it, while later tasks still read; not here: this thread would queue for the GIL between copies
         filled = [_when_all([f for f in futs if _covers(f, r)], partial(r.fill, s))
                   for r, s in zip(run.reads, scratch) if s is not None]
-        return _DirectRead(_when_all(futs + filled, _nothing))
+        # a read of a whole piece is hashed as its tasks finish, on the reader threads (_digest_check.py)
+        checks = [DigestFeed(r, buf, info.itemsize, [f for f in futs if _covers(f, r)]).done
+                  for r, buf in ((r, _bytes_of(where[k])) for k, r in enumerate(run.reads))
+                  if buf is not None and checkable(r.digest)]
+        return _DirectRead(_when_all(futs + filled + checks, _nothing))
 
     def _submit_ts(self, run: _Run) -> _BoundRead | list[Any]:
         if self.batch is None:
@@ -301,7 +312,9 @@ class _Execution:
             if bad is not None:
                 raise foreign_chunk_error(info, first + bad, _names(run.reads))
             elems = torch.from_numpy(raw).view(TORCH_DTYPES[info.dtype])
+            item = info.itemsize
             for r in run.reads:
+                check_read(r, raw[(r.start - futs.start) * item:(r.stop - futs.start) * item])
                 r.fill(elems[r.start - futs.start:r.stop - futs.start])
         elif not isinstance(futs, _DirectRead):
             self._submit_batch()
@@ -310,6 +323,7 @@ class _Execution:
                     data = f.result()
                 except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
                     raise _read_error(self.engine.store, info, run, err) from err
+                check_read(r, data.view(np.uint8))
                 r.fill(torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[info.dtype]))
         if self.on_bytes is not None:
             self.on_bytes(nbytes)
@@ -404,6 +418,14 @@ def _names(reads: list[Read]) -> list[str]:
 
 def _nothing() -> None:
     pass
+
+
+def _bytes_of(target: Any) -> np.ndarray | None:
+    """A direct read's destination (a contiguous tensor or numpy bytes) as flat numpy bytes; None for a row
+    target, whose bytes are not in one place."""
+    if isinstance(target, torch.Tensor):
+        return target.reshape(-1).view(torch.uint8).numpy()
+    return target.reshape(-1).view(np.uint8) if isinstance(target, np.ndarray) else None
 
 
 def _failed() -> Future:

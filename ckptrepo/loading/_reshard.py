@@ -58,7 +58,9 @@ class _Span(Read):
     def direct_target(self, info: ArrayInfo) -> np.ndarray | _RowTarget | None:
         if len(self.jobs) != 1:
             return None
-        return _direct_destination(self, info, self.byte_views[id(self.jobs[0][0])])
+        dest = _direct_destination(self, info, self.byte_views[id(self.jobs[0][0])])
+        # a whole piece's digest is taken over its bytes in one place: not over rows spread in the target
+        return None if self.digest is not None and isinstance(dest, _RowTarget) else dest
 
     def fill(self, src: torch.Tensor) -> None:
         """Copy the span's elements, read into a buffer (TensorStore's, or scratch), to its targets."""
@@ -199,7 +201,7 @@ def _plan(targets: list[Piece], saved: dict[str, tuple[SavedPiece, ...]], arrays
         if have is None:
             raise CorruptionError(f"{tp.name} is not in the version's tensor table; run `ckptrepo fsck`")
         covered = 0
-        for sbox, array, offset, _ in have:
+        for sbox, array, offset, digest in have:
             part = intersect(sbox, tp.box)
             if part is None:
                 continue
@@ -218,6 +220,8 @@ def _plan(targets: list[Piece], saved: dict[str, tuple[SavedPiece, ...]], arrays
             for lo, hi in bounds:
                 sp = _Span(array, int(starts[lo]), int(starts[hi - 1]) + length,
                            (tp, sbox, part, offset, starts[lo:hi], length), byte_views)
+                if digest is not None and part == sbox and len(starts) == 1:   # the whole saved piece, in order
+                    sp.digest, sp.box = digest, sbox
                 stats.requested_bytes += (sp.stop - sp.start) * info.itemsize
                 stats.spans += 1
                 spans.append(sp)

@@ -25,8 +25,11 @@ from typing import Any, Sequence
 import torch
 import xxhash
 
-XXH3 = 1
-WORDSUM = 2
+from ckptrepo.storage._piece_digest import M1 as _M1
+from ckptrepo.storage._piece_digest import M2 as _M2
+from ckptrepo.storage._piece_digest import M3 as _M3
+from ckptrepo.storage._piece_digest import POS as _POS
+from ckptrepo.storage._piece_digest import WORDSUM, XXH3, finish_wordsum
 
 GROUP_BYTES = 64 << 20   # bytes of tensors hashed together: bounds the device temporaries (~5x this)
 _ALIGN = 16              # every tensor's slot in a group starts here, so any dtype can be viewed there
@@ -37,12 +40,6 @@ _U64 = (1 << 64) - 1
 def _s64(u: int) -> int:
     """An unsigned 64-bit constant as the signed int torch's int64 arithmetic takes."""
     return u - (1 << 64) if u >= 1 << 63 else u
-
-
-_POS = 0x9E3779B97F4A7C15    # position tag of word i: i * _POS
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
-_M3 = 0xFF51AFD7ED558CCD
 
 
 def xxh3_digest(t: torch.Tensor) -> bytes:
@@ -66,15 +63,8 @@ def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _finish(a: int, b: int, nbytes: int) -> bytes:
-    """The digest from the two lane sums: the length mixed in, so trailing zero bytes are not padding."""
-    def fmix(z: int) -> int:
-        z ^= z >> 33
-        z = z * _M1 & _U64
-        z ^= z >> 29
-        z = z * _M2 & _U64
-        return z ^ z >> 32
-    a, b = fmix((a ^ nbytes) & _U64), fmix((b + nbytes * _POS) & _U64)
-    return bytes([WORDSUM]) + a.to_bytes(8, "big") + b.to_bytes(8, "big")
+    """The digest from the two lane sums (the readers' check computes the same, storage/_piece_digest.py)."""
+    return finish_wordsum(a, b, nbytes)
 
 
 class _Group:

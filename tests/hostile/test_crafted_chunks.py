@@ -1,0 +1,210 @@
+"""Crafted chunks (issue 39): stored bytes changed so that every chunk checksum still passes, and compressed
+chunks that inflate far beyond their declared size.
+
+A crc32c is linear: changing a chunk's values and then 4 bytes solved for keeps its crc32c, so the stored
+checksum, the chunk table and the table's digest all stay valid. Only the piece's content digest (xxh3-128
+of its bytes, in the manifest) tells; load and fsck check it where they hold a piece whole.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ckptrepo
+import ckptrepo.loading._engine as engine
+from ckptrepo.errors import DigestMismatchError
+from ckptrepo.loading import _device_load
+from ckptrepo.parallel.layout import ParallelLayout
+from ckptrepo.storage import _localread
+from ckptrepo.storage._crc import crc32c
+
+pytestmark = pytest.mark.hostile
+HOSTILE_CLASS = "crafted chunks"
+
+
+# ---- the crc32c-preserving change ---------------------------------------------------------------------------
+def restore_crc(buf: bytearray, pos: int, target: int) -> None:
+    """Change the 4 bytes of ``buf`` at ``pos`` so that its crc32c is ``target``.
+
+    For a fixed length, crc(x ^ e) = crc(x) ^ crc(e) ^ crc(zeros): flipping bit i of the 4 bytes changes the
+    crc by a fixed vector ``col[i]``. Solving ``sum col[i] = crc(buf) ^ target`` over GF(2) (32 equations, 32
+    unknowns) gives the bits to flip."""
+    n = len(buf)
+    zero = crc32c(bytes(n))
+    cols = []
+    for bit in range(32):
+        e = bytearray(n)
+        e[pos + bit // 8] = 1 << (bit % 8)
+        cols.append(crc32c(bytes(e)) ^ zero)
+    want = crc32c(bytes(buf)) ^ target
+    # Gaussian elimination on the augmented columns: rows are the 32 crc bits
+    rows = [(sum(((cols[j] >> r) & 1) << j for j in range(32)), (want >> r) & 1) for r in range(32)]
+    pivots: list[tuple[int, int, int]] = []   # (bit, row mask, rhs)
+    for mask, rhs in rows:
+        for pbit, pmask, prhs in pivots:
+            if mask >> pbit & 1:
+                mask, rhs = mask ^ pmask, rhs ^ prhs
+        if mask:
+            pbit = mask.bit_length() - 1
+            pivots = [(b, m ^ mask if m >> pbit & 1 else m, r ^ rhs if m >> pbit & 1 else r) for b, m, r in pivots]
+            pivots.append((pbit, mask, rhs))
+        else:
+            assert rhs == 0, "no solution at this position"
+    for pbit, _mask, rhs in pivots:   # reduced: each pivot row names its bit alone (free bits stay 0)
+        if rhs:
+            buf[pos + pbit // 8] ^= 1 << (pbit % 8)
+    assert crc32c(bytes(buf)) == target
+
+
+VALUES = b"\x00\x00\x80\x7f" * 4   # four float32 infinities
+
+
+def change_keeping_crc(shard: str, inner_bytes: int, chunks: int, chunk: int, at: int, values: bytes = VALUES) -> None:
+    """Overwrite bytes ``at...`` of inner chunk ``chunk`` of a plain shard object with ``values`` and restore the
+    chunk's crc32c through the 4 bytes 64 further on: the shard index, the chunk's stored crc32c and the chunk
+    table stay valid."""
+    with open(shard, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(size - 16 * chunks - 4)
+        index = np.frombuffer(f.read(16 * chunks), dtype="<u8").reshape(chunks, 2)
+        offset, nbytes = int(index[chunk, 0]), int(index[chunk, 1])
+        assert nbytes == inner_bytes + 4
+        f.seek(offset)
+        raw = bytearray(f.read(inner_bytes))
+        crc = int.from_bytes(f.read(4), "little")
+        assert crc32c(bytes(raw)) == crc
+        raw[at:at + len(values)] = values
+        restore_crc(raw, at + 64, crc)
+        f.seek(offset)
+        f.write(bytes(raw))
+
+
+def _repo(root: Path) -> tuple[ckptrepo.Repository, dict[str, torch.Tensor]]:
+    repo = ckptrepo.init(str(root))
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(256, 1024, generator=g), "b": torch.randn(300, generator=g)}   # w: 1 MiB, 16 chunks
+    repo.snapshot(state, step=1)
+    return repo, state
+
+
+def _craft(repo: ckptrepo.Repository, root: Path, tensor: str = "w") -> str:
+    """Change ``tensor``'s first chunk keeping every crc32c; returns the version id."""
+    vid = repo.resolve("HEAD")
+    m = repo.plumbing.manifest(vid)
+    (piece,) = next(t for t in m.tensors if t.name == tensor).pieces
+    info = m.arrays[piece.array]
+    first = piece.offset // info.inner_elems
+    shard = root / piece.array / "c" / str(first // (info.shard_elems // info.inner_elems))
+    per_shard = info.shard_elems // info.inner_elems
+    change_keeping_crc(str(shard), info.inner_bytes, per_shard, first % per_shard,
+                       (piece.offset % info.inner_elems) * info.itemsize)
+    return vid
+
+
+@pytest.fixture(params=["direct", "tensorstore"])
+def read_path(request, monkeypatch):
+    if request.param == "tensorstore":
+        monkeypatch.setattr(engine, "DIRECT_READS", False)
+    else:   # small reader tasks: a piece spans many, which finish in any order
+        monkeypatch.setattr(_localread, "DIRECT_TASK_BYTES", 64 << 10)
+    return request.param
+
+
+def test_the_crafted_change_keeps_every_chunk_check(tmp_path):
+    """The premise: the changed chunk still reads through TensorStore's crc32c and the chunk table."""
+    repo, state = _repo(tmp_path / "r")
+    vid = _craft(repo, tmp_path / "r")
+    m = repo.plumbing.manifest(vid)
+    (piece,) = next(t for t in m.tensors if t.name == "w").pieces
+    from ckptrepo.storage._arrays import open_array
+    from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
+    info = m.arrays[piece.array]
+    raw = np.asarray(open_array(repo.plumbing.store, info)[0:info.numel].read().result()).view(np.uint8)
+    assert first_mismatch(read_table(repo.plumbing.store, info), 0, chunk_crcs(info, raw)) is None
+    assert raw[piece.offset * 4:(piece.offset + 4) * 4].tobytes() == VALUES   # the values changed
+
+
+def test_load_names_the_changed_piece(tmp_path, read_path):
+    repo, state = _repo(tmp_path / "r")
+    vid = _craft(repo, tmp_path / "r")
+    with pytest.raises(DigestMismatchError, match=rf"version {vid[:12]}: tensor w, piece at \[0, 0\] of size "
+                                                  rf"\[256, 1024\] .*does not match the content digest"):
+        repo.load("HEAD")
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(DigestMismatchError, match="tensor w"):
+        repo.load("HEAD", into=into)
+    with pytest.raises(DigestMismatchError, match="tensor w"):   # a layout load reads each piece whole here
+        repo.load("HEAD", parallel_layout=ParallelLayout(), rank=0)
+
+
+def test_an_intact_repository_loads_bit_exact(tmp_path, read_path):
+    """No false alarm: every tensor read whole, many sharing chunks, on either path and into given tensors."""
+    repo, state = _repo(tmp_path / "r")
+    g = torch.Generator().manual_seed(1)
+    state.update({f"s{i}": torch.randn(i + 1, generator=g).to(dt) for i, dt in
+                  enumerate([torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8] * 4)})
+    repo.snapshot(state, step=2)
+    out = repo.load("HEAD")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    repo.load("HEAD", into=into)
+    assert all(torch.equal(into[k], v) for k, v in state.items())
+    assert repo.fsck().ok
+
+
+def test_the_device_pipeline_checks_what_it_stages(tmp_path, monkeypatch):
+    """The GPU load path hashes the staged host bytes; here with the CPU standing in for the device and
+    buffers far smaller than the tensor, so its digest is taken over many batches, in order."""
+    monkeypatch.setattr(_device_load, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(_device_load, "BUFFER_BYTES", 64 << 10)
+    monkeypatch.setattr(_device_load, "BUFFERS", 3)
+    repo, state = _repo(tmp_path / "r")
+    out = repo.load("HEAD", device="cpu")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    _craft(repo, tmp_path / "r")
+    with pytest.raises(DigestMismatchError, match="tensor w"):
+        repo.load("HEAD", device="cpu")
+
+
+def test_fsck_names_the_changed_piece(tmp_path):
+    repo, _ = _repo(tmp_path / "r")
+    vid = _craft(repo, tmp_path / "r")
+    report = repo.fsck()
+    assert not report.ok
+    assert any(e.startswith(f"version {vid[:12]}: tensor w, piece at [0, 0] of size [256, 1024]")
+               and "does not match the content digest" in e for e in report.errors), report.errors
+
+
+def test_a_clone_of_a_changed_repository_is_refused_by_load_and_fsck(tmp_path, read_path):
+    origin, _ = _repo(tmp_path / "origin")
+    vid = _craft(origin, tmp_path / "origin")
+    full = ckptrepo.clone(tmp_path / "origin", tmp_path / "full")
+    with pytest.raises(DigestMismatchError, match=f"version {vid[:12]}: tensor w"):
+        full.load("HEAD")
+    assert any("tensor w" in e and "content digest" in e for e in full.fsck().errors)
+    lazy = ckptrepo.clone(tmp_path / "origin", tmp_path / "lazy", lazy=True)   # read from the origin's store
+    with pytest.raises(DigestMismatchError, match=f"version {vid[:12]}: tensor w"):
+        lazy.load("HEAD")
+
+
+def test_a_reused_piece_is_checked_where_it_is_stored(tmp_path):
+    """A version that reuses an unchanged tensor (dedup) reads it from its parent's array: the check holds
+    there too, and fsck names the piece once."""
+    repo, state = _repo(tmp_path / "r")
+    parent = repo.resolve("HEAD")
+    state["b"] = state["b"] + 1
+    repo.snapshot(state, step=2)
+    m = repo.plumbing.manifest(repo.resolve("HEAD"))
+    assert next(t for t in m.tensors if t.name == "w").pieces[0].array.startswith(f"data/{parent}/")
+    shutil.copytree(tmp_path / "r", tmp_path / "copy")   # a pristine copy: the old one must still load
+    _craft(repo, tmp_path / "r")
+    with pytest.raises(DigestMismatchError, match=f"version {parent[:12]}: tensor w"):
+        repo.load("HEAD")
+    errors = [e for e in repo.fsck().errors if "content digest" in e]
+    assert len(errors) == 1, errors
+    assert torch.equal(ckptrepo.open(str(tmp_path / "copy")).load("HEAD")["w"], state["w"])
