@@ -57,6 +57,7 @@ from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, foreign_chunk_error, read_table
+from ckptrepo.storage._frames import FrameCheck
 from ckptrepo.storage._localread import DirectReader
 from ckptrepo.storage._piece_digest import checkable
 from ckptrepo.storage._tensorstore import local_bytes_read
@@ -181,12 +182,29 @@ class Engine:
         self.arrays = arrays   # the caller may add arrays between plans (another version's, for dedup'd pieces)
         self._handles: dict[str, ts.TensorStore] = {}
         self._tables: dict[str, np.ndarray | None] = {}
+        self._frames: dict[str, FrameCheck] = {}
 
     def table(self, key: str) -> np.ndarray | None:
         """Array ``key``'s chunk table, checked against the manifest (once); None: not content-bound."""
         if key not in self._tables:
             self._tables[key] = read_table(self.store, self.arrays[key])
         return self._tables[key]
+
+    def check_frames(self, run: _Run, lo: int, hi: int) -> None:
+        """Before TensorStore decodes a compressed array's chunks holding elements ``[lo, hi)``: none may declare
+        more bytes than a chunk holds (storage/_frames.py: a zstd bomb would be inflated first)."""
+        frames = self._frames.get(run.array)
+        if frames is None:
+            frames = self._frames[run.array] = FrameCheck(self.store, self.arrays[run.array])
+        try:
+            frames.check(lo, hi, _names(run.reads))
+        except CorruptionError:
+            raise
+        except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
+            reason = first_line(err)
+            if is_storage_failure(reason):
+                raise storage_failure(f"reading {run.array}", reason) from err
+            raise damaged_object_error(run.array, reason, _names(run.reads)) from err
 
     def handle(self, run: _Run) -> ts.TensorStore:
         """The run's array opened through TensorStore (once); one that cannot be opened is named like a
@@ -276,11 +294,14 @@ class _Execution:
             self.batch = ts.Batch()
         h = self.engine.handle(run)
         table = self.engine.table(run.array)
+        info = self.arrays[run.array]
+        if info.compression is not None:
+            self.engine.check_frames(run, run.start, run.stop)
         if table is None:
             return [h[r.start:r.stop].read(batch=self.batch) for r in run.reads]
         # whole inner chunks, so that each one's crc32c can be checked against the table: TensorStore checks
         # the stored crc32c against the bytes, not against the version
-        inner, numel = self.arrays[run.array].inner_elems, self.arrays[run.array].numel
+        inner, numel = info.inner_elems, info.numel
         lo, hi = run.start // inner * inner, min(numel, -(-run.stop // inner) * inner)
         return _BoundRead(h[lo:hi].read(batch=self.batch), lo, table)
 

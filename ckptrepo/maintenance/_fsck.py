@@ -31,6 +31,7 @@ from ckptrepo.maintenance._gc import (
 )
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
+from ckptrepo.storage._frames import FrameCheck
 
 MISSING_SHARDS_NAMED = 5   # per array; more are counted in one line (a manifest can declare millions)
 
@@ -227,6 +228,7 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
             report.errors.append(f"version {vid[:12]}: {err}")
             continue
         digests = PieceDigests(m, info, digests_checked)   # fed each shard's bytes as read, in order
+        frames = FrameCheck(plumbing.store, info) if info.compression is not None else None
         for s in info.shards():
             lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
             # looked at before it is read: a FIFO would block the read, and a shard or index larger than the
@@ -240,7 +242,7 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
                                          f"tensors: {some_names(_names_in(m, key, lo, hi))}")
                 digests.feed(lo, hi, None)
             else:
-                digests.feed(lo, hi, _check_shard(arr, table, vid, m, info, s, report))
+                digests.feed(lo, hi, _check_shard(arr, table, vid, m, info, s, report, frames))
             report.objects += 1
             nbytes = (hi - lo) * info.itemsize
             report.bytes += nbytes
@@ -253,11 +255,17 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
 
 
 def _check_shard(arr: Any, table: np.ndarray | None, vid: str, m: Manifest, info: ArrayInfo, s: int,
-                 report: FsckReport) -> np.ndarray | None:
+                 report: FsckReport, frames: FrameCheck | None = None) -> np.ndarray | None:
     """Read shard ``s`` through TensorStore (which checks each chunk's crc32c) and check its chunks against the
-    array's chunk table; returns its bytes when they passed (None otherwise)."""
+    array's chunk table; returns its bytes when they passed (None otherwise). A compressed shard's chunks must
+    first declare their own size (``frames``): TensorStore inflates a chunk before it compares sizes."""
     lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
     try:
+        bomb = frames.problem(lo, hi) if frames is not None else None
+        if bomb is not None:
+            report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt (inner chunk {bomb[0]}: "
+                                 f"{bomb[1]}); tensors: {some_names(_names_in(m, info.key, lo, hi))}")
+            return None
         data = arr[lo:hi].read().result()
         bad = None if table is None else \
             first_mismatch(table, lo // info.inner_elems, chunk_crcs(info, data.view(np.uint8)))

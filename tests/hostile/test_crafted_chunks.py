@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +209,89 @@ def test_a_reused_piece_is_checked_where_it_is_stored(tmp_path):
     errors = [e for e in repo.fsck().errors if "content digest" in e]
     assert len(errors) == 1, errors
     assert torch.equal(ckptrepo.open(str(tmp_path / "copy")).load("HEAD")["w"], state["w"])
+
+
+# ---- a zstd bomb ----------------------------------------------------------------------------------------------
+def blosc_bomb(nbytes: int, typesize: int = 4, block: int = 1 << 20) -> bytes:
+    """A valid blosc frame (zstd, byte shuffle) of a few KiB that inflates to ``nbytes`` zeros: one compressed
+    block of zeros, which every block of the frame points at (blosc reads each block where its offset says)."""
+    from numcodecs import blosc
+    one = blosc.compress(np.zeros(block // typesize, dtype=f"<u{typesize}"), b"zstd", 1, blosc.SHUFFLE, block)
+    assert struct.unpack("<II", one[4:12]) == (block, block)
+    stream = one[16 + 4:]   # after the header and the one block's offset
+    blocks = nbytes // block
+    head = 16 + 4 * blocks
+    return one[:4] + struct.pack("<III", nbytes, block, head + len(stream)) + struct.pack("<i", head) * blocks + stream
+
+
+def plant_in_shard(shard: str, chunks: int, chunk: int, frame: bytes) -> None:
+    """Rewrite a compressed shard object (chunks back to back, then the index) with ``frame`` as inner chunk
+    ``chunk``'s encoding: its crc32c and the index's crc32c are valid, so only its declared size is wrong."""
+    with open(shard, "rb") as f:
+        raw = f.read()
+    index = np.frombuffer(raw[-16 * chunks - 4:-4], dtype="<u8").reshape(chunks, 2)
+    encoded = [raw[int(o):int(o) + int(n)] for o, n in index]
+    encoded[chunk] = frame + crc32c(frame).to_bytes(4, "little")
+    out, entries, at = bytearray(), [], 0
+    for e in encoded:
+        entries += [at, len(e)]
+        out += e
+        at += len(e)
+    table = np.array(entries, dtype="<u8").tobytes()
+    with open(shard, "wb") as f:
+        f.write(bytes(out) + table + crc32c(table).to_bytes(4, "little"))
+
+
+_PEAK = """
+import resource, sys, json
+import ckptrepo
+repo = ckptrepo.open(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    if sys.argv[2] == "load":
+        repo.load("HEAD")
+        outcome = "loaded"
+    else:
+        report = repo.fsck()
+        outcome = "ok" if report.ok else "\\n".join(report.errors)
+except Exception as err:
+    outcome = type(err).__name__ + ": " + str(err)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"outcome": outcome, "grew_kib": grew}))
+"""
+
+
+def _peak(root: Path, what: str) -> dict:
+    """Run a load or fsck of ``root`` in a child process; its outcome and how far its peak resident set grew."""
+    import json
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _PEAK, str(root), what], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _bombed(root: Path) -> tuple[ckptrepo.Repository, str]:
+    repo = ckptrepo.init(str(root), compression="zstd")
+    g = torch.Generator().manual_seed(0)
+    repo.snapshot({"w": torch.randn(64, 1024, generator=g), "b": torch.randn(300, generator=g)}, step=1)
+    m = repo.plumbing.manifest(repo.resolve("HEAD"))
+    (piece,) = next(t for t in m.tensors if t.name == "w").pieces
+    info = m.arrays[piece.array]
+    per_shard = info.shard_elems // info.inner_elems
+    first = piece.offset // info.inner_elems
+    plant_in_shard(str(root / piece.array / "c" / str(first // per_shard)), per_shard, first % per_shard,
+                   blosc_bomb(1 << 30, info.itemsize))
+    return repo, info.shard_key(first // per_shard)
+
+
+@pytest.mark.parametrize("what", ["load", "fsck"])
+def test_a_zstd_bomb_is_refused_before_it_inflates(tmp_path, what):
+    """A chunk of a few KiB whose blosc header declares 1 GiB: named as corruption, and never decompressed."""
+    _, shard = _bombed(tmp_path / "r")
+    got = _peak(tmp_path / "r", what)
+    assert shard in got["outcome"] and "declares" in got["outcome"], got
+    if what == "load":
+        assert got["outcome"].startswith("CorruptionError: ") and "\n" not in got["outcome"], got
+    assert got["grew_kib"] < 256 << 10, got   # well under the 1 GiB the chunk would inflate to

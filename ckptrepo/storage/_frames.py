@@ -1,0 +1,115 @@
+"""The declared size of compressed inner chunks, checked before TensorStore decodes them.
+
+A compressed inner chunk is a blosc frame (docs/decisions/035-zstd-compression.md) whose 16-byte header
+declares how many bytes it inflates to. TensorStore allocates that much and decompresses before it compares
+the result with the chunk's size, so a frame of a few KiB declaring 1 GiB of zeros (valid crc32c and all)
+costs a load or fsck 1 GiB of memory before it is refused. Every chunk of this format inflates to exactly
+its array's inner chunk bytes, so a reader looks at the headers of the chunks it is about to have decoded:
+the shard index (one suffix read per shard) and 16 bytes per chunk, requested together in one batch. A
+mismatch is corruption, named by shard object and chunk; anything else odd (an index with a bad crc32c, a
+missing or tiny chunk) is left to TensorStore, which refuses it without inflating anything.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ckptrepo.errors import damaged_object_error
+from ckptrepo.storage._arrays import BLOSC_HEADER_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, ArrayInfo
+from ckptrepo.storage._crc import crc32c
+from ckptrepo.storage.protocol import Store
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+
+def frame_problem(header: bytes, want: int) -> str | None:
+    """Why a blosc frame's header cannot be that of a ``want``-byte chunk, or None (a short header: the codec
+    refuses it without allocating)."""
+    if len(header) < BLOSC_HEADER_BYTES:
+        return None
+    declared = int.from_bytes(header[4:8], "little")
+    if declared != want:
+        return f"its blosc header declares {declared} bytes decompressed, not the {want} of an inner chunk"
+    return None
+
+
+class FrameCheck:
+    """The compressed inner chunks of one array that reads are about to decode, each checked once."""
+
+    def __init__(self, store: Store, info: ArrayInfo) -> None:
+        self.store, self.info = store, info
+        self._kv: ts.KvStore | None = None
+        self._indexes: dict[int, np.ndarray | None] = {}   # shard -> its (offset, size) per chunk; None: unread
+        self._checked: set[int] = set()                     # chunks whose headers passed
+
+    def problem(self, lo: int, hi: int) -> tuple[int, str] | None:
+        """The first inner chunk among those holding elements ``[lo, hi)`` whose header declares another size,
+        and why; None when none does."""
+        info = self.info
+        per_shard = info.shard_elems // info.inner_elems
+        chunks = [c for c in range(lo // info.inner_elems, -(-hi // info.inner_elems)) if c not in self._checked]
+        if not chunks:
+            return None
+        import tensorstore as ts
+        kv = self._open()
+        batch = ts.Batch()
+        wanted = sorted({c // per_shard for c in chunks} - set(self._indexes))
+        index_bytes = per_shard * INDEX_ENTRY_BYTES + 4
+        reads = {s: kv.read(f"c/{s}", byte_range=slice(-index_bytes, None), batch=batch) for s in wanted}
+        batch.submit()
+        for s, fut in reads.items():
+            self._indexes[s] = _index(_value(fut), per_shard)
+        batch = ts.Batch()
+        headers: list[tuple[int, Any]] = []
+        for c in chunks:
+            index = self._indexes.get(c // per_shard)
+            if index is None:
+                continue
+            offset, size = (int(v) for v in index[c % per_shard])
+            if offset == MISSING_CHUNK or size < BLOSC_HEADER_BYTES + 4:
+                continue
+            headers.append((c, kv.read(f"c/{c // per_shard}", byte_range=slice(offset, offset + BLOSC_HEADER_BYTES),
+                                       batch=batch)))
+        batch.submit()
+        for c, fut in headers:
+            why = frame_problem(_value(fut), info.inner_bytes)
+            if why is not None:
+                return c, why
+            self._checked.add(c)
+        return None
+
+    def check(self, lo: int, hi: int, names: list[str]) -> None:
+        """Raise a CorruptionError, naming the shard object, the chunk and ``names`` (the tensors read), when a
+        chunk holding elements ``[lo, hi)`` declares another size."""
+        found = self.problem(lo, hi)
+        if found is not None:
+            c, why = found
+            shard = self.info.shard_key(c // (self.info.shard_elems // self.info.inner_elems))
+            raise damaged_object_error(shard, f"inner chunk {c}: {why}", names)
+
+    def _open(self) -> "ts.KvStore":
+        if self._kv is None:
+            import tensorstore as ts
+            self._kv = ts.KvStore.open(self.store.child_spec(self.info.key), context=self.store.context).result()
+        return self._kv
+
+
+def _value(fut: Any) -> bytes:
+    """A read's bytes; empty where it failed (the object is missing or short: TensorStore's read names it)."""
+    try:
+        r = fut.result()
+    except Exception:  # noqa: BLE001 - judged by the read that follows
+        return b""
+    return bytes(r.value) if r.state == "value" else b""
+
+
+def _index(raw: bytes, per_shard: int) -> np.ndarray | None:
+    """A shard index read from the object's end, when it is whole and its crc32c holds; None otherwise."""
+    if len(raw) != per_shard * INDEX_ENTRY_BYTES + 4 or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        return None
+    return np.frombuffer(raw, dtype="<u8", count=2 * per_shard).reshape(per_shard, 2)
+
+
+__all__ = ["FrameCheck", "frame_problem"]
