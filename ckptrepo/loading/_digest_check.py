@@ -34,6 +34,23 @@ def check_read(read: "Read", raw: np.ndarray) -> None:
         raise mismatch_error(read.names()[0], read.box, read.array, read.start, read.numel)
 
 
+def check_rows(read: "Read", rows: np.ndarray) -> None:
+    """``check_read`` of a read whose bytes went to rows of a strided target (``[rows, row bytes]``, each row
+    contiguous): hashed row by row, in order, once every task has filled them."""
+    digest = read.digest
+    if not checkable(digest):
+        return
+    assert digest is not None
+    hasher = PieceHasher(digest[0])
+    if rows.flags.c_contiguous:
+        hasher.update(rows.reshape(-1))
+    else:
+        for row in rows:
+            hasher.update(row)
+    if hasher.digest() != digest:
+        raise mismatch_error(read.names()[0], read.box, read.array, read.start, read.numel)
+
+
 class DigestFeed:
     """A direct read's bytes fed to its hasher in order as the reader tasks covering them finish; ``done`` holds
     the outcome (the error when the digest differs or a task failed).
@@ -98,4 +115,4 @@ class DigestFeed:
                                     if failure is None else RuntimeError(failure))
 
 
-__all__ = ["DigestFeed", "check_read"]
+__all__ = ["DigestFeed", "check_read", "check_rows"]

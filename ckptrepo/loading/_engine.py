@@ -51,7 +51,7 @@ from ckptrepo.errors import (
     some_names,
     storage_failure,
 )
-from ckptrepo.loading._digest_check import DigestFeed, check_read
+from ckptrepo.loading._digest_check import DigestFeed, check_read, check_rows
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
@@ -283,10 +283,18 @@ class _Execution:
         # it, while later tasks still read; not here: this thread would queue for the GIL between copies
         filled = [_when_all([f for f in futs if _covers(f, r)], partial(r.fill, s))
                   for r, s in zip(run.reads, scratch) if s is not None]
-        # a read of a whole piece is hashed as its tasks finish, on the reader threads (_digest_check.py)
-        checks = [DigestFeed(r, buf, info.itemsize, [f for f in futs if _covers(f, r)]).done
-                  for r, buf in ((r, _bytes_of(where[k])) for k, r in enumerate(run.reads))
-                  if buf is not None and checkable(r.digest)]
+        # a read of a whole piece is hashed as its tasks finish, on the reader threads (_digest_check.py); one
+        # that fills rows of a strided target, once they all have
+        checks = []
+        for k, r in enumerate(run.reads):
+            if not checkable(r.digest):
+                continue
+            covering = [f for f in futs if _covers(f, r)]
+            buf = _bytes_of(where[k])
+            if buf is not None:
+                checks.append(DigestFeed(r, buf, info.itemsize, covering).done)
+            elif hasattr(where[k], "rows"):
+                checks.append(_when_all(covering, partial(check_rows, r, where[k].rows())))
         return _DirectRead(_when_all(futs + filled + checks, _nothing))
 
     def _submit_ts(self, run: _Run) -> _BoundRead | list[Any]:

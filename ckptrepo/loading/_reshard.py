@@ -58,9 +58,7 @@ class _Span(Read):
     def direct_target(self, info: ArrayInfo) -> np.ndarray | _RowTarget | None:
         if len(self.jobs) != 1:
             return None
-        dest = _direct_destination(self, info, self.byte_views[id(self.jobs[0][0])])
-        # a whole piece's digest is taken over its bytes in one place: not over rows spread in the target
-        return None if self.digest is not None and isinstance(dest, _RowTarget) else dest
+        return _direct_destination(self, info, self.byte_views[id(self.jobs[0][0])])
 
     def fill(self, src: torch.Tensor) -> None:
         """Copy the span's elements, read into a buffer (TensorStore's, or scratch), to its targets."""
@@ -136,6 +134,11 @@ class _RowTarget:
             except ValueError:
                 return None
         return cls(target[r0:r1], first + r0 * step, step, info.itemsize)
+
+    def rows(self) -> np.ndarray:
+        """The target rows as bytes, ``[rows, row bytes]``: in order, a whole saved piece's bytes when the span is
+        one (what its digest is checked against, loading/_digest_check.py)."""
+        return self.target
 
     def scatter(self, src: np.ndarray, a: int, b: int) -> None:
         """Copy array elements ``[a, b)``, held by ``src`` (uint8, verified), into the target rows they belong to."""

@@ -93,11 +93,11 @@ def _repo(root: Path) -> tuple[ckptrepo.Repository, dict[str, torch.Tensor]]:
     return repo, state
 
 
-def _craft(repo: ckptrepo.Repository, root: Path, tensor: str = "w") -> str:
-    """Change ``tensor``'s first chunk keeping every crc32c; returns the version id."""
+def _craft(repo: ckptrepo.Repository, root: Path, tensor: str = "w", k: int = 0) -> str:
+    """Change the first chunk of ``tensor``'s piece ``k`` keeping every crc32c; returns the version id."""
     vid = repo.resolve("HEAD")
     m = repo.plumbing.manifest(vid)
-    (piece,) = next(t for t in m.tensors if t.name == tensor).pieces
+    piece = next(t for t in m.tensors if t.name == tensor).pieces[k]
     info = m.arrays[piece.array]
     first = piece.offset // info.inner_elems
     shard = root / piece.array / "c" / str(first // (info.shard_elems // info.inner_elems))
@@ -170,6 +170,25 @@ def test_the_device_pipeline_checks_what_it_stages(tmp_path, monkeypatch):
     _craft(repo, tmp_path / "r")
     with pytest.raises(DigestMismatchError, match="tensor w"):
         repo.load("HEAD", device="cpu")
+
+
+def test_column_blocks_loaded_into_whole_rows_are_checked(tmp_path, read_path):
+    """A tensor saved as column blocks and loaded into whole rows: each block lands in strided rows of the target
+    (the direct reader copies them there chunk by chunk), and is still checked whole."""
+    from ckptrepo.rules import Rules, Split
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    g = torch.Generator().manual_seed(5)
+    state = {"short": torch.randn(96, 3000, generator=g)}
+    repo.snapshot({"model": state}, step=1, parallel_layout=ParallelLayout(rules=Rules([("short", Split(1))])))
+    pieces = next(t for t in repo.plumbing.manifest(repo.resolve("HEAD")).tensors if t.name == "model/short").pieces
+    assert len(pieces) > 1
+    into = {"short": torch.full_like(state["short"], float("nan"))}
+    repo.load("HEAD", into={"model": into})
+    assert torch.equal(into["short"], state["short"])
+    _craft(repo, tmp_path / "r", "model/short", 1)
+    box = pieces[1].box
+    with pytest.raises(DigestMismatchError, match=rf"tensor model/short, piece at \[{box[0][0]}, {box[0][1]}\]"):
+        repo.load("HEAD", into={"model": into})
 
 
 def test_fsck_names_the_changed_piece(tmp_path):
