@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 import ckptrepo
 import ckptrepo.loading._engine as engine
-from ckptrepo.errors import DigestMismatchError
+from ckptrepo.errors import CorruptionError, DigestMismatchError
 from ckptrepo.loading import _device_load
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.storage import _localread
@@ -382,3 +383,30 @@ def test_a_zstd_bomb_is_refused_before_it_inflates(tmp_path, what):
     if what == "load":
         assert got["outcome"].startswith("CorruptionError: ") and "\n" not in got["outcome"], got
     assert got["grew_kib"] < 256 << 10, got   # well under the 1 GiB the chunk would inflate to
+
+
+def test_a_zstd_bomb_is_refused_on_every_store(repo_url):
+    """The headers are read through the store's own kvstore (memory, S3: moto on 127.0.0.1): an intact compressed
+    version loads bit-exact, one holding a bomb is named by load and fsck."""
+    repo = ckptrepo.init(repo_url, compression="zstd")
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(64, 1024, generator=g), "b": torch.randn(300, generator=g)}
+    repo.snapshot(state, step=1)
+    out = repo.load("HEAD")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    store = repo.plumbing.store
+    m = repo.plumbing.manifest(repo.resolve("HEAD"))
+    (piece,) = next(t for t in m.tensors if t.name == "w").pieces
+    info = m.arrays[piece.array]
+    per_shard = info.shard_elems // info.inner_elems
+    key = info.shard_key(piece.offset // info.shard_elems)
+    with tempfile.TemporaryDirectory() as d:
+        local = os.path.join(d, "shard")
+        with open(local, "wb") as f:
+            f.write(store.get(key, 1 << 30))
+        plant_in_shard(local, per_shard, piece.offset // info.inner_elems % per_shard, blosc_bomb(1 << 30))
+        with open(local, "rb") as f:
+            store.put(key, f.read())
+    with pytest.raises(CorruptionError, match=f"{key} is corrupt .*declares 1073741824 bytes"):
+        repo.load("HEAD")
+    assert any(key in e and "declares 1073741824 bytes" in e for e in repo.fsck().errors)
