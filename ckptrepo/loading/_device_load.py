@@ -284,7 +284,6 @@ class _WholeDigests:
     once its last transfer is in: where the host already has the bytes, whatever the device."""
 
     def __init__(self, entries: list[TensorEntry], wanted: list[int]) -> None:
-        self.entries = entries
         self.hashers = {entries[i].name: (entries[i], PieceHasher(digest[0]))
                         for i in wanted if len(entries[i].pieces) == 1
                         for digest in (entries[i].pieces[0].digest,) if digest is not None and checkable(digest)}

@@ -191,8 +191,8 @@ class Engine:
         return self._tables[key]
 
     def check_frames(self, run: _Run, lo: int, hi: int) -> None:
-        """Before TensorStore decodes a compressed array's chunks holding elements ``[lo, hi)``: none may declare
-        more bytes than a chunk holds (storage/_frames.py: a zstd bomb would be inflated first)."""
+        """Before TensorStore decodes a compressed array's chunks holding elements ``[lo, hi)``: each must declare
+        exactly a chunk's bytes (storage/_frames.py: TensorStore inflates a zstd bomb before it compares sizes)."""
         frames = self._frames.get(run.array)
         if frames is None:
             frames = self._frames[run.array] = FrameCheck(self.store, self.arrays[run.array])
@@ -285,7 +285,7 @@ class _Execution:
                   for r, s in zip(run.reads, scratch) if s is not None]
         # a read of a whole piece is hashed as its tasks finish, on the reader threads (_digest_check.py); one
         # that fills rows of a strided target, once they all have
-        checks = []
+        checks: list[Future] = []
         for k, r in enumerate(run.reads):
             if not checkable(r.digest):
                 continue
