@@ -358,5 +358,39 @@ def read_pieces_to(store: Store, manifest: Manifest, targets: list[Piece], stats
             stats.spans += mine.spans
             stats.runs += mine.runs
 
-    pipe.run(transfers, read)
+    pipe.run(transfers, read, _SplitPieceDigests(gpu, reader.saved, transfers).check)
     return stats
+
+
+class _SplitPieceDigests:
+    """The content digests of saved pieces that a layout load reads whole through the pipeline in several
+    transfers (a target piece that is a saved piece, larger than a buffer): split_box cuts it in row-major
+    order, so its staged boxes, in plan order, are its bytes in order. A saved piece that fits in one transfer
+    is checked by the read engine (a span covering it whole)."""
+
+    def __init__(self, targets: list[Piece], saved: dict[str, Any], transfers: list[Transfer]) -> None:
+        count: dict[int, int] = {}
+        for t in transfers:
+            count[id(t.what[0])] = count.get(id(t.what[0]), 0) + 1
+        self.open: dict[int, tuple[Any, PieceHasher, int]] = {}   # id(target) -> (saved piece, hasher, bytes left)
+        for p in targets:
+            if count.get(id(p), 0) < 2:
+                continue
+            match = [s for s in saved.get(p.name, ()) if tuple(map(tuple, s.box)) == tuple(map(tuple, p.box))]
+            if match and match[0].digest is not None and checkable(match[0].digest):
+                nbytes = p.view.numel() * TORCH_DTYPES[p.dtype].itemsize
+                self.open[id(p)] = (match[0], PieceHasher(match[0].digest[0]), nbytes)
+
+    def check(self, pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
+        for t, host in pairs:
+            p = t.what[0]
+            got = self.open.get(id(p))
+            if got is None:
+                continue
+            saved, hasher, left = got
+            raw = host.reshape(-1).view(torch.uint8).numpy()
+            hasher.update(raw)
+            left -= raw.nbytes
+            self.open[id(p)] = (saved, hasher, left)
+            if left == 0 and hasher.digest() != saved.digest:
+                raise mismatch_error(p.name, saved.box, saved.array, saved.offset, volume(saved.box[1]))

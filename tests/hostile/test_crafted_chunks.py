@@ -168,9 +168,13 @@ def test_the_device_pipeline_checks_what_it_stages(tmp_path, monkeypatch):
     repo, state = _repo(tmp_path / "r")
     out = repo.load("HEAD", device="cpu")
     assert all(torch.equal(out[k], v) for k, v in state.items())
+    out = repo.load("HEAD", parallel_layout=ParallelLayout(), rank=0)   # target pieces, each cut over 16 batches
+    assert all(torch.equal(out[k], v) for k, v in state.items())
     _craft(repo, tmp_path / "r")
     with pytest.raises(DigestMismatchError, match="tensor w"):
         repo.load("HEAD", device="cpu")
+    with pytest.raises(DigestMismatchError, match="tensor w"):
+        repo.load("HEAD", parallel_layout=ParallelLayout(), rank=0)
 
 
 def test_column_blocks_loaded_into_whole_rows_are_checked(tmp_path, read_path):
