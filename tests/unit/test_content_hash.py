@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ckptrepo.saving import _content_hash as ch
+from ckptrepo.storage import _piece_digest as pd
 
 
 def reference(t: torch.Tensor) -> bytes:
@@ -14,16 +15,16 @@ def reference(t: torch.Tensor) -> bytes:
     n = len(b)
     x = np.frombuffer(b + bytes(-n % 8), dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = x ^ (np.arange(len(x), dtype=np.uint64) * np.uint64(ch._POS))
-        z = z * np.uint64(ch._M1)
+        z = x ^ (np.arange(len(x), dtype=np.uint64) * np.uint64(pd.POS))
+        z = z * np.uint64(pd.M1)
         z ^= z >> np.uint64(29)
-        z = z * np.uint64(ch._M2)
+        z = z * np.uint64(pd.M2)
         z ^= z >> np.uint64(32)
         a = int(z.sum(dtype=np.uint64))
-        z = z * np.uint64(ch._M3)
+        z = z * np.uint64(pd.M3)
         z ^= z >> np.uint64(31)
         b2 = int(z.sum(dtype=np.uint64))
-    return ch._finish(a, b2, n)
+    return pd.finish_wordsum(a, b2, n)
 
 
 def _tensors(device: str) -> list[torch.Tensor]:
