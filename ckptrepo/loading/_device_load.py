@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,8 +32,9 @@ from ckptrepo.loading._reshard import VersionReader
 from ckptrepo.parallel._sharding import Piece
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.state._skeleton import BIGINT, NDARRAY, NPSCALAR, SCALAR
+from ckptrepo.state._wordsum import wordsum_digests
 from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.storage._piece_digest import PieceHasher, checkable, mismatch_error
+from ckptrepo.storage._piece_digest import WORDSUM, PieceHasher, checkable, mismatch_error
 from ckptrepo.storage.protocol import Store
 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "DEVICE_TYPES", "Pipeline", "Transfer", "batches", "ndarray_leaves",
@@ -43,6 +45,9 @@ BUFFERS = 4               # pinned buffers in rotation: some being read into, th
 READERS = 2               # batches read at once (the engine's reader threads serve both)
 ALIGN = 64                # each staged tensor starts at a multiple of this in its buffer
 DEVICE_TYPES = ("cuda",)  # destinations loaded through the pipeline (tests add "cpu" to exercise it)
+# devices whose pipelines check WORDSUM digests (a CUDA snapshot's) on the device, with the function capture took
+# them with, after the copies: on the host, numpy's WORDSUM would run far slower than the pipeline reads
+DEVICE_DIGESTS = ("cuda",)
 
 
 @dataclass
@@ -248,8 +253,10 @@ def read_tensors_to(store: Store, arrays: dict[str, ArrayInfo], entries: list[Te
     dev = into[gpu[0]].device if gpu[0] in into else device
     assert dev is not None
     pipe = pipeline or Pipeline(dev)
+    on_device = pipe.device.type in DEVICE_DIGESTS
     transfers: list[Transfer] = []
     unstrided: list[tuple[torch.Tensor, torch.Tensor]] = []   # (destination, contiguous stand-in on the device)
+    device_checks: list[tuple[str, Any, torch.Tensor]] = []   # WORDSUM pieces checked on the device
     for i in gpu:
         e = entries[i]
         dtype = TORCH_DTYPES[e.dtype]
@@ -261,6 +268,8 @@ def read_tensors_to(store: Store, arrays: dict[str, ArrayInfo], entries: list[Te
         if flat is None:
             flat = torch.empty(e.numel, dtype=dtype, device=dest.device)
             unstrided.append((dest, flat))
+        if on_device and _device_digest(e.pieces[0].digest) and len(e.pieces) == 1:
+            device_checks.append((e.name, e.pieces[0], flat))
         step = max(1, pipe.buffer_bytes // flat.element_size())
         for a in range(0, e.numel, step):
             b = min(e.numel, a + step)
@@ -269,7 +278,9 @@ def read_tensors_to(store: Store, arrays: dict[str, ArrayInfo], entries: list[Te
     def read(pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
         engine.execute([_StagedRead(t.what[0], t.what[1], t.what[2], t.what[3], h) for t, h in pairs], on_bytes)
 
-    pipe.run(transfers, read, _WholeDigests(entries, gpu).check)
+    pipe.run(transfers, read, _WholeDigests(entries, gpu, on_device).check)
+    if device_checks:
+        pipe.after(partial(_check_on_device, device_checks))
     def into_strided() -> None:
         for d, f in unstrided:
             d.copy_(f.view(d.shape))
@@ -283,10 +294,11 @@ class _WholeDigests:
     host bytes as the batches come in plan order (a tensor larger than a buffer spans several), and checked
     once its last transfer is in: where the host already has the bytes, whatever the device."""
 
-    def __init__(self, entries: list[TensorEntry], wanted: list[int]) -> None:
+    def __init__(self, entries: list[TensorEntry], wanted: list[int], on_device: bool) -> None:
         self.hashers = {entries[i].name: (entries[i], PieceHasher(digest[0]))
                         for i in wanted if len(entries[i].pieces) == 1
-                        for digest in (entries[i].pieces[0].digest,) if digest is not None and checkable(digest)}
+                        for digest in (entries[i].pieces[0].digest,) if digest is not None and checkable(digest)
+                        and not (on_device and _device_digest(digest))}
 
     def check(self, pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
         for t, host in pairs:
@@ -299,6 +311,20 @@ class _WholeDigests:
             piece = entry.pieces[0]
             if stop == piece.offset + entry.numel and hasher.digest() != piece.digest:
                 raise mismatch_error(name, piece.box, array, piece.offset, entry.numel)
+
+
+def _device_digest(digest: bytes | None) -> bool:
+    """Whether a recorded digest is WORDSUM, which a CUDA pipeline checks on the device."""
+    return digest is not None and checkable(digest) and digest[0] == WORDSUM
+
+
+def _check_on_device(checks: list[tuple[str, Any, torch.Tensor]]) -> None:
+    """Compare WORDSUM digests of pieces on the device (in the current stream, after their copies) with the
+    recorded ones: the bytes as they arrived, whatever copy follows."""
+    got = wordsum_digests([t for _, _, t in checks])
+    for (name, piece, _), digest in zip(checks, got):
+        if digest != piece.digest:
+            raise mismatch_error(name, piece.box, piece.array, piece.offset, volume(piece.box[1]))
 
 
 def _flat_ok(t: torch.Tensor) -> bool:
@@ -340,6 +366,12 @@ def read_pieces_to(store: Store, manifest: Manifest, targets: list[Piece], stats
     if not gpu:
         return stats
     pipe = pipeline or Pipeline(gpu[0].view.device)
+    on_device = pipe.device.type in DEVICE_DIGESTS
+    device_checks = []   # saved WORDSUM pieces that are target pieces: checked on the device, after the copies
+    for p in gpu:
+        whole = _same_piece(p, reader.saved) if on_device else None
+        if whole is not None and _device_digest(whole.digest):
+            device_checks.append((p.name, whole, p.view))
     transfers = []
     for p in gpu:
         dtype = TORCH_DTYPES[p.dtype]
@@ -351,15 +383,23 @@ def read_pieces_to(store: Store, manifest: Manifest, targets: list[Piece], stats
     def read(pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
         staged = [Piece(t.what[0].name, t.what[0].dtype, t.what[0].gshape, t.what[1], h) for t, h in pairs]
         mine = ReadStats()
-        reader.read(staged, mine)
+        reader.read(staged, mine, skip_digest=WORDSUM if on_device else None)
         with _PLAN_LOCK:
             stats.needed_bytes += mine.needed_bytes
             stats.requested_bytes += mine.requested_bytes
             stats.spans += mine.spans
             stats.runs += mine.runs
 
-    pipe.run(transfers, read, _SplitPieceDigests(gpu, reader.saved, transfers).check)
+    pipe.run(transfers, read, _SplitPieceDigests(gpu, reader.saved, transfers, on_device).check)
+    if device_checks:
+        pipe.after(partial(_check_on_device, device_checks))
     return stats
+
+
+def _same_piece(p: Piece, saved: dict[str, Any]) -> Any:
+    """The saved piece whose box is target piece ``p``'s, or None."""
+    box = tuple(map(tuple, p.box))
+    return next((s for s in saved.get(p.name, ()) if tuple(map(tuple, s.box)) == box), None)
 
 
 class _SplitPieceDigests:
@@ -368,7 +408,8 @@ class _SplitPieceDigests:
     order, so its staged boxes, in plan order, are its bytes in order. A saved piece that fits in one transfer
     is checked by the read engine (a span covering it whole)."""
 
-    def __init__(self, targets: list[Piece], saved: dict[str, Any], transfers: list[Transfer]) -> None:
+    def __init__(self, targets: list[Piece], saved: dict[str, Any], transfers: list[Transfer],
+                 on_device: bool) -> None:
         count: dict[int, int] = {}
         for t in transfers:
             count[id(t.what[0])] = count.get(id(t.what[0]), 0) + 1
@@ -376,10 +417,11 @@ class _SplitPieceDigests:
         for p in targets:
             if count.get(id(p), 0) < 2:
                 continue
-            match = [s for s in saved.get(p.name, ()) if tuple(map(tuple, s.box)) == tuple(map(tuple, p.box))]
-            if match and match[0].digest is not None and checkable(match[0].digest):
+            whole = _same_piece(p, saved)
+            digest = None if whole is None else whole.digest
+            if digest is not None and checkable(digest) and not (on_device and _device_digest(digest)):
                 nbytes = p.view.numel() * TORCH_DTYPES[p.dtype].itemsize
-                self.open[id(p)] = (match[0], PieceHasher(match[0].digest[0]), nbytes)
+                self.open[id(p)] = (whole, PieceHasher(digest[0]), nbytes)
 
     def check(self, pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
         for t, host in pairs:

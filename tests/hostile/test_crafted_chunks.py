@@ -266,6 +266,31 @@ def test_a_wordsum_digest_is_checked_on_the_host(tmp_path, read_path):
     assert any("tensor w" in e and "content digest" in e for e in repo.fsck().errors)
 
 
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_the_device_pipeline_checks_wordsum_on_the_device(tmp_path, monkeypatch, where):
+    """A GPU load checks a CUDA snapshot's WORDSUM digests on the device, after the copies, with capture's own
+    function (numpy's, on the host, would be slower than the reads); here with the CPU standing in for the
+    device, and, for comparison, with the check on the host."""
+    from ckptrepo.saving._content_hash import wordsum_digests
+    monkeypatch.setattr(_device_load, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(_device_load, "DEVICE_DIGESTS", ("cpu",) if where == "device" else ())
+    monkeypatch.setattr(_device_load, "BUFFER_BYTES", 64 << 10)
+    monkeypatch.setattr(_device_load, "BUFFERS", 3)
+    repo, state = _repo(tmp_path / "r")
+
+    def to_wordsum(raw):
+        for t in raw["tensors"]:
+            t["pieces"][0]["digest"] = wordsum_digests([state[t["name"]]])[0]
+    _reseal(tmp_path / "r", repo.resolve("HEAD"), to_wordsum)
+    for out in (repo.load("HEAD", device="cpu"), repo.load("HEAD", parallel_layout=ParallelLayout(), rank=0)):
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+    _craft(repo, tmp_path / "r")
+    with pytest.raises(DigestMismatchError, match="tensor w"):
+        repo.load("HEAD", device="cpu")
+    with pytest.raises(DigestMismatchError, match="tensor w"):
+        repo.load("HEAD", parallel_layout=ParallelLayout(), rank=0)
+
+
 def test_a_piece_without_a_digest_loads_unchecked(tmp_path, read_path):
     """Versions written before digests (or by the DCP and Megatron adapters) have none: nothing to check."""
     repo, state = _repo(tmp_path / "r")
