@@ -16,6 +16,7 @@ A hasher is fed the piece's bytes in order, in as many parts as the reader has t
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ M2 = 0x94D049BB133111EB
 M3 = 0xFF51AFD7ED558CCD
 
 _BLOCK_WORDS = 1 << 15      # WORDSUM words mixed at once: temporaries that stay in a core's cache
+_TAGS: np.ndarray | None = None   # i * POS for i < _BLOCK_WORDS (made once, read only)
+_scratch = threading.local()      # per thread: the block's two temporaries, reused (no allocation per block)
 
 
 def checkable(digest: bytes | None) -> bool:
@@ -96,16 +99,19 @@ class PieceHasher:
         """Mix whole words (the next ones of the piece) into both lanes, as saving/_content_hash.py does on a
         device: tag with the position, multiply by odd constants, xor-shift right, sum modulo 2**64."""
         n = len(words)
-        z = np.arange(self._words, self._words + n, dtype=np.uint64)
-        z *= np.uint64(POS)
+        z, t = _temporaries(n)
+        np.add(_tags()[:n], np.uint64(self._words * POS & _U64), out=z)   # (first + i) * POS, modulo 2**64
         z ^= words
         z *= np.uint64(M1)
-        z ^= z >> np.uint64(29)
+        np.right_shift(z, np.uint64(29), out=t)
+        z ^= t
         z *= np.uint64(M2)
-        z ^= z >> np.uint64(32)
+        np.right_shift(z, np.uint64(32), out=t)
+        z ^= t
         self._a = (self._a + int(z.sum(dtype=np.uint64))) & _U64
         z *= np.uint64(M3)
-        z ^= z >> np.uint64(31)
+        np.right_shift(z, np.uint64(31), out=t)
+        z ^= t
         self._b = (self._b + int(z.sum(dtype=np.uint64))) & _U64
         self._words += n
 
@@ -120,6 +126,21 @@ class PieceHasher:
             last._mix(np.frombuffer(self._tail.ljust(8, b"\0"), dtype="<u8"))
             a, b = (a + last._a) & _U64, (b + last._b) & _U64
         return finish_wordsum(a, b, self.nbytes)
+
+
+def _tags() -> np.ndarray:
+    global _TAGS
+    if _TAGS is None:
+        _TAGS = np.arange(_BLOCK_WORDS, dtype=np.uint64) * np.uint64(POS)
+    return _TAGS
+
+
+def _temporaries(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's two block temporaries, ``n`` words each (``n`` at most ``_BLOCK_WORDS``)."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = (np.empty(_BLOCK_WORDS, dtype=np.uint64), np.empty(_BLOCK_WORDS, dtype=np.uint64))
+    return bufs[0][:n], bufs[1][:n]
 
 
 def piece_digest(algorithm: int, data: Any) -> bytes:
