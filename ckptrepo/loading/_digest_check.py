@@ -34,6 +34,12 @@ def check_read(read: "Read", raw: np.ndarray) -> None:
         raise mismatch_error(read.names()[0], read.box, read.array, read.start, read.numel)
 
 
+def check_reads(reads: list[tuple["Read", np.ndarray]]) -> None:
+    """``check_read`` of each (read, its bytes): the reads one reader task holds whole, once it is done."""
+    for read, raw in reads:
+        check_read(read, raw)
+
+
 def check_rows(read: "Read", rows: np.ndarray) -> None:
     """``check_read`` of a read whose bytes went to rows of a strided target (``[rows, row bytes]``, each row
     contiguous): hashed row by row, in order, once every task has filled them."""
@@ -115,4 +121,4 @@ class DigestFeed:
                                     if failure is None else RuntimeError(failure))
 
 
-__all__ = ["DigestFeed", "check_read", "check_rows"]
+__all__ = ["DigestFeed", "check_read", "check_reads", "check_rows"]

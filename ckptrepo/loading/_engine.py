@@ -51,7 +51,7 @@ from ckptrepo.errors import (
     some_names,
     storage_failure,
 )
-from ckptrepo.loading._digest_check import DigestFeed, check_read, check_rows
+from ckptrepo.loading._digest_check import DigestFeed, check_read, check_reads, check_rows
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
@@ -275,26 +275,35 @@ class _Execution:
                 raise
             raise _no_memory(run, info, err) from None
         where: dict[int, Any] = {k: d if d is not None else s for k, (d, s) in enumerate(zip(dests, scratch))}
+        views: dict[int, np.ndarray | None] = {}
         try:
-            futs = self.direct.submit(info, run, run.reads, where, table)
+            # each destination's bytes, made once: where the reader writes, and what a digest is taken over
+            views = {k: _bytes_of(t) for k, t in where.items()}
+            targets: dict[int, Any] = {k: where[k] if v is None else v for k, v in views.items()}
+            futs = self.direct.submit(info, run, run.reads, targets, table)
         except Exception:  # noqa: BLE001 - e.g. a destination numpy cannot view: the fallback rule applies
             futs = [_failed()]
         # a read into scratch is handed its elements by the reader thread that finishes the last task covering
         # it, while later tasks still read; not here: this thread would queue for the GIL between copies
         filled = [_when_all([f for f in futs if _covers(f, r)], partial(r.fill, s))
                   for r, s in zip(run.reads, scratch) if s is not None]
-        # a read of a whole piece is hashed as its tasks finish, on the reader threads (_digest_check.py); one
-        # that fills rows of a strided target, once they all have
+        # a read of a whole piece is hashed on the reader threads (_digest_check.py): the reads one task holds
+        # whole, together once it is done; a longer one as its tasks finish; one that fills rows of a strided
+        # target, once they all have
         checks: list[Future] = []
+        alone: dict[int, tuple[Future, list[tuple[Read, np.ndarray]]]] = {}
         for k, r in enumerate(run.reads):
             if not checkable(r.digest):
                 continue
             covering = [f for f in futs if _covers(f, r)]
-            buf = _bytes_of(where[k])
-            if buf is not None:
+            buf = views.get(k)
+            if buf is not None and len(covering) == 1:
+                alone.setdefault(id(covering[0]), (covering[0], []))[1].append((r, buf))
+            elif buf is not None:
                 checks.append(DigestFeed(r, buf, info.itemsize, covering).done)
             elif hasattr(where[k], "rows"):
                 checks.append(_when_all(covering, partial(check_rows, r, where[k].rows())))
+        checks += [_when_all([task], partial(check_reads, reads)) for task, reads in alone.values()]
         return _DirectRead(_when_all(futs + filled + checks, _nothing))
 
     def _submit_ts(self, run: _Run) -> _BoundRead | list[Any]:

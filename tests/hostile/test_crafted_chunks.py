@@ -144,6 +144,14 @@ def test_load_names_the_changed_piece(tmp_path, read_path):
         repo.load("HEAD", parallel_layout=ParallelLayout(), rank=0)
 
 
+def test_a_small_tensor_read_with_its_neighbours_is_named(tmp_path, read_path):
+    """A tensor that shares a reader task with others (checked together once that task is done)."""
+    repo, _ = _repo(tmp_path / "r")
+    _craft(repo, tmp_path / "r", "b")
+    with pytest.raises(DigestMismatchError, match=r"tensor b, piece at \[0\] of size \[300\]"):
+        repo.load("HEAD")
+
+
 def test_an_intact_repository_loads_bit_exact(tmp_path, read_path):
     """No false alarm: every tensor read whole, many sharing chunks, on either path and into given tensors."""
     repo, state = _repo(tmp_path / "r")
