@@ -25,7 +25,6 @@ from ckptrepo.core._manifest import (
     CONFIG_KEY,
     CONFIG_MAX_BYTES,
     HEADS_PREFIX,
-    PRUNED_PREFIX,
     Version,
     encode_config,
     update_config,
@@ -34,16 +33,16 @@ from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, find_cycle, 
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
 from ckptrepo.core._remotes import (
-    EVICTED_PREFIX,
     add_remote,
     check_remote_name,
     evicted_ids,
-    remote_holders,
     remotes,
     remove_remote,
     tracking_refs,
     tracking_tip,
 )
+from ckptrepo.core._same_store import check_not_itself
+from ckptrepo.core._whereabouts import durability, require_data_somewhere, version_durability
 from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
     ArgumentError,
@@ -59,6 +58,7 @@ from ckptrepo.errors import (
     StorageError,
     first_line,
 )
+from ckptrepo.maintenance._lost import header_unless_lost
 from ckptrepo.remotes._remote import REPOSITORY_ID
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage import Store, open_store
@@ -215,6 +215,7 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     head = theirs.refs.head()
     branch = head.branch or str(theirs.config.get("default_branch") or DEFAULT_BRANCH)
     target = repo_url(directory)
+    check_not_itself(target, remote, url)   # before anything is made there
     store = open_store(target)
     if store.list(""):
         raise RepositoryExistsError(f"{target} is not empty; clone into a new directory")
@@ -311,10 +312,8 @@ class Repository:
     def _described(self, vid: str, header: ManifestHeader) -> Version:
         """One version as ``log`` describes it: its refs, and where its data is durable (see ``log``)."""
         p = self._plumbing
-        pruned = p.store.exists(PRUNED_PREFIX + vid)   # as log says: gc deleted its data
-        evicted = p.store.exists(EVICTED_PREFIX + vid)
-        return version_from_manifest(header, p.ref_names().get(vid, ()), pruned, evicted,
-                                     remote_holders(p.store, [header], p.header).get(vid, ()))
+        pruned, evicted, held = version_durability(p, header)
+        return version_from_manifest(header, p.ref_names().get(vid, ()), pruned, evicted, held)
 
     def resolve(self, rev: str) -> str:
         """The full id of the version ``rev`` names (see ckptrepo.core._revisions for the syntax)."""
@@ -421,8 +420,8 @@ class Repository:
         try:
             return self._load_data(vid, m, into, target_device, on_bytes, parallel_layout, rank, read_stats)
         except CorruptionError:
-            # pruned by a gc while it was read: say so, not "corrupt; run fsck"
-            self._plumbing.require_data(vid, m)
+            # pruned by a gc while it was read, here or on the remote: say so, not "corrupt; run fsck"
+            require_data_somewhere(self._plumbing, vid, m)
             raise
 
     def _load_data(self, vid: str, m: Manifest, into: Any, target_device: "torch.device | None",
@@ -500,8 +499,9 @@ class Repository:
         def reach(vid: str) -> None:
             if vid not in seen:
                 seen.add(vid)
-                h = walk(vid)
-                heapq.heappush(frontier, (-h.time, vid, h))
+                h = header_unless_lost(walk, self._plumbing, vid)   # None: fsck --repair marked it lost
+                if h is not None:
+                    heapq.heappush(frontier, (-h.time, vid, h))
         for vid in starts:
             if vid:
                 reach(vid)
@@ -521,9 +521,8 @@ class Repository:
         if cycle is not None:
             raise parent_cycle_error(cycle)
         names = self._plumbing.ref_names()
-        pruned = self._plumbing.pruned_ids()
         evicted = evicted_ids(self._plumbing.store) if found else set()
-        held = remote_holders(self._plumbing.store, found, walk)
+        pruned, held = durability(self._plumbing, found, walk, self._plumbing.pruned_ids(), evicted)
         return [version_from_manifest(h, names.get(h.id, ()), h.id in pruned, h.id in evicted, held.get(h.id, ()))
                 for h in found]
 

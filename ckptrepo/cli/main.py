@@ -561,17 +561,22 @@ def prune(ctx: click.Context, rev: str) -> None:
 @click.option("--repair-config", is_flag=True,
               help="First rebuild a damaged or missing ckptrepo.json from what the repository holds (format "
                    "version, default branch, creation time), saying what it did; an intact one is left as it is.")
+@click.option("--repair", is_flag=True,
+              help="First mark versions whose manifest a gc collected while a ref came to name them (`gc --grace 0` "
+                   "beside a writer) lost, so that gc runs again: tag the versions that may have preceded each "
+                   "lost/ID, and move a branch that names one back to the newest of them. Deletes nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def fsck(ctx: click.Context, repair_config: bool, as_json: bool) -> None:
+def fsck(ctx: click.Context, repair_config: bool, repair: bool, as_json: bool) -> None:
     """Read every object and verify every checksum and reference; exit 1 if anything is broken."""
-    repaired: list[str] = []
-    if repair_config:
-        repaired = _repair_config(ctx)
-        if not as_json:
-            for line in repaired:
-                click.echo(f"repair: {line}")
+    repaired: list[str] = _repair_config(ctx) if repair_config else []
     repo = _repo(ctx)
+    if repair:
+        from ckptrepo.maintenance._lost import repair_lost
+        repaired += repair_lost(repo.plumbing)
+    if not as_json:
+        for line in repaired:
+            click.echo(f"repair: {line}")
     progress = _progress()
     if progress is not None:
         with progress:
@@ -581,7 +586,7 @@ def fsck(ctx: click.Context, repair_config: bool, as_json: bool) -> None:
     else:
         report = repo.fsck()
     if as_json:
-        _emit_json(dict(report.to_json(), **({"repaired": repaired} if repair_config else {})))
+        _emit_json(dict(report.to_json(), **({"repaired": repaired} if repair_config or repair else {})))
     else:
         for w in report.warnings:
             click.echo(f"warning: {w}")
@@ -652,7 +657,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
               help="Never prune branch tips and HEAD.")
 @click.option("--grace", "grace_s", type=float, default=3600.0, show_default=True,
               help="Seconds an unreferenced object must have existed before it is collected (protects writers: "
-                   "0 can collect a snapshot being committed by another process).")
+                   "0 can make snapshots that another process is committing fail).")
 @click.option("--dry-run", is_flag=True, help="List what would be pruned and deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
@@ -1038,7 +1043,7 @@ def _location(url: str) -> str:
     if url.startswith("memory://"):
         raise CkptRepoError("a memory:// repository lives only in the process that creates it, so the CLI cannot "
                             "reach one as a remote; use a path, or an s3:// or gs:// URL")
-    return url if "://" in url else os.path.abspath(url)
+    return url if "://" in url or url.startswith("file:") else os.path.abspath(url)
 
 
 @cli.group(invoke_without_command=True)

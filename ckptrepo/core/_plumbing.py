@@ -154,10 +154,12 @@ class Plumbing:
         return TieredStore(self.store, self.remote_store(remote))
 
     def remote_store(self, name: str) -> Store:
-        """The store of remote ``name`` (opened once per handle)."""
-        if name not in self._remote_stores:
+        """The store of remote ``name`` (opened once per handle and URL: a remote removed and added again, or
+        its config edited by hand, is read where it now points)."""
+        url = remote_url(self.store, name)
+        if name not in self._remote_stores or self._remote_stores[name].url != url:
             from ckptrepo.storage._tensorstore import TensorStoreStore
-            self._remote_stores[name] = TensorStoreStore.open(remote_url(self.store, name))
+            self._remote_stores[name] = TensorStoreStore.open(url)
         return self._remote_stores[name]
 
     def failures(self) -> list[dict[str, Any]]:

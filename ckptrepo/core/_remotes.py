@@ -36,6 +36,7 @@ from ckptrepo.core._manifest import (
     version_id_time,
 )
 from ckptrepo.core._refs import check_ref_name, ref_value
+from ckptrepo.core._same_store import check_not_itself
 from ckptrepo.core.schema import ManifestHeader
 from ckptrepo.errors import ArgumentError, CorruptionError, RefError
 from ckptrepo.storage.protocol import Store
@@ -76,8 +77,10 @@ def remote_url(store: Store, name: str) -> str:
 
 
 def add_remote(store: Store, name: str, url: str) -> None:
-    """Record remote ``name`` at ``url``; refuses a name already taken, as git does."""
+    """Record remote ``name`` at ``url``; refuses a name already taken, as git does, and a URL that names this
+    repository's own store (core/_same_store.py)."""
     check_remote_name(name)
+    check_not_itself(store.url, name, url)
     found = remotes(store)
     if name in found:
         raise RefError(f"remote {name!r} exists (at {found[name]}); remove it first with "

@@ -13,8 +13,9 @@ create-only, then the branch's compare-and-swap). Tensors are stored under the p
 (``model/layers.0.weight``), with their global shapes, so ``repo.load`` returns the nesting given to
 ``dcp.save``. A non-tensor value DCP would pickle is recorded in the manifest's tree as plain data when it is
 plain data (ints, floats, strings, lists, tuples and dicts of them); anything else is kept as DCP's own
-pickle, a uint8 tensor named ``<path>@dcp-pickle`` that only ``dcp.load`` unpickles (DCP's ``load_bytes``),
-never ckptrepo.
+pickle, a uint8 tensor named ``<path>@dcp-pickle`` that ``repo.load`` returns as bytes. ``dcp.load`` unpickles
+it (DCP's ``load_bytes``) only as torch's restricted unpickler rebuilt it, unless the Reader is told to trust
+the repository (``integrations/_dcp_pickles.py``).
 
 **Loading.** ``read_metadata`` describes any version (saved by DCP, by ``repo.snapshot``, by one rank or
 several): each tensor as one chunk covering it whole (a read can cut any box out of the stored pieces), each
@@ -60,6 +61,7 @@ from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import check_ref_name
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import ArgumentError, CkptRepoError, CorruptionError, RefError, UnsupportedValueError, first_line
+from ckptrepo.integrations._dcp_pickles import safe_bytes
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.saving._pieces import (
     BranchBase,
@@ -341,11 +343,16 @@ class Reader(StorageReader):
 
     The revision is resolved once, here: an unknown one, or a url that is no repository, raises at once.
     ``stats`` counts the bytes the loads through this reader needed and asked storage for.
+
+    ``trust``: hand DCP's pickled values (``<path>@dcp-pickle``) to ``dcp.load`` as stored, for its full
+    unpickling, which can run arbitrary code. Without it they pass torch's restricted unpickler first
+    (``integrations/_dcp_pickles.py``), and one that names other code is refused with TrustRequiredError.
     """
 
-    def __init__(self, url: str | os.PathLike[str], rev: str = "HEAD") -> None:
+    def __init__(self, url: str | os.PathLike[str], rev: str = "HEAD", *, trust: bool = False) -> None:
         super().__init__()
         self.url, self.rev = str(url), rev
+        self.trust = bool(trust)
         self.stats = ReadStats()
         self._open()
 
@@ -448,20 +455,22 @@ class Reader(StorageReader):
                 target.copy_(into)
             planner.commit_tensor(req, target)
         for req, found in byte_reqs:
-            planner.load_bytes(req, io.BytesIO(self._bytes_of(found)))
+            planner.load_bytes(req, io.BytesIO(self._bytes_of(req.storage_index.fqn, found)))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _bytes_of(self, found: Any) -> bytes:
-        """A byte item's bytes: DCP's pickle as stored, or ``torch.save`` of a plain value (its tensors read)."""
+    def _bytes_of(self, fqn: str, found: Any) -> bytes:
+        """A byte item's bytes: DCP's pickle (as stored with ``trust``, else rebuilt by torch's restricted
+        unpickler), or ``torch.save`` of a plain value (its tensors read)."""
         out = io.BytesIO()
         if isinstance(found, int):   # a tensor asked for as bytes: the tensor, as DCP would have pickled it
             torch.save(self._read_whole([found])[found], out)
             return out.getvalue()
         kind, value = found
         if kind == "pickle":
-            return bytes(self._read_whole([value])[value].numpy().tobytes())
+            stored = bytes(self._read_whole([value])[value].numpy().tobytes())
+            return stored if self.trust else safe_bytes(stored, fqn, self.vid)
         needed: list[int] = []
         _collect(value, self._indices, needed)
         torch.save(_replace(value, self._indices, self._read_whole(needed)), out)

@@ -25,17 +25,14 @@ DeepSpeed picks its engine from the config with no registry
 (``create_checkpoint_engine``), so the engine is swapped in after
 ``deepspeed.initialize`` with :func:`install`. No pickle: the few DeepSpeed
 types in its state dicts (loss scalers, ``ZeroStageEnum``, the ZeRO
-``fragment_address`` records) and ``argparse.Namespace``, sets and enums are
-stored as plain data and rebuilt on load (see :func:`to_plain`); anything else
-that is not plain data, a tensor or a numpy array is refused, naming the file
-and key. See docs/decisions/028-deepspeed-engine.md.
+``fragment_address`` records) and ``argparse.Namespace`` and sets are stored as
+plain data and rebuilt on load from a fixed list of types and attributes
+(``_deepspeed_plain.py``); anything else that is not plain data, a tensor or a
+numpy array is refused, naming the file and key. See
+docs/decisions/028-deepspeed-engine.md and 044-untrusted-framework-data.md.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import enum
-import importlib
 import json
 import logging
 import os
@@ -52,133 +49,16 @@ from ckptrepo.errors import (
     RevisionError,
     StateMismatchError,
     StorageError,
-    UnsupportedValueError,
     first_line,
 )
+from ckptrepo.integrations._deepspeed_plain import TYPE_KEY, from_plain, to_plain
 from ckptrepo.repository import Repository, init, repo_url
 
 ENGINE_NAME = "CkptRepoCheckpointEngine"
 STUB_FORMAT = "ckptrepo-deepspeed-stub/1"
 STUB_MAX_BYTES = 64 << 10
-TYPE_KEY = "__ckptrepo_type__"   # the key of a dict that stands for a value of another type (see to_plain)
 _registered = threading.Lock()
 log = logging.getLogger("ckptrepo")
-
-
-# ---- DeepSpeed's values as plain data ---------------------------------------------------------------------------
-
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _is_loss_scaler(obj: Any) -> bool:
-    return any(_class_path(c) == "deepspeed.runtime.fp16.loss_scaler.LossScalerBase" for c in type(obj).__mro__)
-
-
-def to_plain(obj: Any) -> Any:
-    """``obj`` with each value the skeleton cannot hold as such replaced by a ``{TYPE_KEY: ...}`` dict of plain
-    data: enum members (``ZeroStageEnum`` would otherwise load as a bare int), dataclass instances and loss
-    scalers of DeepSpeed's own modules, ``argparse.Namespace`` (Megatron-DeepSpeed's ``args``), sets. A dict of
-    the caller's own that holds ``TYPE_KEY`` is wrapped in a node of its own, so it never reads as one of
-    these. Tensors and containers are shared or rebuilt, never copied. Anything else is left for the snapshot
-    to refuse."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        items = [(k, to_plain(v)) for k, v in obj.items()]
-        plain = OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-        if TYPE_KEY in obj:
-            return {TYPE_KEY: "dict", "ordered": isinstance(obj, OrderedDict), "items": dict(items)}
-        return plain
-    if isinstance(obj, list):
-        return [to_plain(v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(to_plain(v) for v in obj)
-    if isinstance(obj, enum.Enum):
-        return {TYPE_KEY: "enum", "class": _class_path(type(obj)), "name": obj.name}
-    if isinstance(obj, (set, frozenset)):
-        return {TYPE_KEY: type(obj).__name__, "items": [to_plain(v) for v in sorted(obj, key=repr)]}
-    if isinstance(obj, argparse.Namespace):
-        return {TYPE_KEY: "namespace", "attrs": to_plain(vars(obj))}
-    if type(obj).__module__.startswith("deepspeed."):
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return {TYPE_KEY: "dataclass", "class": _class_path(type(obj)),
-                    "fields": {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
-        if _is_loss_scaler(obj):
-            return {TYPE_KEY: "attrs", "class": _class_path(type(obj)), "attrs": to_plain(vars(obj))}
-    return obj
-
-
-def from_plain(obj: Any, where: str = "") -> Any:
-    """``to_plain``'s inverse: rebuilds the values it replaced. Only DeepSpeed's own classes are rebuilt (and
-    ``argparse.Namespace``, sets, enums of DeepSpeed's modules), so a repository never names code to run.
-    ``where`` (the file's entry) names the place of a malformed node in the CorruptionError it raises."""
-    if isinstance(obj, dict):
-        if TYPE_KEY in obj:
-            return _revive(obj, where)
-        items = [(k, from_plain(v, f"{where}/{k}")) for k, v in obj.items()]
-        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-    if isinstance(obj, list):
-        return [from_plain(v, f"{where}/{i}") for i, v in enumerate(obj)]
-    if type(obj) is tuple:
-        return tuple(from_plain(v, f"{where}/{i}") for i, v in enumerate(obj))
-    return obj
-
-
-def _deepspeed_class(path: Any, where: str = "") -> Any:
-    """The DeepSpeed class a stored value names; a name outside DeepSpeed's modules is damage or a forgery."""
-    module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
-    if not module.startswith("deepspeed."):
-        raise CorruptionError(f"{where or 'a DeepSpeed state'}: a stored DeepSpeed value names class {path!r}, "
-                              f"which is not DeepSpeed's (only DeepSpeed's own classes are rebuilt); run "
-                              f"`ckptrepo fsck` on the repository, or load an earlier tag")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        raise UnsupportedValueError(f"the checkpoint holds a {path} that this DeepSpeed does not have; load it "
-                                    f"with the DeepSpeed version that saved it") from None
-    if not isinstance(cls, type):
-        raise CorruptionError(f"{where or 'a DeepSpeed state'}: a stored DeepSpeed value names {path!r}, which "
-                              f"is not a class; run `ckptrepo fsck` on the repository, or load an earlier tag")
-    return cls
-
-
-def _revive(node: dict[str, Any], where: str) -> Any:
-    """The value ``node`` stands for; damage (a field missing or of the wrong type, a member the class does not
-    have) is a CorruptionError naming the place, never a KeyError or TypeError from deep inside."""
-    kind = node.get(TYPE_KEY)
-    try:
-        return _rebuild(kind, node, where)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        detail = f"{type(err).__name__}: {first_line(err)}"
-        raise CorruptionError(f"{where or 'a DeepSpeed state'}: the stored DeepSpeed value of kind {kind!r} is "
-                              f"malformed ({detail}); run `ckptrepo fsck` on the repository, or load an "
-                              f"earlier tag") from None
-
-
-def _rebuild(kind: Any, node: dict[str, Any], where: str) -> Any:
-    if kind == "dict":   # a dict of the caller's that holds TYPE_KEY itself: its items are taken as they are
-        items = [(k, from_plain(v, f"{where}/{k}")) for k, v in node["items"].items()]
-        return OrderedDict(items) if node["ordered"] is True else dict(items)
-    if kind in ("set", "frozenset"):
-        items = [from_plain(v, f"{where}/{i}") for i, v in enumerate(node["items"])]
-        return set(items) if kind == "set" else frozenset(items)
-    if kind == "namespace":
-        return argparse.Namespace(**from_plain(node["attrs"], where))
-    cls = _deepspeed_class(node.get("class"), where)
-    if kind == "enum" and issubclass(cls, enum.Enum):
-        return cls[node["name"]]
-    if kind == "dataclass" and isinstance(cls, type) and dataclasses.is_dataclass(cls):
-        make: Any = cls
-        return make(**from_plain(node["fields"], where))
-    if kind == "attrs" and any(_class_path(c) == "deepspeed.runtime.fp16.loss_scaler.LossScalerBase"
-                               for c in cls.__mro__):
-        obj = cls.__new__(cls)   # its attributes as saved; __init__ would reset the scale it reached
-        vars(obj).update(from_plain(node["attrs"], where))
-        return obj
-    raise CorruptionError(f"{where or 'a DeepSpeed state'}: a stored DeepSpeed value of kind {kind!r} names "
-                          f"{node.get('class')!r}, which is not one that kind rebuilds; run `ckptrepo fsck` on "
-                          f"the repository, or load an earlier tag")
 
 
 # ---- stubs: what DeepSpeed's glob and os.path.exists find ----------------------------------------------------------
@@ -278,7 +158,7 @@ class CkptRepoCheckpointEngine:
             return
         if entry in self._files:
             raise ArgumentError(f"DeepSpeed saved {path} twice in one checkpoint; give each file its own path")
-        self._files[entry] = to_plain(state_dict)
+        self._files[entry] = to_plain(state_dict, entry)
         self._paths[entry] = path
 
     def commit(self, info: Any) -> bool:
@@ -464,16 +344,30 @@ def checkout(url: str | os.PathLike[str], save_dir: str | os.PathLike[str], rev:
     if not tag:
         raise ArgumentError(f"version {vid[:12]} was not saved by the DeepSpeed engine (it records no DeepSpeed "
                             f"tag); pass tag= to name the directory")
+    _below(vid, tag, "DeepSpeed tag")
+    entries = [str(e) for e in entry_keys(repo.plumbing.manifest(vid))]
+    for entry in entries:   # all checked before anything is written
+        _below(vid, entry, "file")
     root = os.path.join(os.fspath(save_dir), tag)
     paths = []
-    for entry in entry_keys(repo.plumbing.manifest(vid)):
-        path = os.path.join(root, *str(entry).split("/"))
+    for entry in entries:
+        path = os.path.join(root, *entry.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_stub(path, repo.url, vid, tag, str(entry))
         paths.append(path)
     with open(os.path.join(os.fspath(save_dir), "latest"), "w") as f:
         f.write(tag)
     return paths
+
+
+def _below(vid: str, name: str, what: str) -> None:
+    """Refuse a tag or file name of a version that would put a stub outside ``<save_dir>/<tag>/``: the names
+    come from the repository, which must never choose where ckptrepo writes."""
+    parts = name.split("/")
+    if any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts) or os.path.isabs(name):
+        raise CorruptionError(f"version {vid[:12]} names the {what} {name[:80]!r}, which is no path below the "
+                              f"checkpoint directory (the DeepSpeed engine never saves one); checkout writes "
+                              f"nothing outside save_dir: load it with repo.load instead")
 
 
 # ---- swapping the engine in -------------------------------------------------------------------------------------
@@ -512,5 +406,5 @@ def install(engine: Any, url: str | os.PathLike[str], **kwargs: Any) -> CkptRepo
     return ours
 
 
-__all__ = ["CkptRepoCheckpointEngine", "ENGINE_NAME", "checkout", "from_plain", "install", "read_stub",
+__all__ = ["CkptRepoCheckpointEngine", "ENGINE_NAME", "TYPE_KEY", "checkout", "from_plain", "install", "read_stub",
            "step_optimizers", "to_plain", "write_stub"]

@@ -18,12 +18,14 @@ subclass ``TrainerCallback``); ``checkpoint_folder`` never imports it.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
 import random
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +43,6 @@ from ckptrepo.tools._hf_export import (
     OPTIMIZER_KEY,
     RNG_KEY,
     SCHEDULER_KEY,
-    TRAINER_STATE_FILE,
     TRAINER_STATE_KEY,
     save_trainer_checkpoint,
 )
@@ -254,22 +255,15 @@ if TYPE_CHECKING:
     CkptRepoCallback = _Hooks
 
 
-def default_folder(vid: str, step: int | None) -> Path:
-    """Where ``checkpoint_folder`` writes version ``vid`` when not told: a folder of this user's in the temp
-    directory, one per version (a version never changes, so one written there before is used again)."""
-    user = os.getuid() if hasattr(os, "getuid") else "user"
-    return Path(tempfile.gettempdir()) / f"ckptrepo-hf-{user}" / f"checkpoint-{step}-{vid[:16]}"
-
-
 def checkpoint_folder(repo: Repository | str | os.PathLike[str], rev: str = "HEAD",
                       out: str | os.PathLike[str] | None = None) -> str:
     """Write version ``rev`` (saved by ``CkptRepoCallback``) as a Trainer checkpoint folder and return its path,
     for ``trainer.train(resume_from_checkpoint=checkpoint_folder(url, "@1000"))``: the run goes on exactly as
     from the Trainer's own checkpoint of that step.
 
-    ``out``: the folder to write (new, or empty); default: one per version in the temp directory, reused.
-    Under DDP every rank calls it with the default ``out``: the ranks on one machine then share one folder,
-    whichever writes it first."""
+    ``out``: the folder to write (new, or empty), the caller's to keep. Default: a new folder of this process
+    in the temp directory, private to the user (mode 0700: it holds the optimizer and RNG states), removed
+    when the process exits. Under DDP every rank calls it and writes its own."""
     from ckptrepo.tools._exchange import _write_then_rename, export_target
     r = repo if isinstance(repo, Repository) else open_repo(repo_url(repo))
     vid = r.resolve(rev)
@@ -281,32 +275,42 @@ def checkpoint_folder(repo: Repository | str | os.PathLike[str], rev: str = "HEA
         except ExchangeError as err:
             raise ExchangeError(f"version {vid[:12]}: {err}") from None
         return str(path)
-    path = default_folder(vid, r.version(vid).step)
-    if not (path / TRAINER_STATE_FILE).is_file():   # else written whole (renamed into place) for this version
-        _write_shared(path, vid, r.load(vid))
-    return str(path)
+    return str(_write_private(vid, r.version(vid).step, r.load(vid)))
 
 
-def _write_shared(path: Path, vid: str, state: Any) -> None:
-    """Write the checkpoint folder under a name of this process's, then rename it to ``path`` unless another
-    process (a DDP rank resuming too) got there first: a rename never replaces a folder that holds files,
-    so a rank already reading its copy is never disturbed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+_made: list[str] = []   # the private folders this process made, removed at exit
+_made_lock = threading.Lock()
+
+
+def _write_private(vid: str, step: int | None, state: Any) -> Path:
+    """Write the checkpoint folder inside a new private folder of the temp directory: ``mkdtemp`` makes it
+    under a name nobody can have made before, mode 0700 and owned by this user, so no folder another user
+    planted (or could read) is ever used. Removed at exit: Trainer reads it when ``train()`` starts."""
+    base = Path(tempfile.mkdtemp(prefix=f"ckptrepo-hf-{vid[:12]}-"))
+    with _made_lock:
+        if not _made:
+            atexit.register(_remove_made, os.getpid())
+        _made.append(str(base))
+    path = base / f"checkpoint-{step}"
     try:
-        save_trainer_checkpoint(state, tmp)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not (path / TRAINER_STATE_FILE).is_file():
-                raise
+        save_trainer_checkpoint(state, path)
+        os.chmod(path, 0o700)
     except ExchangeError as err:
+        shutil.rmtree(base, ignore_errors=True)
         raise ExchangeError(f"version {vid[:12]}: {err}") from None
     except OSError as err:
+        shutil.rmtree(base, ignore_errors=True)
         raise ExchangeError(f"could not write {path}: {err.strerror or err}; nothing was left there") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _remove_made(pid: int) -> None:
+    if os.getpid() != pid:   # a forked child inherits the list, not the folders
+        return
+    with _made_lock:
+        made, _made[:] = list(_made), []
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 __all__ = ["CkptRepoCallback", "checkpoint_folder", "hf_config", "rng_states", "trainer_state"]

@@ -17,7 +17,8 @@ from ckptrepo.core._boxes import check_coverage, volume
 from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head
-from ckptrepo.core._remotes import evicted_ids
+from ckptrepo.core._remotes import evicted_ids, tracking_refs
+from ckptrepo.core._whereabouts import check_evicted
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, CorruptionError, first_line, is_storage_failure, some_names, storage_failure
 from ckptrepo.maintenance._fsck_digests import Checked, PieceDigests
@@ -28,7 +29,9 @@ from ckptrepo.maintenance._gc import (
     marked_refs,
     reachable_versions,
     ref_targets,
+    unshared_data,
 )
+from ckptrepo.maintenance._lost import describe_refs, find_lost, lost_ids, lost_line
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
 from ckptrepo.storage._frames import FrameCheck
@@ -75,13 +78,16 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
             manifests[vid] = m
         elif plumbing.store.exists(VERSIONS_PREFIX + vid):
             report.errors.append(str(m))
-    head, refs = _check_refs(plumbing, manifests, report, starts)
+    lost = lost_ids(plumbing)
+    head, refs = _check_refs(plumbing, manifests, report, starts, lost)
     report.versions = len(manifests)
     pruned = plumbing.pruned_ids()
     evicted = evicted_ids(plumbing.store)
     data_ids = data_version_ids(plumbing)
     reachable = reachable_versions(starts, {vid: m.parents for vid, m in manifests.items()})
-    marked = _check_graph(plumbing, manifests, head or Head(None, None, b""), refs, pruned, data_ids, report)
+    held = unshared_data(plumbing, pruned, data_ids, {vid: list(m.arrays) for vid, m in manifests.items()},
+                         {vid: {p.array for t in m.tensors for p in t.pieces} for vid, m in manifests.items()})
+    marked = _check_graph(plumbing, manifests, head or Head(None, None, b""), refs, pruned, held, report)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
         on_total(sum(a.nbytes for vid, m in manifests.items() if vid not in pruned for a in m.arrays.values()))
     stored: dict[str, set[tuple[str, int, int]]] = {}
@@ -91,16 +97,18 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
         report.warnings.append(f"{len(unbound)} version(s) are not content-bound (written before format 2: "
                                f"{some_names([v[:12] for v in sorted(unbound)])}): their chunks are checked by "
                                f"their own crc32c only, so a shard swapped with another version's goes unseen")
+    _check_lost(plumbing, manifests, head, refs, report)
     digests_checked: Checked = set()
     for vid, m in manifests.items():
-        _check_parents(vid, m, manifests, reachable, report)
+        _check_parents(vid, m, manifests, reachable, report, lost)
         if vid not in pruned:
             before = len(report.errors)
             _check_version_data(plumbing, vid, m, report, on_bytes, evicted, digests_checked)
             if len(report.errors) > before and plumbing.store.exists(PRUNED_PREFIX + vid):
                 del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
-    elsewhere = sorted(evicted & set(manifests))
+    elsewhere = sorted((evicted & set(manifests)) - pruned)
+    check_evicted(plumbing, elsewhere, manifests, reachable, report.errors.append, report.warnings.append)
     if elsewhere:
         report.warnings.append(f"{len(elsewhere)} version(s) keep their data on a remote (evicted after a push, or "
                                f"cloned lazily: {some_names([v[:12] for v in elsewhere])}): what is not here is not "
@@ -115,7 +123,7 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
             continue
         report.warnings.append(f"snapshot {f['id'][:12]} (step {f.get('step')}) failed and was not committed: "
                                f"{f.get('error')}")
-    limbo = sorted((pruned & data_ids & set(manifests)) - marked)   # a ref's version: an error above
+    limbo = sorted((held & set(manifests)) - marked)   # a ref's version: an error above
     if limbo:
         shown = ", ".join(v[:12] for v in limbo[:3]) + (" ..." if len(limbo) > 3 else "")
         report.warnings.append(f"{len(limbo)} version(s) marked pruned still hold data ({shown}): a gc was "
@@ -123,6 +131,8 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
                                f"deleting their data")
     referenced = {p for m in manifests.values() for p in m.parents} | set(starts)
     for vid in sorted(data_ids - set(manifests)):
+        if vid in lost:
+            continue            # kept by gc for a restored manifest; _check_lost names the version
         if vid in referenced:   # its manifest was lost (an error above), not an interrupted snapshot's leftover
             report.warnings.append(f"{DATA_PREFIX}{vid}/ is the data of version {vid[:12]}, whose manifest is "
                                    f"missing: it cannot be loaded without it (gc refuses to run until that is "
@@ -133,12 +143,12 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
 
 
 def _check_parents(vid: str, m: Manifest, manifests: dict[str, Manifest], reachable: set[str],
-                   report: FsckReport) -> None:
+                   report: FsckReport, lost: set[str]) -> None:
     """Each parent of a version must exist. A version no ref reaches whose parent is gone is no damage: an older
     gc, which deleted unreachable manifests in id order, left that when interrupted, and the next gc collects
     it; for a version some ref reaches it is history lost (gc then refuses to run)."""
     for p in m.parents:
-        if p in manifests:
+        if p in manifests or p in lost:   # a lost one is named once, by _check_lost
             continue
         if vid in reachable:
             report.errors.append(f"version {vid[:12]}: parent {p[:12]} is missing ({VERSIONS_PREFIX}{p})")
@@ -160,7 +170,7 @@ def _check_graph(plumbing: Plumbing, manifests: dict[str, Manifest], head: Head,
 
 
 def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: FsckReport,
-                starts: list[str]) -> tuple[Head | None, dict[str, dict[str, str]]]:
+                starts: list[str], lost: set[str]) -> tuple[Head | None, dict[str, dict[str, str]]]:
     """Every ref's version must exist; one committed since the listing is read into ``manifests`` (with its
     ancestors the listing lacks), not reported. The versions the readable refs name are added to ``starts``.
     Returns HEAD, or None when it cannot be read (reported), and the readable refs by kind."""
@@ -168,7 +178,8 @@ def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: Fsck
         tip = True
         while vid is not None and vid not in manifests:
             if not plumbing.store.exists(VERSIONS_PREFIX + vid):
-                return tip          # an ancestor's absence is reported as a missing parent below
+                # an ancestor's absence is reported as a missing parent below; a lost one by _check_lost
+                return tip and vid not in lost
             try:
                 manifests[vid] = plumbing.manifest(vid)
             except CkptRepoError as err:
@@ -197,6 +208,18 @@ def _check_refs(plumbing: Plumbing, manifests: dict[str, Manifest], report: Fsck
     elif head.version is not None:
         starts.append(head.version)
     return head, refs
+
+
+def _check_lost(plumbing: Plumbing, manifests: dict[str, Manifest], head: Head | None,
+                refs: dict[str, dict[str, str]], report: FsckReport) -> None:
+    """Name each version a readable ref or its history names whose manifest is gone, and why (a gc beside the
+    writer that committed it, maintenance/_lost.py): an error until ``fsck --repair`` marks it lost, then a
+    warning."""
+    parents = {vid: m.parents for vid, m in manifests.items()}
+    described = describe_refs(refs["branch"], refs["tag"], head or Head(None, None, b""),
+                              tracking_refs(plumbing.store))
+    for lost in find_lost(plumbing, parents, described):
+        (report.warnings if lost.marked else report.errors).append(lost_line(lost))
 
 
 def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckReport,

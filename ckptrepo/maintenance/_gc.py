@@ -13,14 +13,21 @@ Two kinds of deletion:
 Safe against a concurrent writer: nothing younger than the grace period is
 collected (a writer in flight has objects no ref points to yet), branch heads
 and tagged versions are never pruned by default, and data still referenced by a
-kept version is never deleted.
+kept version is never deleted. Without a grace period a writer's snapshots may
+fail: gc names what it collects in its intent, reads the refs (and leftover
+data's manifests) again just before it deletes and keeps what they reach then,
+and a writer whose branch moved after that read finds its version in the intent
+and moves its branch back; one killed before that check leaves a branch naming a
+version gc collected (``maintenance/_lost.py``: fsck names it, ``fsck --repair``
+lets gc run again).
 
 Safe against damage: gc deletes only what it can prove unreachable in a
 repository whose refs and history pass fsck's checks. It stops before deleting
 anything, naming the damage, when a ref or manifest cannot be read, a ref or
-parent names a missing version, HEAD's branch is lost while versions exist,
-parent links form a cycle, or a ``pruned/`` marker names a branch tip, a tag
-or a detached HEAD whose data is still stored (see ``graph_damage``). There is
+parent names a missing version (one that ``fsck --repair`` marked lost ends the
+walk instead), HEAD's branch is lost while versions exist, parent links form a
+cycle, or a ``pruned/`` marker names a branch tip, a tag or a detached HEAD
+whose data is still stored (see ``graph_damage``). There is
 no trash to undo a gc (docs/decisions/016-gc-refuses-on-damage.md): ``--dry-run``
 lists what would go.
 """
@@ -52,6 +59,7 @@ from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
 from ckptrepo.core._remotes import leased_versions, tracking_refs
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RefError, RetentionError, StorageError
+from ckptrepo.maintenance._lost import lost_ids
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -186,6 +194,21 @@ def marked_refs(pruned: set[str], data_ids: set[str], branches: Mapping[str, str
     return {vid: refs for vid, refs in sorted(names.items()) if vid in pruned and vid in data_ids}
 
 
+def unshared_data(plumbing: Plumbing, pruned: set[str], data_ids: set[str], arrays: Mapping[str, Collection[str]],
+                  referenced: Mapping[str, Collection[str]]) -> set[str]:
+    """The pruned versions that still store an array of their own that no unpruned version points into: what a
+    gc interrupted after its markers leaves. A pruned version's array that another version's pieces use (dedup)
+    stays on purpose, and says nothing of an interrupted gc. ``arrays``: each version's array keys;
+    ``referenced``: the arrays each version's pieces point into; ``data_ids``: the versions with data stored."""
+    live = {a for vid, keys in referenced.items() if vid not in pruned for a in keys}
+    out = set()
+    for vid in sorted(pruned & data_ids & set(arrays)):
+        own = [a for a in arrays[vid] if a.startswith(f"{DATA_PREFIX}{vid}/") and a not in live]
+        if own and any(k.startswith(a + "/") for k in plumbing.store.list(f"{DATA_PREFIX}{vid}/") for a in own):
+            out.add(vid)
+    return out
+
+
 def marked_ref_damage(vid: str, refs: Sequence[str]) -> str:
     """One line for a version ``marked_refs`` found."""
     return (f"{PRUNED_PREFIX}{vid} marks version {vid[:12]} ({', '.join(refs)}) as pruned, but its data is still "
@@ -227,10 +250,11 @@ def reaches(plumbing: Plumbing, starts: Sequence[str], target: str) -> bool:
     return False
 
 
-def _reachable(plumbing: Plumbing, starts: Sequence[str], facts: dict[str, "VersionFacts"]) -> set[str]:
+def _reachable(plumbing: Plumbing, starts: Sequence[str], facts: dict[str, "VersionFacts"],
+               lost: Collection[str] = ()) -> set[str]:
     """The versions reachable from ``starts`` through parent links; a version missing from ``facts`` is read
     (and added to them) before the walk goes on, and gc stops before it deletes anything when its manifest is
-    gone.
+    gone, unless ``fsck --repair`` marked it lost (maintenance/_lost.py): the walk ends there.
 
     Without the manifest that version's data would look like an interrupted
     snapshot's and be collected: a repository that is already damaged would
@@ -247,6 +271,8 @@ def _reachable(plumbing: Plumbing, starts: Sequence[str], facts: dict[str, "Vers
             continue
         if vid not in facts:
             if not plumbing.store.exists(VERSIONS_PREFIX + vid):
+                if vid in lost:
+                    continue
                 raise CorruptionError(f"gc stopped before deleting anything: {missing_manifest(vid)}")
             facts[vid] = VersionFacts.of(plumbing.manifest(vid))
         seen.add(vid)
@@ -317,7 +343,8 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     damage = graph_damage(plumbing, {vid: f.parents for vid, f in facts.items()}, head)
     if damage:
         raise CorruptionError(f"gc stopped before deleting anything: {damage[0]}")
-    reachable = _reachable(plumbing, _targets(branches, tags, head) + list(tracking.values()), facts)
+    lost = lost_ids(plumbing)
+    reachable = _reachable(plumbing, _targets(branches, tags, head) + list(tracking.values()), facts, lost)
 
     retention = keep_last is not None or keep_every is not None or keep_best is not None
     keep: set[str] = set()
@@ -348,7 +375,10 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     data_ids = data_version_ids(plumbing)
     # a marker on a ref's version whose data is stored: finishing that prune deletes live data, unless these
     # very rules prune the version too (the rerun of an interrupted --no-keep-branch-heads pass)
-    for vid, refs in marked_refs(already_pruned, data_ids, branches, tags, head).items():
+    unfinished_ids = unshared_data(plumbing, already_pruned, data_ids,
+                                   {v: [a for a, _, _ in f.arrays] for v, f in facts.items()},
+                                   {v: f.referenced for v, f in facts.items()})
+    for vid, refs in marked_refs(already_pruned, unfinished_ids, branches, tags, head).items():
         if vid in keep:
             raise CorruptionError(f"gc stopped before deleting anything: {marked_ref_damage(vid, refs)}")
 
@@ -371,7 +401,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
             report.too_young.append(vid)
         else:
             report.collected.append(vid)
-    for vid in sorted(data_ids - set(facts)):
+    for vid in sorted(data_ids - set(facts) - lost):   # a lost version's data: a restored manifest uses it
         young_data = young(vid, version_id_time(vid)) or vid in leased
         (report.too_young if young_data else report.orphan_data).append(vid)
     # pruned by a pass that was killed after its markers and before (all of) its deletes: finished now, by any
@@ -397,7 +427,17 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     if dry_run:
         return report
 
-    def mark_and_unlist() -> None:
+    doomed = set(doomed_arrays)
+
+    def mark_and_unlist() -> list[str]:
+        # a writer may have moved a ref onto a version listed here since the refs were read (the grace period
+        # is what protects it; with none, the intent, written before this read, names the versions to collect,
+        # and a writer whose ref moves after it waits for this pass, see maintenance/_lost.py)
+        rescued = committed_meanwhile(plumbing, report.collected, facts)
+        for vid in rescued:
+            report.collected.remove(vid)
+            report.kept.append(vid)
+            doomed.difference_update(facts[vid].referenced)
         for vid in report.pruned:
             # mark first: a crash leaves data, never a lie. Empty: a full disk still takes an empty file, where a
             # marker with content would fail, and gc, the way to free space, would free nothing
@@ -406,17 +446,26 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         for vid in children_first(report.collected, {v: facts[v].parents for v in report.collected}):
             plumbing.store.delete(VERSIONS_PREFIX + vid)              # manifest before data: never a dangling manifest
             plumbing.store.delete(PRUNED_PREFIX + vid)
+        # data without a manifest: a manifest written since the listing is a commit under way (checked after the
+        # intent that names it, as the refs above: a writer that sees the intent checks its data)
+        for vid in list(report.orphan_data):
+            if plumbing.store.exists(VERSIONS_PREFIX + vid):
+                report.orphan_data.remove(vid)
+                report.too_young.append(vid)
+                rescued.append(vid)
+                continue
+            plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
+        return rescued
 
-    kept = delete_arrays_announced(plumbing, "gc-" + new_version_id(), set(doomed_arrays), set(facts),
-                                   mark_and_unlist)
+    kept = delete_arrays_announced(plumbing, "gc-" + new_version_id(), doomed, set(facts), mark_and_unlist,
+                                   versions=report.collected + report.orphan_data)
+    kept |= set(doomed_arrays) - doomed
     if kept:   # reused by snapshots committed meanwhile (dedup): not freed after all
         report.bytes_freed -= sum(doomed_arrays[k][0] for k in kept)
         report.stored_bytes_freed -= sum(stored[k] for k in kept)
-    for vid in report.orphan_data:
-        plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
     for key in stale_leases:
         plumbing.store.delete(key)
-    for key, (born, _) in _intents(plumbing.store):   # the intents of prunes that died midway
+    for key, (born, _, _) in _intents(plumbing.store):   # the intents of prunes that died midway
         if now - born >= PRUNING_STALE_S:
             plumbing.store.delete(key)
     for key in plumbing.store.list(FAILURES_PREFIX):
@@ -428,6 +477,27 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         if not young(vid, version_id_time(vid)):
             plumbing.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
     return report
+
+
+def committed_meanwhile(plumbing: Plumbing, candidates: Collection[str],
+                        facts: Mapping[str, VersionFacts]) -> list[str]:
+    """The ``candidates`` (versions about to be collected) that the refs, read again now, reach: committed by a
+    writer after gc first read the refs. Versions missing from ``facts`` (committed since the listing) are
+    walked through by their headers."""
+    if not candidates:
+        return []
+    seen: set[str] = set()
+    stack = ref_targets(plumbing)
+    while stack:
+        vid = stack.pop()
+        if vid in seen:
+            continue
+        seen.add(vid)
+        if vid in facts:
+            stack.extend(facts[vid].parents)
+        elif plumbing.store.exists(VERSIONS_PREFIX + vid):
+            stack.extend(plumbing.header(vid).parents)
+    return sorted(seen.intersection(candidates))
 
 
 def _best(facts: dict[str, VersionFacts], candidates: set[str], n: int, metric: str, mode: str) -> list[str]:
@@ -502,7 +572,8 @@ def prune_version(plumbing: Plumbing, vid: str) -> int:
 
 
 def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], known: Collection[str],
-                            before: Callable[[], None]) -> set[str]:
+                            before: Callable[[], Collection[str] | None],
+                            versions: Collection[str] = ()) -> set[str]:
     """Delete the ``doomed`` arrays without pulling them from under a snapshot that reuses one (dedup) and
     commits meanwhile; returns the arrays kept for such snapshots.
 
@@ -510,17 +581,25 @@ def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], kno
     (saving/_dedup.py) and fails rather than point at deleted bytes. After ``before`` (markers, manifest
     deletes), the manifests written since the caller listed ``known`` ones are read, and what they use is kept:
     a commit either wrote its manifest before this read, or sees the intent.
+
+    ``versions``: the versions whose manifests or data ``before`` deletes, also listed in the intent, for a
+    writer whose ref moves onto one meanwhile (maintenance/_lost.py); those ``before`` returns it kept after
+    all, and the intent is written again without them.
     """
     intent: str | None = PRUNING_PREFIX + name
     try:
-        plumbing.store.put(PRUNING_PREFIX + name, seal({"time": time.time(), "arrays": sorted(doomed)}))
+        plumbing.store.put(PRUNING_PREFIX + name, seal({"time": time.time(), "arrays": sorted(doomed),
+                                                        "versions": sorted(versions)}))
     except StorageError:
         # a full disk takes no intent, and then no commit's manifest either: nothing can land meanwhile, and
         # gc, what a user runs to free space, must still free it
         intent = None
     kept: set[str] = set()
     try:
-        before()
+        rescued = before()
+        if versions and rescued and intent is not None:
+            plumbing.store.put(intent, seal({"time": time.time(), "arrays": sorted(doomed),
+                                             "versions": sorted(set(versions) - set(rescued))}))
         for _new, m in plumbing.iter_manifests([v for v in plumbing.all_version_ids() if v not in known]):
             if isinstance(m, Manifest):
                 kept.update(p.array for t in m.tensors for p in t.pieces if p.array in doomed)
@@ -532,8 +611,9 @@ def delete_arrays_announced(plumbing: Plumbing, name: str, doomed: set[str], kno
     return kept
 
 
-def _intents(store: Any) -> list[tuple[str, tuple[float, list[str]]]]:
-    """Every intent (``pruning/<name>``): its key, when it was written and the arrays it lists."""
+def _intents(store: Any) -> list[tuple[str, tuple[float, list[str], list[str]]]]:
+    """Every intent (``pruning/<name>``): its key, when it was written, the arrays it lists and the versions
+    whose manifests it deletes."""
     out = []
     for key in store.list(PRUNING_PREFIX):
         raw = store.get(key)
@@ -541,12 +621,19 @@ def _intents(store: Any) -> list[tuple[str, tuple[float, list[str]]]]:
             continue
         try:
             intent = unseal(raw, key)
-            out.append((key, (float(intent["time"]), [a for a in intent["arrays"] if isinstance(a, str)])))
-        except (CorruptionError, KeyError, TypeError, ValueError):
-            out.append((key, (0.0, [])))   # torn by a crash: that prune is over
+            out.append((key, (float(intent["time"]), [a for a in intent["arrays"] if isinstance(a, str)],
+                              [v for v in intent.get("versions", ()) if isinstance(v, str)])))
+        except (CorruptionError, KeyError, TypeError, ValueError, AttributeError):
+            out.append((key, (0.0, [], [])))   # torn by a crash: that prune is over
     return out
+
+
+def collecting(store: Any, now: float) -> set[str]:
+    """The versions whose manifests gc passes in progress are deleting (intents younger than
+    ``PRUNING_STALE_S``)."""
+    return {v for _, (t, _, versions) in _intents(store) if now - t < PRUNING_STALE_S for v in versions}
 
 
 def pruning_arrays(store: Any, now: float) -> set[str]:
     """The arrays prunes in progress are deleting (intents younger than ``PRUNING_STALE_S``)."""
-    return {a for _, (t, arrays) in _intents(store) if now - t < PRUNING_STALE_S for a in arrays}
+    return {a for _, (t, arrays, _) in _intents(store) if now - t < PRUNING_STALE_S for a in arrays}

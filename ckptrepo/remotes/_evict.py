@@ -14,30 +14,42 @@ is evicted, oldest first:
    first, then its shards and chunk table, so a crash midway leaves an array that opens on the remote, never a
    local one with shards missing.
 
+Nothing is deleted on the word of the remote-tracking ref alone: right before its deletes, a pass checks that
+the remote is not this repository's own store (core/_same_store.py), that it still holds each version's
+manifest and has not pruned it, and that it holds every object of each array deleted here; an array the remote
+lacks stays here (``EvictReport.kept``).
+
 Manifests, refs and history stay: only tensor data is deleted. A pass interrupted between its markers and
 its deletes is finished by the next one: the walk goes on past evicted versions while they still hold data
 here.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX
+from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._remotes import evicted_ids, mark_evicted, remote_url, tracking_tip
+from ckptrepo.core._same_store import refuse_if_same_store
 from ckptrepo.errors import ArgumentError, RefError
 from ckptrepo.remotes._remote import version_ids
+from ckptrepo.storage.protocol import Store
+
+log = logging.getLogger("ckptrepo")
 
 
 @dataclass
 class EvictReport:
-    """What one pass did: the versions it marked evicted, the arrays it deleted here and their bytes."""
+    """What one pass did: the versions it marked evicted, the arrays it deleted here and their bytes, and the
+    arrays it kept because the remote lacks some of their objects."""
 
     evicted: list[str] = field(default_factory=list)
     arrays: list[str] = field(default_factory=list)
     bytes_freed: int = 0
+    kept: list[str] = field(default_factory=list)
 
 
 def evict(plumbing: Plumbing, remote: str, keep_last: int, branch: str | None = None,
@@ -59,9 +71,13 @@ def evict(plumbing: Plumbing, remote: str, keep_last: int, branch: str | None = 
     pruned = plumbing.pruned_ids()
     marked = evicted_ids(plumbing.store)
     todo = _candidates(plumbing, tip, on_remote, keep_last, pruned, marked)
-    if todo:   # a version the remote's own gc pruned since it was pushed: the copy here is the last one
-        there = plumbing.remote_store(remote)
-        todo = [vid for vid in todo if vid in marked or not there.exists(PRUNED_PREFIX + vid)]
+    if not todo:
+        return report
+    there = plumbing.remote_store(remote)
+    refuse_if_same_store(plumbing.store, there, remote)   # its config may name this repository since remote add
+    # a version the remote's own gc pruned since it was pushed, or that is not there at all: the copy here is
+    # the last one
+    todo = [vid for vid in todo if there.exists(VERSIONS_PREFIX + vid) and not there.exists(PRUNED_PREFIX + vid)]
     if not todo:
         return report
     gone = marked | set(todo)
@@ -81,12 +97,23 @@ def evict(plumbing: Plumbing, remote: str, keep_last: int, branch: str | None = 
             present = store.list(f"{key}/")
             if not present:
                 continue   # deleted already (shared by two evicted versions, or by an earlier pass)
+            if not _held_there(there, key, present):
+                report.kept.append(key)
+                log.warning("ckptrepo: array %s stays here: remote %r lacks some of its objects", key, remote)
+                continue
             if f"{key}/zarr.json" in present:
                 store.delete(f"{key}/zarr.json")
             store.delete_prefix(f"{key}/")
             report.arrays.append(key)
             report.bytes_freed += info.nbytes
     return report
+
+
+def _held_there(there: Store, key: str, present: list[str]) -> bool:
+    """Whether the remote holds every object of array ``key`` that is here (``present``), ``zarr.json``
+    included: one listing there."""
+    held = set(there.list(f"{key}/"))
+    return f"{key}/zarr.json" in held and held.issuperset(present)
 
 
 def _owner(array_key: str) -> str:

@@ -9,6 +9,7 @@ from ckptrepo.core._manifest import CONFIG_KEY, VERSIONS_PREFIX, encode_config, 
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import init_head
 from ckptrepo.core._remotes import remote_url
+from ckptrepo.core._same_store import check_not_itself, refuse_if_same_store
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
 from ckptrepo.storage import open_store
 
@@ -20,7 +21,8 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
 
     An empty location is made a repository when ``create_with_branch`` is given (a first push, as to a bare
     repository), its HEAD on that branch. A location holding other objects, or another repository (its
-    ``id`` differs and it has versions), is refused: a push would mix two histories.
+    ``id`` differs and it has versions), is refused: a push would mix two histories. So is this repository
+    itself under another name (core/_same_store.py): a push would find it up to date.
     """
     url = remote_url(local.store, name)
     with remote_errors(f"remote {name!r} ({url})", f"fix the URL with `ckptrepo remote remove {name}`, then "
@@ -29,6 +31,7 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
 
 
 def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str | None) -> Plumbing:
+    check_not_itself(local.store.url, name, url)   # a config edited by hand: before anything is created there
     store = local.remote_store(name)
     if store.get(CONFIG_KEY) is None:
         held = store.list("")   # also what says that a bucket does not exist: a read of one absent key does not
@@ -47,6 +50,8 @@ def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str |
         init_head(store, create_with_branch)
     remote = Plumbing(store)
     mine, theirs = local.config.get(REPOSITORY_ID), remote.config.get(REPOSITORY_ID)
+    if mine == theirs:   # this repository, a clone or a push of it: only a probe tells the store itself apart
+        refuse_if_same_store(local.store, store, name)
     if mine and theirs and mine != theirs and remote.all_version_ids():
         raise RemoteError(f"remote {name!r} ({url}) holds another repository (id {str(theirs)[:12]}, this one is "
                           f"{str(mine)[:12]}); check the URL, or clone it into a directory of its own")

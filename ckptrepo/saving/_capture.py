@@ -69,7 +69,6 @@ from ckptrepo.core._manifest import (
 )
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import check_ref_name
-from ckptrepo.core._remotes import remote_url
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import (
     ArgumentError,
@@ -95,7 +94,7 @@ from ckptrepo.saving._device_copies import DeviceCopies
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change
 from ckptrepo.saving._gil import quick_gil_handoffs
 from ckptrepo.saving._host_memory import default_host_memory, parse_size
-from ckptrepo.saving._pusher import BackgroundPusher
+from ckptrepo.saving._pusher import BackgroundPusher, check_push_target
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from ckptrepo.saving._tensor_stats import stat_feeds
 from ckptrepo.saving._trackers import tracker_meta
@@ -340,7 +339,7 @@ class Snapshotter:
         self.on_full = on_full
         self._pusher: BackgroundPusher | None = None
         if push_to is not None:
-            remote_url(plumbing.store, push_to)   # an unknown remote: one line naming the ones there are
+            check_push_target(plumbing, push_to)   # an unknown remote, or this repository itself: one line
             if on_full == "skip" and self.distributed:
                 raise ArgumentError("on_full='skip' needs a single process (every rank would have to skip the "
                                     "same snapshot); use on_full='wait'")

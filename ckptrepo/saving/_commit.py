@@ -39,6 +39,7 @@ from ckptrepo.errors import (
     SnapshotFailedError,
     first_line,
 )
+from ckptrepo.maintenance._lost import collected_while_committing, own_arrays, undo_collected_commit
 from ckptrepo.parallel._distributed import GroupHealth, Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
 from ckptrepo.parallel.layout import ParallelLayout
@@ -167,7 +168,7 @@ class Committer:
                              f"snapshotter wrote on top of {base}, so it commits nothing more to it: load the branch "
                              f"tip and snapshot with a new snapshotter, or give each writer a branch of its own")
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
-        first = self.tip is None
+        first, parent = self.tip is None, self.tip
         self.tip = job.vid
         if moved.generation is not None:
             self.generation = moved.generation
@@ -176,6 +177,15 @@ class Committer:
                              f"committed on top of it), so this snapshotter commits nothing more to it: load the "
                              f"branch tip and snapshot with a new snapshotter, or give each writer a branch of its own")
         faults.point("after_ref")
+        deleted = collected_while_committing(self.plumbing, job.vid, own_arrays(manifest))
+        if deleted is not None:
+            message, generation = undo_collected_commit(self.plumbing, self.branch, job.vid, parent,
+                                                        moved.generation, deleted)
+            if generation is not None:
+                self.tip, self.generation = parent, generation
+            else:
+                self.conflict = message
+            raise SnapshotFailedError(message)
         if first and self.orphan:
             try:
                 self.plumbing.refs.settle_orphan(self.branch)

@@ -34,9 +34,17 @@ from ckptrepo.core.schema import (
     encode_manifest,
     version_from_manifest,
 )
-from ckptrepo.errors import CkptRepoError, ConflictError, DetachedHeadError, LayoutError, UnsupportedValueError
+from ckptrepo.errors import (
+    CkptRepoError,
+    ConflictError,
+    DetachedHeadError,
+    LayoutError,
+    SnapshotFailedError,
+    UnsupportedValueError,
+)
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.loading._reshard import read_pieces
+from ckptrepo.maintenance._lost import collected_while_committing, own_arrays, undo_collected_commit
 from ckptrepo.parallel._sharding import Piece as TargetPiece
 from ckptrepo.saving._commit import refuse_new_root, version_header
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
@@ -220,6 +228,10 @@ def commit_chunks(plumbing: Plumbing, vid: str, writes: Sequence[RankWrite], tre
                             f"(another writer) while this save wrote on top of {on}; save again, or give each "
                             f"writer a branch of its own")
     faults.point("after_ref")
+    deleted = collected_while_committing(plumbing, vid, own_arrays(manifest))
+    if deleted is not None:
+        raise SnapshotFailedError(undo_collected_commit(plumbing, base.branch, vid, base.tip, moved.generation,
+                                                        deleted)[0])
     if base.tip is None and base.orphan:
         try:
             plumbing.refs.settle_orphan(base.branch)

@@ -23,10 +23,12 @@ import threading
 from typing import Callable, Iterable
 
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import record_push_failure
+from ckptrepo.core._remotes import record_push_failure, remote_url
+from ckptrepo.core._same_store import check_not_itself, refuse_if_same_store
 from ckptrepo.errors import CkptRepoError, RemoteError, first_line
 from ckptrepo.remotes._evict import evict
 from ckptrepo.remotes._sync import push
+from ckptrepo.storage import open_store
 
 log = logging.getLogger("ckptrepo")
 
@@ -43,6 +45,19 @@ def _yield_to_training() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUSH_NICENESS)
     except (AttributeError, OSError):
         pass
+
+
+def check_push_target(plumbing: Plumbing, remote: str) -> None:
+    """Refuse, when a snapshotter starts, a ``push_to`` that is not a remote here or that is this repository
+    itself (its config may have been edited by hand since ``remote add``): each push would find it up to date
+    and local retention would delete the only copy. A remote in a local directory is probed too, which costs
+    no round trip; an object store is probed by each push (remotes/_remote.py), so a remote that is down does
+    not stop training from starting."""
+    url = remote_url(plumbing.store, remote)
+    check_not_itself(plumbing.store.url, remote, url)
+    there = open_store(url)   # not the handle's cached store: the snapshotter's handle outlives remote changes
+    if there.capabilities.local_root is not None:
+        refuse_if_same_store(plumbing.store, there, remote)
 
 
 class BackgroundPusher:
@@ -190,7 +205,7 @@ class BackgroundPusher:
             evict(self.plumbing, self.remote, self.keep_last, self.branch, protect=set(self._protect()))
         except Exception as err:  # noqa: BLE001 - as a failed push
             failure = RemoteError(f"local retention after a push to {self.remote!r} failed: {first_line(err)}; "
-                                  f"the versions are safe (here and there); run `ckptrepo fsck`")
+                                  f"nothing the remote lacks was deleted here; run `ckptrepo fsck`")
             failure.__cause__ = err
             self._fail(failure)
 
@@ -199,4 +214,4 @@ class BackgroundPusher:
         self._on_error(failure)
 
 
-__all__ = ["BackgroundPusher"]
+__all__ = ["BackgroundPusher", "check_push_target"]

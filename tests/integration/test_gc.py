@@ -321,3 +321,53 @@ def test_gc_frees_space_on_a_full_disk(tmp_path, monkeypatch):
     report = repo.gc(keep_last=1, grace_period_s=0)
     assert len(report.pruned) == 2 and report.bytes_freed > 0
     assert [v.pruned for v in ckptrepo.open(url).log()] == [False, True, True]
+
+
+def test_a_pruned_version_whose_array_newer_versions_share_is_no_interrupted_gc(repo):
+    """Dedup: unchanged tensors point into the array of the version that wrote them, which stays when that
+    version is pruned. fsck warned for ever that "a gc was interrupted" about such a version, and gc refused
+    to run once a tag named it ("marks ... as pruned, but its data is still stored")."""
+    frozen = torch.randn(5000)
+    with repo.snapshotter() as snap:
+        for s in range(3):
+            snap.snapshot({"frozen": frozen, "x": torch.full((100,), float(s))}, step=s)
+            snap.wait()
+    first = repo.resolve("@0")
+    r = repo.gc(keep_last=1, grace_period_s=0)
+    assert first in r.pruned and repo.plumbing.store.list(f"data/{first}/"), "the shared array stays"
+    report = repo.fsck()
+    assert report.ok and not report.warnings, (report.errors, report.warnings)
+    repo.tag("start", first)   # a tag on a pruned version does not bring its data back; nor is it damage
+    report = repo.fsck()
+    assert report.ok and not report.warnings, (report.errors, report.warnings)
+    again = repo.gc(keep_last=1, grace_period_s=0)
+    assert again.pruned == [] and again.bytes_freed == 0
+    assert_bit_exact({"frozen": frozen, "x": torch.full((100,), 2.0)}, repo.load("HEAD"))
+
+
+def test_fsck_tells_an_interrupted_gc_from_a_pruned_version_whose_array_is_shared(repo, monkeypatch):
+    """Both leave a pruned version with data stored: only the array no other version uses is an interrupted
+    gc's leftover, which fsck names and the next gc deletes."""
+    frozen = torch.randn(5000)
+    with repo.snapshotter() as snap:
+        for s in range(3):   # steps 1 and 2 point into step 0's array for "frozen"
+            snap.snapshot({"frozen": frozen, "x": torch.full((100,), float(s))}, step=s)
+            snap.wait()
+    ids = [repo.resolve(f"@{s}") for s in range(3)]
+
+    def killed(prefix):
+        raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(repo.plumbing.store, "delete_prefix", killed)
+    with pytest.raises(KeyboardInterrupt):
+        repo.gc(keep_last=1, grace_period_s=0)   # marks steps 0 and 1 pruned, deletes nothing
+    monkeypatch.undo()
+    repo = ckptrepo.open(repo.url)
+    warned = [w for w in repo.fsck().warnings if "a gc was interrupted" in w]
+    # step 0's array holds the "frozen" that the kept step 2 uses; step 1's holds only its own "x"
+    assert len(warned) == 1 and warned[0].startswith(f"1 version(s) marked pruned still hold data ({ids[1][:12]})")
+    r = repo.gc(keep_last=1, grace_period_s=0)
+    assert r.pruned == [] and r.bytes_freed == 400
+    assert not repo.plumbing.store.list(f"data/{ids[1]}/") and repo.plumbing.store.list(f"data/{ids[0]}/")
+    report = repo.fsck()
+    assert report.ok and not report.warnings, (report.errors, report.warnings)
+    assert_bit_exact({"frozen": frozen, "x": torch.full((100,), 2.0)}, repo.load("HEAD"))

@@ -105,8 +105,7 @@ def test_resume_from_a_version_continues_bit_for_bit(tmp_path):
     v10 = repo.version("@10")
     assert v10.metrics["loss"] == expected[10] and "learning_rate" in v10.metrics
 
-    folder = checkpoint_folder(url, "@10")
-    assert checkpoint_folder(url, "@10") == folder   # written once per version
+    folder = checkpoint_folder(url, "@10")   # a private folder of this process, removed at exit
     assert json.loads(open(os.path.join(folder, "trainer_state.json")).read())["global_step"] == 10
     resumed_model = tiny_model(seed=99)   # other weights: the resume must bring the version's
     resumed = train(tmp_path, "resumed", resumed_model, resume=folder)
@@ -148,7 +147,6 @@ def test_checkpoint_folder_writes_each_ranks_rng_file_for_a_ddp_version(repo, tm
     repo.snapshot(trainer_like_state(rng_states()), step=4)   # one process: the one file, as before
     one = checkpoint_folder(repo, "HEAD")
     assert sorted(p.name for p in Path(one).iterdir() if p.name.startswith("rng_state")) == ["rng_state.pth"]
-    assert checkpoint_folder(repo, "HEAD") == one
 
 
 @pytest.mark.parametrize("options", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 3}}}])
