@@ -6,6 +6,9 @@ traceback.
 """
 from __future__ import annotations
 
+import errno
+import re
+
 
 class CkptRepoError(Exception):
     """Base class of every ckptrepo error."""
@@ -101,10 +104,12 @@ class LayoutError(CkptRepoError):
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message, or its type's name when it has none: what a one-line error
     quotes of a cause (a TensorStore or OS error can run over several lines, and some have no message)."""
+    if isinstance(err, OSError) and err.strerror:
+        return os_error_text(err)
     text = str(err).strip()
     if not text:
         return type(err).__name__
-    line = text.splitlines()[0]
+    line = _OS_ERROR_CODE.sub("", text.splitlines()[0])
     # TensorStore appends the whole spec of the array or store it was opening (a kilobyte of JSON) and an
     # HTTP error's XML body: neither says anything the rest of the line does not
     cut = min((i for i in (line.find(m) for m in _BULKY_PAYLOADS) if i >= 0), default=-1)
@@ -113,6 +118,7 @@ def first_line(err: BaseException) -> str:
 
 
 _BULKY_PAYLOADS = (" [tensorstore_spec='", " [http_response_body='")
+_OS_ERROR_CODE = re.compile(r" ?\[os_error_code='?\d+'?\]")   # TensorStore's errno, after the words that say it
 
 
 # TensorStore's status codes (the first word of its messages) for a store that could not be reached or
@@ -157,11 +163,41 @@ def some_names(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
+def os_error_text(err: OSError) -> str:
+    """An OS error as words, without Python's ``[Errno N]``: ``Not a directory: 'runs/a'``."""
+    where = f": {err.filename!r}" if err.filename is not None else ""
+    return f"{err.strerror or type(err).__name__}{where}"
+
+
+# what to do about an OS error, by its errno: the words the OS gives say what went wrong, not what to do
+_OS_ERROR_HINTS = {
+    errno.ENOENT: "check the path: it, or a folder on it, does not exist",
+    errno.EEXIST: "something is already there; remove it or name a new path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; name another path",
+    errno.EISDIR: "it is a folder; name a file",
+    errno.EACCES: "you lack the permission; change it, or name a path you may use",
+    errno.EPERM: "the system does not permit it; name another path",
+    errno.EROFS: "the file system is read-only; write elsewhere",
+    errno.ENOSPC: "the disk is full; free space or write elsewhere",
+    errno.EFBIG: "the file is too large for the file system; write elsewhere",
+    errno.EDQUOT: "the disk quota is used up; free space or write elsewhere",
+    errno.ENAMETOOLONG: "a name on the path is too long for the file system; use a shorter one",
+    errno.ELOOP: "a symbolic link on the path leads round in a loop; fix the link or name another path",
+    errno.EIO: "the device failed; check the disk, or name a path on another one",
+}
+
+
+def os_error_hint(err: OSError) -> str:
+    """What to do about ``err``: one clause, for the end of a one-line error."""
+    return _OS_ERROR_HINTS.get(err.errno or 0, "check the path and the permissions, or name another path")
+
+
 __all__ = ["ArgumentError", "CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadError", "ExchangeError",
            "FormatVersionError", "LayoutError", "MissingDependencyError", "NotARepositoryError", "RefError",
            "RepositoryExistsError", "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError",
            "StorageError", "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line",
-           "is_storage_failure", "some_names", "storage_failure", "storage_failure_hint"]
+           "is_storage_failure", "os_error_hint", "os_error_text", "some_names", "storage_failure",
+           "storage_failure_hint"]
 
 
 class DigestMismatchError(CorruptionError):

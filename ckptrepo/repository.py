@@ -173,7 +173,7 @@ def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str,
     """
     chosen = check_compression(compression)
     url = repo_url(url)
-    store = open_store(url, options)
+    store = open_store(url, options, create=True)
     settings: dict[str, Any] = {"created": time.time(), "default_branch": DEFAULT_BRANCH,
                                 REPOSITORY_ID: uuid.uuid4().hex}
     if chosen is not None:
@@ -216,7 +216,7 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     branch = head.branch or str(theirs.config.get("default_branch") or DEFAULT_BRANCH)
     target = repo_url(directory)
     check_not_itself(target, remote, url)   # before anything is made there
-    store = open_store(target)
+    store = open_store(target, create=True)
     if store.list(""):
         raise RepositoryExistsError(f"{target} is not empty; clone into a new directory")
     settings = {"created": time.time(), "default_branch": branch,
@@ -713,12 +713,12 @@ class Repository:
         return list(HeaderWalk(self._plumbing.reads).chain(self.resolve(rev)))[::-1]
 
     def metrics_to_tensorboard(self, log_dir: str | os.PathLike[str], rev: str = "HEAD") -> int:
-        """Write the metrics and capture statistics of the first-parent history of ``rev`` as TensorBoard
-        scalars (``ckptrepo/<metric>``, ``ckptrepo/capture/<stat>``, at each version's step) to ``log_dir``;
-        returns how many were written. Needs ``ckptrepo[tensorboard]``."""
+        """Write the metrics and capture statistics along the first-parent history of ``rev`` as TensorBoard scalars
+        to the folder ``log_dir``, outside the repository; returns how many. Needs ``ckptrepo[tensorboard]``."""
         from ckptrepo.tools._tensorboard import write_scalars
         _path(log_dir, "TensorBoard log directory")
-        return write_scalars(log_dir, ((h.step, h.metrics, h.stats) for _, h in self._first_parent_headers(rev)))
+        root = self._plumbing.store.capabilities.local_root
+        return write_scalars(log_dir, lambda: self._first_parent_headers(rev), root)
 
     def bisect(self, when: str | None = None, metric: str | None = None, tensor: str | None = None,
                stat: str = "norm", nonfinite: bool = False, rev: str = "HEAD", since: int | None = None,

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import click
 
 import ckptrepo
-from ckptrepo.errors import ArgumentError, CkptRepoError, ExchangeError, first_line
+from ckptrepo.cli import _errors as errors
+from ckptrepo.errors import ArgumentError, CkptRepoError, ExchangeError
 from ckptrepo.tools import _plot as plot
 from ckptrepo.tools._graph import GraphRow
 from ckptrepo.tools._graph import graph as graph_rows
@@ -823,14 +824,14 @@ def _write_csv(path: str, rows: Iterable[Sequence[Any]]) -> None:
         with open(path, "w", newline="") as f:
             csv.writer(f).writerows(rows)
     except OSError as e:
-        raise ExchangeError(f"could not write {path}: {first_line(e)}") from None
+        raise ExchangeError(f"could not write {path}: {errors.message(e)}") from None
 
 
 def _write_png(path: str, draw: Any) -> None:
     try:
         draw()
     except OSError as e:
-        raise ExchangeError(f"could not write {path}: {first_line(e)}") from None
+        raise ExchangeError(f"could not write {path}: {errors.message(e)}") from None
 
 
 @cli.command()
@@ -965,11 +966,11 @@ def metrics(ctx: click.Context, rev: str, png_path: str | None, force: bool, tb_
     if png_path:
         plot.require_matplotlib()
     repo = _repo(ctx)
+    png_path = _output(repo, png_path, force, "the plot")
     if tb_dir:
         n = repo.metrics_to_tensorboard(tb_dir, rev)
         if not as_json:
             click.echo(f"wrote {n} scalars to {tb_dir}", err=True)
-    png_path = _output(repo, png_path, force, "the plot")
     rows = repo.metrics(rev)
     if png_path:
         _write_png(png_path, lambda: plot.metrics_png(rows, png_path, f"metrics of {rev}"))
@@ -1279,18 +1280,14 @@ def main() -> None:
         _err().print("aborted")
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        errors.show_usage_error(e)
         sys.exit(e.exit_code)
-    except CkptRepoError as e:
-        click.echo(f"ckptrepo: error: {e}", err=True)
-        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback unless asked
-        if os.environ.get("CKPTREPO_DEBUG"):
+        if errors.debugging() and not isinstance(e, CkptRepoError):
             raise
-        click.echo(f"ckptrepo: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                   f"(set CKPTREPO_DEBUG=1 for a traceback)", err=True)
+        errors.report(e)
         sys.exit(2)
 
 

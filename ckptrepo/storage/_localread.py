@@ -61,13 +61,26 @@ def _reader_pool() -> ThreadPoolExecutor:
     """The process's reader threads, started by the first load and kept: starting (and joining) threads per
     load costs milliseconds on a busy machine, and each new thread would fault in a new row buffer.
 
-    No forked child inherits them: TensorStore, which every load uses, aborts a process forked after it ran.
+    A forked child has none of them (fork copies only the calling thread), so it forgets the pool and starts
+    its own at its first load (``_forget_pool``).
     """
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="ckptrepo-read")
         return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the executor copied from the parent counts threads that do not exist here, so work
+    given to it would wait for ever; the lock may have been held by a parent thread at the fork."""
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 class Unexpected(Exception):

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line
+from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line, os_error_hint
 from ckptrepo.state._providers import flatten, unflatten
 from ckptrepo.tools._hf_export import (
     INDEX_FILE,
@@ -120,8 +120,7 @@ def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
         discard()
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        hint = " (is the disk full?)" if isinstance(err, OSError) else ""
-        raise ExchangeError(f"could not write {path}: {_dcp_cause(err)}; nothing was left there{hint}") from None
+        raise ExchangeError(f"could not write {path}: {_dcp_cause(err)}; nothing was left there") from None
 
 
 def read_checkpoint(path: str | os.PathLike[str], trust: bool = False) -> tuple[Any, str]:
@@ -243,8 +242,7 @@ def _load_torch(path: Path, trust: bool) -> Any:
         raise ExchangeError(f"cannot read {path} as a torch.save file (it is not one, or it is damaged){detail}") \
             from None
     except Exception as err:  # noqa: BLE001 - torch raises many types for a file that is not a checkpoint
-        raise ExchangeError(f"cannot read {path} as a torch.save file: {type(err).__name__}: {first_line(err)}") \
-            from None
+        raise ExchangeError(f"cannot read {path} as a torch.save file: {cause(err)}") from None
 
 
 def _unsafe_globals(path: Path, err: pickle.UnpicklingError) -> list[str]:
@@ -274,6 +272,16 @@ def _dcp_cause(err: BaseException) -> str:
         err = next(iter(failures.values()))
         if isinstance(err, tuple):   # some versions keep (exception, traceback) per rank
             err = err[0]
+    return cause(err)
+
+
+def cause(err: BaseException) -> str:
+    """The cause of a failed read or write, for a one-line error: an OS error in words, with what to do; a
+    file that ends too soon as such (EOFError has no message); any other error with its type's name."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{first_line(err)}; {os_error_hint(err)}"
+    if isinstance(err, EOFError):
+        return "it ends too soon (empty, or cut short); import a file that was written to the end"
     return f"{type(err).__name__}: {first_line(err)}"
 
 

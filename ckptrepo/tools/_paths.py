@@ -44,6 +44,18 @@ def output_file(out: str | os.PathLike[str], force: bool = False, repo_root: str
     return path
 
 
+def output_folder(out: str | os.PathLike[str], repo_root: str | None = None, what: str = "the output") -> Path:
+    """The local folder a command writes files into (``--tensorboard``), checked before anything is computed:
+    not a URL, not inside the repository at ``repo_root``, a folder or a path where one can be made, and
+    writable."""
+    path = local_path(out, f"write {what} to")
+    refuse_inside(path, repo_root, f"write {what} to")
+    if path.exists() and not path.is_dir():
+        raise ExchangeError(f"cannot write {what} to {path}: it is a file, not a folder; name a folder")
+    check_parent(path / "*", f"write {what} to {path}")
+    return path
+
+
 def refuse_inside(path: Path, repo_root: str | None, doing: str) -> None:
     """Refuse a path inside a local repository's folder (links followed): a file written there could replace
     HEAD, a ref or a manifest, and break the repository."""
@@ -55,15 +67,16 @@ def refuse_inside(path: Path, repo_root: str | None, doing: str) -> None:
         raise ExchangeError(f"cannot {doing} {path}: it is inside the repository {repo_root}; write it outside")
 
 
-def check_parent(path: Path) -> None:
+def check_parent(path: Path, doing: str | None = None) -> None:
     """The folder of ``path`` exists or can be made there: checked before the work, not after it."""
+    doing = doing or f"write {path}"
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise ExchangeError(f"cannot write {path}: {parent} is not a folder; write to another path")
+        raise ExchangeError(f"cannot {doing}: {parent} is not a folder; write to another path")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExchangeError(f"cannot write {path}: no permission to write in {parent}; write to another path")
+        raise ExchangeError(f"cannot {doing}: no permission to write in {parent}; write to another path")
 
 
-__all__ = ["check_parent", "local_path", "output_file", "refuse_inside"]
+__all__ = ["check_parent", "local_path", "output_file", "output_folder", "refuse_inside"]

@@ -8,31 +8,43 @@ directory. Only headers are read: no tensor data.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from ckptrepo.errors import ArgumentError
+from ckptrepo.errors import ArgumentError, ExchangeError, os_error_hint, os_error_text
+from ckptrepo.tools._paths import output_folder
+
+if TYPE_CHECKING:
+    from ckptrepo.core.schema import ManifestHeader
 
 
-def write_scalars(log_dir: str | os.PathLike[str], rows: Iterable[tuple[int | None, dict[str, Any],
-                                                                           dict[str, Any] | None]]) -> int:
-    """Write ``(step, metrics, capture stats)`` per version, oldest first, to an event file in ``log_dir``;
-    returns the number of scalars written. Versions without a step are placed at their position in the
-    history (0, 1, ...), as a plot of them would."""
+def write_scalars(log_dir: str | os.PathLike[str], history: Callable[[], Sequence[tuple[str, ManifestHeader]]],
+                  repo_root: str | None = None) -> int:
+    """Write each version's step, metrics and capture statistics (``history()``: (id, header), oldest first) to
+    an event file in ``log_dir``; returns the number of scalars written. Versions without a step are placed
+    at their position in the history (0, 1, ...), as a plot of them would. ``log_dir`` is checked first, and
+    the history read before the folder is made, so a bad folder or revision leaves nothing behind; a folder
+    inside the repository at ``repo_root`` is refused, as ``--csv`` and ``--png`` files are."""
+    folder = output_folder(log_dir, repo_root, "TensorBoard scalars")
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
         raise ArgumentError(f"writing TensorBoard scalars needs the tensorboard package ({err}); "
                             f"pip install \"ckptrepo[tensorboard]\"") from None
+    headers = [h for _, h in history()]
     written = 0
-    writer = SummaryWriter(log_dir=os.fspath(log_dir))
     try:
-        for position, (step, metrics, stats) in enumerate(rows):
-            at = position if step is None else step
-            for name, value in metrics.items():
+        writer = SummaryWriter(log_dir=os.fspath(folder))
+    except OSError as err:   # a link loop or a folder the OS will not make: what os.makedirs met, and what to do
+        raise ExchangeError(f"cannot write TensorBoard scalars to {folder}: {os_error_text(err)}; "
+                            f"{os_error_hint(err)}") from None
+    try:
+        for position, h in enumerate(headers):
+            at = position if h.step is None else h.step
+            for name, value in h.metrics.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     writer.add_scalar(f"ckptrepo/{name}", value, global_step=at)
                     written += 1
-            for name, value in (stats or {}).items():
+            for name, value in (h.stats or {}).items():
                 writer.add_scalar(f"ckptrepo/capture/{name}", value, global_step=at)
                 written += 1
     finally:

@@ -1,10 +1,12 @@
 """The web page's HTTP server: the page's static files and its JSON endpoints, on 127.0.0.1 only.
 
-The standard library's ThreadingHTTPServer serves it (docs/decisions/031-trajectory-web-page.md): the page
-makes a handful of requests, so it needs no framework and no dependency. It binds 127.0.0.1 and nothing else,
-answers only requests whose Host is this address (a web page elsewhere that re-points its own name at
-127.0.0.1, DNS rebinding, cannot read the repository through the browser), and serves GET alone: it never
-changes the repository. One Repository serves every request, one request at a time (a lock), as its caches
+The standard library's HTTPServer serves it (docs/decisions/031-trajectory-web-page.md): the page makes a
+handful of requests, so it needs no framework and no dependency. A fixed pool of threads answers them, and a
+connection that stays silent is closed (``_pool``, docs/decisions/045-web-page-bounds.md). It binds 127.0.0.1
+and nothing else, answers only requests whose Host is this address (a web page elsewhere that re-points its
+own name at 127.0.0.1, DNS rebinding, cannot read the repository through the browser) and whose Origin, when
+the browser names one, is this page (another site's page cannot make the browser ask), and serves GET alone:
+it never changes the repository. One Repository serves every request, one request at a time (a lock), as its caches
 are not made for concurrent use; static files are served beside it without waiting.
 """
 from __future__ import annotations
@@ -14,13 +16,14 @@ import json
 import socketserver
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from importlib import resources
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ckptrepo.errors import ArgumentError, CkptRepoError, RevisionError, first_line
 from ckptrepo.ui import _api
+from ckptrepo.ui._pool import PooledServing
 
 HOST = "127.0.0.1"
 
@@ -35,6 +38,9 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline';
 
 LIMITS = {"limit": (1, 100_000, 2000), "max_points": (2, 100_000, 2000), "max_versions": (1, 5000, 300),
           "max_rows": (1, 2000, 200)}
+# a glob longer than any tensor name needs: fnmatch's translation of ``[`` without its ``]`` takes time growing
+# with the square of the length, under the repository's lock
+PATTERN_CHARS = 1000
 
 
 class BadRequest(CkptRepoError):
@@ -70,6 +76,13 @@ class Query:
             raise BadRequest(f"parameter {name!r} is empty; give a value or leave it out")
         return value
 
+    def glob(self, name: str, default: str) -> str:
+        value = self.text(name, default)
+        if len(value) > PATTERN_CHARS:
+            raise BadRequest(f"parameter {name!r} is a glob of at most {PATTERN_CHARS} characters, not "
+                             f"{len(value)}; shorten it (* matches any run of characters)")
+        return value
+
     def optional(self, name: str) -> str | None:
         return self.params.get(name) or None
 
@@ -101,18 +114,24 @@ class Query:
         return n
 
 
-class UIServer(ThreadingHTTPServer):
+class UIServer(PooledServing, HTTPServer):
     """The server of one repository: ``url`` is where the page is, ``rev`` the revision whose first-parent
-    history the metrics and the heatmap follow unless a request names another."""
+    history the metrics and the heatmap follow unless a request names another. Its threads are daemons: a
+    browser's open connection does not keep the command from exiting on Ctrl-C."""
 
-    daemon_threads = True   # a browser's open connection does not keep the command from exiting on Ctrl-C
+    request_queue_size = 128   # connections the kernel holds until accepted: the waiting room takes them quickly
 
     def __init__(self, repo: Any, port: int, rev: str) -> None:
         self.repo = repo
         self.rev = rev
         self.lock = threading.Lock()
         self.quiet = True
+        self.start_pool()   # first: a port that cannot be bound closes the server, and with it the pool
         super().__init__((HOST, port), Handler)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.close_pool()
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind asks DNS for the host's full name (socket.getfqdn), which can stall for
@@ -125,8 +144,9 @@ class UIServer(ThreadingHTTPServer):
         return int(self.server_address[1])
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        """A browser that went away mid-answer is no error worth a traceback on the console."""
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+        """A browser that went away mid-answer, or stopped reading it, is no error worth a traceback on the
+        console."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, TimeoutError)):
             return
         super().handle_error(request, client_address)
 
@@ -153,6 +173,10 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "ckptrepo-ui"
     sys_version = ""
 
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.idle_timeout)   # each read and write: a silent client frees its worker
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
         if not self.server.quiet:
             super().log_message(format, *args)
@@ -161,6 +185,7 @@ class Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         try:
             self._check_host()
+            self._check_origin()
             if parts.path in STATIC:
                 self._send_static(STATIC[parts.path])
                 return
@@ -188,6 +213,13 @@ class Handler(BaseHTTPRequestHandler):
         if host is not None and host.lower() not in (f"{HOST}:{self.server.port}", f"localhost:{self.server.port}"):
             raise BadRequest(f"this server answers only requests to {HOST}:{self.server.port}", 403)
 
+    def _check_origin(self) -> None:
+        origin = self.headers.get("Origin")
+        own = (f"http://{HOST}:{self.server.port}", f"http://localhost:{self.server.port}")
+        if origin is not None and origin.lower() not in own:
+            raise BadRequest(f"this server answers only its own page at {own[0]}/, not a page from "
+                             f"{origin[:80]!r}", 403)
+
     def _route(self, path: str, q: Query) -> Callable[[], Any]:
         repo, rev = self.server.repo, self.server.rev
         if path == "/api/info":
@@ -199,7 +231,7 @@ class Handler(BaseHTTPRequestHandler):
             r, max_points = q.text("rev", rev), q.number("max_points")
             return lambda: _api.metrics(repo, r, max_points)
         if path == "/api/heatmap":
-            r, stat, pattern = q.text("rev", rev), q.text("stat", "norm"), q.text("pattern", "*")
+            r, stat, pattern = q.text("rev", rev), q.text("stat", "norm"), q.glob("pattern", "*")
             mv, mr, since, until = q.number("max_versions"), q.number("max_rows"), q.step("since"), q.step("until")
             return lambda: _api.heatmap(repo, r, stat, pattern, mv, mr, since, until)
         for prefix, call in (("/api/version/", lambda v: _api.version(repo, v)),

@@ -46,6 +46,35 @@ def test_tensorboard_export_of_an_unknown_revision_is_one_line(tmp_path):
     assert out.returncode != 0 and out.stderr.count("\n") == 1 and "nope" in out.stderr
 
 
+def test_tensorboard_scalars_are_never_written_inside_the_repository(tmp_path):
+    """As --csv and --png files: an event file in the repository's folder could be taken for its objects."""
+    pytest.importorskip("tensorboard")
+    url = tmp_path / "r"
+    repo = ckptrepo.init(url)
+    _snapshots(repo, [1.0])
+    before = sorted(p.relative_to(url) for p in url.rglob("*"))
+    (tmp_path / "inside").symlink_to(url / "refs")
+    for where in (url, url / "tb", url / "refs" / "heads" / "tb", tmp_path / "inside" / "tb"):
+        out = run("metrics", "--tensorboard", str(where), repo=str(url))
+        assert out.returncode == 2 and "inside the repository" in out.stderr and out.stderr.count("\n") == 1, out.stderr
+        with pytest.raises(ckptrepo.errors.ExchangeError, match="inside the repository"):
+            repo.metrics_to_tensorboard(where)
+    assert sorted(p.relative_to(url) for p in url.rglob("*")) == before
+    assert run("fsck", repo=str(url)).returncode == 0
+
+
+def test_tensorboard_to_a_file_or_an_unknown_revision_writes_nothing(tmp_path):
+    pytest.importorskip("tensorboard")
+    repo = ckptrepo.init(tmp_path / "r")
+    _snapshots(repo, [1.0])
+    (tmp_path / "file").write_text("keep me")
+    out = run("metrics", "--tensorboard", str(tmp_path / "file"), repo=str(tmp_path / "r"))
+    assert out.returncode == 2 and "is a file, not a folder" in out.stderr and out.stderr.count("\n") == 1
+    assert (tmp_path / "file").read_text() == "keep me"
+    out = run("metrics", "nope", "--tensorboard", str(tmp_path / "tb"), repo=str(tmp_path / "r"))
+    assert out.returncode != 0 and not (tmp_path / "tb").exists()
+
+
 def test_meta_names_the_tensorboard_dir_and_callers_override_trackers(tmp_path):
     assert tracker_meta(tensorboard_dir="/runs/tb") == {"tensorboard.log_dir": "/runs/tb"} | tracker_meta()
     repo = ckptrepo.init(tmp_path / "r")
