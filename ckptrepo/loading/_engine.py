@@ -190,21 +190,28 @@ class Engine:
             self._tables[key] = read_table(self.store, self.arrays[key])
         return self._tables[key]
 
-    def check_frames(self, run: _Run, lo: int, hi: int) -> None:
-        """Before TensorStore decodes a compressed array's chunks holding elements ``[lo, hi)``: each must declare
-        exactly a chunk's bytes (storage/_frames.py: TensorStore inflates a zstd bomb before it compares sizes)."""
-        frames = self._frames.get(run.array)
+    def check_frames(self, runs: list[_Run]) -> None:
+        """Before TensorStore decodes the chunks of a compressed array's ``runs``: each must declare exactly a
+        chunk's bytes (storage/_frames.py: TensorStore inflates a zstd bomb before it compares sizes). The
+        headers of all the runs are read together (checked ones are not read again)."""
+        key = runs[0].array
+        frames = self._frames.get(key)
         if frames is None:
-            frames = self._frames[run.array] = FrameCheck(self.store, self.arrays[run.array])
+            frames = self._frames[key] = FrameCheck(self.store, self.arrays[key])
+        inner = self.arrays[key].inner_elems
+
+        def names(chunk: int) -> list[str]:
+            return _names([r for run in runs if run.start // inner <= chunk <= (run.stop - 1) // inner
+                           for r in run.reads])
         try:
-            frames.check(lo, hi, _names(run.reads))
+            frames.check([(run.start, run.stop) for run in runs], names)
         except CorruptionError:
             raise
         except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
             reason = first_line(err)
             if is_storage_failure(reason):
-                raise storage_failure(f"reading {run.array}", reason) from err
-            raise damaged_object_error(run.array, reason, _names(run.reads)) from err
+                raise storage_failure(f"reading {key}", reason) from err
+            raise damaged_object_error(key, reason, _names([r for run in runs for r in run.reads])) from err
 
     def handle(self, run: _Run) -> ts.TensorStore:
         """The run's array opened through TensorStore (once); one that cannot be opened is named like a
@@ -245,6 +252,7 @@ class _Execution:
                 info = arrays[run.array]
                 for r in run.reads:
                     r.prepare(info)
+        self._check_frames(runs)
         pending: deque[tuple[_Run, _DirectRead | _BoundRead | list[Any], int]] = deque()
         inflight = 0
         try:
@@ -259,6 +267,24 @@ class _Execution:
         finally:
             if direct is not None:
                 direct.close()
+
+    def _check_frames(self, runs: list[_Run]) -> None:
+        """The compressed chunks of the plan, checked before any is read (engine.check_frames): per array, the
+        runs of up to ``INFLIGHT_BYTES`` at a time, so that a load from an object store waits two round trips
+        per window rather than per run."""
+        window: dict[str, list[_Run]] = {}
+        size: dict[str, int] = {}
+        for run in runs:
+            info = self.arrays[run.array]
+            if info.compression is None:
+                continue
+            window.setdefault(run.array, []).append(run)
+            size[run.array] = size.get(run.array, 0) + run.nbytes(info)
+            if size[run.array] >= INFLIGHT_BYTES:
+                self.engine.check_frames(window.pop(run.array))
+                size[run.array] = 0
+        for group in window.values():
+            self.engine.check_frames(group)
 
     def _submit(self, run: _Run) -> _DirectRead | _BoundRead | list[Any]:
         """Start a run's reads: the direct read in flight, or (no direct reader) TensorStore's futures."""
@@ -312,8 +338,8 @@ class _Execution:
         h = self.engine.handle(run)
         table = self.engine.table(run.array)
         info = self.arrays[run.array]
-        if info.compression is not None:
-            self.engine.check_frames(run, run.start, run.stop)
+        if info.compression is not None:   # at once when run() checked it with its neighbours
+            self.engine.check_frames([run])
         if table is None:
             return [h[r.start:r.stop].read(batch=self.batch) for r in run.reads]
         # whole inner chunks, so that each one's crc32c can be checked against the table: TensorStore checks

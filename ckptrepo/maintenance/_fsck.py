@@ -284,7 +284,7 @@ def _check_shard(arr: Any, table: np.ndarray | None, vid: str, m: Manifest, info
     first declare their own size (``frames``): TensorStore inflates a chunk before it compares sizes."""
     lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
     try:
-        bomb = frames.problem(lo, hi) if frames is not None else None
+        bomb = frames.problem((lo, hi)) if frames is not None else None
         if bomb is not None:
             report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt (inner chunk {bomb[0]}: "
                                  f"{bomb[1]}); tensors: {some_names(_names_in(m, info.key, lo, hi))}")

@@ -11,7 +11,7 @@ missing or tiny chunk) is left to TensorStore, which refuses it without inflatin
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -44,12 +44,14 @@ class FrameCheck:
         self._indexes: dict[int, np.ndarray | None] = {}   # shard -> its (offset, size) per chunk; None: unread
         self._checked: set[int] = set()                     # chunks whose headers passed
 
-    def problem(self, lo: int, hi: int) -> tuple[int, str] | None:
-        """The first inner chunk among those holding elements ``[lo, hi)`` whose header declares another size,
-        and why; None when none does."""
+    def problem(self, *ranges: tuple[int, int]) -> tuple[int, str] | None:
+        """The first inner chunk among those holding the elements of ``ranges`` (``(lo, hi)`` each) whose header
+        declares another size, and why; None when none does. All of them are asked for at once: two round
+        trips, whatever the number of chunks."""
         info = self.info
         per_shard = info.shard_elems // info.inner_elems
-        chunks = [c for c in range(lo // info.inner_elems, -(-hi // info.inner_elems)) if c not in self._checked]
+        chunks = sorted({c for lo, hi in ranges for c in range(lo // info.inner_elems, -(-hi // info.inner_elems))
+                         if c not in self._checked})
         if not chunks:
             return None
         import tensorstore as ts
@@ -80,14 +82,14 @@ class FrameCheck:
             self._checked.add(c)
         return None
 
-    def check(self, lo: int, hi: int, names: list[str]) -> None:
-        """Raise a CorruptionError, naming the shard object, the chunk and ``names`` (the tensors read), when a
-        chunk holding elements ``[lo, hi)`` declares another size."""
-        found = self.problem(lo, hi)
+    def check(self, ranges: list[tuple[int, int]], names: Callable[[int], list[str]]) -> None:
+        """Raise a CorruptionError, naming the shard object, the chunk and ``names(chunk)`` (the tensors read
+        there), when a chunk holding elements of ``ranges`` declares another size."""
+        found = self.problem(*ranges)
         if found is not None:
             c, why = found
             shard = self.info.shard_key(c // (self.info.shard_elems // self.info.inner_elems))
-            raise damaged_object_error(shard, f"inner chunk {c}: {why}", names)
+            raise damaged_object_error(shard, f"inner chunk {c}: {why}", names(c))
 
     def _open(self) -> "ts.KvStore":
         if self._kv is None:
