@@ -2,8 +2,8 @@
 
 A compressed inner chunk is a blosc frame (docs/decisions/035-zstd-compression.md) whose 16-byte header
 declares how many bytes it inflates to. TensorStore allocates that much and decompresses before it compares
-the result with the chunk's size, so a frame of a few KiB declaring 1 GiB of zeros (valid crc32c and all)
-costs a load or fsck 1 GiB of memory before it is refused. Every chunk of this format inflates to exactly
+the result with the chunk's size, so a frame of a few KiB declaring gigabytes of zeros (valid crc32c and
+all) costs a load or fsck that much memory before it is refused. Every chunk of this format inflates to exactly
 its array's inner chunk bytes, so a reader looks at the headers of the chunks it is about to have decoded:
 the shard index (one suffix read per shard) and 16 bytes per chunk, requested together in one batch
 (``pread`` on a local store). A mismatch is corruption, named by shard object and chunk; anything else odd
