@@ -39,9 +39,7 @@ from ckptrepo.core._remotes import (
     remotes,
     remove_remote,
     tracking_refs,
-    tracking_tip,
 )
-from ckptrepo.core._same_store import check_not_itself
 from ckptrepo.core._whereabouts import durability, require_data_somewhere, version_durability
 from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
@@ -205,39 +203,14 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     """Clone the repository at ``url`` into ``directory`` (a new repository there, with ``url`` as ``remote``),
     its HEAD on the remote HEAD's branch. ``lazy``: manifests and refs only, tensor bytes read from the remote
     on demand (only the ranges a load needs); ``depth``: data copied for the newest ``depth`` versions of each
-    branch, the rest read lazily. Every version loads either way."""
-    from ckptrepo.remotes._remote import open_source
-    from ckptrepo.remotes._sync import fetch
+    branch, the rest read lazily. Every version loads either way. A damaged source is refused before anything
+    is written; a clone killed midway is finished by the same call again (ckptrepo/remotes/_clone.py)."""
+    from ckptrepo.remotes._clone import clone as clone_into
     if depth is not None:
         _whole(depth, "depth", least=1)
-    url = repo_url(url)
-    theirs = open_source(url)
-    head = theirs.refs.head()
-    branch = head.branch or str(theirs.config.get("default_branch") or DEFAULT_BRANCH)
-    target = repo_url(directory)
-    check_not_itself(target, remote, url)   # before anything is made there
-    store = open_store(target, create=True)
-    if store.list(""):
-        raise RepositoryExistsError(f"{target} is not empty; clone into a new directory")
-    settings = {"created": time.time(), "default_branch": branch,
-                REPOSITORY_ID: theirs.config.get(REPOSITORY_ID) or uuid.uuid4().hex}
-    store.put_if_absent(CONFIG_KEY, encode_config(settings))
-    init_head(store, branch)
-    repo = Repository(store)
-    add_remote(store, check_remote_name(remote), url)
-    try:
-        fetch(repo._plumbing, remote, lazy=lazy, depth=depth, progress=progress)
-    except CkptRepoError as err:   # what is copied stays: a pull copies the rest and sets the branch, as clone does
-        raise type(err)(f"{first_line(err)}; the clone in {target} is incomplete: finish it with "
-                        f"`ckptrepo --repo {target} pull{' --lazy' if lazy else ''} {remote}`") from err
-    refs = repo._plumbing.refs
-    if head.branch is not None:
-        tip = tracking_tip(store, f"{remote}/{head.branch}")
-        if tip is not None:   # else the remote's HEAD branch has no versions yet: HEAD waits on it here too
-            refs.create_branch(branch, tip)
-    elif head.version is not None:   # the remote's HEAD is detached: so is the clone's, at the same version
-        refs.set_head(None, head.version, refs.head(for_update=True).generation)
-    return repo
+    local = clone_into(repo_url(url), repo_url(directory), DEFAULT_BRANCH, depth=depth, lazy=lazy, remote=remote,
+                       progress=progress)
+    return Repository(local.store)
 
 
 def open(url: str | os.PathLike[str], options: dict[str, Any] | None = None  # noqa: A001 - the public API

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import msgpack
 
 from ckptrepo.errors import (
+    ArgumentError,
     ConflictError,
     CorruptionError,
     FormatVersionError,
@@ -197,13 +198,37 @@ def decode_config(blob: bytes, url: str) -> dict[str, Any]:
     return cfg
 
 
+def read_config(store: Store) -> bytes | None:
+    """``ckptrepo.json``'s bytes (None when absent); one that cannot be read (over ``CONFIG_MAX_BYTES``, not a
+    file) is damage that ``fsck --repair-config`` rebuilds, which the error says."""
+    try:
+        return store.get(CONFIG_KEY, CONFIG_MAX_BYTES)
+    except CorruptionError as err:
+        raise CorruptionError(f"{store.url}: {CONFIG_KEY} cannot be read ({first_line(err).split(';')[0]})"
+                              f"{REPAIR_HINT}") from err
+
+
+def encode_config_bounded(cfg: dict[str, Any], url: str) -> bytes:
+    """``cfg`` as ``ckptrepo.json`` holds it, refused when over ``CONFIG_MAX_BYTES``: a config no reader takes
+    would lock every command out of the repository."""
+    blob = json.dumps(cfg, indent=2).encode()
+    if len(blob) > CONFIG_MAX_BYTES:
+        raise ArgumentError(f"{url}: this change would make {CONFIG_KEY} {len(blob)} bytes, more than the "
+                            f"{CONFIG_MAX_BYTES} a config may hold; nothing was changed")
+    return blob
+
+
 def update_config(store: Store, changes: dict[str, Any], attempts: int = 8,
                   settled: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """Set ``changes`` in ``ckptrepo.json`` by compare-and-swap, keeping every other setting, and return the
     config as written. The config is written at init and changed only this way, for settings the repository
     learns later (a store check's verdict, its identity): two writers adding different settings both land."""
     for _ in range(attempts):
-        raw, gen = store.get_with_generation(CONFIG_KEY, CONFIG_MAX_BYTES)
+        try:
+            raw, gen = store.get_with_generation(CONFIG_KEY, CONFIG_MAX_BYTES)
+        except CorruptionError as err:
+            raise CorruptionError(f"{store.url}: {CONFIG_KEY} cannot be read ({first_line(err).split(';')[0]})"
+                                  f"{REPAIR_HINT}") from err
         if raw is None:
             raise NotARepositoryError(f"{store.url} is not a ckptrepo repository (no {CONFIG_KEY}); create one "
                                       f"with `ckptrepo init {store.url}`")
@@ -211,7 +236,7 @@ def update_config(store: Store, changes: dict[str, Any], attempts: int = 8,
         if all(cfg.get(k) == v for k, v in changes.items()) or (settled is not None and settled(cfg)):
             return cfg   # as asked, or as good (``settled``: another writer recorded the same fact its own way)
         cfg.update(changes)
-        if store.compare_and_swap(CONFIG_KEY, json.dumps(cfg, indent=2).encode(), gen) is not None:
+        if store.compare_and_swap(CONFIG_KEY, encode_config_bounded(cfg, store.url), gen) is not None:
             return cfg
     raise ConflictError(f"{store.url}: {CONFIG_KEY} kept changing while it was being updated; run the command again")
 
@@ -227,13 +252,14 @@ def repair_config(store: Store) -> list[str]:
     that a mistyped URL is never turned into one.
     """
     try:
-        raw = store.get(CONFIG_KEY)
-    except CorruptionError:   # not a regular file, too large, ...: nothing of it can be kept
+        raw = store.get(CONFIG_KEY, REPAIR_READ_BYTES)
+    except CorruptionError:   # not a regular file, far too large, ...: nothing of it can be kept
         raw = None
     if raw is not None:
         try:
             decode_config(raw, store.url)
-            return [f"{CONFIG_KEY} is intact; nothing to repair"]
+            if len(raw) <= CONFIG_MAX_BYTES:
+                return [f"{CONFIG_KEY} is intact; nothing to repair"]
         except CorruptionError:
             pass
         except FormatVersionError as err:
@@ -246,8 +272,10 @@ def repair_config(store: Store) -> list[str]:
     if head is None and not branches and not versions:
         raise NotARepositoryError(f"{store.url} holds no HEAD, branch or version: it is no ckptrepo repository, "
                                   f"so there is no config to repair; create one with `ckptrepo init`")
-    kept = _salvage(raw)
-    done = [f"{CONFIG_KEY} was {'missing' if raw is None else 'damaged'}; rebuilt it"]
+    kept, dropped = _within_bounds(_salvage(raw))
+    state = "missing" if raw is None else "damaged" if len(raw) <= CONFIG_MAX_BYTES else \
+        f"{len(raw)} bytes, over the {CONFIG_MAX_BYTES} a config may hold"
+    done = [f"{CONFIG_KEY} was {state}; rebuilt it", *dropped]
     settings: dict[str, Any] = {}
     if "format_version" in kept:
         version, how = kept["format_version"], "kept from the damaged file"
@@ -272,6 +300,30 @@ def repair_config(store: Store) -> list[str]:
     store.put(CONFIG_KEY, json.dumps({"format": "ckptrepo", "format_version": version, **settings},
                                      indent=2).encode())
     return done
+
+
+# the most of a damaged config repair reads to salvage its fields: a config over CONFIG_MAX_BYTES is damage, and
+# what of it fits in this much is kept
+REPAIR_READ_BYTES = 16 << 20
+# what one kept setting may take in a repaired config: a remote's URL (at most MAX_REMOTE_URL_CHARS, see
+# core/_remotes.py) fits many times over; a longer one is what made the config too big
+_KEPT_SETTING_BYTES = 8 << 10
+
+
+def _within_bounds(kept: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``kept`` without the settings (or remotes) too big to keep, and a line for each one left out."""
+    dropped: list[str] = []
+    out = {}
+    for k, v in kept.items():
+        if k == "remotes" and isinstance(v, dict):
+            big = [name for name, r in v.items() if len(json.dumps([name, r])) > _KEPT_SETTING_BYTES]
+            dropped.extend(f"remote {str(name)[:40]!r} left out: its record is too big to keep" for name in big)
+            v = {name: r for name, r in v.items() if name not in big}
+        if len(json.dumps([k, v])) > _KEPT_SETTING_BYTES:
+            dropped.append(f"setting {str(k)[:40]!r} left out: too big to keep")
+            continue
+        out[k] = v
+    return out, dropped
 
 
 def _salvage(raw: bytes | None) -> dict[str, Any]:

@@ -20,12 +20,13 @@ from ckptrepo.core._manifest import (
     FAILURES_PREFIX,
     PRUNED_PREFIX,
     decode_config,
+    read_config,
     unseal,
     update_config,
 )
 from ckptrepo.core._manifest_reads import HeaderWalk, ManifestReads
 from ckptrepo.core._refs import Refs, lost_head_branch
-from ckptrepo.core._remotes import evicted_remote, remote_url, tracking_tip
+from ckptrepo.core._remotes import evicted_remote, interrupted_clone, remote_url, tracking_tip
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError, StorageError
 from ckptrepo.storage._store_check import needs_check, probe_conditional_writes, refusal, store_identity
@@ -53,7 +54,7 @@ class Plumbing:
     """
 
     def __init__(self, store: Store) -> None:
-        raw = store.get(CONFIG_KEY, CONFIG_MAX_BYTES)
+        raw = read_config(store)
         if raw is None:
             raise NotARepositoryError(f"{store.url} is not a ckptrepo repository; create one with "
                                       f"`ckptrepo init {store.url}` or pass --repo URL")
@@ -159,7 +160,9 @@ class Plumbing:
         url = remote_url(self.store, name)
         if name not in self._remote_stores or self._remote_stores[name].url != url:
             from ckptrepo.storage._tensorstore import TensorStoreStore
-            self._remote_stores[name] = TensorStoreStore.open(url)
+            from ckptrepo.storage._untrusted import untrusted
+            # a remote is not this user's: its links are never followed, its reads bounded before they download
+            self._remote_stores[name] = untrusted(TensorStoreStore.open(url))
         return self._remote_stores[name]
 
     def failures(self) -> list[dict[str, Any]]:
@@ -204,7 +207,7 @@ class Plumbing:
             raise CorruptionError(h.damage)
         lost = lost_head_branch(self.store, h)
         if lost is not None:
-            raise CorruptionError(lost)
+            raise CorruptionError(interrupted_clone(self.config, self.url) or lost)
         return h.version
 
     def head_description(self) -> str:

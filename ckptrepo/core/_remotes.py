@@ -31,6 +31,7 @@ from ckptrepo.core._manifest import (
     REF_MAX_BYTES,
     decode_config,
     new_version_id,
+    read_config,
     seal,
     update_config,
     version_id_time,
@@ -56,9 +57,23 @@ def check_remote_name(name: Any) -> str:
     return name
 
 
+# The longest remote URL taken: a path as long as Linux allows, or an object store key prefix many times over;
+# the URLs of a repository's remotes live in its config, which readers refuse past CONFIG_MAX_BYTES.
+MAX_REMOTE_URL_CHARS = 4096
+
+
+def check_remote_url(url: str) -> str:
+    """A remote's URL as ``remote add`` takes it: text no longer than ``MAX_REMOTE_URL_CHARS``."""
+    if not isinstance(url, str) or not url or len(url) > MAX_REMOTE_URL_CHARS or "\0" in url:
+        shown = f"{len(url)} characters" if isinstance(url, str) and url else repr(url)[:40]
+        raise ArgumentError(f"a remote URL must be 1 to {MAX_REMOTE_URL_CHARS} characters without NUL, not "
+                            f"{shown}; check the URL")
+    return url
+
+
 def remotes(store: Store) -> dict[str, str]:
     """Remote name -> URL, as ``ckptrepo.json`` records them."""
-    raw = store.get(CONFIG_KEY, CONFIG_MAX_BYTES)
+    raw = read_config(store)
     cfg = decode_config(raw, store.url) if raw is not None else {}
     found = cfg.get(REMOTES_SETTING) or {}
     if not isinstance(found, dict):
@@ -80,6 +95,7 @@ def add_remote(store: Store, name: str, url: str) -> None:
     """Record remote ``name`` at ``url``; refuses a name already taken, as git does, and a URL that names this
     repository's own store (core/_same_store.py)."""
     check_remote_name(name)
+    check_remote_url(url)
     check_not_itself(store.url, name, url)
     found = remotes(store)
     if name in found:
@@ -266,3 +282,17 @@ def leased_versions(store: Store, now: float) -> tuple[set[str], list[str]]:
         if isinstance(named, list):
             held.update(v for v in named if isinstance(v, str))
     return held, stale
+
+
+CLONING_SETTING = "cloning"   # ckptrepo.json: a clone in progress, {"url": ..., "remote": ...}; null once done
+
+
+def interrupted_clone(config: dict[str, Any], target: str) -> str | None:
+    """The one line that says ``config``'s repository (at ``target``) is a clone killed midway and how to finish
+    it (remotes/_clone.py); None for any other repository."""
+    cloning = config.get(CLONING_SETTING)
+    if not isinstance(cloning, dict) or not isinstance(cloning.get("url"), str):
+        return None
+    url = cloning["url"][:300]
+    return (f"{target} is an interrupted clone of {url} (its refs are not set yet); finish it by running the "
+            f"same clone again: `ckptrepo clone {url} {target}`")

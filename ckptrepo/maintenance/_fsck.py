@@ -16,8 +16,8 @@ import numpy as np
 from ckptrepo.core._boxes import check_coverage, volume
 from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import Head
-from ckptrepo.core._remotes import evicted_ids, tracking_refs
+from ckptrepo.core._refs import Head, lost_head_branch
+from ckptrepo.core._remotes import evicted_ids, interrupted_clone, tracking_refs
 from ckptrepo.core._whereabouts import check_evicted
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, CorruptionError, first_line, is_storage_failure, some_names, storage_failure
@@ -88,6 +88,7 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
     held = unshared_data(plumbing, pruned, data_ids, {vid: list(m.arrays) for vid, m in manifests.items()},
                          {vid: {p.array for t in m.tensors for p in t.pieces} for vid, m in manifests.items()})
     marked = _check_graph(plumbing, manifests, head or Head(None, None, b""), refs, pruned, held, report)
+    _name_interrupted_clone(plumbing, head, len(manifests), report)
     if on_total is not None:   # gc deleted a pruned version's data on purpose: it is not read
         on_total(sum(a.nbytes for vid, m in manifests.items() if vid not in pruned for a in m.arrays.values()))
     stored: dict[str, set[tuple[str, int, int]]] = {}
@@ -155,6 +156,15 @@ def _check_parents(vid: str, m: Manifest, manifests: dict[str, Manifest], reacha
         else:
             report.warnings.append(f"version {vid[:12]}, which no ref reaches, names parent {p[:12]}, whose manifest "
                                    f"is gone: an interrupted gc leaves this; the next `ckptrepo gc` removes it")
+
+
+def _name_interrupted_clone(plumbing: Plumbing, head: Head | None, versions: int, report: FsckReport) -> None:
+    """A clone killed midway has versions and no branch under HEAD yet: said as what it is, with how to finish it,
+    instead of as a lost HEAD branch."""
+    line = interrupted_clone(plumbing.config, plumbing.url)
+    if line is not None:
+        lost = lost_head_branch(plumbing.store, head, versions) if head is not None else None
+        report.errors[:] = [line] + [e for e in report.errors if e != lost]
 
 
 def _check_graph(plumbing: Plumbing, manifests: dict[str, Manifest], head: Head, refs: dict[str, dict[str, str]],

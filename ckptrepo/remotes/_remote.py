@@ -3,17 +3,42 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from ckptrepo.core._manifest import CONFIG_KEY, VERSIONS_PREFIX, encode_config, is_version_id
+from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, VERSIONS_PREFIX, encode_config, is_version_id
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import init_head
-from ckptrepo.core._remotes import remote_url
+from ckptrepo.core._refs import Head, init_head
+from ckptrepo.core._remotes import evicted_remote, remote_url
 from ckptrepo.core._same_store import check_not_itself, refuse_if_same_store
+from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
 from ckptrepo.storage import open_store
+from ckptrepo.storage._untrusted import untrusted
+from ckptrepo.storage.protocol import Store
 
 REPOSITORY_ID = "id"   # ckptrepo.json: the identity a repository shares with its clones and pushes
+
+
+class RemotePlumbing(Plumbing):
+    """A remote (or a clone's source) opened as a repository: everything is read from its own store only.
+
+    Its ``ckptrepo.json`` and eviction markers are the remote's to write, so whoever controls the remote could
+    name any URL there; following it would read (with this user's credentials) from a place the user never
+    named. A version whose data the remote evicted to its own remote is refused instead, naming that remote."""
+
+    def data_store(self, manifest: Manifest) -> Store:
+        for vid in sorted({key.split("/")[1] for key in manifest.arrays if key.count("/") >= 1} | {manifest.id}):
+            there = evicted_remote(self.store, vid)
+            if there is not None and any(not self.store.exists(f"{key}/zarr.json") for key in manifest.arrays):
+                raise RemoteError(f"{self.url} lacks the data of version {manifest.id[:12]}: it lives on that "
+                                  f"repository's own remote {there[:40]!r}, which ckptrepo never follows; fetch "
+                                  f"or clone the repository that holds it, or pass --lazy")
+        return self.store
+
+    def remote_store(self, name: str) -> Store:
+        raise RemoteError(f"{self.url} names a remote of its own ({name[:40]!r}), which ckptrepo never follows; "
+                          f"fetch or clone the repository that holds its data instead")
 
 
 def open_remote(local: Plumbing, name: str, create_with_branch: str | None = None) -> Plumbing:
@@ -33,7 +58,7 @@ def open_remote(local: Plumbing, name: str, create_with_branch: str | None = Non
 def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str | None) -> Plumbing:
     check_not_itself(local.store.url, name, url)   # a config edited by hand: before anything is created there
     store = local.remote_store(name)
-    if store.get(CONFIG_KEY) is None:
+    if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
         held = store.list("")   # also what says that a bucket does not exist: a read of one absent key does not
         if create_with_branch is None:
             raise NotARepositoryError(f"remote {name!r} ({url}) holds no ckptrepo repository; push to it first, or "
@@ -48,7 +73,7 @@ def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str |
             raise StorageError(f"could not create a repository at remote {name!r} ({url}); check that the bucket "
                                f"exists and is writable")
         init_head(store, create_with_branch)
-    remote = Plumbing(store)
+    remote = RemotePlumbing(store)
     mine, theirs = local.config.get(REPOSITORY_ID), remote.config.get(REPOSITORY_ID)
     if mine == theirs:   # this repository, a clone or a push of it: only a probe tells the store itself apart
         refuse_if_same_store(local.store, store, name)
@@ -61,11 +86,11 @@ def _open_remote(local: Plumbing, name: str, url: str, create_with_branch: str |
 def open_source(url: str) -> Plumbing:
     """The repository at ``url`` that a clone copies, with one-line errors that name it and say what to check."""
     with remote_errors(f"cannot clone {url}", "check the URL"):
-        store = open_store(url)
-        if store.get(CONFIG_KEY) is None:
+        store = untrusted(open_store(url))
+        if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
             store.list("")   # a bucket that does not exist says so here
             raise NotARepositoryError(f"cannot clone {url}: there is no ckptrepo repository there; check the URL")
-        return Plumbing(store)
+        return RemotePlumbing(store)
 
 
 @contextmanager
@@ -134,3 +159,77 @@ def is_ancestor(plumbing: Plumbing, ancestor: str, tip: str, known: set[str]) ->
         seen.add(vid)
         stack.extend(plumbing.header(vid).parents)
     return False
+
+
+@dataclass
+class RemoteHistory:
+    """A remote's refs and version listing, as push and fetch read them once."""
+
+    branches: dict[str, str]
+    tags: dict[str, str]
+    head: Head
+    known: set[str]
+
+    @property
+    def tips(self) -> list[str]:
+        """Every version a fetch starts from: branches, tags, and a detached HEAD (as git fetches its commit)."""
+        detached = [self.head.version] if self.head.branch is None and self.head.version else []
+        return [*self.branches.values(), *self.tags.values(), *detached]
+
+
+def sound_history(there: Plumbing, label: str, present: set[str] | frozenset[str] = frozenset()) -> RemoteHistory:
+    """The refs and versions of ``there`` (named ``label`` in errors), refused in one line unless a copy of them
+    would be a sound repository: every ref names a version it holds, no ref name is a folder of another
+    (``a`` and ``a/b``), and every version's parents are held and lead back to roots without a cycle. The walk
+    stops at the versions ``present`` here (fetched, and checked, before): a fetch reads only new headers.
+
+    A clone or fetch of a damaged remote is refused whole, before anything is copied, rather than cloned in
+    part: what is missing there is missing for good, and a partial copy would pass fsck here while its refs
+    fail every command (docs/decisions/040-hostile-remotes.md)."""
+    branches, tags, head = there.refs.branches(), there.refs.tags(), there.refs.head()
+    known = version_ids(there)
+    refs = [(f"branch {b!r}", vid) for b, vid in branches.items()] + [(f"tag {t!r}", vid) for t, vid in tags.items()]
+    if head.branch is None and head.version:
+        refs.append(("detached HEAD", head.version))
+
+    def refuse(problem: str) -> RemoteError:
+        return RemoteError(f"{label} is damaged: {problem}; nothing was copied: repair it there first "
+                           f"(`ckptrepo --repo {there.url} fsck`)")
+
+    for what, vid in refs:
+        if vid not in known:
+            raise refuse(f"its {what} names version {vid[:12]}, which it does not hold")
+    for kind, names in (("branch", branches), ("tag", tags)):
+        for name in names:
+            inner = next((o for o in names if o.startswith(name + "/")), None)
+            if inner is not None:
+                raise refuse(f"its {kind}es {name!r} and {inner!r} cannot both be refs (one would be a folder)")
+    _check_ancestry(there, [vid for _, vid in refs], known, set(present), refuse)
+    return RemoteHistory(branches, tags, head, known)
+
+
+def _check_ancestry(there: Plumbing, tips: list[str], known: set[str], done: set[str],
+                    refuse: Callable[[str], RemoteError]) -> None:
+    """Walk back from ``tips`` (depth first, each version once, none of ``done``): a parent ``there`` does not
+    hold, or one still being walked from (a cycle), is refused."""
+    walking: set[str] = set()
+    for tip in tips:
+        stack: list[tuple[str, bool]] = [(tip, False)]
+        while stack:
+            vid, finished = stack.pop()
+            if finished:
+                walking.discard(vid)
+                done.add(vid)
+                continue
+            if vid in done:
+                continue
+            if vid in walking:
+                raise refuse(f"version {vid[:12]} is its own ancestor (its parents form a cycle)")
+            walking.add(vid)
+            stack.append((vid, True))
+            for parent in there.header(vid).parents:
+                if parent not in known:
+                    raise refuse(f"version {vid[:12]} names parent {parent[:12]}, which it does not hold")
+                if parent in walking:
+                    raise refuse(f"version {parent[:12]} is its own ancestor (its parents form a cycle)")
+                stack.append((parent, False))

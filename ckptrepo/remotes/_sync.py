@@ -32,7 +32,14 @@ from ckptrepo.core._remotes import (
     tracking_refs,
 )
 from ckptrepo.errors import ConflictError, PushRejectedError, RefError
-from ckptrepo.remotes._remote import is_ancestor, missing_ancestors, open_remote, version_ids
+from ckptrepo.remotes._remote import (
+    RemoteHistory,
+    is_ancestor,
+    missing_ancestors,
+    open_remote,
+    sound_history,
+    version_ids,
+)
 from ckptrepo.remotes._transfer import Progress, VersionCopier
 
 
@@ -182,21 +189,21 @@ def _status(old: str | None, new: str) -> str:
 
 
 def fetch(local: Plumbing, remote: str, lazy: bool = False, depth: int | None = None,
-          progress: Progress | None = None) -> SyncResult:
+          progress: Progress | None = None, source: tuple[Plumbing, RemoteHistory] | None = None) -> SyncResult:
     """Fetch every branch and tag of ``remote`` (see the module docstring). ``lazy``: no tensor data is copied,
     loads read it from the remote. ``depth``: data is copied for the newest ``depth`` versions of each branch
     (first parents), the older ones are fetched as lazily; every manifest is fetched either way, so history,
-    ``log`` and loads of any version work."""
-    there = open_remote(local, remote)
-    result = SyncResult(remote, there.url)
-    branches = there.refs.branches()
-    tags = there.refs.tags()
-    head = there.refs.head()
-    detached = [head.version] if head.branch is None and head.version else []   # as git fetches HEAD's commit
-    known = version_ids(there)
+    ``log`` and loads of any version work. A damaged remote is refused before anything is copied
+    (``sound_history``). ``source``: the remote as a clone opened and checked it (its headers read once)."""
     present = version_ids(local)
-    todo = missing_ancestors(lambda v: there.header(v).parents, [*branches.values(), *tags.values(), *detached],
-                             present, known)
+    if source is None:
+        there = open_remote(local, remote)
+        history = sound_history(there, f"remote {remote!r} ({there.url})", present)
+    else:
+        there, history = source
+    result = SyncResult(remote, there.url)
+    branches, tags = history.branches, history.tags
+    todo = missing_ancestors(lambda v: there.header(v).parents, history.tips, present, history.known)
     with_data = set() if lazy else _within_depth(there, branches.values(), depth, set(todo))
     pruned = {v for v in todo if there.store.exists(PRUNED_PREFIX + v)}
     copier = VersionCopier(there.store, local.store, progress)

@@ -18,13 +18,17 @@ from ckptrepo import faults
 from ckptrepo.core._manifest import PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core.schema import Manifest, decode_manifest
 from ckptrepo.errors import CorruptionError
+from ckptrepo.storage._arrays import INDEX_ENTRY_BYTES, ZARR_JSON, ZARR_JSON_MAX_BYTES, ArrayInfo
+from ckptrepo.storage._untrusted import ProbedStore
 from ckptrepo.storage.protocol import Store
 
 # Objects copied at once: enough to keep an object store's pipe full, few enough that the shards held in
 # memory meanwhile (64 MiB each at most, as this release writes them) stay well under a GiB.
 COPY_WORKERS = 8
-# The largest object a copy reads whole: a shard's data (at most 4 GiB, docs/format.md) and its index.
-MAX_OBJECT_BYTES = (4 << 30) + (16 << 20)
+# What a chunk may take beyond its bytes in a shard: a blosc frame's header and its crc32c, each chunk placed
+# on a 4096-byte block (the direct writer's alignment, storage/_localwrite.py), and the index on one too.
+_CHUNK_SLACK = 64
+_BLOCK = 4096
 
 Progress = Callable[[int, int], None]   # (bytes copied so far, bytes to copy in all)
 
@@ -78,26 +82,28 @@ class VersionCopier:
 
     def copy_arrays(self, m: Manifest, src: Store | None = None) -> None:
         """Every array ``m`` points into that dst lacks, each completed by its ``zarr.json``; read from ``src``
-        (default: the copier's), which for a version evicted here reads through to the remote holding it."""
+        (default: the copier's), which for a version evicted here reads through to the remote holding it.
+
+        Only the objects the manifest implies are copied (``array_objects``), each read no further than the
+        size its record allows: whatever else the source holds in an array's folder stays there."""
         src = src or self.src
         for key in sorted(m.arrays):
             if self._array_at_dst(key):
                 continue
-            keys = src.list(f"{key}/")
-            if f"{key}/zarr.json" not in keys:
+            objects = array_objects(src, m.arrays[key])
+            if objects is None:
                 raise CorruptionError(f"array {key} of version {m.id[:12]} is not in {src.url} (deleted, or "
                                       f"never written there); run `ckptrepo fsck` on it")
-            body = [k for k in keys if k != f"{key}/zarr.json"]
             with ThreadPoolExecutor(COPY_WORKERS) as pool:
-                for _ in pool.map(lambda k: self._copy_object(src, k), body):
+                for _ in pool.map(lambda kb: self._copy_object(src, *kb), objects):
                     pass
-            self._copy_object(src, f"{key}/zarr.json")
+            self._copy_object(src, f"{key}/{ZARR_JSON}", ZARR_JSON_MAX_BYTES)
             self._present.add(key)
             self.tally.arrays += 1
             faults.point("push_after_array")
 
-    def _copy_object(self, src: Store, key: str) -> None:
-        value = src.get(key, MAX_OBJECT_BYTES)
+    def _copy_object(self, src: Store, key: str, bound: int) -> None:
+        value = read_bounded(src, key, bound)
         if value is None:
             raise CorruptionError(f"object {key} vanished from {src.url} while it was copied; is a gc running "
                                   f"there? run the command again")
@@ -128,3 +134,42 @@ class VersionCopier:
         self.dst.put_if_absent(VERSIONS_PREFIX + vid, raw)
         self.tally.versions.append(vid)
         faults.point("push_after_manifest")
+
+
+def shard_ceiling(info: ArrayInfo, index: int) -> int:
+    """The most bytes shard object ``index`` of a sound array can hold (see ``storage._arrays.shard_floor``)."""
+    lo = index * info.shard_elems
+    chunks = -(-(min(info.numel, lo + info.shard_elems) - lo) // info.inner_elems)
+    slot = -(-(info.inner_bytes + _CHUNK_SLACK) // _BLOCK) * _BLOCK
+    return chunks * slot + info.shard_elems // info.inner_elems * INDEX_ENTRY_BYTES + 2 * _BLOCK
+
+
+def array_objects(src: Store, info: ArrayInfo) -> list[tuple[str, int]] | None:
+    """The objects of array ``info`` that ``src`` holds, but its ``zarr.json``, with the most bytes each may hold:
+    its chunk table (when the record binds one; a missing one is left to fsck, as a missing shard is) and its
+    shards ``c/<i>`` for ``i`` within the declared geometry (a shard of nothing but fill values is not stored).
+    None when ``zarr.json`` is absent. Any other key in the folder is no part of the array and is never read: a
+    remote cannot make a copy move what no manifest names."""
+    from ckptrepo.storage._chunktable import table_key  # numpy: not for the history commands that import this
+    held = set(src.list(f"{info.key}/"))
+    if f"{info.key}/{ZARR_JSON}" not in held:
+        return None
+    table = table_key(info.key)
+    out = [(table, 4 * info.chunks)] if info.digest is not None and table in held else []
+    shards = info.shards()
+    prefix = f"{info.key}/c/"
+    for key in sorted(held):
+        name = key[len(prefix):] if key.startswith(prefix) else ""
+        if name.isascii() and name.isdigit() and str(int(name)) == name and int(name) in shards:
+            out.append((key, shard_ceiling(info, int(name))))
+    return out
+
+
+def read_bounded(src: Store, key: str, bound: int) -> bytes | None:
+    """The value at ``key`` in ``src`` (None when absent), refused with CorruptionError when it holds more than
+    ``bound`` bytes. A local store looks at the file's size before reading it; an object store is asked for the
+    byte just past the bound first, so an oversized object is refused without being downloaded."""
+    if src.capabilities.file_path(key) is None and not isinstance(src, ProbedStore) and src.get_range(key, bound, 1):
+        raise CorruptionError(f"object {key} in {src.url} holds more than the {bound} bytes the format allows "
+                              f"there: the repository is damaged or hostile; run `ckptrepo fsck` on it")
+    return src.get(key, bound)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -71,6 +72,30 @@ def request_retries() -> dict[str, Any]:
     if tries < 1:
         raise StorageError(f"CKPTREPO_STORE_RETRIES={raw!r} must be at least 1")
     return {"max_retries": tries, "initial_delay": "0.5s", "max_delay": "8s"}
+
+
+# How long one S3 or GCS operation (a read, write, listing or delete, with all its retries) may take before it is
+# given up: the retries and the stall detection below bound each try, not their sum, and an endpoint that
+# accepts connections and never answers, or trickles a byte every few seconds, would otherwise hold a command
+# for minutes. CKPTREPO_STORE_TIMEOUT sets it, in seconds (a slow link copying large shards may need more).
+DEFAULT_STORE_TIMEOUT_S = 60.0
+
+
+def store_timeout() -> float:
+    """The seconds one S3 or GCS operation may take (see DEFAULT_STORE_TIMEOUT_S)."""
+    raw = os.environ.get("CKPTREPO_STORE_TIMEOUT", "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_STORE_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise StorageError(f"CKPTREPO_STORE_TIMEOUT={raw!r} is not a number of seconds above 0; set one such as "
+                           f"{DEFAULT_STORE_TIMEOUT_S:g}, or unset it")
+    return seconds
+
+
+class _TimedOut(Exception):
+    """An S3 or GCS operation that did not end within the store timeout (see ``store_timeout``)."""
 
 
 STALLED_REQUEST_S = 15
@@ -180,6 +205,8 @@ def _dir(path: str) -> str:
 
 
 def _wrap(err: Exception, what: str) -> StorageError:
+    if isinstance(err, _TimedOut):
+        return StorageError(f"storage error while {what}: {err}")
     cause = first_line(err)
     return StorageError(f"storage error while {what}: {cause}{storage_failure_hint(cause)}")
 
@@ -245,9 +272,23 @@ class TensorStoreStore:
     capabilities: StoreCapabilities = field(init=False)
     _handles: "tuple[ts.Context, ts.KvStore] | None" = field(default=None, init=False, repr=False, compare=False)
     _opening: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _timeout: float | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.capabilities = _capabilities(self.spec)
+        self._timeout = store_timeout() if self.spec.get("driver") in ("s3", "gcs") else None
+
+    def _wait(self, future: Any) -> Any:
+        """``future``'s result, within the store timeout on S3 and GCS (then cancelled, and ``_TimedOut``)."""
+        if self._timeout is None:
+            return future.result()
+        try:
+            return future.result(timeout=self._timeout)
+        except TimeoutError:
+            future.cancel()
+            raise _TimedOut(f"no answer from {self.url} within {self._timeout:g} s; check the endpoint "
+                            f"(AWS_ENDPOINT_URL) and the network, or set CKPTREPO_STORE_TIMEOUT to wait "
+                            f"longer") from None
 
     @classmethod
     def open(cls, url: str, options: dict[str, Any] | None = None) -> "TensorStoreStore":
@@ -322,20 +363,24 @@ class TensorStoreStore:
         if offset < 0 or length < 0:
             raise ValueError(f"a byte range needs a non-negative offset and length, not {offset}, {length}")
         self._look(key)
-        r = self._read_range(key, offset, offset + length)
+        r, size = self._read_range(key, offset, offset + length)
+        if r is None and size is not None and offset >= size:
+            return b""   # the refusal said how long the value is: nothing from offset on, and no second request
         if r is None:   # the range runs past the value's end
-            r = self._read_range(key, offset, None)
+            r, _ = self._read_range(key, offset, size)
             if r is None:   # so does its start
                 return b"" if self.exists(key) else None
         return bytes(r.value) if r.state == "value" else None
 
-    def _read_range(self, key: str, start: int, stop: int | None) -> Any:
-        """TensorStore's read result for bytes ``[start, stop)`` of ``key``; None when the value is shorter."""
+    def _read_range(self, key: str, start: int, stop: int | None) -> tuple[Any, int | None]:
+        """TensorStore's read result for bytes ``[start, stop)`` of ``key``; None when the value is shorter, with
+        the value's size where TensorStore's refusal names it."""
         try:
-            return self.kv.read(key, byte_range=slice(start, stop)).result()
+            return self._wait(self.kv.read(key, byte_range=slice(start, stop))), None
         except Exception as err:  # noqa: BLE001
             if isinstance(err, ValueError) and str(err).startswith("OUT_OF_RANGE"):
-                return None
+                found = _REFUSED_SIZE.search(str(err))
+                return None, int(found.group(1)) if found else None
             raise _wrap(err, f"reading {key}") from err
 
     def get_many(self, keys: Sequence[str], max_bytes: int = MAX_VALUE_BYTES) -> list[bytes | None]:
@@ -351,7 +396,7 @@ class TensorStoreStore:
         out: list[bytes | None] = []
         for key, fut in zip(keys, futures):
             try:
-                r = fut.result()
+                r = self._wait(fut)
             except Exception as err:  # noqa: BLE001
                 raise _wrap(err, f"reading {key}") from err
             out.append(_bounded(key, r, max_bytes))
@@ -361,7 +406,7 @@ class TensorStoreStore:
         """The value (bounded as in ``get_many``) and its storage generation (the token for compare-and-swap)."""
         self._look(key, max_bytes)
         try:
-            r = self.kv.read(key).result()
+            r = self._wait(self.kv.read(key))
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"reading {key}") from err
         value = _bounded(key, r, max_bytes)
@@ -371,7 +416,7 @@ class TensorStoreStore:
         """Write ``value`` durably (to the extent the driver guarantees)."""
         self._before_write(key)
         try:
-            self.kv.write(key, value).result()
+            self._wait(self.kv.write(key, value))
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"writing {key}") from err
 
@@ -385,7 +430,7 @@ class TensorStoreStore:
         self._look(key)
         self._before_write(key)
         try:
-            stamp = self.kv.write(key, value, if_equal=expected_generation).result()
+            stamp = self._wait(self.kv.write(key, value, if_equal=expected_generation))
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"writing {key}") from err
         return stamp.generation or None
@@ -410,7 +455,7 @@ class TensorStoreStore:
                 if size is not None or self.capabilities.local_path(key) is not None:
                     return size is not None
         try:
-            r = self.kv.read(key, byte_range=slice(0, 0)).result()
+            r = self._wait(self.kv.read(key, byte_range=slice(0, 0)))
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"reading {key}") from err
         return r.state == "value"
@@ -428,9 +473,9 @@ class TensorStoreStore:
         try:
             if prefix:
                 rng = ts.KvStore.KeyRange(inclusive_min=prefix.encode(), exclusive_max=_prefix_end(prefix))
-                keys = self.kv.list(rng).result()
+                keys = self._wait(self.kv.list(rng))
             else:
-                keys = self.kv.list().result()
+                keys = self._wait(self.kv.list())
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"listing {prefix or '/'}") from err
         reserved = tuple(s.encode() for s in self.capabilities.reserved_suffixes)
@@ -440,7 +485,7 @@ class TensorStoreStore:
         """Delete ``key`` (no error when absent)."""
         self._before_write(key)
         try:
-            self.kv.write(key, None).result()
+            self._wait(self.kv.write(key, None))
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"deleting {key}") from err
 
@@ -449,8 +494,8 @@ class TensorStoreStore:
         prefix's top-level folder, which stays): gc would otherwise leave a tree of empty folders per version."""
         import tensorstore as ts
         try:
-            self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix.encode(),
-                                                     exclusive_max=_prefix_end(prefix))).result()
+            self._wait(self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix.encode(),
+                                                                exclusive_max=_prefix_end(prefix))))
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"deleting {prefix}") from err
         root = self.capabilities.local_root
@@ -487,6 +532,11 @@ def _list_files(root: str, prefix: str, reserved: tuple[str, ...]) -> list[str]:
             elif key.startswith(prefix) and not key.endswith(reserved):
                 keys.append(key)
     return sorted(keys)
+
+
+# how TensorStore's refusal of a byte range past a value's end names the value's size (S3's own error body
+# carries it as ActualObjectSize)
+_REFUSED_SIZE = re.compile(r"(?:value of size |total size |ActualObjectSize>)(\d+)")
 
 
 def _bounded(key: str, r: Any, max_bytes: int) -> bytes | None:
