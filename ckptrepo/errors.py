@@ -192,14 +192,6 @@ def os_error_hint(err: OSError) -> str:
     return _OS_ERROR_HINTS.get(err.errno or 0, "check the path and the permissions, or name another path")
 
 
-__all__ = ["ArgumentError", "CkptRepoError", "ConflictError", "CorruptionError", "DetachedHeadError", "ExchangeError",
-           "FormatVersionError", "LayoutError", "MissingDependencyError", "NotARepositoryError", "RefError",
-           "RepositoryExistsError", "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError",
-           "StorageError", "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line",
-           "is_storage_failure", "os_error_hint", "os_error_text", "some_names", "storage_failure",
-           "storage_failure_hint"]
-
-
 class CheckpointNotFoundError(CkptRepoError, FileNotFoundError):
     """A checkpoint path names nothing loadable: no file and no revision of that name, or a pointer file whose
     version was never committed (a FileNotFoundError too, which frameworks such as Lightning expect)."""
@@ -209,4 +201,14 @@ class PointerError(CkptRepoError):
     """A checkpoint pointer file is damaged, or names what its reader may not follow (another repository)."""
 
 
-__all__ += ["CheckpointNotFoundError", "PointerError"]
+class DigestMismatchError(CorruptionError):
+    """A piece read whole does not hash to the content digest its manifest records: its stored bytes changed
+    after they were written, though every chunk's crc32c may still pass (a crc32c can be restored by design)."""
+
+
+__all__ = ["ArgumentError", "CheckpointNotFoundError", "CkptRepoError", "ConflictError", "CorruptionError",
+           "DetachedHeadError", "DigestMismatchError", "ExchangeError", "FormatVersionError", "LayoutError",
+           "MissingDependencyError", "NotARepositoryError", "PointerError", "RefError", "RepositoryExistsError",
+           "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError", "StorageError",
+           "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line", "is_storage_failure",
+           "os_error_hint", "os_error_text", "some_names", "storage_failure", "storage_failure_hint"]

@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,7 +32,9 @@ from ckptrepo.loading._reshard import VersionReader
 from ckptrepo.parallel._sharding import Piece
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.state._skeleton import BIGINT, NDARRAY, NPSCALAR, SCALAR
+from ckptrepo.state._wordsum import wordsum_digests
 from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage._piece_digest import WORDSUM, PieceHasher, checkable, mismatch_error
 from ckptrepo.storage.protocol import Store
 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "DEVICE_TYPES", "Pipeline", "Transfer", "batches", "ndarray_leaves",
@@ -42,6 +45,9 @@ BUFFERS = 4               # pinned buffers in rotation: some being read into, th
 READERS = 2               # batches read at once (the engine's reader threads serve both)
 ALIGN = 64                # each staged tensor starts at a multiple of this in its buffer
 DEVICE_TYPES = ("cuda",)  # destinations loaded through the pipeline (tests add "cpu" to exercise it)
+# devices whose pipelines check WORDSUM digests (a CUDA snapshot's) on the device, with the function capture took
+# them with, after the copies: on the host, numpy's WORDSUM would run far slower than the pipeline reads
+DEVICE_DIGESTS = ("cuda",)
 
 
 @dataclass
@@ -118,8 +124,10 @@ class Pipeline:
         self.copied_batches = 0
 
     def run(self, transfers: Sequence[Transfer],
-            read: Callable[[list[tuple[Transfer, torch.Tensor]]], None]) -> None:
-        """Fill every transfer's destination: ``read`` fills a batch's host tensors (in a worker thread)."""
+            read: Callable[[list[tuple[Transfer, torch.Tensor]]], None],
+            check: Callable[[list[tuple[Transfer, torch.Tensor]]], None] | None = None) -> None:
+        """Fill every transfer's destination: ``read`` fills a batch's host tensors (in a worker thread);
+        ``check`` is given each batch's host tensors in plan order, once read, while its copies run."""
         plan = batches(transfers, self.buffer_bytes)
         if not plan:
             return
@@ -135,9 +143,9 @@ class Pipeline:
                 reading.append((batch, buf, hosts, pool.submit(_read_in, read, list(zip((t for t, _ in batch), hosts)),
                                                                grad)))
                 if len(reading) >= self.readers:
-                    self._copy_batch(*reading.popleft())
+                    self._copy_batch(*reading.popleft(), check)
             while reading:
-                self._copy_batch(*reading.popleft())
+                self._copy_batch(*reading.popleft(), check)
         finally:
             for _, _, _, fut in reading:   # a failed load: no reader writes into a buffer after this returns
                 fut.cancel()
@@ -158,7 +166,7 @@ class Pipeline:
         return buf
 
     def _copy_batch(self, batch: list[tuple[Transfer, int]], buf: torch.Tensor, hosts: list[torch.Tensor],
-                    fut: Future) -> None:
+                    fut: Future, check: Callable[[list[tuple[Transfer, torch.Tensor]]], None] | None = None) -> None:
         fut.result()
         dests = [t.dest for t, _ in batch]
         event = None
@@ -171,6 +179,8 @@ class Pipeline:
             self._queue_copies(dests, hosts)
         self.copied_batches += 1
         self._copying.append((buf, event))
+        if check is not None:   # the buffer is not reused before the next batch is taken: it is still this batch's
+            check([(t, h) for (t, _), h in zip(batch, hosts)])
 
     def _queue_copies(self, dests: list[torch.Tensor], hosts: list[torch.Tensor]) -> None:
         if self._copy is not None:
@@ -243,8 +253,10 @@ def read_tensors_to(store: Store, arrays: dict[str, ArrayInfo], entries: list[Te
     dev = into[gpu[0]].device if gpu[0] in into else device
     assert dev is not None
     pipe = pipeline or Pipeline(dev)
+    on_device = pipe.device.type in DEVICE_DIGESTS
     transfers: list[Transfer] = []
     unstrided: list[tuple[torch.Tensor, torch.Tensor]] = []   # (destination, contiguous stand-in on the device)
+    device_checks: list[tuple[str, Any, torch.Tensor]] = []   # WORDSUM pieces checked on the device
     for i in gpu:
         e = entries[i]
         dtype = TORCH_DTYPES[e.dtype]
@@ -256,6 +268,8 @@ def read_tensors_to(store: Store, arrays: dict[str, ArrayInfo], entries: list[Te
         if flat is None:
             flat = torch.empty(e.numel, dtype=dtype, device=dest.device)
             unstrided.append((dest, flat))
+        if on_device and _device_digest(e.pieces[0].digest) and len(e.pieces) == 1:
+            device_checks.append((e.name, e.pieces[0], flat))
         step = max(1, pipe.buffer_bytes // flat.element_size())
         for a in range(0, e.numel, step):
             b = min(e.numel, a + step)
@@ -264,13 +278,53 @@ def read_tensors_to(store: Store, arrays: dict[str, ArrayInfo], entries: list[Te
     def read(pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
         engine.execute([_StagedRead(t.what[0], t.what[1], t.what[2], t.what[3], h) for t, h in pairs], on_bytes)
 
-    pipe.run(transfers, read)
+    pipe.run(transfers, read, _WholeDigests(entries, gpu, on_device).check)
+    if device_checks:
+        pipe.after(partial(_check_on_device, device_checks))
     def into_strided() -> None:
         for d, f in unstrided:
             d.copy_(f.view(d.shape))
     if unstrided:
         pipe.after(into_strided)
     return out
+
+
+class _WholeDigests:
+    """The content digests of the tensors a plain load sends through the pipeline, each taken over its staged
+    host bytes as the batches come in plan order (a tensor larger than a buffer spans several), and checked
+    once its last transfer is in: where the host already has the bytes, whatever the device."""
+
+    def __init__(self, entries: list[TensorEntry], wanted: list[int], on_device: bool) -> None:
+        self.hashers = {entries[i].name: (entries[i], PieceHasher(digest[0]))
+                        for i in wanted if len(entries[i].pieces) == 1
+                        for digest in (entries[i].pieces[0].digest,) if digest is not None and checkable(digest)
+                        and not (on_device and _device_digest(digest))}
+
+    def check(self, pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
+        for t, host in pairs:
+            array, _start, stop, name = t.what
+            got = self.hashers.get(name)
+            if got is None:
+                continue
+            entry, hasher = got
+            hasher.update(host.reshape(-1).view(torch.uint8).numpy())
+            piece = entry.pieces[0]
+            if stop == piece.offset + entry.numel and hasher.digest() != piece.digest:
+                raise mismatch_error(name, piece.box, array, piece.offset, entry.numel)
+
+
+def _device_digest(digest: bytes | None) -> bool:
+    """Whether a recorded digest is WORDSUM, which a CUDA pipeline checks on the device."""
+    return digest is not None and checkable(digest) and digest[0] == WORDSUM
+
+
+def _check_on_device(checks: list[tuple[str, Any, torch.Tensor]]) -> None:
+    """Compare WORDSUM digests of pieces on the device (in the current stream, after their copies) with the
+    recorded ones: the bytes as they arrived, whatever copy follows."""
+    got = wordsum_digests([t for _, _, t in checks])
+    for (name, piece, _), digest in zip(checks, got):
+        if digest != piece.digest:
+            raise mismatch_error(name, piece.box, piece.array, piece.offset, volume(piece.box[1]))
 
 
 def _flat_ok(t: torch.Tensor) -> bool:
@@ -312,6 +366,12 @@ def read_pieces_to(store: Store, manifest: Manifest, targets: list[Piece], stats
     if not gpu:
         return stats
     pipe = pipeline or Pipeline(gpu[0].view.device)
+    on_device = pipe.device.type in DEVICE_DIGESTS
+    device_checks = []   # saved WORDSUM pieces that are target pieces: checked on the device, after the copies
+    for p in gpu:
+        whole = _same_piece(p, reader.saved) if on_device else None
+        if whole is not None and _device_digest(whole.digest):
+            device_checks.append((p.name, whole, p.view))
     transfers = []
     for p in gpu:
         dtype = TORCH_DTYPES[p.dtype]
@@ -323,12 +383,56 @@ def read_pieces_to(store: Store, manifest: Manifest, targets: list[Piece], stats
     def read(pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
         staged = [Piece(t.what[0].name, t.what[0].dtype, t.what[0].gshape, t.what[1], h) for t, h in pairs]
         mine = ReadStats()
-        reader.read(staged, mine)
+        reader.read(staged, mine, skip_digest=WORDSUM if on_device else None)
         with _PLAN_LOCK:
             stats.needed_bytes += mine.needed_bytes
             stats.requested_bytes += mine.requested_bytes
             stats.spans += mine.spans
             stats.runs += mine.runs
 
-    pipe.run(transfers, read)
+    pipe.run(transfers, read, _SplitPieceDigests(gpu, reader.saved, transfers, on_device).check)
+    if device_checks:
+        pipe.after(partial(_check_on_device, device_checks))
     return stats
+
+
+def _same_piece(p: Piece, saved: dict[str, Any]) -> Any:
+    """The saved piece whose box is target piece ``p``'s, or None."""
+    box = tuple(map(tuple, p.box))
+    return next((s for s in saved.get(p.name, ()) if tuple(map(tuple, s.box)) == box), None)
+
+
+class _SplitPieceDigests:
+    """The content digests of saved pieces that a layout load reads whole through the pipeline in several
+    transfers (a target piece that is a saved piece, larger than a buffer): split_box cuts it in row-major
+    order, so its staged boxes, in plan order, are its bytes in order. A saved piece that fits in one transfer
+    is checked by the read engine (a span covering it whole)."""
+
+    def __init__(self, targets: list[Piece], saved: dict[str, Any], transfers: list[Transfer],
+                 on_device: bool) -> None:
+        count: dict[int, int] = {}
+        for t in transfers:
+            count[id(t.what[0])] = count.get(id(t.what[0]), 0) + 1
+        self.open: dict[int, tuple[Any, PieceHasher, int]] = {}   # id(target) -> (saved piece, hasher, bytes left)
+        for p in targets:
+            if count.get(id(p), 0) < 2:
+                continue
+            whole = _same_piece(p, saved)
+            digest = None if whole is None else whole.digest
+            if digest is not None and checkable(digest) and not (on_device and _device_digest(digest)):
+                nbytes = p.view.numel() * TORCH_DTYPES[p.dtype].itemsize
+                self.open[id(p)] = (whole, PieceHasher(digest[0]), nbytes)
+
+    def check(self, pairs: list[tuple[Transfer, torch.Tensor]]) -> None:
+        for t, host in pairs:
+            p = t.what[0]
+            got = self.open.get(id(p))
+            if got is None:
+                continue
+            saved, hasher, left = got
+            raw = host.reshape(-1).view(torch.uint8).numpy()
+            hasher.update(raw)
+            left -= raw.nbytes
+            self.open[id(p)] = (saved, hasher, left)
+            if left == 0 and hasher.digest() != saved.digest:
+                raise mismatch_error(p.name, saved.box, saved.array, saved.offset, volume(saved.box[1]))

@@ -51,12 +51,15 @@ from ckptrepo.errors import (
     some_names,
     storage_failure,
 )
+from ckptrepo.loading._digest_check import DigestFeed, check_read, check_reads, check_rows
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, foreign_chunk_error, read_table
+from ckptrepo.storage._frames import FrameCheck
 from ckptrepo.storage._localread import DirectReader
+from ckptrepo.storage._piece_digest import checkable
 from ckptrepo.storage._tensorstore import local_bytes_read
 from ckptrepo.storage.protocol import Store
 
@@ -87,12 +90,17 @@ def kvstore_bytes_read() -> int:
 
 
 class Read:
-    """Elements ``[start, stop)`` of flat array ``array``, and where they go (a subclass says where)."""
+    """Elements ``[start, stop)`` of flat array ``array``, and where they go (a subclass says where).
 
-    __slots__ = ("array", "start", "stop")
+    ``digest``: where the read covers one stored piece exactly, the content digest the manifest records of it
+    (and ``box``, the piece's box), checked once the elements are read (loading/_digest_check.py)."""
+
+    __slots__ = ("array", "start", "stop", "digest", "box")
 
     def __init__(self, array: str, start: int, stop: int) -> None:
         self.array, self.start, self.stop = array, start, stop
+        self.digest: bytes | None = None
+        self.box: Any = None
 
     @property
     def offset(self) -> int:   # the direct reader's view of a read (see DirectReader.submit)
@@ -174,12 +182,36 @@ class Engine:
         self.arrays = arrays   # the caller may add arrays between plans (another version's, for dedup'd pieces)
         self._handles: dict[str, ts.TensorStore] = {}
         self._tables: dict[str, np.ndarray | None] = {}
+        self._frames: dict[str, FrameCheck] = {}
 
     def table(self, key: str) -> np.ndarray | None:
         """Array ``key``'s chunk table, checked against the manifest (once); None: not content-bound."""
         if key not in self._tables:
             self._tables[key] = read_table(self.store, self.arrays[key])
         return self._tables[key]
+
+    def check_frames(self, runs: list[_Run]) -> None:
+        """Before TensorStore decodes the chunks of a compressed array's ``runs``: each must declare exactly a
+        chunk's bytes (storage/_frames.py: TensorStore inflates a zstd bomb before it compares sizes). The
+        headers of all the runs are read together (checked ones are not read again)."""
+        key = runs[0].array
+        frames = self._frames.get(key)
+        if frames is None:
+            frames = self._frames[key] = FrameCheck(self.store, self.arrays[key])
+        inner = self.arrays[key].inner_elems
+
+        def names(chunk: int) -> list[str]:
+            return _names([r for run in runs if run.start // inner <= chunk <= (run.stop - 1) // inner
+                           for r in run.reads])
+        try:
+            frames.check([(run.start, run.stop) for run in runs], names)
+        except CorruptionError:
+            raise
+        except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
+            reason = first_line(err)
+            if is_storage_failure(reason):
+                raise storage_failure(f"reading {key}", reason) from err
+            raise damaged_object_error(key, reason, _names([r for run in runs for r in run.reads])) from err
 
     def handle(self, run: _Run) -> ts.TensorStore:
         """The run's array opened through TensorStore (once); one that cannot be opened is named like a
@@ -220,6 +252,7 @@ class _Execution:
                 info = arrays[run.array]
                 for r in run.reads:
                     r.prepare(info)
+        self._check_frames(runs)
         pending: deque[tuple[_Run, _DirectRead | _BoundRead | list[Any], int]] = deque()
         inflight = 0
         try:
@@ -234,6 +267,24 @@ class _Execution:
         finally:
             if direct is not None:
                 direct.close()
+
+    def _check_frames(self, runs: list[_Run]) -> None:
+        """The compressed chunks of the plan, checked before any is read (engine.check_frames): per array, the
+        runs of up to ``INFLIGHT_BYTES`` at a time, so that a load from an object store waits two round trips
+        per window rather than per run."""
+        window: dict[str, list[_Run]] = {}
+        size: dict[str, int] = {}
+        for run in runs:
+            info = self.arrays[run.array]
+            if info.compression is None:
+                continue
+            window.setdefault(run.array, []).append(run)
+            size[run.array] = size.get(run.array, 0) + run.nbytes(info)
+            if size[run.array] >= INFLIGHT_BYTES:
+                self.engine.check_frames(window.pop(run.array))
+                size[run.array] = 0
+        for group in window.values():
+            self.engine.check_frames(group)
 
     def _submit(self, run: _Run) -> _DirectRead | _BoundRead | list[Any]:
         """Start a run's reads: the direct read in flight, or (no direct reader) TensorStore's futures."""
@@ -250,26 +301,50 @@ class _Execution:
                 raise
             raise _no_memory(run, info, err) from None
         where: dict[int, Any] = {k: d if d is not None else s for k, (d, s) in enumerate(zip(dests, scratch))}
+        views: dict[int, np.ndarray | None] = {}
         try:
-            futs = self.direct.submit(info, run, run.reads, where, table)
+            # each destination's bytes, made once: where the reader writes, and what a digest is taken over
+            views = {k: _bytes_of(t) for k, t in where.items()}
+            targets: dict[int, Any] = {k: where[k] if v is None else v for k, v in views.items()}
+            futs = self.direct.submit(info, run, run.reads, targets, table)
         except Exception:  # noqa: BLE001 - e.g. a destination numpy cannot view: the fallback rule applies
             futs = [_failed()]
         # a read into scratch is handed its elements by the reader thread that finishes the last task covering
         # it, while later tasks still read; not here: this thread would queue for the GIL between copies
         filled = [_when_all([f for f in futs if _covers(f, r)], partial(r.fill, s))
                   for r, s in zip(run.reads, scratch) if s is not None]
-        return _DirectRead(_when_all(futs + filled, _nothing))
+        # a read of a whole piece is hashed on the reader threads (_digest_check.py): the reads one task holds
+        # whole, together once it is done; a longer one as its tasks finish; one that fills rows of a strided
+        # target, once they all have
+        checks: list[Future] = []
+        alone: dict[int, tuple[Future, list[tuple[Read, np.ndarray]]]] = {}
+        for k, r in enumerate(run.reads):
+            if not checkable(r.digest):
+                continue
+            covering = [f for f in futs if _covers(f, r)]
+            buf = views.get(k)
+            if buf is not None and len(covering) == 1:
+                alone.setdefault(id(covering[0]), (covering[0], []))[1].append((r, buf))
+            elif buf is not None:
+                checks.append(DigestFeed(r, buf, info.itemsize, covering).done)
+            elif hasattr(where[k], "rows"):
+                checks.append(_when_all(covering, partial(check_rows, r, where[k].rows())))
+        checks += [_when_all([task], partial(check_reads, reads)) for task, reads in alone.values()]
+        return _DirectRead(_when_all(futs + filled + checks, _nothing))
 
     def _submit_ts(self, run: _Run) -> _BoundRead | list[Any]:
         if self.batch is None:
             self.batch = ts.Batch()
         h = self.engine.handle(run)
         table = self.engine.table(run.array)
+        info = self.arrays[run.array]
+        if info.compression is not None:   # at once when run() checked it with its neighbours
+            self.engine.check_frames([run])
         if table is None:
             return [h[r.start:r.stop].read(batch=self.batch) for r in run.reads]
         # whole inner chunks, so that each one's crc32c can be checked against the table: TensorStore checks
         # the stored crc32c against the bytes, not against the version
-        inner, numel = self.arrays[run.array].inner_elems, self.arrays[run.array].numel
+        inner, numel = info.inner_elems, info.numel
         lo, hi = run.start // inner * inner, min(numel, -(-run.stop // inner) * inner)
         return _BoundRead(h[lo:hi].read(batch=self.batch), lo, table)
 
@@ -301,7 +376,9 @@ class _Execution:
             if bad is not None:
                 raise foreign_chunk_error(info, first + bad, _names(run.reads))
             elems = torch.from_numpy(raw).view(TORCH_DTYPES[info.dtype])
+            item = info.itemsize
             for r in run.reads:
+                check_read(r, raw[(r.start - futs.start) * item:(r.stop - futs.start) * item])
                 r.fill(elems[r.start - futs.start:r.stop - futs.start])
         elif not isinstance(futs, _DirectRead):
             self._submit_batch()
@@ -310,6 +387,7 @@ class _Execution:
                     data = f.result()
                 except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
                     raise _read_error(self.engine.store, info, run, err) from err
+                check_read(r, data.view(np.uint8))
                 r.fill(torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[info.dtype]))
         if self.on_bytes is not None:
             self.on_bytes(nbytes)
@@ -404,6 +482,14 @@ def _names(reads: list[Read]) -> list[str]:
 
 def _nothing() -> None:
     pass
+
+
+def _bytes_of(target: Any) -> np.ndarray | None:
+    """A direct read's destination (a contiguous tensor or numpy bytes) as flat numpy bytes; None for a row
+    target, whose bytes are not in one place."""
+    if isinstance(target, torch.Tensor):
+        return target.reshape(-1).view(torch.uint8).numpy()
+    return target.reshape(-1).view(np.uint8) if isinstance(target, np.ndarray) else None
 
 
 def _failed() -> Future:

@@ -29,6 +29,8 @@ class _TensorRead(Read):
         assert entry.array is not None
         super().__init__(entry.array, entry.offset, entry.offset + entry.numel)
         self.i, self.entry, self.into, self.out = i, entry, into, out
+        if len(entry.pieces) == 1:   # the read is the whole piece: its digest is checked (loading/_digest_check.py)
+            self.digest, self.box = entry.pieces[0].digest, entry.pieces[0].box
         self.target: torch.Tensor | None = None
 
     def names(self) -> list[str]:

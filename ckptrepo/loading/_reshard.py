@@ -79,10 +79,12 @@ class VersionReader:
         self.saved: dict[str, tuple[SavedPiece, ...]] = {t.name: t.pieces for t in manifest.tensors}
         self.engine = Engine(store, self.arrays)
 
-    def read(self, targets: list[Piece], stats: ReadStats | None = None) -> ReadStats:
-        """Fill every target piece's view from the version's saved pieces."""
+    def read(self, targets: list[Piece], stats: ReadStats | None = None,
+             skip_digest: int | None = None) -> ReadStats:
+        """Fill every target piece's view from the version's saved pieces (checking the digest of each saved piece
+        read whole, but for those of algorithm ``skip_digest``, which the caller checks itself)."""
         stats = stats or ReadStats()
-        self.engine.execute(_plan(targets, self.saved, self.arrays, stats))
+        self.engine.execute(_plan(targets, self.saved, self.arrays, stats, skip_digest))
         return stats
 
 
@@ -134,6 +136,11 @@ class _RowTarget:
             except ValueError:
                 return None
         return cls(target[r0:r1], first + r0 * step, step, info.itemsize)
+
+    def rows(self) -> np.ndarray:
+        """The target rows as bytes, ``[rows, row bytes]``: in order, a whole saved piece's bytes when the span is
+        one (what its digest is checked against, loading/_digest_check.py)."""
+        return self.target
 
     def scatter(self, src: np.ndarray, a: int, b: int) -> None:
         """Copy array elements ``[a, b)``, held by ``src`` (uint8, verified), into the target rows they belong to."""
@@ -190,7 +197,7 @@ def _byte_view(view: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
 
 
 def _plan(targets: list[Piece], saved: dict[str, tuple[SavedPiece, ...]], arrays: dict[str, ArrayInfo],
-          stats: ReadStats) -> list[_Span]:
+          stats: ReadStats, skip_digest: int | None = None) -> list[_Span]:
     """Group every (target, saved piece) intersection's runs into read spans."""
     spans: list[_Span] = []
     byte_views: dict[int, Any] = {}
@@ -199,7 +206,7 @@ def _plan(targets: list[Piece], saved: dict[str, tuple[SavedPiece, ...]], arrays
         if have is None:
             raise CorruptionError(f"{tp.name} is not in the version's tensor table; run `ckptrepo fsck`")
         covered = 0
-        for sbox, array, offset, _ in have:
+        for sbox, array, offset, digest in have:
             part = intersect(sbox, tp.box)
             if part is None:
                 continue
@@ -218,6 +225,9 @@ def _plan(targets: list[Piece], saved: dict[str, tuple[SavedPiece, ...]], arrays
             for lo, hi in bounds:
                 sp = _Span(array, int(starts[lo]), int(starts[hi - 1]) + length,
                            (tp, sbox, part, offset, starts[lo:hi], length), byte_views)
+                if digest is not None and part == sbox and len(starts) == 1 and digest[0] != skip_digest:
+                    # the whole saved piece, in order
+                    sp.digest, sp.box = digest, sbox
                 stats.requested_bytes += (sp.stop - sp.start) * info.itemsize
                 stats.spans += 1
                 spans.append(sp)

@@ -21,6 +21,7 @@ from ckptrepo.core._remotes import evicted_ids, interrupted_clone, tracking_refs
 from ckptrepo.core._whereabouts import check_evicted
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, CorruptionError, first_line, is_storage_failure, some_names, storage_failure
+from ckptrepo.maintenance._fsck_digests import Checked, PieceDigests
 from ckptrepo.maintenance._gc import (
     data_version_ids,
     graph_damage,
@@ -33,6 +34,7 @@ from ckptrepo.maintenance._gc import (
 from ckptrepo.maintenance._lost import describe_refs, find_lost, lost_line
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
+from ckptrepo.storage._frames import FrameCheck
 
 MISSING_SHARDS_NAMED = 5   # per array; more are counted in one line (a manifest can declare millions)
 
@@ -97,11 +99,12 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
                                f"{some_names([v[:12] for v in sorted(unbound)])}): their chunks are checked by "
                                f"their own crc32c only, so a shard swapped with another version's goes unseen")
     _check_lost(plumbing, manifests, head, refs, report)
+    digests_checked: Checked = set()
     for vid, m in manifests.items():
         _check_parents(vid, m, manifests, reachable, report, lost)
         if vid not in pruned:
             before = len(report.errors)
-            _check_version_data(plumbing, vid, m, report, on_bytes, evicted)
+            _check_version_data(plumbing, vid, m, report, on_bytes, evicted, digests_checked)
             if len(report.errors) > before and plumbing.store.exists(PRUNED_PREFIX + vid):
                 del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
@@ -230,7 +233,7 @@ def _check_lost(plumbing: Plumbing, manifests: dict[str, Manifest], head: Head |
 
 
 def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckReport,
-                        on_bytes: Callable[[int], None] | None, evicted: set[str]) -> None:
+                        on_bytes: Callable[[int], None] | None, evicted: set[str], digests_checked: Checked) -> None:
     arrays = m.arrays
     for t in m.tensors:
         for piece in t.pieces:
@@ -257,6 +260,8 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
         except CorruptionError as err:
             report.errors.append(f"version {vid[:12]}: {err}")
             continue
+        digests = PieceDigests(m, info, digests_checked)   # fed each shard's bytes as read, in order
+        frames = FrameCheck(plumbing.store, info) if info.compression is not None else None
         for s in info.shards():
             lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
             # looked at before it is read: a FIFO would block the read, and a shard or index larger than the
@@ -268,24 +273,32 @@ def _check_version_data(plumbing: Plumbing, vid: str, m: Manifest, report: FsckR
                     what = "missing" if problem == "missing" else f"corrupt ({problem})"
                     report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is {what}; "
                                          f"tensors: {some_names(_names_in(m, key, lo, hi))}")
+                digests.feed(lo, hi, None)
             else:
-                _check_shard(arr, table, vid, m, info, s, report)
+                digests.feed(lo, hi, _check_shard(arr, table, vid, m, info, s, report, frames))
             report.objects += 1
             nbytes = (hi - lo) * info.itemsize
             report.bytes += nbytes
             if on_bytes is not None:
                 on_bytes(nbytes)
+        report.errors.extend(digests.errors)
         if missing > MISSING_SHARDS_NAMED:
             report.errors.append(f"version {vid[:12]}: array {key} lacks {missing - MISSING_SHARDS_NAMED} more of "
                                  f"its {len(info.shards())} declared shard objects, or holds them damaged")
 
 
 def _check_shard(arr: Any, table: np.ndarray | None, vid: str, m: Manifest, info: ArrayInfo, s: int,
-                 report: FsckReport) -> None:
+                 report: FsckReport, frames: FrameCheck | None = None) -> np.ndarray | None:
     """Read shard ``s`` through TensorStore (which checks each chunk's crc32c) and check its chunks against the
-    array's chunk table."""
+    array's chunk table; returns its bytes when they passed (None otherwise). A compressed shard's chunks must
+    first declare their own size (``frames``): TensorStore inflates a chunk before it compares sizes."""
     lo, hi = s * info.shard_elems, min(info.numel, (s + 1) * info.shard_elems)
     try:
+        bomb = frames.problem((lo, hi)) if frames is not None else None
+        if bomb is not None:
+            report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt (inner chunk {bomb[0]}: "
+                                 f"{bomb[1]}); tensors: {some_names(_names_in(m, info.key, lo, hi))}")
+            return None
         data = arr[lo:hi].read().result()
         bad = None if table is None else \
             first_mismatch(table, lo // info.inner_elems, chunk_crcs(info, data.view(np.uint8)))
@@ -293,11 +306,13 @@ def _check_shard(arr: Any, table: np.ndarray | None, vid: str, m: Manifest, info
         _raise_if_unreachable(err, f"reading {info.shard_key(s)}")
         report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} is corrupt or missing "
                              f"({first_line(err)}); tensors: {some_names(_names_in(m, info.key, lo, hi))}")
-        return
+        return None
     if bad is not None:
         report.errors.append(f"version {vid[:12]}: object {info.shard_key(s)} holds data its manifest does not "
                              f"name (inner chunk {lo // info.inner_elems + bad} is another version's or stale); "
                              f"tensors: {some_names(_names_in(m, info.key, lo, hi))}")
+        return None
+    return data.view(np.uint8)
 
 
 def _names_in(m: Manifest, key: str, lo: int, hi: int) -> list[str]:

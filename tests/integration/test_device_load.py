@@ -28,9 +28,9 @@ def cpu_as_device(monkeypatch):
     made: list[Pipeline] = []
     real = Pipeline.run
 
-    def run(self, transfers, read):
+    def run(self, transfers, read, *check):
         made.append(self)
-        return real(self, transfers, read)
+        return real(self, transfers, read, *check)
     monkeypatch.setattr(Pipeline, "run", run)
     return made
 

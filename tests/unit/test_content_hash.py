@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ckptrepo.saving import _content_hash as ch
+from ckptrepo.storage import _piece_digest as pd
 
 
 def reference(t: torch.Tensor) -> bytes:
@@ -14,16 +15,16 @@ def reference(t: torch.Tensor) -> bytes:
     n = len(b)
     x = np.frombuffer(b + bytes(-n % 8), dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = x ^ (np.arange(len(x), dtype=np.uint64) * np.uint64(ch._POS))
-        z = z * np.uint64(ch._M1)
+        z = x ^ (np.arange(len(x), dtype=np.uint64) * np.uint64(pd.POS))
+        z = z * np.uint64(pd.M1)
         z ^= z >> np.uint64(29)
-        z = z * np.uint64(ch._M2)
+        z = z * np.uint64(pd.M2)
         z ^= z >> np.uint64(32)
         a = int(z.sum(dtype=np.uint64))
-        z = z * np.uint64(ch._M3)
+        z = z * np.uint64(pd.M3)
         z ^= z >> np.uint64(31)
         b2 = int(z.sum(dtype=np.uint64))
-    return ch._finish(a, b2, n)
+    return pd.finish_wordsum(a, b2, n)
 
 
 def _tensors(device: str) -> list[torch.Tensor]:
@@ -91,3 +92,17 @@ def test_a_manifest_digest_of_another_algorithm_is_read_and_never_matched():
     for bad in (b"", b"\x01", "xx", 5, bytes(66)):
         with pytest.raises(FieldError):
             _digest(bad, "a piece")
+
+
+@pytest.mark.parametrize("cut", [1, 3, 8, 13, 4096, 1 << 20])
+def test_the_readers_check_recomputes_both_algorithms_from_bytes_fed_in_parts(cut):
+    """What load and fsck check (storage/_piece_digest.py) is the digest capture recorded, XXH3 and WORDSUM
+    alike, however the stored bytes arrive."""
+    from ckptrepo.storage._piece_digest import PieceHasher, piece_digest
+    for t in _tensors("cpu") + ([torch.randn(70001)] if cut >= 4096 else []):
+        raw = t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+        for algorithm, want in ((ch.XXH3, ch.xxh3_digest(t)), (ch.WORDSUM, reference(t))):
+            h = PieceHasher(algorithm)
+            for a in range(0, raw.nbytes, cut):
+                h.update(raw[a:a + cut])
+            assert h.digest() == want == piece_digest(algorithm, raw), (t.shape, t.dtype, algorithm)
