@@ -284,6 +284,8 @@ def _define() -> type[CheckpointIO]:
             self._torn_down = True
             self._queue.clear()
             self.files.close()
+            from ckptrepo.storage._localread import release_reader_threads
+            release_reader_threads()   # a resume's loads started them; Lightning expects no thread left
 
     CkptRepoIO.__module__ = __name__
     CkptRepoIO.__qualname__ = "CkptRepoIO"

@@ -15,7 +15,7 @@ import json
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -54,29 +54,53 @@ def bytes_read() -> int:
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_in_flight = 0   # tasks given to the pool and not finished: the pool is released only when none are
 _scratch_of_thread = threading.local()   # per reader thread: the buffer row targets are read into
 
 
-def _reader_pool() -> ThreadPoolExecutor:
-    """The process's reader threads, started by the first load and kept: starting (and joining) threads per
-    load costs milliseconds on a busy machine, and each new thread would fault in a new row buffer.
+def _submit(fn: Callable[..., Any], *args: Any) -> Future:
+    """Give a task to the process's reader threads, started by the first load and kept: starting (and joining)
+    threads per load costs milliseconds on a busy machine, and each new thread would fault in a new row buffer.
 
     A forked child has none of them (fork copies only the calling thread), so it forgets the pool and starts
-    its own at its first load (``_forget_pool``).
+    its own at its first load (``_forget_pool``). A framework that must end with no thread of ours (Lightning's
+    ``teardown``) releases them (``release_reader_threads``); the next load starts them again.
     """
-    global _pool
+    global _pool, _in_flight
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="ckptrepo-read")
-        return _pool
+        _in_flight += 1
+        fut = _pool.submit(fn, *args)
+    fut.add_done_callback(_task_done)
+    return fut
+
+
+def _task_done(_fut: Future) -> None:
+    global _in_flight
+    with _pool_lock:
+        _in_flight -= 1
+
+
+def release_reader_threads() -> bool:
+    """End the reader threads if no load is using them (True), so that no thread of ckptrepo's outlives a
+    framework's teardown; False when a load is in flight, whose threads end with the process instead."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _in_flight:
+            return _pool is None
+        pool, _pool = _pool, None
+    pool.shutdown(wait=True)
+    return True
 
 
 def _forget_pool() -> None:
     """In a forked child: the executor copied from the parent counts threads that do not exist here, so work
     given to it would wait for ever; the lock may have been held by a parent thread at the fork."""
-    global _pool, _pool_lock
+    global _pool, _pool_lock, _in_flight
     _pool = None
     _pool_lock = threading.Lock()
+    _in_flight = 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -99,7 +123,6 @@ class DirectReader:
         assert capabilities.local_root is not None
         self.root = capabilities.local_root
         self._files = capabilities   # maps keys onto files, refusing '..', reserved endings and the like
-        self.pool = _reader_pool()
         self._tasks: list[Future] = []
         self._shards: dict[str, _Shard] = {}                     # shard key -> its verified index
         self._metadata: dict[str, bool] = {}                    # array key -> zarr.json matches the manifest
@@ -160,7 +183,7 @@ class DirectReader:
             stop = min(last + 1, c + step, (c // per_shard + 1) * per_shard)
             lo, hi = c * inner, stop * inner
             mine = [p for p in pieces if p[0] < hi and p[1] > lo]
-            fut = self.pool.submit(self._read_chunks, info, c, stop, mine, table)
+            fut = _submit(self._read_chunks, info, c, stop, mine, table)
             fut.elems = (lo, hi)   # type: ignore[attr-defined]
             futs.append(fut)
             self._tasks.append(fut)

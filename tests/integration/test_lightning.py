@@ -441,10 +441,9 @@ def test_killed_a_few_steps_after_a_save_the_newest_checkpoint_loads(tmp_path: P
 
 
 def ckptrepo_threads() -> list[str]:
-    """The threads of ckptrepo's alive now, but the process's reader pool, which the first load of any kind
-    starts and keeps, idle, by design (storage/_localread.py)."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("ckptrepo")
-            and not t.name.startswith("ckptrepo-read")]
+    """The threads of ckptrepo's alive now, the process's reader pool included (a resume's load starts it;
+    teardown ends it)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("ckptrepo")]
 
 
 def test_load_from_checkpoint_builds_the_module(tmp_path: Path) -> None:
