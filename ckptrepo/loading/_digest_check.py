@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckptrepo.storage._piece_digest import PieceHasher, checkable, mismatch_error, piece_digest
+from ckptrepo.storage._piece_digest import (
+    WORDSUM,
+    PieceHasher,
+    checkable,
+    finish_wordsum,
+    mismatch_error,
+    piece_digest,
+)
+
+_U64 = (1 << 64) - 1
 
 if TYPE_CHECKING:
     from ckptrepo.loading._engine import Read
@@ -58,12 +67,15 @@ def check_rows(read: "Read", rows: np.ndarray) -> None:
 
 
 class DigestFeed:
-    """A direct read's bytes fed to its hasher in order as the reader tasks covering them finish; ``done`` holds
-    the outcome (the error when the digest differs or a task failed).
+    """A direct read's bytes hashed as the reader tasks covering them finish; ``done`` holds the outcome (the
+    error when the digest differs or a task failed).
 
-    Tasks finish in any order: each finished range waits in ``_ready`` until the ranges before it are fed.
-    One thread feeds at a time (``_feeding``), outside the lock, so the others only note their range and go on
-    reading; the feeder takes every range that becomes ready meanwhile.
+    Tasks finish in any order. A WORDSUM digest (a sum over positions) is taken in parts: each task's range
+    is hashed on the thread that finished it, at once, and the parts' lane sums are added, so that a large
+    piece is hashed by as many threads as read it. An xxh3 digest is sequential: each finished range waits in
+    ``_ready`` until the ranges before it are fed. One thread feeds at a time (``_feeding``), outside the lock,
+    so the others only note their range and go on reading; the feeder takes every range that becomes ready
+    meanwhile.
     """
 
     def __init__(self, read: "Read", buf: np.ndarray, itemsize: int, tasks: list[Future]) -> None:
@@ -75,16 +87,30 @@ class DigestFeed:
         self._ready: dict[int, int] = {}
         self._pos = read.start
         self._feeding = False
+        # WORDSUM in parts: each part must start on a whole word of the piece (and end on one, or at its end)
+        self._parts: list[int] | None = None   # [lane a, lane b, bytes hashed]
+        if read.digest[0] == WORDSUM and all(self._word_aligned(*self._range(t)) for t in tasks):
+            self._parts = [0, 0, 0]
         for t in tasks:
             t.add_done_callback(self._finished)
+
+    def _range(self, task: Future) -> tuple[int, int]:
+        lo, hi = getattr(task, "elems", (self.read.start, self.read.stop))
+        return max(lo, self.read.start), min(hi, self.read.stop)
+
+    def _word_aligned(self, lo: int, hi: int) -> bool:
+        start = self.read.start
+        return (lo - start) * self.item % 8 == 0 and (hi == self.read.stop or (hi - start) * self.item % 8 == 0)
 
     def _finished(self, task: Future) -> None:
         err = None if not task.cancelled() and task.exception() is None else "the direct read failed"
         if err is not None:
             self._settle(None, err)
             return
-        lo, hi = getattr(task, "elems", (self.read.start, self.read.stop))
-        lo, hi = max(lo, self.read.start), min(hi, self.read.stop)
+        lo, hi = self._range(task)
+        if self._parts is not None:
+            self._hash_part(lo, hi)
+            return
         with self._lock:
             self._ready[lo] = hi
             if self._feeding:
@@ -107,6 +133,24 @@ class DigestFeed:
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the read
             with self._lock:
                 self._feeding = False
+            self._settle(None, repr(err))
+
+    def _hash_part(self, lo: int, hi: int) -> None:
+        """WORDSUM: hash the bytes of elements ``[lo, hi)`` on this thread and add their lane sums."""
+        start, parts = self.read.start, self._parts
+        assert parts is not None
+        try:
+            if hi > lo:
+                h = PieceHasher(WORDSUM, (lo - start) * self.item // 8)
+                h.update(self.buf[(lo - start) * self.item:(hi - start) * self.item])
+                a, b = h.lanes()
+                with self._lock:
+                    parts[0], parts[1] = (parts[0] + a) & _U64, (parts[1] + b) & _U64
+                    parts[2] += h.nbytes
+                    whole = parts[2] == self.read.numel * self.item
+                if whole:
+                    self._settle(finish_wordsum(parts[0], parts[1], parts[2]), None)
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the read
             self._settle(None, repr(err))
 
     def _settle(self, digest: bytes | None, failure: Any) -> None:

@@ -62,14 +62,18 @@ class PieceHasher:
 
     __slots__ = ("algorithm", "nbytes", "_xxh", "_a", "_b", "_tail", "_words")
 
-    def __init__(self, algorithm: int) -> None:
+    def __init__(self, algorithm: int, first_word: int = 0) -> None:
+        """``first_word``: WORDSUM only, the position in the piece of the first word fed, for a hasher of one
+        part of a piece (``lanes``): WORDSUM's sums do not depend on the order parts are hashed in."""
         if algorithm not in (XXH3, WORDSUM):
             raise ValueError(f"unknown digest algorithm {algorithm}")
+        if first_word and algorithm != WORDSUM:
+            raise ValueError("only WORDSUM digests can be taken in parts out of order")
         self.algorithm, self.nbytes = algorithm, 0
         self._xxh: Any = xxhash.xxh3_128() if algorithm == XXH3 else None
         self._a = self._b = 0
-        self._tail = b""   # WORDSUM: the bytes of a word not yet whole
-        self._words = 0    # WORDSUM: whole words mixed so far
+        self._tail = b""            # WORDSUM: the bytes of a word not yet whole
+        self._words = first_word    # WORDSUM: the position of the next whole word
 
     def update(self, data: Any) -> None:
         """Feed the next bytes of the piece (anything with the buffer protocol, contiguous)."""
@@ -119,13 +123,17 @@ class PieceHasher:
         """The digest of everything fed (17 bytes, as a manifest records it)."""
         if self._xxh is not None:
             return bytes([XXH3]) + self._xxh.digest()
+        return finish_wordsum(*self.lanes(), self.nbytes)
+
+    def lanes(self) -> tuple[int, int]:
+        """WORDSUM's two lane sums of what was fed: the parts of a piece add up (modulo 2**64) to the piece's,
+        which ``finish_wordsum`` turns into its digest. A part that ends inside a word must be the piece's last."""
         a, b = self._a, self._b
         if self._tail:   # the last word, zero-padded as the device buffer pads it
-            last = PieceHasher(WORDSUM)
-            last._words = self._words
+            last = PieceHasher(WORDSUM, self._words)
             last._mix(np.frombuffer(self._tail.ljust(8, b"\0"), dtype="<u8"))
             a, b = (a + last._a) & _U64, (b + last._b) & _U64
-        return finish_wordsum(a, b, self.nbytes)
+        return a, b
 
 
 def _tags() -> np.ndarray:

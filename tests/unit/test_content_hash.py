@@ -106,3 +106,25 @@ def test_the_readers_check_recomputes_both_algorithms_from_bytes_fed_in_parts(cu
             for a in range(0, raw.nbytes, cut):
                 h.update(raw[a:a + cut])
             assert h.digest() == want == piece_digest(algorithm, raw), (t.shape, t.dtype, algorithm)
+
+
+@pytest.mark.parametrize("words_per_part", [1, 7, 512, 1 << 16])
+def test_wordsum_parts_hashed_out_of_order_add_up_to_the_digest(words_per_part):
+    """A direct load hashes each reader task's part of a large piece on its own thread, in whatever order the
+    tasks finish (loading/_digest_check.py): the parts' lane sums, each hashed from its first word's position,
+    add up to the piece's WORDSUM, a last part ending inside a word included."""
+    import random
+
+    from ckptrepo.storage._piece_digest import WORDSUM, PieceHasher, finish_wordsum
+    for t in _tensors("cpu") + [torch.randn(70001), torch.randn(3001, dtype=torch.float16)]:
+        raw = t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+        cuts = list(range(0, raw.nbytes, words_per_part * 8)) + [raw.nbytes]
+        parts = list(zip(cuts[:-1], cuts[1:]))
+        random.Random(words_per_part).shuffle(parts)
+        a = b = 0
+        for lo, hi in parts:
+            h = PieceHasher(WORDSUM, lo // 8)
+            h.update(raw[lo:hi])
+            pa, pb = h.lanes()
+            a, b = (a + pa) % (1 << 64), (b + pb) % (1 << 64)
+        assert finish_wordsum(a, b, raw.nbytes) == reference(t), (t.shape, t.dtype)
