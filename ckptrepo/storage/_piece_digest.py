@@ -34,7 +34,7 @@ M1 = 0xBF58476D1CE4E5B9
 M2 = 0x94D049BB133111EB
 M3 = 0xFF51AFD7ED558CCD
 
-_BLOCK_WORDS = 1 << 15      # WORDSUM words mixed at once: temporaries that stay in a core's cache
+_BLOCK_WORDS = 1 << 18      # WORDSUM words mixed at once: few calls (and GIL hand-offs) per byte, temporaries L2-sized
 _TAGS: np.ndarray | None = None   # i * POS for i < _BLOCK_WORDS (made once, read only)
 _scratch = threading.local()      # per thread: the block's two temporaries, reused (no allocation per block)
 
