@@ -10,14 +10,12 @@ file's size before reading it, and is guarded against links instead (``_nolinks`
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Sequence
 
 from ckptrepo.errors import CorruptionError
 from ckptrepo.storage._nolinks import NoLinkStore
+from ckptrepo.storage._wrapped import WrappedStore
 from ckptrepo.storage.protocol import MAX_VALUE_BYTES, Store
-
-if TYPE_CHECKING:
-    import tensorstore as ts
 
 PROBES_AT_ONCE = 16   # a batch's probes in flight together: one round trip's latency for a batch of manifests
 
@@ -28,64 +26,22 @@ def untrusted(store: Store) -> Store:
     return NoLinkStore(store, root) if root is not None else ProbedStore(store)
 
 
-class ProbedStore:
+class ProbedStore(WrappedStore):
     """``inner`` (an object store), each whole-value read refused, before the value is downloaded, when it holds
     more than its bound."""
 
-    def __init__(self, inner: Store) -> None:
-        self.inner, self.url, self.capabilities = inner, inner.url, inner.capabilities
-
-    def _probe(self, key: str, max_bytes: int) -> str:
+    def _read_key(self, key: str, max_bytes: int) -> str:
         if self.inner.get_range(key, max_bytes, 1):
             raise CorruptionError(f"object {key} in {self.url} holds more than the {max_bytes} bytes such an object "
                                   f"can hold (docs/format.md): the repository is damaged or hostile; run `ckptrepo "
                                   f"fsck` on it")
         return key
 
-    @property
-    def context(self) -> "ts.Context":
-        return self.inner.context
-
-    def describe(self) -> str:
-        return self.inner.describe()
-
-    def get(self, key: str, max_bytes: int = MAX_VALUE_BYTES) -> bytes | None:
-        return self.inner.get(self._probe(key, max_bytes), max_bytes)
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        return self.inner.get_range(key, offset, length)
-
     def get_many(self, keys: Sequence[str], max_bytes: int = MAX_VALUE_BYTES) -> list[bytes | None]:
-        if len(keys) > 1:
+        if len(keys) > 1:   # the probes of a batch in flight together
             with ThreadPoolExecutor(min(PROBES_AT_ONCE, len(keys))) as pool:
-                list(pool.map(lambda k: self._probe(k, max_bytes), keys))
+                list(pool.map(lambda k: self._read_key(k, max_bytes), keys))
         elif keys:
-            self._probe(keys[0], max_bytes)
+            self._read_key(keys[0], max_bytes)
         return self.inner.get_many(keys, max_bytes)
 
-    def get_with_generation(self, key: str, max_bytes: int = MAX_VALUE_BYTES) -> tuple[bytes | None, bytes]:
-        return self.inner.get_with_generation(self._probe(key, max_bytes), max_bytes)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self.inner.list(prefix)
-
-    def put(self, key: str, value: bytes) -> None:
-        self.inner.put(key, value)
-
-    def put_if_absent(self, key: str, value: bytes) -> bool:
-        return self.inner.put_if_absent(key, value)
-
-    def compare_and_swap(self, key: str, value: bytes | None, expected_generation: bytes) -> bytes | None:
-        return self.inner.compare_and_swap(key, value, expected_generation)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def delete_prefix(self, prefix: str) -> None:
-        self.inner.delete_prefix(prefix)
-
-    def child_spec(self, key_prefix: str) -> dict[str, Any]:
-        return self.inner.child_spec(key_prefix)

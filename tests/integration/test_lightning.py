@@ -9,7 +9,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -440,10 +440,12 @@ def test_killed_a_few_steps_after_a_save_the_newest_checkpoint_loads(tmp_path: P
     io.teardown()
 
 
-def ckptrepo_threads() -> list[str]:
-    """The threads of ckptrepo's alive now, the process's reader pool included (a resume's load starts it;
-    teardown ends it)."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("ckptrepo")]
+@pytest.fixture
+def ckptrepo_threads() -> Callable[[], list[str]]:
+    """The threads of ckptrepo's alive now that were not before the test (another test's snapshotter is not
+    this one's), the process's reader pool included (a resume's load starts it; teardown ends it)."""
+    before = set(threading.enumerate())
+    return lambda: [t.name for t in threading.enumerate() if t.name.startswith("ckptrepo") and t not in before]
 
 
 def test_load_from_checkpoint_builds_the_module(tmp_path: Path) -> None:
@@ -461,7 +463,7 @@ def test_load_from_checkpoint_builds_the_module(tmp_path: Path) -> None:
     io.teardown()
 
 
-def test_the_plugin_pickles_for_process_launchers(tmp_path: Path) -> None:
+def test_the_plugin_pickles_for_process_launchers(tmp_path: Path, ckptrepo_threads) -> None:
     """``strategy="ddp_spawn"`` pickles the plugin into each process: it pickles as its arguments, also with
     a save in flight and its threads running, and the copy saves into the same repository."""
     import pickle
@@ -476,7 +478,8 @@ def test_the_plugin_pickles_for_process_launchers(tmp_path: Path) -> None:
     assert not ckptrepo_threads()
 
 
-def test_async_checkpoint_io_keeps_lightnings_top_k_and_leaves_no_thread(tmp_path: Path) -> None:
+def test_async_checkpoint_io_keeps_lightnings_top_k_and_leaves_no_thread(tmp_path: Path,
+                                                                          ckptrepo_threads) -> None:
     """``AsyncCheckpointIO(CkptRepoIO(...))``: Lightning removes a checkpoint whose save still waits in the
     wrapper's queue; that save, when it comes, must not bring its file, tag and data back. The wrapper never
     passes ``teardown`` on, so each save is committed on the wrapper's thread and no thread is left."""
@@ -498,7 +501,7 @@ def test_async_checkpoint_io_keeps_lightnings_top_k_and_leaves_no_thread(tmp_pat
     assert not ckptrepo_threads()
 
 
-def test_no_thread_survives_teardown(tmp_path: Path) -> None:
+def test_no_thread_survives_teardown(tmp_path: Path, ckptrepo_threads) -> None:
     from torch.optim.optimizer import _global_optimizer_pre_hooks
     hooks = len(_global_optimizer_pre_hooks)
     ck = checkpoint_callback(tmp_path / "ck", every_n_train_steps=3, save_top_k=-1, save_last=True)
