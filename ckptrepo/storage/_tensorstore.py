@@ -77,8 +77,11 @@ def request_retries() -> dict[str, Any]:
 # How long one S3 or GCS operation (a read, write, listing or delete, with all its retries) may take before it is
 # given up: the retries and the stall detection below bound each try, not their sum, and an endpoint that
 # accepts connections and never answers, or trickles a byte every few seconds, would otherwise hold a command
-# for minutes. CKPTREPO_STORE_TIMEOUT sets it, in seconds (a slow link copying large shards may need more).
+# for minutes. CKPTREPO_STORE_TIMEOUT sets it, in seconds. An operation that moves a known number of bytes (a
+# write, a ranged read) is given that much more time at MIN_STORE_RATE, so a large shard on a slow link is not
+# cut off while a trickle is still bounded by the size the reader asked for.
 DEFAULT_STORE_TIMEOUT_S = 60.0
+MIN_STORE_RATE = 1 << 20   # bytes per second
 
 
 def store_timeout() -> float:
@@ -278,15 +281,17 @@ class TensorStoreStore:
         self.capabilities = _capabilities(self.spec)
         self._timeout = store_timeout() if self.spec.get("driver") in ("s3", "gcs") else None
 
-    def _wait(self, future: Any) -> Any:
-        """``future``'s result, within the store timeout on S3 and GCS (then cancelled, and ``_TimedOut``)."""
+    def _wait(self, future: Any, nbytes: int = 0) -> Any:
+        """``future``'s result, within the store timeout on S3 and GCS, plus ``nbytes`` (what the operation moves)
+        at ``MIN_STORE_RATE`` (then cancelled, and ``_TimedOut``)."""
         if self._timeout is None:
             return future.result()
+        timeout = self._timeout + nbytes / MIN_STORE_RATE
         try:
-            return future.result(timeout=self._timeout)
+            return future.result(timeout=timeout)
         except TimeoutError:
             future.cancel()
-            raise _TimedOut(f"no answer from {self.url} within {self._timeout:g} s; check the endpoint "
+            raise _TimedOut(f"no answer from {self.url} within {timeout:g} s; check the endpoint "
                             f"(AWS_ENDPOINT_URL) and the network, or set CKPTREPO_STORE_TIMEOUT to wait "
                             f"longer") from None
 
@@ -376,7 +381,8 @@ class TensorStoreStore:
         """TensorStore's read result for bytes ``[start, stop)`` of ``key``; None when the value is shorter, with
         the value's size where TensorStore's refusal names it."""
         try:
-            return self._wait(self.kv.read(key, byte_range=slice(start, stop))), None
+            nbytes = 0 if stop is None else max(0, stop - start)
+            return self._wait(self.kv.read(key, byte_range=slice(start, stop)), nbytes), None
         except Exception as err:  # noqa: BLE001
             if isinstance(err, ValueError) and str(err).startswith("OUT_OF_RANGE"):
                 found = _REFUSED_SIZE.search(str(err))
@@ -416,7 +422,7 @@ class TensorStoreStore:
         """Write ``value`` durably (to the extent the driver guarantees)."""
         self._before_write(key)
         try:
-            self._wait(self.kv.write(key, value))
+            self._wait(self.kv.write(key, value), len(value))
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"writing {key}") from err
 
@@ -430,7 +436,7 @@ class TensorStoreStore:
         self._look(key)
         self._before_write(key)
         try:
-            stamp = self._wait(self.kv.write(key, value, if_equal=expected_generation))
+            stamp = self._wait(self.kv.write(key, value, if_equal=expected_generation), len(value or b""))
         except Exception as err:  # noqa: BLE001
             raise _wrap(err, f"writing {key}") from err
         return stamp.generation or None

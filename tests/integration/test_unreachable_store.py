@@ -210,3 +210,30 @@ def test_init_in_a_bucket_that_does_not_exist_says_so(s3_endpoint):
     assert "already exists" not in msg and "http_response_body" not in msg and "\n" not in msg, msg
     r = run("init", url)
     assert r.returncode == 2 and "NoSuchBucket" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_the_store_deadline_grows_with_the_bytes_an_operation_moves(s3_url, monkeypatch):
+    """CKPTREPO_STORE_TIMEOUT bounds an S3 operation; one that moves a known number of bytes (a shard's write
+    or ranged read) gets that much more time at MIN_STORE_RATE, so a large shard on a slow link still goes
+    through while an answer that never comes is still given up."""
+    import threading
+    from concurrent.futures import Future
+
+    from ckptrepo.storage import _tensorstore
+
+    monkeypatch.setenv("CKPTREPO_STORE_TIMEOUT", "0.5")
+    store = _tensorstore.TensorStoreStore.open(s3_url)
+
+    timers: list[threading.Timer] = []
+
+    def answered_after(seconds: float) -> Future:
+        fut: Future = Future()
+        timers.append(threading.Timer(seconds, lambda: fut.cancelled() or fut.set_result("done")))
+        timers[-1].start()
+        return fut
+
+    assert store._wait(answered_after(1.0), nbytes=_tensorstore.MIN_STORE_RATE) == "done"   # 0.5 s + 1 s
+    with pytest.raises(_tensorstore._TimedOut, match="CKPTREPO_STORE_TIMEOUT"):
+        store._wait(answered_after(1.0))
+    for t in timers:
+        t.join()
