@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, VERSIONS_PREFIX, encode_config, is_version_id
+from ckptrepo.core._manifest_reads import find_cycle
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, init_head
 from ckptrepo.core._remotes import evicted_remote, remote_url
@@ -210,26 +211,20 @@ def sound_history(there: Plumbing, label: str, present: set[str] | frozenset[str
 
 def _check_ancestry(there: Plumbing, tips: list[str], known: set[str], done: set[str],
                     refuse: Callable[[str], RemoteError]) -> None:
-    """Walk back from ``tips`` (depth first, each version once, none of ``done``): a parent ``there`` does not
-    hold, or one still being walked from (a cycle), is refused."""
-    walking: set[str] = set()
-    for tip in tips:
-        stack: list[tuple[str, bool]] = [(tip, False)]
-        while stack:
-            vid, finished = stack.pop()
-            if finished:
-                walking.discard(vid)
-                done.add(vid)
-                continue
-            if vid in done:
-                continue
-            if vid in walking:
-                raise refuse(f"version {vid[:12]} is its own ancestor (its parents form a cycle)")
-            walking.add(vid)
-            stack.append((vid, True))
-            for parent in there.header(vid).parents:
-                if parent not in known:
-                    raise refuse(f"version {vid[:12]} names parent {parent[:12]}, which it does not hold")
-                if parent in walking:
-                    raise refuse(f"version {parent[:12]} is its own ancestor (its parents form a cycle)")
-                stack.append((parent, False))
+    """Walk back from ``tips`` (each version once, none of ``done``): a parent ``there`` does not hold, or a
+    parent cycle among the versions walked, is refused."""
+    parents: dict[str, tuple[str, ...]] = {}
+    stack = list(tips)
+    while stack:
+        vid = stack.pop()
+        if vid in done or vid in parents:
+            continue
+        parents[vid] = tuple(there.header(vid).parents)
+        for parent in parents[vid]:
+            if parent not in known:
+                raise refuse(f"version {vid[:12]} names parent {parent[:12]}, which it does not hold")
+        stack.extend(parents[vid])
+    cycle = find_cycle(parents)
+    if cycle is not None:
+        raise refuse(f"version {cycle[0][:12]} is its own ancestor (its parents form a cycle)")
+    done.update(parents)
