@@ -113,6 +113,17 @@ MAX_ARRAY_BYTES = 1 << 50        # one array's data (one rank's tensors of one d
 _ARRAY_KEY = re.compile(r"data/[0-9a-f]{32}/(?:0|[1-9][0-9]{0,8})/([a-z][a-z0-9_]{0,31})")
 
 
+def shard_index(raw: bytes, per_shard: int) -> "np.ndarray | None":
+    """A shard's index as read from the object's end (``per_shard`` pairs of little-endian uint64 offset and
+    size, then their crc32c): an ``[per_shard, 2]`` array when it is whole and its crc32c holds, else None."""
+    import numpy as np
+
+    from ckptrepo.storage._crc import crc32c
+    if len(raw) != per_shard * INDEX_ENTRY_BYTES + 4 or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        return None
+    return np.frombuffer(raw, dtype="<u8", count=2 * per_shard).reshape(per_shard, 2)
+
+
 def _count(value: Any) -> bool:
     return type(value) is int
 

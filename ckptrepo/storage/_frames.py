@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ckptrepo.errors import damaged_object_error
-from ckptrepo.storage._arrays import BLOSC_HEADER_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, ArrayInfo
-from ckptrepo.storage._crc import crc32c
+from ckptrepo.storage._arrays import BLOSC_HEADER_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, ArrayInfo, shard_index
 from ckptrepo.storage._localfs import open_regular
 from ckptrepo.storage.protocol import Store
 
@@ -60,7 +59,7 @@ class FrameCheck:
         wanted = sorted({c // per_shard for c in chunks} - set(self._indexes))
         index_bytes = per_shard * INDEX_ENTRY_BYTES + 4
         for s, raw in zip(wanted, self._read([(s, -index_bytes) for s in wanted], index_bytes)):
-            self._indexes[s] = _index(raw, per_shard)
+            self._indexes[s] = shard_index(raw, per_shard)
         where: list[tuple[int, int]] = []   # (chunk, offset in its shard) of each header to read
         for c in chunks:
             index = self._indexes.get(c // per_shard)
@@ -81,7 +80,9 @@ class FrameCheck:
         """``length`` bytes of shard object ``s`` from ``offset`` (from its end when negative) for each ``(s,
         offset)``, in order; empty where it cannot be read (its read through TensorStore names why). Local
         files with ``pread``, one descriptor per shard; any other store in one TensorStore batch."""
-        if ranges and self.store.capabilities.file_path(self.info.shard_key(ranges[0][0])) is not None:
+        if not ranges:   # every chunk asked about was checked already
+            return []
+        if self.store.capabilities.file_path(self.info.shard_key(ranges[0][0])) is not None:
             return self._read_files(ranges, length)
         import tensorstore as ts
         kv = self._open()
@@ -146,13 +147,6 @@ def _value(fut: Any) -> bytes:
     except Exception:  # noqa: BLE001 - judged by the read that follows
         return b""
     return bytes(r.value) if r.state == "value" else b""
-
-
-def _index(raw: bytes, per_shard: int) -> np.ndarray | None:
-    """A shard index read from the object's end, when it is whole and its crc32c holds; None otherwise."""
-    if len(raw) != per_shard * INDEX_ENTRY_BYTES + 4 or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
-        return None
-    return np.frombuffer(raw, dtype="<u8", count=2 * per_shard).reshape(per_shard, 2)
 
 
 __all__ = ["FrameCheck", "frame_problem"]

@@ -20,7 +20,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ckptrepo.storage._arrays import MISSING_CHUNK, ZARR_JSON, ZARR_JSON_MAX_BYTES, ArrayInfo, metadata_matches
+from ckptrepo.storage._arrays import (
+    INDEX_ENTRY_BYTES,
+    MISSING_CHUNK,
+    ZARR_JSON,
+    ZARR_JSON_MAX_BYTES,
+    ArrayInfo,
+    metadata_matches,
+    shard_index,
+)
 from ckptrepo.storage._chunktable import first_mismatch
 from ckptrepo.storage._crc import crc32c
 from ckptrepo.storage._localfs import ByteCounter, open_regular, read_regular
@@ -220,12 +228,13 @@ class DirectReader:
             return got
         n = info.shard_elems // info.inner_elems
         size = os.fstat(fd).st_size
-        length = 16 * n + 4
+        length = INDEX_ENTRY_BYTES * n + 4
         raw = os.pread(fd, length, size - length) if size >= length else b""
         _count(len(raw))
-        if len(raw) != length or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        index = shard_index(raw, n)
+        if index is None:
             raise Unexpected(f"{key}: shard index")
-        shard = _Shard(np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2), info.inner_bytes + 4)
+        shard = _Shard(index, info.inner_bytes + 4)
         with self._lock:
             return self._shards.setdefault(key, shard)
 
