@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import ckptrepo
 from ckptrepo.core._manifest import VERSIONS_PREFIX
-from ckptrepo.core._refs import is_new_ref_name
+from ckptrepo.core._refs import LANDED_WALK, is_new_ref_name
 from ckptrepo.errors import (
     CheckpointNotFoundError,
     CkptRepoError,
@@ -96,26 +96,35 @@ def _header(repo: Repository, vid: str) -> ManifestHeader | None:
     return repo.plumbing.header(vid)
 
 
-_HISTORY_DEPTH = 1000   # versions walked back from each branch tip to find a checkpoint's (as the committer does)
+def _tag_target(repo: Repository, tag: str) -> str | None:
+    """The version tag ``tag`` names; None when there is none or its ref cannot be read (the full check that
+    follows reads every tag and says why)."""
+    try:
+        return repo.plumbing.tag_target(tag)
+    except CkptRepoError:
+        return None
 
 
-def _is_committed(repo: Repository, vid: str) -> bool:
+def _is_committed(repo: Repository, vid: str, tag: str | None = None) -> bool:
     """Whether version ``vid`` is committed: its manifest is there and a tag, or a branch's recent history, holds
-    it (a crash between the manifest and the branch's move leaves a manifest no history holds, which gc collects)."""
+    it (a crash between the manifest and the branch's move leaves a manifest no history holds, which gc collects).
+    ``tag``: the checkpoint's own tag, which holds it in the usual case, asked first (one ref read, where the
+    other tags and the branches' histories are many)."""
     if _header(repo, vid) is None:
         return False
+    if tag is not None and _tag_target(repo, tag) == vid:
+        return True
     tips = set(repo.branches().values())
     if vid in tips or vid in set(repo.tags().values()):
         return True
-    for tip in tips:
+    for tip in tips:   # as far back as the committer looks for a version that landed
         v: str | None = tip
-        for _ in range(_HISTORY_DEPTH):
+        for _ in range(LANDED_WALK):
             if v is None:
                 break
             if v == vid:
                 return True
-            parents = repo.plumbing.header(v).parents
-            v = parents[0] if parents else None
+            v = repo.plumbing.first_parent(v)
     return False
 
 
@@ -226,19 +235,16 @@ class CheckpointFiles:
         """The committed pointer of this repository ``path`` holds (what a failed save there puts back), and the
         save in flight whose pointer is there (None if none): a save of the same path while another is in
         flight takes that one's prior until it commits."""
-        try:
-            old = read_pointer(path)
-        except PointerError:   # a damaged pointer is overwritten, never followed
-            return None, None
+        old = self._current(path)   # a damaged pointer is overwritten, never followed
         if old is None or not self._owns(path, old):
             return None, None
         with self._lock:
             if old.version in self._priors:
                 return self._priors[old.version], old.version
-        if _is_committed(self.repo, old.version):
+        if _is_committed(self.repo, old.version, old.tag):
             return (old, None) if self._saved_for(old.version, path) else (None, None)
         # a save a crash stopped before its commit: the path held its previous version
-        if old.previous is not None and _is_committed(self.repo, old.previous) \
+        if old.previous is not None and _is_committed(self.repo, old.previous, old.tag) \
                 and self._saved_for(old.previous, path):
             return Pointer(old.repository, old.previous, old.tag, None), None
         return None, None
@@ -371,7 +377,7 @@ class CheckpointFiles:
                     and path_key(self._claims[pointer.tag]) == path_key(path):
                 del self._claims[pointer.tag]
         versions = [pointer.version]
-        if pointer.previous is not None and not _is_committed(self.repo, pointer.version):
+        if pointer.previous is not None and not _is_committed(self.repo, pointer.version, pointer.tag):
             versions.append(pointer.previous)   # its save never committed: the path held the previous version
         for vid in versions:
             if self._saved_for(vid, path):
@@ -458,9 +464,9 @@ class CheckpointFiles:
     def _committed_version(repo: Repository, text: str, pointer: Pointer) -> str:
         """The version the pointer at ``text`` stands for: its own once committed; if a crash stopped its save
         first, the version the path held before (as a file a crash interrupted keeps its old content)."""
-        if _is_committed(repo, pointer.version):
+        if _is_committed(repo, pointer.version, pointer.tag):
             return pointer.version
-        if pointer.previous is not None and _is_committed(repo, pointer.previous):
+        if pointer.previous is not None and _is_committed(repo, pointer.previous, pointer.tag):
             log.warning("ckptrepo: %s: version %s was never committed (its save stopped first); loading the one "
                         "it was to replace, %s", text, pointer.version[:12], pointer.previous[:12])
             return pointer.previous
