@@ -170,6 +170,12 @@ class RemoteHistory:
     tags: dict[str, str]
     head: Head
     known: set[str]
+    parents: dict[str, tuple[str, ...]]   # of each version the check walked (those not here yet)
+
+    def parents_of(self, there: Plumbing, vid: str) -> tuple[str, ...]:
+        """``vid``'s parents: as the check walked them, without reading its header again, or from ``there``."""
+        walked = self.parents.get(vid)
+        return walked if walked is not None else tuple(there.header(vid).parents)
 
     @property
     def tips(self) -> list[str]:
@@ -205,14 +211,14 @@ def sound_history(there: Plumbing, label: str, present: set[str] | frozenset[str
             inner = next((o for o in names if o.startswith(name + "/")), None)
             if inner is not None:
                 raise refuse(f"its {kind}es {name!r} and {inner!r} cannot both be refs (one would be a folder)")
-    _check_ancestry(there, [vid for _, vid in refs], known, set(present), refuse)
-    return RemoteHistory(branches, tags, head, known)
+    parents = _check_ancestry(there, [vid for _, vid in refs], known, set(present), refuse)
+    return RemoteHistory(branches, tags, head, known, parents)
 
 
 def _check_ancestry(there: Plumbing, tips: list[str], known: set[str], done: set[str],
-                    refuse: Callable[[str], RemoteError]) -> None:
+                    refuse: Callable[[str], RemoteError]) -> dict[str, tuple[str, ...]]:
     """Walk back from ``tips`` (each version once, none of ``done``): a parent ``there`` does not hold, or a
-    parent cycle among the versions walked, is refused."""
+    parent cycle among the versions walked, is refused. Returns the parents of the versions walked."""
     parents: dict[str, tuple[str, ...]] = {}
     stack = list(tips)
     while stack:
@@ -228,3 +234,4 @@ def _check_ancestry(there: Plumbing, tips: list[str], known: set[str], done: set
     if cycle is not None:
         raise refuse(f"version {cycle[0][:12]} is its own ancestor (its parents form a cycle)")
     done.update(parents)
+    return parents

@@ -18,6 +18,7 @@ the next one copies only what is still missing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from ckptrepo import faults
@@ -203,7 +204,7 @@ def fetch(local: Plumbing, remote: str, lazy: bool = False, depth: int | None = 
         there, history = source
     result = SyncResult(remote, there.url)
     branches, tags = history.branches, history.tags
-    todo = missing_ancestors(lambda v: there.header(v).parents, history.tips, present, history.known)
+    todo = missing_ancestors(partial(history.parents_of, there), history.tips, present, history.known)
     with_data = set() if lazy else _within_depth(there, branches.values(), depth, set(todo))
     pruned = {v for v in todo if there.store.exists(PRUNED_PREFIX + v)}
     copier = VersionCopier(there.store, local.store, progress)
