@@ -42,7 +42,7 @@ def _by_remote(plumbing: Plumbing, vids: Iterable[str]) -> dict[str, list[str]]:
     return out
 
 
-def _gone_there(there: Store, vid: str) -> str | None:
+def gone_there(there: Store, vid: str) -> str | None:
     """Why remote store ``there`` does not hold version ``vid``'s data, or None when it does."""
     if there.exists(PRUNED_PREFIX + vid):
         return "pruned it (its gc or retention)"
@@ -75,7 +75,7 @@ def data_gone(plumbing: Plumbing, vids: Iterable[str], local_only: bool) -> dict
             if not there.exists(CONFIG_KEY):
                 continue
             for vid in held:
-                why = _gone_there(there, vid)
+                why = gone_there(there, vid)
                 if why is not None:
                     out[vid] = (remote, why)
         except CkptRepoError:
@@ -156,7 +156,7 @@ def _check_remote(plumbing: Plumbing, remote: str, url: str, held: list[str], ma
         return
     for vid in held:
         m = manifests[vid]
-        why = _gone_there(there, vid)
+        why = gone_there(there, vid)
         if why is not None:
             error(f"version {vid[:12]} (step {m.step}): its data exists nowhere: evicted here, and remote "
                   f"{remote!r} {why}; unless another copy exists, record that here with `ckptrepo prune {vid[:12]}`")

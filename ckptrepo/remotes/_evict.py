@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
+from ckptrepo.core._manifest import DATA_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._remotes import evicted_ids, mark_evicted, remote_url, tracking_tip
 from ckptrepo.core._same_store import refuse_if_same_store
+from ckptrepo.core._whereabouts import gone_there
 from ckptrepo.errors import ArgumentError, RefError
 from ckptrepo.remotes._remote import version_ids
 from ckptrepo.storage.protocol import Store
@@ -77,7 +78,7 @@ def evict(plumbing: Plumbing, remote: str, keep_last: int, branch: str | None = 
     refuse_if_same_store(plumbing.store, there, remote)   # its config may name this repository since remote add
     # a version the remote's own gc pruned since it was pushed, or that is not there at all: the copy here is
     # the last one
-    todo = [vid for vid in todo if there.exists(VERSIONS_PREFIX + vid) and not there.exists(PRUNED_PREFIX + vid)]
+    todo = [vid for vid in todo if gone_there(there, vid) is None]
     if not todo:
         return report
     gone = marked | set(todo)

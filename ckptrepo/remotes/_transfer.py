@@ -19,7 +19,7 @@ from ckptrepo.core._manifest import PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core.schema import Manifest, decode_manifest
 from ckptrepo.errors import CorruptionError
 from ckptrepo.storage._arrays import INDEX_ENTRY_BYTES, ZARR_JSON, ZARR_JSON_MAX_BYTES, ArrayInfo
-from ckptrepo.storage._untrusted import ProbedStore
+from ckptrepo.storage._untrusted import ProbedStore, refuse_past
 from ckptrepo.storage.protocol import Store
 
 # Objects copied at once: enough to keep an object store's pipe full, few enough that the shards held in
@@ -169,7 +169,6 @@ def read_bounded(src: Store, key: str, bound: int) -> bytes | None:
     """The value at ``key`` in ``src`` (None when absent), refused with CorruptionError when it holds more than
     ``bound`` bytes. A local store looks at the file's size before reading it; an object store is asked for the
     byte just past the bound first, so an oversized object is refused without being downloaded."""
-    if src.capabilities.file_path(key) is None and not isinstance(src, ProbedStore) and src.get_range(key, bound, 1):
-        raise CorruptionError(f"object {key} in {src.url} holds more than the {bound} bytes the format allows "
-                              f"there: the repository is damaged or hostile; run `ckptrepo fsck` on it")
+    if src.capabilities.file_path(key) is None and not isinstance(src, ProbedStore):
+        refuse_past(src, key, bound)
     return src.get(key, bound)

@@ -26,15 +26,21 @@ def untrusted(store: Store) -> Store:
     return NoLinkStore(store, root) if root is not None else ProbedStore(store)
 
 
+def refuse_past(store: Store, key: str, bound: int) -> None:
+    """Raise CorruptionError when the object at ``key`` holds more than ``bound`` bytes, asking ``store`` for the
+    byte just past the bound (nothing comes back for an object within it), so that it is never downloaded."""
+    if store.get_range(key, bound, 1):
+        raise CorruptionError(f"object {key} in {store.url} holds more than the {bound} bytes the format allows "
+                              f"there (docs/format.md): the repository is damaged or hostile; run `ckptrepo fsck` "
+                              f"on it")
+
+
 class ProbedStore(WrappedStore):
     """``inner`` (an object store), each whole-value read refused, before the value is downloaded, when it holds
     more than its bound."""
 
     def _read_key(self, key: str, max_bytes: int) -> str:
-        if self.inner.get_range(key, max_bytes, 1):
-            raise CorruptionError(f"object {key} in {self.url} holds more than the {max_bytes} bytes such an object "
-                                  f"can hold (docs/format.md): the repository is damaged or hostile; run `ckptrepo "
-                                  f"fsck` on it")
+        refuse_past(self.inner, key, max_bytes)
         return key
 
     def get_many(self, keys: Sequence[str], max_bytes: int = MAX_VALUE_BYTES) -> list[bytes | None]:
