@@ -192,6 +192,11 @@ def os_error_hint(err: OSError) -> str:
     return _OS_ERROR_HINTS.get(err.errno or 0, "check the path and the permissions, or name another path")
 
 
+def os_error_line(err: OSError) -> str:
+    """An OS error in words, then what to do about it: the end of a one-line error."""
+    return f"{os_error_text(err)}; {os_error_hint(err)}"
+
+
 class CheckpointNotFoundError(CkptRepoError, FileNotFoundError):
     """A checkpoint path names nothing loadable: no file and no revision of that name, or a pointer file whose
     version was never committed (a FileNotFoundError too, which frameworks such as Lightning expect)."""
@@ -211,4 +216,4 @@ __all__ = ["ArgumentError", "CheckpointNotFoundError", "CkptRepoError", "Conflic
            "MissingDependencyError", "NotARepositoryError", "PointerError", "RefError", "RepositoryExistsError",
            "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError", "StorageError",
            "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line", "is_storage_failure",
-           "os_error_hint", "os_error_text", "some_names", "storage_failure", "storage_failure_hint"]
+           "os_error_hint", "os_error_line", "os_error_text", "some_names", "storage_failure", "storage_failure_hint"]

@@ -13,7 +13,7 @@ import re
 
 import click
 
-from ckptrepo.errors import CkptRepoError, first_line, os_error_hint, os_error_text
+from ckptrepo.errors import CkptRepoError, first_line, os_error_line
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 DEBUG_HINT = "(set CKPTREPO_DEBUG=1 for a traceback)"
@@ -29,7 +29,7 @@ def message(err: BaseException) -> str:
     if isinstance(err, CkptRepoError):
         return str(err)
     if isinstance(err, OSError) and err.strerror:
-        return f"{os_error_text(err)}; {os_error_hint(err)}"
+        return os_error_line(err)
     return f"{type(err).__name__}: {first_line(err)} {DEBUG_HINT}"
 
 

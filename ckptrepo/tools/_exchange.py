@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line, os_error_hint
+from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line, os_error_line
 from ckptrepo.state._providers import flatten, unflatten
 from ckptrepo.tools._hf_export import (
     INDEX_FILE,
@@ -279,7 +279,7 @@ def cause(err: BaseException) -> str:
     """The cause of a failed read or write, for a one-line error: an OS error in words, with what to do; a
     file that ends too soon as such (EOFError has no message); any other error with its type's name."""
     if isinstance(err, OSError) and err.strerror:
-        return f"{first_line(err)}; {os_error_hint(err)}"
+        return os_error_line(err)
     if isinstance(err, EOFError):
         return "it ends too soon (empty, or cut short); import a file that was written to the end"
     return f"{type(err).__name__}: {first_line(err)}"

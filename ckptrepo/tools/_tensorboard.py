@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ckptrepo.errors import ArgumentError, ExchangeError, os_error_hint, os_error_text
+from ckptrepo.errors import ArgumentError, ExchangeError, os_error_line
 from ckptrepo.tools._paths import output_folder
 
 if TYPE_CHECKING:
@@ -35,8 +35,7 @@ def write_scalars(log_dir: str | os.PathLike[str], history: Callable[[], Sequenc
     try:
         writer = SummaryWriter(log_dir=os.fspath(folder))
     except OSError as err:   # a link loop or a folder the OS will not make: what os.makedirs met, and what to do
-        raise ExchangeError(f"cannot write TensorBoard scalars to {folder}: {os_error_text(err)}; "
-                            f"{os_error_hint(err)}") from None
+        raise ExchangeError(f"cannot write TensorBoard scalars to {folder}: {os_error_line(err)}") from None
     try:
         for position, h in enumerate(headers):
             at = position if h.step is None else h.step
