@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckptrepo.storage._piece_digest import (
+    U64,
     WORDSUM,
     PieceHasher,
     checkable,
@@ -29,8 +30,6 @@ from ckptrepo.storage._piece_digest import (
     mismatch_error,
     piece_digest,
 )
-
-_U64 = (1 << 64) - 1
 
 if TYPE_CHECKING:
     from ckptrepo.loading._engine import Read
@@ -145,7 +144,7 @@ class DigestFeed:
                 h.update(self.buf[(lo - start) * self.item:(hi - start) * self.item])
                 a, b = h.lanes()
                 with self._lock:
-                    parts[0], parts[1] = (parts[0] + a) & _U64, (parts[1] + b) & _U64
+                    parts[0], parts[1] = (parts[0] + a) & U64, (parts[1] + b) & U64
                     parts[2] += h.nbytes
                     whole = parts[2] == self.read.numel * self.item
                 if whole:

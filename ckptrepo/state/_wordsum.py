@@ -14,12 +14,12 @@ from ckptrepo.storage._piece_digest import M1 as _M1
 from ckptrepo.storage._piece_digest import M2 as _M2
 from ckptrepo.storage._piece_digest import M3 as _M3
 from ckptrepo.storage._piece_digest import POS as _POS
+from ckptrepo.storage._piece_digest import U64 as _U64
 from ckptrepo.storage._piece_digest import finish_wordsum
 
 GROUP_BYTES = 64 << 20   # bytes of tensors hashed together: bounds the device temporaries (~5x this)
 _ALIGN = 16              # every tensor's slot in a group starts here, so any dtype can be viewed there
 
-_U64 = (1 << 64) - 1
 
 
 def _s64(u: int) -> int:
@@ -30,11 +30,6 @@ def _s64(u: int) -> int:
 def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
     """Logical shift right of int64 words (torch's ``>>`` is arithmetic)."""
     return (z >> s).bitwise_and_((1 << (64 - s)) - 1)
-
-
-def _finish(a: int, b: int, nbytes: int) -> bytes:
-    """The digest from the two lane sums (the readers' check computes the same, storage/_piece_digest.py)."""
-    return finish_wordsum(a, b, nbytes)
 
 
 class _Group:
@@ -112,7 +107,8 @@ def wordsum_digests(tensors: Sequence[torch.Tensor], group_bytes: int = GROUP_BY
         z.bitwise_xor_(_lsr(z, 31))
         lanes[1].index_add_(0, slots[2], _slot_sums(z, slots))
     sums = lanes.cpu().tolist()
-    return [_finish(a & _U64, b & _U64, t.numel() * t.element_size()) for a, b, t in zip(sums[0], sums[1], tensors)]
+    return [finish_wordsum(a & _U64, b & _U64, t.numel() * t.element_size())
+            for a, b, t in zip(sums[0], sums[1], tensors)]
 
 
 def _slot_sums(z: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

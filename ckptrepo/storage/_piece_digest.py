@@ -28,7 +28,7 @@ XXH3 = 1
 WORDSUM = 2
 HASH_BYTES = 16   # after the algorithm byte
 
-_U64 = (1 << 64) - 1
+U64 = (1 << 64) - 1   # WORDSUM's sums are taken modulo 2**64
 POS = 0x9E3779B97F4A7C15    # WORDSUM's position tag of word i: i * POS
 M1 = 0xBF58476D1CE4E5B9
 M2 = 0x94D049BB133111EB
@@ -48,11 +48,11 @@ def finish_wordsum(a: int, b: int, nbytes: int) -> bytes:
     """The WORDSUM digest from its two lane sums: the length mixed in, so trailing zero bytes are not padding."""
     def fmix(z: int) -> int:
         z ^= z >> 33
-        z = z * M1 & _U64
+        z = z * M1 & U64
         z ^= z >> 29
-        z = z * M2 & _U64
+        z = z * M2 & U64
         return z ^ z >> 32
-    a, b = fmix((a ^ nbytes) & _U64), fmix((b + nbytes * POS) & _U64)
+    a, b = fmix((a ^ nbytes) & U64), fmix((b + nbytes * POS) & U64)
     return bytes([WORDSUM]) + a.to_bytes(8, "big") + b.to_bytes(8, "big")
 
 
@@ -104,7 +104,7 @@ class PieceHasher:
         device: tag with the position, multiply by odd constants, xor-shift right, sum modulo 2**64."""
         n = len(words)
         z, t = _temporaries(n)
-        np.add(_tags()[:n], np.uint64(self._words * POS & _U64), out=z)   # (first + i) * POS, modulo 2**64
+        np.add(_tags()[:n], np.uint64(self._words * POS & U64), out=z)   # (first + i) * POS, modulo 2**64
         z ^= words
         z *= np.uint64(M1)
         np.right_shift(z, np.uint64(29), out=t)
@@ -112,11 +112,11 @@ class PieceHasher:
         z *= np.uint64(M2)
         np.right_shift(z, np.uint64(32), out=t)
         z ^= t
-        self._a = (self._a + int(z.sum(dtype=np.uint64))) & _U64
+        self._a = (self._a + int(z.sum(dtype=np.uint64))) & U64
         z *= np.uint64(M3)
         np.right_shift(z, np.uint64(31), out=t)
         z ^= t
-        self._b = (self._b + int(z.sum(dtype=np.uint64))) & _U64
+        self._b = (self._b + int(z.sum(dtype=np.uint64))) & U64
         self._words += n
 
     def digest(self) -> bytes:
@@ -132,7 +132,7 @@ class PieceHasher:
         if self._tail:   # the last word, zero-padded as the device buffer pads it
             last = PieceHasher(WORDSUM, self._words)
             last._mix(np.frombuffer(self._tail.ljust(8, b"\0"), dtype="<u8"))
-            a, b = (a + last._a) & _U64, (b + last._b) & _U64
+            a, b = (a + last._a) & U64, (b + last._b) & U64
         return a, b
 
 
