@@ -12,51 +12,45 @@ which the layers below work with so that none of them imports this module.
 """
 from __future__ import annotations
 
-import heapq
+import functools
 import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from ckptrepo.arguments import (
+    check_callback,
+    check_flag,
+    check_path,
+    check_pattern,
+    check_ref_type,
+    check_rev,
+    check_whole,
+    repo_url,
+    shown,
+)
+from ckptrepo.core._create import create_store
 from ckptrepo.core._gcpause import collection_paused
+from ckptrepo.core._history import every_ref_target, first_parent_headers, log_versions, metric_rows
 from ckptrepo.core._manifest import (
     COMPRESSION_SETTING,
-    CONFIG_KEY,
-    CONFIG_MAX_BYTES,
-    HEADS_PREFIX,
     Version,
-    encode_config,
     update_config,
 )
-from ckptrepo.core._manifest_reads import HEADER_BATCH, HeaderWalk, find_cycle, parent_cycle_error
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import init_head
-from ckptrepo.core._remotes import (
-    add_remote,
-    check_remote_name,
-    evicted_ids,
-    remotes,
-    remove_remote,
-    tracking_refs,
-)
-from ckptrepo.core._whereabouts import durability, require_data_somewhere, version_durability
-from ckptrepo.core.schema import Manifest, ManifestHeader, version_from_manifest
+from ckptrepo.core._remotes import add_remote, check_remote_name, remotes, remove_remote
+from ckptrepo.core._whereabouts import version_durability
+from ckptrepo.core.schema import ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
     ArgumentError,
     CkptRepoError,
-    CorruptionError,
-    ExchangeError,
     LayoutError,
-    RefError,
-    RepositoryExistsError,
     RevisionError,
     SnapshotFailedError,
     StateMismatchError,
-    StorageError,
     first_line,
 )
-from ckptrepo.maintenance._lost import header_unless_lost
 from ckptrepo.remotes._remote import REPOSITORY_ID
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage import Store, open_store
@@ -83,62 +77,16 @@ DEFAULT_BRANCH = "main"
 
 
 # ---- argument checks of the public API ----------------------------------------------------------------------
-# Each names the argument and what it takes, with ckptrepo's own exception, before anything is read or
-# written: a wrong type would otherwise surface as an AttributeError deep inside (``5.strip()``), or, for
-# ``into=5``, be ignored without a word.
+# The shared ones are in ckptrepo/arguments.py; these two need the layers above it (torch, layouts).
 
-def _shown(value: Any) -> str:
-    return f"{type(value).__name__} {short_text(value, 40)}"
-
-
-def repo_url(url: Any) -> str:
-    """A repository's path or URL as text: a ``str``, or an ``os.PathLike`` such as ``pathlib.Path``."""
-    if isinstance(url, os.PathLike):
-        url = os.fspath(url)
-    if not isinstance(url, str):
-        raise ArgumentError(f"a repository is a path or URL (a str or pathlib.Path), not {_shown(url)}")
-    return url
-
-
-def _rev(rev: Any) -> str:
-    if not isinstance(rev, str):
-        raise RevisionError(f"a revision is text (HEAD, a branch, a tag, an id, @STEP or REV~N), not {_shown(rev)}")
-    return rev
-
-
-def _ref_name(name: Any, kind: str) -> str:
-    if not isinstance(name, str):
-        raise RefError(f"a {kind} name is text, not {_shown(name)}")
-    return name
-
-
-def _whole(value: Any, name: str, least: int | None = None) -> None:
-    """``value`` must be None or an int (not a bool), at least ``least`` when given."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or (least is not None and value < least)):
-        bound = "" if least is None else f" of at least {least}"
-        raise ArgumentError(f"{name} must be a whole number{bound} or None, not {_shown(value)}")
-
-
-def _flag(value: Any, name: str) -> None:
-    if not isinstance(value, bool):
-        raise ArgumentError(f"{name} must be True or False, not {_shown(value)}")
-
-
-def _pattern(pattern: Any, required: bool = False) -> None:
-    if not isinstance(pattern, str) and (required or pattern is not None):
-        raise ArgumentError(f"a tensor name pattern is text (a glob such as 'model/*'), not {_shown(pattern)}")
-
-
-def _callback(fn: Any, name: str) -> None:
-    if fn is not None and not callable(fn):
-        raise ArgumentError(f"{name} must be a function or None, not {_shown(fn)}")
+_whole = functools.partial(check_whole, optional=True, show=shown)
+_flag = functools.partial(check_flag, show=shown)
 
 
 def _layout(layout: Any) -> None:
     from ckptrepo.parallel.layout import ParallelLayout
     if layout is not None and not isinstance(layout, ParallelLayout):
-        raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not {_shown(layout)}")
+        raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not {shown(layout)}")
 
 
 def _into(into: Any) -> None:
@@ -152,12 +100,7 @@ def _into(into: Any) -> None:
             or is_stateful(into):
         return
     raise StateMismatchError(f"into= takes the state to fill in place (a dict, list, module, optimizer or tensor), "
-                             f"not {_shown(into)}; leave it out to get a new state")
-
-
-def _path(path: Any, what: str) -> None:
-    if not isinstance(path, (str, os.PathLike)):
-        raise ExchangeError(f"the {what} is a path (a str or pathlib.Path), not {_shown(path)}")
+                             f"not {shown(into)}; leave it out to get a new state")
 
 
 def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str, Any] | None = None,
@@ -170,32 +113,12 @@ def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str,
     ``exist_ok``, a compression named here becomes the existing repository's setting for later snapshots.
     """
     chosen = check_compression(compression)
-    url = repo_url(url)
-    store = open_store(url, options, create=True)
     settings: dict[str, Any] = {"created": time.time(), "default_branch": DEFAULT_BRANCH,
                                 REPOSITORY_ID: uuid.uuid4().hex}
     if chosen is not None:
         settings[COMPRESSION_SETTING] = chosen
-    if not store.put_if_absent(CONFIG_KEY, encode_config(settings)):
-        if store.get(CONFIG_KEY, CONFIG_MAX_BYTES) is None:
-            # nothing there and nothing written: TensorStore's S3 driver answers a conditional write into a
-            # bucket that does not exist as a failed condition; listing says why (NoSuchBucket, ...)
-            try:
-                store.list()
-                reason = "the store did not take the write"
-            except StorageError as err:
-                reason = str(err)
-            raise StorageError(f"could not create a repository at {url} ({reason}); check that the bucket exists "
-                               f"and is writable")
-        if not exist_ok:
-            raise RepositoryExistsError(f"a repository already exists at {url}; open it with ckptrepo.open, "
-                                        f"or pass exist_ok=True")
-        init_head(store, DEFAULT_BRANCH)   # only if absent: an init killed before it wrote HEAD is finished
-        if compression is not None:
-            update_config(store, {COMPRESSION_SETTING: chosen})
-        return Repository(store)
-    init_head(store, DEFAULT_BRANCH)
-    return Repository(store)
+    existing = None if compression is None else {COMPRESSION_SETTING: chosen}
+    return Repository(create_store(repo_url(url), options, exist_ok, settings, DEFAULT_BRANCH, existing))
 
 
 def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth: int | None = None,
@@ -279,7 +202,7 @@ class Repository:
     def version(self, rev: str = "HEAD") -> Version:
         """The header of the version ``rev`` names."""
         p = self._plumbing
-        vid = p.resolve(_rev(rev))
+        vid = p.resolve(check_rev(rev))
         return self._described(vid, p.header(vid))
 
     def _described(self, vid: str, header: ManifestHeader) -> Version:
@@ -290,7 +213,7 @@ class Repository:
 
     def resolve(self, rev: str) -> str:
         """The full id of the version ``rev`` names (see ckptrepo.core._revisions for the syntax)."""
-        return self._plumbing.resolve(_rev(rev))
+        return self._plumbing.resolve(check_rev(rev))
 
     # ---- snapshot -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
@@ -375,63 +298,18 @@ class Repository:
         version saved by several ranks loads unsharded when no layout is given.
         """
         import torch
-        _rev(rev)
+
+        from ckptrepo.loading._version_load import load_version
+        check_rev(rev)
         _into(into)
         _layout(parallel_layout)
-        _callback(on_bytes, "on_bytes")
+        check_callback(on_bytes, "on_bytes")
         target = load_device(device if device is not None else map_location)
         # no_grad: a load builds no graph (filling parameters in place is not a step to differentiate), and a
         # DTensor's to_local() is then its local tensor instead of an autograd Function call (a cost per tensor)
         with collection_paused(), torch.no_grad():
-            return self._load(rev, into, target, on_bytes, parallel_layout, rank, read_stats)
-
-    def _load(self, rev: str, into: Any, target_device: "torch.device | None", on_bytes: Callable[[int], None] | None,
-              parallel_layout: "ParallelLayout | None", rank: int | None, read_stats: "ReadStats | None") -> Any:
-        vid = self.resolve(rev)
-        m = self._plumbing.manifest(vid)
-        self._plumbing.require_data(vid, m)
-        try:
-            return self._load_data(vid, m, into, target_device, on_bytes, parallel_layout, rank, read_stats)
-        except CorruptionError:
-            # pruned by a gc while it was read, here or on the remote: say so, not "corrupt; run fsck"
-            require_data_somewhere(self._plumbing, vid, m)
-            raise
-
-    def _load_data(self, vid: str, m: Manifest, into: Any, target_device: "torch.device | None",
-                   on_bytes: Callable[[int], None] | None, parallel_layout: "ParallelLayout | None",
-                   rank: int | None, read_stats: "ReadStats | None") -> Any:
-        from ckptrepo.loading._binding import Binder
-        from ckptrepo.loading._device_load import ndarray_leaves, read_tensors_to
-        from ckptrepo.loading._layout_load import load_layout, needs_layout_load
-        from ckptrepo.state._providers import malformed_skeleton, unflatten
-        store = self._plumbing.data_store(m)
-        if needs_layout_load(m, parallel_layout, into):
-            return load_layout(store, m, parallel_layout, rank, into, target_device, read_stats)
-        entries = list(m.tensors)
-        arrays = m.arrays
-        fresh: dict[int, torch.Tensor] = {}
-
-        def get_tensor(i: int, as_numpy: bool) -> Any:
-            t = fresh[i]
-            if as_numpy:
-                return t.numpy()
-            return t.to(target_device) if target_device is not None else t
-
-        def build(node: Any) -> Any:
-            return unflatten(node, get_tensor)
-
-        if into is None:
-            # onto a GPU: read through pinned buffers and copied as read (loading/_device_load.py)
-            fresh.update(read_tensors_to(store, arrays, entries, list(range(len(entries))), device=target_device,
-                                         on_host=ndarray_leaves(m.tree), on_bytes=on_bytes))
-            return unflatten(m.tree, get_tensor)
-        binder = Binder(entries, build, vid)
-        with malformed_skeleton():
-            finalize = binder.bind(m.tree, into)
-        wanted = list(range(len(entries)))
-        got = read_tensors_to(store, arrays, entries, wanted, into=binder.destinations, on_bytes=on_bytes)
-        fresh.update({i: t for i, t in got.items() if i not in binder.destinations})
-        return finalize()
+            return load_version(self._plumbing, self.resolve(rev), into, target, on_bytes, parallel_layout, rank,
+                                read_stats)
 
     # ---- history and refs -----------------------------------------------
     def log(self, rev: str = "HEAD", all: bool = False, limit: int | None = None,  # noqa: A002
@@ -443,66 +321,22 @@ class Repository:
         where it is durable: ``local`` (its data is here: not pruned, not evicted to a remote) and ``remotes``
         (those whose remote-tracking refs reach it, read back only as far as the versions listed).
         """
-        _rev(rev)
+        check_rev(rev)
         _whole(limit, "limit", 0)
         _whole(since, "since")
         _whole(until, "until")
-        starts: list[str] = []
         if all:
-            # a damaged ref is left out, as git's "ignoring broken ref" (fsck names it; gc stops at it)
-            refs = self._plumbing.refs
-            starts = list(refs.branches(strict=False).values()) + list(refs.tags(strict=False).values())
-            starts += tracking_refs(self._plumbing.store).values()   # as git's --all: origin/main too
-            head = self._plumbing.head_version()
-            if head:
-                starts.append(head)
+            starts = every_ref_target(self._plumbing)
+        elif rev == "HEAD" and self._plumbing.head_version() is None:
+            return []
         else:
-            if rev == "HEAD" and self._plumbing.head_version() is None:
-                return []
             starts = [self.resolve(rev)]
-        # newest first, as git does: pop the newest version reached so far, then reach its parents; a
-        # version is never newer than its children, so the walk stops once `limit` versions are listed
-        seen: set[str] = set()
-        frontier: list[tuple[float, str, ManifestHeader]] = []
-        found: list[ManifestHeader] = []
-        expanded: dict[str, tuple[str, ...]] = {}   # the versions whose parents the walk reached: checked for a cycle
-        # a long log reads its headers in batches from the start; a short one (`log -n 5`) never lists versions/
-        walk = HeaderWalk(self._plumbing.reads, batch=limit is None or limit > HEADER_BATCH)
-
-        def reach(vid: str) -> None:
-            if vid not in seen:
-                seen.add(vid)
-                h = header_unless_lost(walk, self._plumbing, vid)   # None: fsck --repair marked it lost
-                if h is not None:
-                    heapq.heappush(frontier, (-h.time, vid, h))
-        for vid in starts:
-            if vid:
-                reach(vid)
-        while frontier and (limit is None or len(found) < limit):
-            _, popped, h = heapq.heappop(frontier)
-            step = h.step
-            if (since is None and until is None) or (step is not None and (since is None or step >= since)
-                                                     and (until is None or step <= until)):
-                found.append(h)
-                if limit is not None and len(found) >= limit:
-                    break   # its parents are not listed: do not read them
-            expanded[popped] = h.parents
-            for p in h.parents:
-                reach(p)
-        # the `seen` set stops a walk that goes round, which would then list a damaged history as if whole
-        cycle = find_cycle(expanded)
-        if cycle is not None:
-            raise parent_cycle_error(cycle)
-        names = self._plumbing.ref_names()
-        evicted = evicted_ids(self._plumbing.store) if found else set()
-        pruned, held = durability(self._plumbing, found, walk, self._plumbing.pruned_ids(), evicted)
-        return [version_from_manifest(h, names.get(h.id, ()), h.id in pruned, h.id in evicted, held.get(h.id, ()))
-                for h in found]
+        return log_versions(self._plumbing, starts, limit, since, until)
 
     def checkout(self, rev: str, branch: str | None = None) -> Version:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
         if branch is not None:
-            _ref_name(branch, "branch")
+            check_ref_type(branch, "branch")
         refs = self._plumbing.refs
         head = refs.head(for_update=True)
         vid = self.resolve(rev)
@@ -530,7 +364,7 @@ class Repository:
     def branch(self, name: str, rev: str = "HEAD") -> Version:
         """Create branch ``name`` at ``rev`` (HEAD does not move)."""
         vid = self.resolve(rev)
-        _ref_name(name, "branch")
+        check_ref_type(name, "branch")
         self._plumbing.refs.create_branch(name, vid)
         return self.version(vid)
 
@@ -538,7 +372,7 @@ class Repository:
         """Create tag ``name`` at ``rev``. A tag does not move by itself; ``force`` moves an existing one to
         ``rev`` (``git tag -f``), as a framework re-using one file name (``last.ckpt``) needs."""
         vid = self.resolve(rev)
-        _ref_name(name, "tag")
+        check_ref_type(name, "tag")
         _flag(force, "force")
         self._plumbing.refs.set_tag(name, vid, force=force)
         return self.version(vid)
@@ -558,31 +392,12 @@ class Repository:
         branch, tag or a detached HEAD: its versions would then be left to gc. The versions themselves stay
         until gc finds them unreferenced (and older than its grace period).
         """
-        from ckptrepo.maintenance._gc import reaches
-        _ref_name(name, "branch")
-        refs, store = self._plumbing.refs, self._plumbing.store
-        head = refs.head()
-        if head.branch == name:
-            raise RefError(f"branch {name!r} is checked out; check out another branch or version first")
-        try:
-            tip, gen = refs.branch_tip_with_generation(name)   # deleted only if still there after the check
-        except CorruptionError:
-            if not force:
-                raise
-            tip, gen = "", store.get_with_generation(HEADS_PREFIX + name)[1]   # damaged: -D is the repair
-        if tip and not force:
-            others = [v for b, v in refs.branches(strict=False).items() if b != name] + \
-                list(refs.tags(strict=False).values())
-            if head.version:
-                others.append(head.version)
-            if not reaches(self._plumbing, others, tip):
-                raise RefError(f"no other branch, tag or HEAD reaches {name!r}'s tip {tip[:12]}, so gc would delete "
-                               f"the versions only it holds; tag it to keep them, or delete anyway (`branch -D`)")
-        return refs.delete("branch", name, seen=(tip, gen))
+        check_ref_type(name, "branch")
+        return self._plumbing.refs.delete_branch(name, force, lambda v: self._plumbing.header(v).parents)
 
     def delete_tag(self, name: str) -> str:
         """Delete tag ``name`` (``git tag -d``); returns the version it pointed at, which gc may then collect."""
-        return self._plumbing.refs.delete("tag", _ref_name(name, "tag"))
+        return self._plumbing.refs.delete("tag", check_ref_type(name, "tag"))
 
     def branches(self) -> dict[str, str]:
         """Branch name -> version id; a damaged branch ref is left out (``damaged_refs`` says what is wrong)."""
@@ -622,16 +437,16 @@ class Repository:
         ckptrepo.tools._inspect.
         """
         from ckptrepo.tools._inspect import diff_versions
-        _rev(a)
+        check_rev(a)
         if b is None:
             v = self.version(a)
             if not v.parents:
                 raise RevisionError(f"{a!r} ({v.short_id}) is a root version, with no parent to compare with; "
                                     f"name two revisions: ckptrepo diff A B")
             a, b = v.parents[0], v.id
-        _rev(b)
-        _pattern(pattern)
-        _callback(on_bytes, "on_bytes")
+        check_rev(b)
+        check_pattern(pattern)
+        check_callback(on_bytes, "on_bytes")
         return diff_versions(self._plumbing, a, b, pattern, on_bytes)
 
     def stats(self, rev: str = "HEAD", pattern: str | None = None,
@@ -641,9 +456,9 @@ class Repository:
         Answered from the statistics the version recorded at capture, without reading its data; a version
         written without them is read (streamed)."""
         from ckptrepo.tools._recorded import recorded_tensor_stats
-        _rev(rev)
-        _pattern(pattern)
-        _callback(on_bytes, "on_bytes")
+        check_rev(rev)
+        check_pattern(pattern)
+        check_callback(on_bytes, "on_bytes")
         vid = self._plumbing.resolve(rev)
         recorded = recorded_tensor_stats(self._plumbing, vid, pattern)
         if recorded is not None:
@@ -656,8 +471,8 @@ class Repository:
         """A statistic (``METRICS`` of tools/_trajectory.py: norm, mean, std, min, max, absmax, nan, inf, delta,
         relative-change) of tensors matching ``pattern`` over the first-parent history of ``rev``, oldest first."""
         from ckptrepo.tools._trajectory import trajectory
-        _pattern(pattern, required=True)
-        _rev(rev)
+        check_pattern(pattern, required=True)
+        check_rev(rev)
         _whole(since, "since")
         _whole(until, "until")
         return trajectory(self._plumbing, pattern, metric, rev, since, until)
@@ -669,29 +484,24 @@ class Repository:
         tensors x versions matrix; ``max_versions`` samples the history evenly (the newest kept) and reads only
         the sampled versions. See ckptrepo.tools._trajectory.StatMatrix."""
         from ckptrepo.tools._trajectory import stat_matrix
-        _pattern(pattern)
-        _rev(rev)
+        check_pattern(pattern)
+        check_rev(rev)
         _whole(since, "since")
         _whole(until, "until")
-        if max_versions is not None and (type(max_versions) is not int or max_versions < 1):
-            raise ArgumentError(f"max_versions must be a positive int or None, not {max_versions!r}")
+        _whole(max_versions, "max_versions", 1)
         return stat_matrix(self._plumbing, pattern, stat, rev, since, until, max_versions)
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
-        return [{"version": vid, "step": h.step, **h.metrics} for vid, h in self._first_parent_headers(rev)]
-
-    def _first_parent_headers(self, rev: str) -> list[tuple[str, ManifestHeader]]:
-        """(id, header) along the first-parent history of ``rev``, oldest first: headers only, no tensor data."""
-        return list(HeaderWalk(self._plumbing.reads).chain(self.resolve(rev)))[::-1]
+        return metric_rows(self._plumbing, self.resolve(rev))
 
     def metrics_to_tensorboard(self, log_dir: str | os.PathLike[str], rev: str = "HEAD") -> int:
         """Write the metrics and capture statistics along the first-parent history of ``rev`` as TensorBoard scalars
         to the folder ``log_dir``, outside the repository; returns how many. Needs ``ckptrepo[tensorboard]``."""
         from ckptrepo.tools._tensorboard import write_scalars
-        _path(log_dir, "TensorBoard log directory")
+        check_path(log_dir, "TensorBoard log directory")
         root = self._plumbing.store.capabilities.local_root
-        return write_scalars(log_dir, lambda: self._first_parent_headers(rev), root)
+        return write_scalars(log_dir, lambda: first_parent_headers(self._plumbing, self.resolve(rev)), root)
 
     def bisect(self, when: str | None = None, metric: str | None = None, tensor: str | None = None,
                stat: str = "norm", nonfinite: bool = False, rev: str = "HEAD", since: int | None = None,
@@ -705,49 +515,13 @@ class Repository:
         Answered from headers and capture-time statistics by a linear scan, which finds the exact first match
         of any condition; a binary search would need a condition that stays true once true (see _bisect).
         """
-        from ckptrepo.tools import _bisect
-        _rev(rev)
-        _pattern(tensor)
+        from ckptrepo.tools._bisect import bisect
+        check_rev(rev)
+        check_pattern(tensor)
         _flag(nonfinite, "nonfinite")
         _whole(since, "since")
         _whole(until, "until")
-        if nonfinite:
-            if when is not None or metric is not None:
-                raise ArgumentError("nonfinite=True takes no condition and no metric: it looks for NaN and Inf "
-                                    "elements of tensors (narrow them with tensor=GLOB)")
-            pattern = tensor or "*"
-            nan = self._bisect_matrix(pattern, "nan", rev, since, until)
-            inf = self._bisect_matrix(pattern, "inf", rev, since, until)
-            return _bisect.first_nonfinite(nan.versions, nan.steps, nan.names, nan.values, inf.values)
-        if (metric is None) == (tensor is None):
-            raise ArgumentError("bisect needs one of metric= (a recorded metric) or tensor= (a glob, with stat=), "
-                                "or nonfinite=True")
-        if when is None:
-            raise ArgumentError(f"bisect needs a condition (when=): one of {_bisect.ACCEPTED}")
-        cond = _bisect.parse_condition(when)
-        if metric is not None:
-            rows = self.metrics(rev)
-            recorded = sorted({k for r in rows for k in r} - {"version", "step"})
-            if metric not in recorded:
-                raise ArgumentError(f"no version in the history of {rev} records metric {metric!r}; recorded: "
-                                    f"{', '.join(recorded) or 'none'}")
-            return _bisect.first_metric_match([r for r in rows if _bisect.in_range(r["step"], since, until)],
-                                              metric, cond)
-        if cond.kind == "nan":
-            raise ArgumentError("'is nan' is for metrics: a tensor statistic is NaN where the tensor is absent; "
-                                "find NaN elements with nonfinite=True (--nonfinite)")
-        assert tensor is not None
-        m = self._bisect_matrix(tensor, stat, rev, since, until)
-        return _bisect.first_tensor_match(m.versions, m.steps, m.names, m.values, stat, cond)
-
-    def _bisect_matrix(self, pattern: str, stat: str, rev: str, since: int | None, until: int | None) -> StatMatrix:
-        """``stat_matrix`` of ``pattern``, refused in one line when no tensor matches."""
-        m = self.stat_matrix(pattern, stat, rev, since, until)
-        if not m.names:
-            where = " in the --since/--until range" if since is not None or until is not None else ""
-            raise ArgumentError(f"no tensor matches {pattern!r} in the history of {rev}{where}; "
-                                f"`ckptrepo show {rev}` lists the names")
-        return m
+        return bisect(self._plumbing, when, metric, tensor, stat, nonfinite, rev, since, until)
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
            keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,
@@ -769,8 +543,8 @@ class Repository:
              on_total: Callable[[int], None] | None = None) -> FsckReport:
         """Read every object and verify every checksum and reference."""
         from ckptrepo.maintenance._fsck import fsck
-        _callback(on_bytes, "on_bytes")
-        _callback(on_total, "on_total")
+        check_callback(on_bytes, "on_bytes")
+        check_callback(on_total, "on_total")
         return fsck(self._plumbing, on_bytes=on_bytes, on_total=on_total)
 
     def failures(self) -> list[dict[str, Any]]:
@@ -793,7 +567,7 @@ class Repository:
         (outside the repository; an existing export there is replaced only with ``force``). ``hf``: the model
         under the state's ``model`` as an HF model folder, in files of at most ``max_shard_size`` ("5GB")."""
         from ckptrepo.tools._exchange import export_target, write_export
-        _path(out, "export's output")
+        check_path(out, "export's output")
         # refused before the version is resolved and loaded
         path = export_target(out, format, force=force, repo_root=self._plumbing.store.capabilities.local_root,
                              max_shard_size=max_shard_size)
@@ -810,7 +584,7 @@ class Repository:
         metadata) can run code, so they are refused unless ``trust`` is set.
         """
         from ckptrepo.tools._exchange import read_checkpoint, state_step
-        _path(path, "checkpoint to import")
+        check_path(path, "checkpoint to import")
         state, source = read_checkpoint(path, trust)
         step = state_step(state) if step is None else step   # the step the state holds, unless told otherwise
         return self.snapshot(state, step=step, message=f"imported from {source}" if message is None else message)
@@ -845,7 +619,7 @@ class Repository:
         the remote. Never a version the remote lacks, nor an array a kept version points into (dedup)."""
         from ckptrepo.remotes._evict import evict
         if branch is not None:
-            _ref_name(branch, "branch")
+            check_ref_type(branch, "branch")
         return evict(self._plumbing, check_remote_name(remote), keep_last, branch)
 
     def fetch(self, remote: str = "origin", lazy: bool = False, progress: "Progress | None" = None) -> "SyncResult":

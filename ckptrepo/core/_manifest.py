@@ -9,7 +9,6 @@ core/schema.py). Refs are tiny text objects: a version id, or
 from __future__ import annotations
 
 import json
-import operator
 import os
 import re
 import struct
@@ -20,6 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import msgpack
 
+# the header values' checks live with the other argument checks; the save paths import them from here too
+from ckptrepo.arguments import checked_message as checked_message
+from ckptrepo.arguments import checked_meta as checked_meta
+from ckptrepo.arguments import checked_step as checked_step
+from ckptrepo.arguments import utf8_text
 from ckptrepo.errors import (
     ArgumentError,
     ConflictError,
@@ -402,59 +406,5 @@ def plain_metrics(metrics: Any) -> dict[str, Any]:
             raise UnsupportedValueError(f"metric {k!r} must be a number or string, not {type(v).__name__}")
         if isinstance(v, int) and not msgpack_int(v):
             raise UnsupportedValueError(f"metric {k!r} = {v} does not fit in 64 bits; store it as a float or a string")
-        out[_text(str(k), f"metric name {k!r}")] = _text(v, f"metric {k!r}") if isinstance(v, str) else v
+        out[utf8_text(str(k), f"metric name {k!r}")] = utf8_text(v, f"metric {k!r}") if isinstance(v, str) else v
     return out
-
-
-def checked_step(step: Any) -> int | None:
-    """``step`` as an int (numpy ints too) that fits the manifest's 64 bits, or None; a float, string or bool
-    is refused (1.7 would become 1, and 2**64 would kill the background commit)."""
-    if step is None:
-        return None
-    if isinstance(step, bool) or not hasattr(step, "__index__"):
-        raise UnsupportedValueError(f"step must be an int or None, not {type(step).__name__} {step!r}")
-    step = operator.index(step)
-    if not -(1 << 63) <= step < (1 << 63):
-        raise UnsupportedValueError(f"step {step} does not fit in 64 bits")
-    return step
-
-
-MAX_META_CHARS = 64 * 1024   # a header is read by every log and history walk: meta is for ids and URLs
-
-
-def checked_meta(meta: Any) -> dict[str, str] | None:
-    """Free-text key/values for a version's header (a tracker's run id and URL, the file name a framework chose):
-    text only, so that any reader can show them; None or empty records nothing."""
-    if not meta:
-        return None
-    if not isinstance(meta, Mapping):
-        raise UnsupportedValueError(f"meta must be a dict of names to text, not {type(meta).__name__}")
-    out = {}
-    total = sum(len(k) + len(v) for k, v in meta.items() if isinstance(k, str) and isinstance(v, str))
-    if total > MAX_META_CHARS:
-        raise UnsupportedValueError(f"meta holds {total} characters, more than the {MAX_META_CHARS} a header keeps "
-                                    f"(every `log` reads it): keep ids, names and URLs there, and store larger "
-                                    f"things in the state")
-    for k, v in meta.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise UnsupportedValueError(f"meta {k!r} = {v!r:.40} is not text; meta maps names to strings (use "
-                                        f"metrics for numbers)")
-        out[_text(k, f"meta name {k!r}")] = _text(v, f"meta {k!r}")
-    return out
-
-
-def checked_message(message: Any) -> str:
-    """The commit message: text (``None`` is empty). Another type, once committed, breaks `ckptrepo log` for good."""
-    if message is None:
-        return ""
-    if not isinstance(message, str):
-        raise UnsupportedValueError(f"message must be a str, not {type(message).__name__}")
-    return _text(message, "message")
-
-
-def _text(value: str, what: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise UnsupportedValueError(f"{what} is not valid text ({err.reason} at position {err.start})") from None
-    return value

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from ckptrepo.core._manifest import (
     HEAD_KEY,
@@ -338,6 +338,31 @@ class Refs:
         self._remove_empty_folders(key)
         return value
 
+    def delete_branch(self, name: str, force: bool, parents: Callable[[str], Sequence[str]]) -> str:
+        """Delete branch ``name`` (``git branch -d``; ``force``: ``-D``); returns the version it pointed at.
+
+        Refused for the branch HEAD is on, and, unless ``force``, when its tip is reachable (through
+        ``parents``) from no other branch, tag or a detached HEAD: its versions would then be left to gc.
+        """
+        head = self.head()
+        if head.branch == name:
+            raise RefError(f"branch {name!r} is checked out; check out another branch or version first")
+        try:
+            tip, gen = self.branch_tip_with_generation(name)   # deleted only if still there after the check
+        except CorruptionError:
+            if not force:
+                raise
+            tip, gen = "", self.store.get_with_generation(HEADS_PREFIX + name)[1]   # damaged: -D is the repair
+        if tip and not force:
+            others = [v for b, v in self.branches(strict=False).items() if b != name] + \
+                list(self.tags(strict=False).values())
+            if head.version:
+                others.append(head.version)
+            if not reaches(others, tip, parents):
+                raise RefError(f"no other branch, tag or HEAD reaches {name!r}'s tip {tip[:12]}, so gc would delete "
+                               f"the versions only it holds; tag it to keep them, or delete anyway (`branch -D`)")
+        return self.delete("branch", name, seen=(tip, gen))
+
     def _remove_empty_folders(self, key: str) -> None:
         """On a local store, the folders a deleted ``a/b`` leaves behind, which would make ``a`` unwritable."""
         root = self.store.capabilities.local_root
@@ -396,6 +421,22 @@ class Refs:
             if value is not None:
                 out[key[len(prefix):]] = value
         return out, damage
+
+
+def reaches(starts: Sequence[str], target: str, parents: Callable[[str], Sequence[str]]) -> bool:
+    """Whether ``target`` is one of ``starts`` or an ancestor of one (``parents`` read as the walk needs them,
+    and only until it is found)."""
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack:
+        vid = stack.pop()
+        if vid == target:
+            return True
+        if vid in seen:
+            continue
+        seen.add(vid)
+        stack.extend(parents(vid))
+    return False
 
 
 def _read_ref(store: Store, key: str) -> bytes | None | CorruptionError:

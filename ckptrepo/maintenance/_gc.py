@@ -233,22 +233,6 @@ def graph_damage(plumbing: Plumbing, parents: Mapping[str, Sequence[str]], head:
     return damage
 
 
-def reaches(plumbing: Plumbing, starts: Sequence[str], target: str) -> bool:
-    """Whether ``target`` is one of ``starts`` or an ancestor of one (manifest headers, read as the walk needs
-    them, and only until it is found)."""
-    seen: set[str] = set()
-    stack = list(starts)
-    while stack:
-        vid = stack.pop()
-        if vid == target:
-            return True
-        if vid in seen:
-            continue
-        seen.add(vid)
-        stack.extend(plumbing.header(vid).parents)
-    return False
-
-
 def _reachable(plumbing: Plumbing, starts: Sequence[str], facts: dict[str, "VersionFacts"],
                lost: Collection[str] = ()) -> set[str]:
     """The versions reachable from ``starts`` through parent links; a version missing from ``facts`` is read

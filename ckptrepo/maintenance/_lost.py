@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from ckptrepo.core._manifest import (
     DATA_PREFIX,
@@ -31,8 +31,8 @@ from ckptrepo.core._manifest import (
 )
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head
-from ckptrepo.core.schema import Manifest, ManifestHeader
-from ckptrepo.errors import CkptRepoError, CorruptionError
+from ckptrepo.core.schema import Manifest
+from ckptrepo.errors import CkptRepoError
 from ckptrepo.storage._arrays import ZARR_JSON
 
 LOST_TAG_PREFIX = "lost/"
@@ -207,13 +207,3 @@ def own_arrays(manifest: Manifest) -> list[str]:
     """The keys of the arrays version ``manifest`` wrote (not those it reuses from other versions)."""
     return [key for key in manifest.arrays if key.startswith(f"{DATA_PREFIX}{manifest.id}/")]
 
-
-def header_unless_lost(walk: Callable[[str], ManifestHeader], plumbing: Plumbing, vid: str) -> ManifestHeader | None:
-    """``walk(vid)``, or None when ``vid`` has no manifest and is marked lost (``log`` ends there); only a read
-    that failed looks for the marker."""
-    try:
-        return walk(vid)
-    except CorruptionError:
-        if plumbing.store.exists(LOST_PREFIX + vid) and not plumbing.store.exists(VERSIONS_PREFIX + vid):
-            return None
-        raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from ckptrepo.arguments import short_text as short_text  # how show and diff print a plain value
 from ckptrepo.core._boxes import volume as numel  # elements of a tensor of a given shape (1 for a zero-dim tensor)
 from ckptrepo.errors import UnsupportedValueError
 
@@ -91,16 +92,6 @@ class Shown(str):
 
     def __repr__(self) -> str:
         return str(self)
-
-
-def short_text(value: Any, width: int) -> str:
-    """``value`` as ``show`` and ``diff`` print it, cut to ``width`` characters; an int too big for ``repr``
-    (over 4300 digits) by its leading hexadecimal digits and its size."""
-    if isinstance(value, int) and value.bit_length() > 4 * width:
-        text = f"{hex(value)[:width // 2]}... ({value.bit_length()} bits)"
-    else:
-        text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 __all__ = ["BIGINT", "DICT", "DTYPE", "LIST", "NDARRAY", "NPGEN", "NPSCALAR", "ODICT", "SCALAR", "SIZE", "STATEFUL",

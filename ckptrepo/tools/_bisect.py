@@ -31,9 +31,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from ckptrepo.core._history import metric_rows
+from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import ArgumentError
+
+if TYPE_CHECKING:
+    from ckptrepo.tools._trajectory import StatMatrix
 
 # (kind, regex): the accepted forms, in the order they are tried; each regex is matched against the whole
 # condition, lower-cased with runs of spaces made one
@@ -199,11 +204,57 @@ def first_nonfinite(versions: Sequence[str], steps: Sequence[int | None], names:
 NONFINITE = Condition("has NaN or Inf", ">", 0.0)
 
 
+def bisect(plumbing: Plumbing, when: str | None, metric: str | None, tensor: str | None, stat: str,
+           nonfinite: bool, rev: str, since: int | None, until: int | None) -> BisectResult | None:
+    """``Repository.bisect``: its arguments' combinations checked, then answered from the first-parent history
+    of ``rev`` (recorded metrics, or the capture-time statistics of ``stat_matrix``)."""
+    if nonfinite:
+        if when is not None or metric is not None:
+            raise ArgumentError("nonfinite=True takes no condition and no metric: it looks for NaN and Inf "
+                                "elements of tensors (narrow them with tensor=GLOB)")
+        pattern = tensor or "*"
+        nan = _matrix(plumbing, pattern, "nan", rev, since, until)
+        inf = _matrix(plumbing, pattern, "inf", rev, since, until)
+        return first_nonfinite(nan.versions, nan.steps, nan.names, nan.values, inf.values)
+    if (metric is None) == (tensor is None):
+        raise ArgumentError("bisect needs one of metric= (a recorded metric) or tensor= (a glob, with stat=), "
+                            "or nonfinite=True")
+    if when is None:
+        raise ArgumentError(f"bisect needs a condition (when=): one of {ACCEPTED}")
+    cond = parse_condition(when)
+    if metric is not None:
+        rows = metric_rows(plumbing, plumbing.resolve(rev))
+        recorded = sorted({k for r in rows for k in r} - {"version", "step"})
+        if metric not in recorded:
+            raise ArgumentError(f"no version in the history of {rev} records metric {metric!r}; recorded: "
+                                f"{', '.join(recorded) or 'none'}")
+        return first_metric_match([r for r in rows if in_range(r["step"], since, until)], metric, cond)
+    if cond.kind == "nan":
+        raise ArgumentError("'is nan' is for metrics: a tensor statistic is NaN where the tensor is absent; "
+                            "find NaN elements with nonfinite=True (--nonfinite)")
+    assert tensor is not None
+    m = _matrix(plumbing, tensor, stat, rev, since, until)
+    return first_tensor_match(m.versions, m.steps, m.names, m.values, stat, cond)
+
+
+def _matrix(plumbing: Plumbing, pattern: str, stat: str, rev: str, since: int | None,
+            until: int | None) -> StatMatrix:
+    """``stat_matrix`` of ``pattern``, refused in one line when no tensor matches."""
+    # numpy: imported when a bisect runs, not with this module
+    from ckptrepo.tools._trajectory import stat_matrix
+    m = stat_matrix(plumbing, pattern, stat, rev, since, until)
+    if not m.names:
+        where = " in the --since/--until range" if since is not None or until is not None else ""
+        raise ArgumentError(f"no tensor matches {pattern!r} in the history of {rev}{where}; "
+                            f"`ckptrepo show {rev}` lists the names")
+    return m
+
+
 def in_range(step: int | None, since: int | None, until: int | None) -> bool:
     """Whether a version at ``step`` lies in [since, until], as ``trajectory`` reads the range (a version with no
     step is kept)."""
     return step is None or ((since is None or step >= since) and (until is None or step <= until))
 
 
-__all__ = ["ACCEPTED", "BisectResult", "Condition", "first_metric_match", "first_nonfinite", "first_tensor_match",
-           "in_range", "parse_condition"]
+__all__ = ["ACCEPTED", "BisectResult", "Condition", "bisect", "first_metric_match", "first_nonfinite",
+           "first_tensor_match", "in_range", "parse_condition"]

@@ -1,6 +1,6 @@
 """The package's layers import only downwards.
 
-ckptrepo's subpackages form a stack (``LAYERS``: storage < core < state < parallel < rules < loading <
+ckptrepo's subpackages form a stack (``LAYERS``: arguments < storage < core < state < parallel < rules < loading <
 maintenance < saving < tools < repository < the package's __init__ < integrations < dcp < ui < cli < testing): a
 module may import from its own layer and the ones below it, never above, so each layer can be read, tested and changed
 without the ones built on it. Imports made only for type checking (under ``if TYPE_CHECKING:``) are not
@@ -15,9 +15,10 @@ import ckptrepo
 
 PACKAGE = Path(ckptrepo.__file__).parent
 
-# Bottom to top. errors and faults are shared by every layer; rules re-exports parallel.rules for users.
-LAYERS = ("errors", "faults", "storage", "core", "state", "parallel", "rules", "loading", "maintenance", "remotes",
-          "saving", "tools", "repository", "__init__", "integrations", "dcp", "ui", "cli", "testing")
+# Bottom to top. errors and faults are shared by every layer; arguments (the argument checks) builds on errors
+# alone, so every layer can use it; rules re-exports parallel.rules for users.
+LAYERS = ("errors", "faults", "arguments", "storage", "core", "state", "parallel", "rules", "loading", "maintenance",
+          "remotes", "saving", "tools", "repository", "__init__", "integrations", "dcp", "ui", "cli", "testing")
 BASE = {"errors", "faults"}   # importable from anywhere, and import nothing of the package themselves
 
 
