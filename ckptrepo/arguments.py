@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeGuard
 
 from ckptrepo.errors import ArgumentError, ExchangeError, RefError, RevisionError, UnsupportedValueError
 
@@ -38,12 +38,12 @@ def cut(value: Any) -> str:
     return f"{value!r:.40}"
 
 
-def is_whole(value: Any) -> bool:
+def is_whole(value: Any) -> TypeGuard[int]:
     """Whether ``value`` is an int and not a bool (``True`` is an int to Python, never a count to a user)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
     """Whether ``value`` is an int or float and not a bool (a metric a view can plot)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ckptrepo.arguments import is_whole
 from ckptrepo.core._manifest import is_version_id
 from ckptrepo.core._refs import is_new_ref_name
 from ckptrepo.errors import PointerError, StorageError, first_line
@@ -126,7 +127,7 @@ def _checked(doc: dict[str, Any], damaged: str) -> Pointer:
         raise PointerError(damaged.format(f"version {_shown(version)} is no version id"))
     if tag is not None and not (isinstance(tag, str) and is_new_ref_name(tag)):
         raise PointerError(damaged.format(f"tag {_shown(tag)} is no tag name"))
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+    if step is not None and (not is_whole(step) or step < 0):
         raise PointerError(damaged.format(f"step {_shown(step)}"))
     if previous is not None and not (isinstance(previous, str) and is_version_id(previous)):
         raise PointerError(damaged.format(f"previous {_shown(previous)} is no version id"))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ckptrepo.arguments import check_whole, is_number
 from ckptrepo.errors import ArgumentError, ExchangeError
 from ckptrepo.parallel._distributed import all_gather
 from ckptrepo.repository import Repository, init, repo_url
@@ -102,8 +103,7 @@ class _Hooks:
 
     def __init__(self, repo: Repository | str | os.PathLike[str], every_n_steps: int = 500, *,
                  save_final: bool = True, message: str = "hf step {step}", **snapshotter_options: Any) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ArgumentError(f"every_n_steps must be a whole number of at least 1, not {every_n_steps!r}")
+        check_whole(every_n_steps, "every_n_steps", 1)
         if not isinstance(message, str):
             raise ArgumentError(f"message must be text (with {{step}} for the step), not {message!r:.40}")
         self._repo_arg = repo if isinstance(repo, Repository) else repo_url(repo)
@@ -201,8 +201,7 @@ class _Hooks:
         snapshot[TRAINER_STATE_KEY] = trainer_state(state, control)
         if self._config is not None:
             snapshot[CONFIG_KEY] = self._config
-        metrics = {k: v for k, v in (logs or {}).items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics = {k: v for k, v in (logs or {}).items() if is_number(v)}
         step = state.global_step
         self.handles.append(self.snapshotter.snapshot(snapshot, step=step, message=self.message.format(step=step),
                                                       metrics=metrics))

@@ -15,7 +15,6 @@ from ckptrepo.core._whereabouts import require_data_somewhere
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError
 from ckptrepo.loading._binding import Binder
-from ckptrepo.loading._device_load import ndarray_leaves, read_tensors_to
 from ckptrepo.loading._layout_load import load_layout, needs_layout_load
 from ckptrepo.state._providers import malformed_skeleton, unflatten
 
@@ -41,6 +40,8 @@ def load_version(plumbing: Plumbing, vid: str, into: Any, target_device: torch.d
 def _load_data(plumbing: Plumbing, vid: str, m: Manifest, into: Any, target_device: torch.device | None,
                on_bytes: Callable[[int], None] | None, parallel_layout: ParallelLayout | None,
                rank: int | None, read_stats: ReadStats | None) -> Any:
+    # looked up at each load, not bound once at import: a test stands in for the reads (a gc racing them)
+    from ckptrepo.loading._device_load import ndarray_leaves, read_tensors_to
     store = plumbing.data_store(m)
     if needs_layout_load(m, parallel_layout, into):
         return load_layout(store, m, parallel_layout, rank, into, target_device, read_stats)

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
 
+from ckptrepo.arguments import check_whole, is_number
 from ckptrepo.core._manifest import (
     DATA_PREFIX,
     FAILURES_PREFIX,
@@ -137,7 +138,7 @@ class VersionFacts:
                    tuple((a.key, a.nbytes, layout_bytes(a)) for a in manifest.arrays.values()),
                    tuple({p.array for t in manifest.tensors for p in t.pieces}),
                    tuple((k, float(v)) for k, v in (manifest.metrics or {}).items()
-                         if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)))
+                         if is_number(v) and not math.isnan(v)))
 
 
 def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str]]) -> set[str]:
@@ -269,9 +270,8 @@ def check_rule_counts(keep_last: Any = None, keep_every: Any = None, keep_best: 
     otherwise switch retention on and prune all but the branch heads."""
     for name, value in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best),
                         ("every_commits", every_commits)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise RetentionError(f"{name} must be a whole number of at least 1, not {value!r}; leave it out to not "
-                                 f"use that rule")
+        if value is not None:
+            check_whole(value, name, 1, error=RetentionError, hint="; leave it out to not use that rule")
     if not isinstance(grace_period_s, (int, float)) or not grace_period_s >= 0:   # NaN too: it compared as 0
         raise RetentionError(f"the grace period must be a number of seconds of at least 0, not {grace_period_s!r}")
 

@@ -30,16 +30,12 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Iterable, Mapping, Sequence, Union
 
+from ckptrepo.arguments import is_whole
 from ckptrepo.errors import LayoutError
 from ckptrepo.parallel.layout import stage_layers
 
 Region = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]   # (local offsets, global offsets, sizes)
 ParamShapes = Union[Mapping[str, Sequence[int]], Iterable[Sequence[Any]]]   # {name: shape} or [(name, shape), ...]
-
-
-def _int(value: Any) -> bool:
-    """Whether ``value`` is an int and not a bool (which Python counts as one)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -57,7 +53,7 @@ class Split:
     dim: int
 
     def __post_init__(self) -> None:
-        if not _int(self.dim):
+        if not is_whole(self.dim):
             raise LayoutError(f"Split(dim={self.dim!r}): the dimension to split is a whole number")
 
     def to_json(self) -> list[Any]:
@@ -75,7 +71,7 @@ class VocabSplit:
 
     def __post_init__(self) -> None:
         # a zero multiple divides by zero when padding; a negative one pads the rows away
-        if not _int(self.size) or not _int(self.multiple) or not _int(self.dim) or self.size < 1 or self.multiple < 1:
+        if not all(is_whole(v) for v in (self.size, self.multiple, self.dim)) or self.size < 1 or self.multiple < 1:
             raise LayoutError(f"VocabSplit(size={self.size}, multiple={self.multiple}): the vocabulary size and "
                               f"the padding multiple (make_vocab_size_divisible_by) must be at least 1")
 
@@ -100,8 +96,8 @@ class Fused:
     def __post_init__(self) -> None:
         # a zero count divides by zero; negative counts or sizes give regions outside the tensor, or none
         counts = (self.parts,) if isinstance(self.parts, int) else self.parts
-        if not isinstance(counts, (tuple, list)) or not counts or not all(_int(c) and c >= 1 for c in counts) \
-                or not _int(self.dim):
+        if not isinstance(counts, (tuple, list)) or not counts or not all(is_whole(c) and c >= 1 for c in counts) \
+                or not is_whole(self.dim):
             raise LayoutError(f"Fused({self.parts!r}): give a count of at least 1 equal parts, or part sizes "
                               f"of at least 1 each")
 
@@ -220,7 +216,7 @@ def regions(spec: Spec, gshape: Sequence[int], tp: int, tp_rank: int) -> list[Re
 
 
 def _whole(value: Any) -> bool:
-    return _int(value) and value >= 0
+    return is_whole(value) and value >= 0
 
 
 def _seq(value: Any, name: str) -> Any:

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ckptrepo import faults
+from ckptrepo.arguments import check_whole
 from ckptrepo.core._manifest import DATA_PREFIX
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._remotes import evicted_ids, mark_evicted, remote_url, tracking_tip
 from ckptrepo.core._same_store import refuse_if_same_store
 from ckptrepo.core._whereabouts import gone_there
-from ckptrepo.errors import ArgumentError, RefError
+from ckptrepo.errors import RefError
 from ckptrepo.remotes._remote import version_ids
 from ckptrepo.storage.protocol import Store
 
@@ -57,8 +58,7 @@ def evict(plumbing: Plumbing, remote: str, keep_last: int, branch: str | None = 
           protect: Iterable[str] = ()) -> EvictReport:
     """Delete here the data of ``branch``'s versions (default: the current branch) beyond its newest
     ``keep_last`` that ``remote`` holds (see the module docstring). ``protect``: array keys never deleted."""
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ArgumentError(f"keep_last must be a whole number of at least 1, not {keep_last!r}")
+    check_whole(keep_last, "keep_last", 1)
     remote_url(plumbing.store, remote)   # an unknown remote: one line naming the ones there are
     if branch is None:
         branch = plumbing.refs.head().branch

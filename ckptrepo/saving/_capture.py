@@ -54,6 +54,7 @@ import torch
 import xxhash
 
 from ckptrepo import faults
+from ckptrepo.arguments import check_flag, check_whole, cut
 from ckptrepo.core._boxes import volume
 from ckptrepo.core._manifest import (
     COMPRESSION_SETTING,
@@ -136,23 +137,19 @@ def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, com
     the default)."""
     if push_to is not None and not isinstance(push_to, str):
         raise ArgumentError(f"push_to must be the name of a remote (text, e.g. 'origin') or None, not {push_to!r:.40}")
-    if local_keep_last is not None and (isinstance(local_keep_last, bool) or not isinstance(local_keep_last, int)
-                                        or local_keep_last < 1):
-        raise ArgumentError(f"local_keep_last must be a whole number of at least 1 or None, not {local_keep_last!r}")
+    check_whole(local_keep_last, "local_keep_last", 1, optional=True)
     if on_full not in ("wait", "skip"):
         raise ArgumentError(f"on_full must be 'wait' or 'skip', not {on_full!r:.40}")
     if push_to is None and (local_keep_last is not None or local_max_bytes is not None):
         raise ArgumentError("local_keep_last and local_max_bytes bound a local tier that pushes to a remote: pass "
                             "push_to='origin' (a remote added with repo.remote_add) as well")
     tier_bytes = parse_size(local_max_bytes, "local_max_bytes")
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ArgumentError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
+    check_whole(max_in_flight, "max_in_flight", 1)
     if isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float)) \
             or not commit_timeout_s > 0:   # NaN too
         raise ArgumentError(f"commit_timeout_s must be a number of seconds above 0, not {commit_timeout_s!r}")
     for name, value in (("dedup", dedup), ("pin_memory", pin_memory)):
-        if not isinstance(value, bool) and not (name == "pin_memory" and value is None):
-            raise ArgumentError(f"{name} must be True or False, not {value!r}")
+        check_flag(value, name, optional=name == "pin_memory")
     if retention is not None and not isinstance(retention, RetentionPolicy):
         raise RetentionError(f"retention must be a ckptrepo.RetentionPolicy or None, not {type(retention).__name__} "
                              f"{retention!r:.40}")
@@ -252,8 +249,7 @@ class Snapshotter:
                  on_full: str = "wait", single_process: bool = False, tensor_stats: bool = True,
                  compression: str | bool | None = None) -> None:
         for name, flag in (("single_process", single_process), ("tensor_stats", tensor_stats)):
-            if not isinstance(flag, bool):
-                raise ArgumentError(f"{name} must be True or False, not {flag!r:.40}")
+            check_flag(flag, name, show=cut)
         # the arrays' lossless compression (None: the repository's setting); compressed shards are encoded and
         # written by TensorStore from staged copies, never from the tensors' memory (decisions/035)
         self.compression = snapshot_compression(plumbing, compression)
@@ -442,8 +438,7 @@ class Snapshotter:
             return
         if not isinstance(tag, str):
             raise ArgumentError(f"tag must be a str, not {type(tag).__name__}")
-        if not isinstance(force, bool):
-            raise ArgumentError(f"force_tag must be True or False, not {force!r}")
+        check_flag(force, "force_tag")
         check_ref_name(tag, "tag")
         if self.rank == 0:
             if not force and tag in self.plumbing.refs.tags(strict=False):

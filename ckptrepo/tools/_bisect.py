@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from ckptrepo.arguments import is_number
 from ckptrepo.core._history import metric_rows
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.errors import ArgumentError
@@ -148,7 +149,7 @@ def first_metric_match(rows: Sequence[dict[str, Any]], metric: str, cond: Condit
     previous_version: str | None = None
     for i, row in enumerate(rows):
         raw = row.get(metric)
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        if not is_number(raw):
             continue
         value = float(raw)
         if cond.holds(value, previous):

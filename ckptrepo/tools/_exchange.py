@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from ckptrepo.arguments import is_whole
 from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line, os_error_line
 from ckptrepo.state._providers import flatten, unflatten
 from ckptrepo.tools._hf_export import (
@@ -224,7 +225,7 @@ def state_step(state: Any) -> int | None:
     step = state.get("step") if isinstance(state, dict) else None
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
         step = step.item()
-    return step if isinstance(step, int) and not isinstance(step, bool) and -(1 << 63) <= step < (1 << 63) else None
+    return step if is_whole(step) and -(1 << 63) <= step < (1 << 63) else None
 
 
 def _load_torch(path: Path, trust: bool) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from ckptrepo.arguments import is_number
 from ckptrepo.errors import ArgumentError, ExchangeError, os_error_line
 from ckptrepo.tools._paths import output_folder
 
@@ -40,7 +41,7 @@ def write_scalars(log_dir: str | os.PathLike[str], history: Callable[[], Sequenc
         for position, h in enumerate(headers):
             at = position if h.step is None else h.step
             for name, value in h.metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if is_number(value):
                     writer.add_scalar(f"ckptrepo/{name}", value, global_step=at)
                     written += 1
             for name, value in (h.stats or {}).items():
