@@ -601,9 +601,9 @@ def fsck(ctx: click.Context, repair_config: bool, repair: bool, as_json: bool) -
 
 
 def _repair_config(ctx: click.Context) -> list[str]:
-    """Rebuild ckptrepo.json (see core._manifest.repair_config): done on the store, as a repository whose
+    """Rebuild ckptrepo.json (see core._config_repair.repair_config): done on the store, as a repository whose
     config is damaged cannot be opened."""
-    from ckptrepo.core._manifest import repair_config
+    from ckptrepo.core._config_repair import repair_config
     from ckptrepo.storage import open_store
     url = ctx.obj["url"]
     if url.startswith("memory://"):

@@ -291,10 +291,10 @@ class HeaderWalk:
 T = TypeVar("T")
 
 
-def first_parents(vid: str | None, visit: Callable[[str], tuple[ManifestHeader, T]]
-                  ) -> Iterator[tuple[str, ManifestHeader, T]]:
-    """``vid`` and its first parents, newest first, with what ``visit`` reads of each (its header, and
-    anything else); a version met twice is a parent cycle, raised as damage."""
+def first_parent_chain(vid: str | None, first_parent: Callable[[str], str | None]) -> Iterator[str]:
+    """``vid`` and its first parents, newest first, each parent asked of ``first_parent`` only once the version
+    before it was taken (a walk that stops early reads no further); a version met twice is a parent cycle, raised
+    as damage, where the walk would go round for ever. Every first-parent walk goes through here."""
     walked: list[str] = []
     seen: set[str] = set()
     while vid is not None:
@@ -302,6 +302,20 @@ def first_parents(vid: str | None, visit: Callable[[str], tuple[ManifestHeader, 
             raise parent_cycle_error(walked[walked.index(vid):] + [vid])
         seen.add(vid)
         walked.append(vid)
-        h, extra = visit(vid)
-        yield vid, h, extra
-        vid = h.parents[0] if h.parents else None
+        yield vid
+        vid = first_parent(vid)
+
+
+def first_parents(vid: str | None, visit: Callable[[str], tuple[ManifestHeader, T]]
+                  ) -> Iterator[tuple[str, ManifestHeader, T]]:
+    """``vid`` and its first parents, newest first, with what ``visit`` reads of each (its header, and
+    anything else); a version met twice is a parent cycle, raised as damage."""
+    visited: dict[str, ManifestHeader] = {}
+
+    def parent(v: str) -> str | None:
+        parents = visited.pop(v).parents
+        return parents[0] if parents else None
+    for v in first_parent_chain(vid, parent):
+        h, extra = visit(v)
+        visited[v] = h
+        yield v, h, extra

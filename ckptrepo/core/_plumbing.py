@@ -272,3 +272,6 @@ class _WalkingSource:
 
     def step_of(self, vid: str) -> int | None:
         return self._walk(vid).step
+
+    def is_pruned(self, vid: str) -> bool:
+        return self._plumbing.store.exists(PRUNED_PREFIX + vid)

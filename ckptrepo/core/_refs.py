@@ -106,7 +106,7 @@ class Head:
     orphan: bool = False        # `checkout --orphan`: the branch is yet to be created, as a new root
 
 
-def _head_target(raw: bytes) -> tuple[str, bool] | None:
+def head_target(raw: bytes) -> tuple[str, bool] | None:
     """The branch an attached or orphan HEAD names, and whether it is an orphan; None for a detached HEAD (a
     version id, checked by ``ref_value``). A symbolic HEAD whose branch is no ref name (a second newline, a
     space, ``refs/tags/...``) is damage named here: read as another name, it put snapshots on a new root."""
@@ -164,7 +164,7 @@ class Refs:
                                       f"--exist-ok` writes HEAD again")
             raise CorruptionError(f"{HEAD_KEY} is missing (an init interrupted before writing it?); "
                                   f"`ckptrepo init --exist-ok` writes it again")
-        target = _head_target(raw)
+        target = head_target(raw)
         if target is not None:
             branch, orphan = target
             try:

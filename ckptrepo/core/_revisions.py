@@ -1,8 +1,10 @@
 """Revision syntax: what a user may type to name a version.
 
 ``HEAD``, a branch, a tag, a full id or a unique id prefix (4+ hex digits),
-``@STEP`` (the newest version with that step on the current branch), each
-optionally followed by ``~N`` (N first-parent generations back; ``~`` is ``~1``).
+``@STEP`` (the newest version with that step on the current branch whose data gc kept; the newest with that
+step when gc pruned them all), each optionally followed by ``~N`` (N first-parent generations back; ``~`` is
+``~1``). A step saved twice on one line (a resumed run) names the newer version, unless retention pruned it
+and kept the older: a user asking for ``@1000`` wants the step's state, which only the kept one still holds.
 
 A revision is at most ``MAX_REVISION_CHARS`` long, parsed in one pass, and a
 walk back that meets a version twice (a parent cycle, which only damaged
@@ -13,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from ckptrepo.core._manifest_reads import parent_cycle_error
+from ckptrepo.core._manifest_reads import first_parent_chain
 from ckptrepo.core._refs import is_ref_name
 from ckptrepo.errors import RevisionError
 
@@ -32,6 +34,7 @@ class RevisionSource(Protocol):
     def ids_with_prefix(self, prefix: str) -> list[str]: ...
     def first_parent(self, version: str) -> str | None: ...
     def step_of(self, version: str) -> int | None: ...
+    def is_pruned(self, version: str) -> bool: ...
 
 
 def parse(rev: str) -> tuple[str, int]:
@@ -64,20 +67,12 @@ def parse(rev: str) -> tuple[str, int]:
 def resolve(src: RevisionSource, rev: str) -> str:
     """The full version id ``rev`` names; RevisionError saying why when it names none or several."""
     base, back = parse(rev)
-    vid = _resolve_base(src, base, rev)
-    walked = [vid]
-    seen = {vid}
-    for i in range(back):
-        parent = src.first_parent(vid)
-        if parent is None:
-            raise RevisionError(f"{rev!r} goes back {back} versions but {base!r} has only {i} ancestors; "
-                                f"see `ckptrepo log`")
-        if parent in seen:
-            raise parent_cycle_error(walked[walked.index(parent):] + [parent])
-        seen.add(parent)
-        walked.append(parent)
-        vid = parent
-    return vid
+    ancestors = -1
+    for ancestors, vid in enumerate(first_parent_chain(_resolve_base(src, base, rev), src.first_parent)):
+        if ancestors == back:
+            return vid
+    raise RevisionError(f"{rev!r} goes back {back} versions but {base!r} has only {ancestors} ancestors; "
+                        f"see `ckptrepo log`")
 
 
 def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
@@ -91,17 +86,14 @@ def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:
             step = int(base[1:])
         except ValueError:
             raise RevisionError(f"{rev!r}: after '@' comes a step number, e.g. @1000") from None
-        vid = src.head_version()
-        walked: list[str] = []
-        seen: set[str] = set()
-        while vid is not None:
-            if vid in seen:
-                raise parent_cycle_error(walked[walked.index(vid):] + [vid])
+        pruned: str | None = None   # the newest match gc pruned: named only where no kept one has the step
+        for vid in first_parent_chain(src.head_version(), src.first_parent):
             if src.step_of(vid) == step:
-                return vid
-            seen.add(vid)
-            walked.append(vid)
-            vid = src.first_parent(vid)
+                if not src.is_pruned(vid):
+                    return vid
+                pruned = pruned or vid
+        if pruned is not None:
+            return pruned
         raise RevisionError(f"no version with step {step} on {src.head_description()}; see `ckptrepo log`")
     if is_ref_name(base):   # `main/` or `../tags/v1` is no ref: looked up, it would be a raw storage error
         tip = src.branch_tip(base)

@@ -33,6 +33,7 @@ class FakeSource:
     tags: dict[str, str] = field(default_factory=dict)
     head_branch: str | None = "main"
     detached: str | None = None
+    pruned: set[str] = field(default_factory=set)
 
     def head_version(self) -> str | None:
         return self.branches.get(self.head_branch) if self.head_branch else self.detached
@@ -54,6 +55,9 @@ class FakeSource:
 
     def step_of(self, version: str) -> int | None:
         return self.versions[version][1]
+
+    def is_pruned(self, version: str) -> bool:
+        return version in self.pruned
 
 
 @pytest.fixture
@@ -126,6 +130,18 @@ def test_at_step_follows_the_current_branch_and_takes_the_newest(src: FakeSource
     src.versions[a3] = (A2, 20)
     src.head_branch, src.branches["main"] = "main", a3
     assert resolve(src, "@20") == a3 and resolve(src, "@20~2") == A1
+
+
+def test_at_step_prefers_a_kept_version_to_a_newer_pruned_one(src: FakeSource) -> None:
+    """A step saved twice on one line, the newer one pruned by retention: ``@20`` names the kept one, whose data
+    still loads; when both are pruned it names the newer, and the load says it was pruned."""
+    a3 = "a3" + "5" * 30
+    src.versions[a3] = (A2, 20)
+    src.branches["main"] = a3
+    src.pruned.add(a3)
+    assert resolve(src, "@20") == A1
+    src.pruned.add(A1)
+    assert resolve(src, "@20") == a3
 
 
 # ---- failures --------------------------------------------------------------------
@@ -217,6 +233,17 @@ def test_repository_at_step_is_relative_to_the_checked_out_branch(mem_repo: ckpt
         repo.resolve("HEAD~3")
     with pytest.raises(RevisionError, match=r"^no version with step 9 on branch 'main'"):
         repo.resolve("@9")
+
+
+def test_repository_at_step_names_the_kept_version_of_a_step_saved_twice(mem_repo: ckptrepo.Repository) -> None:
+    """A resumed run saves step 2 again; retention prunes that newer copy: ``@2`` loads the kept one."""
+    repo = mem_repo
+    ids = [repo.snapshot({"w": torch.full((3,), float(s))}, step=s).id for s in (1, 2)]
+    again = repo.snapshot({"w": torch.full((3,), 20.0)}, step=2).id
+    repo.snapshot({"w": torch.full((3,), 3.0)}, step=3)
+    repo.prune(again)
+    assert repo.resolve("@2") == ids[1]
+    assert torch.equal(repo.load("@2")["w"], torch.full((3,), 2.0))
 
 
 def test_repository_empty_and_unknown_revisions(mem_repo: ckptrepo.Repository) -> None:
