@@ -7,7 +7,11 @@ traceback.
 from __future__ import annotations
 
 import errno
+import os
 import re
+import sys
+import warnings
+from types import FrameType
 
 
 class CkptRepoError(Exception):
@@ -95,6 +99,20 @@ class PushRejectedError(RemoteError):
 class BackpressureWarning(UserWarning):
     """A snapshot waited, or was skipped, because the local tier holds as much data not pushed to its remote yet
     as ``local_max_bytes`` allows (a snapshotter with ``push_to``)."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside ckptrepo: the user's line that called the
+    library (``repo.load(...)``), not the module deep inside that noticed. A fixed ``stacklevel`` names the
+    wrong line as soon as the calls between the public method and the warning change; this counts them."""
+    level = 2
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class LayoutError(CkptRepoError):
@@ -216,4 +234,5 @@ __all__ = ["ArgumentError", "CheckpointNotFoundError", "CkptRepoError", "Conflic
            "MissingDependencyError", "NotARepositoryError", "PointerError", "RefError", "RepositoryExistsError",
            "RetentionError", "RevisionError", "SnapshotFailedError", "StateMismatchError", "StorageError",
            "TrustRequiredError", "UnsupportedValueError", "damaged_object_error", "first_line", "is_storage_failure",
-           "os_error_hint", "os_error_line", "os_error_text", "some_names", "storage_failure", "storage_failure_hint"]
+           "os_error_hint", "os_error_line", "os_error_text", "some_names", "storage_failure", "storage_failure_hint",
+           "warn"]

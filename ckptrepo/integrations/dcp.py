@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -60,7 +59,15 @@ from ckptrepo.core._manifest import checked_meta, checked_step, new_version_id, 
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import check_ref_name
 from ckptrepo.core.schema import Manifest
-from ckptrepo.errors import ArgumentError, CkptRepoError, CorruptionError, RefError, UnsupportedValueError, first_line
+from ckptrepo.errors import (
+    ArgumentError,
+    CkptRepoError,
+    CorruptionError,
+    RefError,
+    UnsupportedValueError,
+    first_line,
+    warn,
+)
 from ckptrepo.integrations._dcp_pickles import safe_bytes
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.saving._pieces import (
@@ -263,9 +270,8 @@ class Writer(StorageWriter):
             try:
                 self.version = ckptrepo.open(self.url).tag(self.tag, self._vid, force=self.force_tag)
             except CkptRepoError as err:   # the version is committed: a failed save here would be retried twice
-                warnings.warn(f"version {self._vid[:12]} was committed, but tag {self.tag!r} was not set: "
-                              f"{first_line(err)}; tag it with `ckptrepo tag {self.tag} {self._vid[:12]}`",
-                              stacklevel=2)
+                warn(f"version {self._vid[:12]} was committed, but tag {self.tag!r} was not set: "
+                     f"{first_line(err)}; tag it with `ckptrepo tag {self.tag} {self._vid[:12]}`")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

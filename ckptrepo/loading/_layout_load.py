@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import warnings
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -31,7 +30,7 @@ import torch
 
 from ckptrepo.core._boxes import volume
 from ckptrepo.core.schema import Manifest, RankRecord
-from ckptrepo.errors import LayoutError, StateMismatchError
+from ckptrepo.errors import LayoutError, StateMismatchError, warn
 from ckptrepo.loading._binding import check_param_groups, fillable_array
 from ckptrepo.loading._device_load import read_pieces_to
 from ckptrepo.loading._engine import ReadStats
@@ -335,20 +334,20 @@ def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None,
         same = same_on_every_rank(store, manifest, moved)   # reads those tensors: once, not per path
         moved = [p for p in moved if p not in same]
         if moved and unsharded_elsewhere:
-            warnings.warn(f"this process is rank {pg_rank} of {pg_world}, but a load without a layout gives every "
-                          f"process saved rank 0's per-rank state ({_some(moved)}); pass parallel_layout= (or "
-                          f"into= a state of DTensors) to get this rank's", stacklevel=3)
+            warn(f"this process is rank {pg_rank} of {pg_world}, but a load without a layout gives every "
+                 f"process saved rank 0's per-rank state ({_some(moved)}); pass parallel_layout= (or "
+                 f"into= a state of DTensors) to get this rank's")
         elif moved:
-            warnings.warn(f"layout changed ({_layout_str(manifest)} -> {target}): per-rank state "
-                          f"{_some(moved)} of rank {rank} comes from saved rank {tmpl}; re-seed it if it must differ "
-                          f"per rank", stacklevel=3)
+            warn(f"layout changed ({_layout_str(manifest)} -> {target}): per-rank state "
+                 f"{_some(moved)} of rank {rank} comes from saved rank {tmpl}; re-seed it if it must differ "
+                 f"per rank")
     skipped, dropped = unloaded_state(manifest, target.world_size)
     if dropped:   # not silent, an unsharded load's either
         many = len(skipped) > 1
-        warnings.warn(f"saved rank{'s' if many else ''} {', '.join(map(str, skipped))} of {_layout_str(manifest)} "
-                      f"hold{'' if many else 's'} per-rank state {_some(dropped)} that no rank of {target} "
-                      f"loads (rank r takes saved rank r % {world}'s); load with the saved layout and rank= to get "
-                      f"it", stacklevel=3)
+        warn(f"saved rank{'s' if many else ''} {', '.join(map(str, skipped))} of {_layout_str(manifest)} "
+             f"hold{'' if many else 's'} per-rank state {_some(dropped)} that no rank of {target} "
+             f"loads (rank r takes saved rank r % {world}'s); load with the saved layout and rank= to get "
+             f"it")
     for i in sharded.partial:          # padding rows and ZeRO tail padding load as zeros
         records[i].tensor.zero_()
     read_pieces_to(store, manifest, sharded.pieces, stats)
@@ -385,10 +384,9 @@ def _warn_fused_changes(given: Rules, saved: Rules | None, manifest: Manifest, t
         elif cut and isinstance(mine, Fused) != isinstance(theirs, Fused):
             changed.append(f"{param} ({_spec_str(theirs)} saved, {_spec_str(mine)} given)")
     if changed:
-        warnings.warn(f"the rules cut fused tensors into other parts than the version's rules: "
-                      f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; each rank gets other "
-                      f"slices than the model that saved them held; load without rules to use the saved ones",
-                      stacklevel=3)
+        warn(f"the rules cut fused tensors into other parts than the version's rules: "
+             f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; each rank gets other "
+             f"slices than the model that saved them held; load without rules to use the saved ones")
 
 
 def _spec_str(spec: Any) -> str:

@@ -45,7 +45,6 @@ import queue
 import shutil
 import threading
 import time
-import warnings
 import weakref
 from typing import Any
 
@@ -83,6 +82,7 @@ from ckptrepo.errors import (
     SnapshotFailedError,
     StorageError,
     first_line,
+    warn,
 )
 from ckptrepo.maintenance._gc import RetentionPolicy, VersionFacts
 from ckptrepo.parallel._distributed import all_gather, assign_writers, process_group_rank
@@ -656,10 +656,10 @@ class Snapshotter:
         assert self._pusher is not None and self._pusher.max_bytes is not None
         what = "waits for the push" if self.on_full == "wait" else "is skipped"
         at = "" if step is None else f" at step {step}"
-        warnings.warn(f"ckptrepo: the local tier holds {_size(unpushed)} not pushed to {self.push_to!r} yet; the "
-                      f"snapshot{at} ({_size(nbytes)}) would pass local_max_bytes={_size(self._pusher.max_bytes)}, "
-                      f"so it {what} (on_full={self.on_full!r}); the remote is slower than the snapshots: "
-                      f"snapshot less often or raise local_max_bytes", BackpressureWarning, stacklevel=4)
+        warn(f"ckptrepo: the local tier holds {_size(unpushed)} not pushed to {self.push_to!r} yet; the "
+             f"snapshot{at} ({_size(nbytes)}) would pass local_max_bytes={_size(self._pusher.max_bytes)}, "
+             f"so it {what} (on_full={self.on_full!r}); the remote is slower than the snapshots: "
+             f"snapshot less often or raise local_max_bytes", BackpressureWarning)
 
     def _skipped(self, step: int | None, t0: float) -> SnapshotHandle:
         """The handle of a snapshot not taken (``on_full="skip"``): done at once, ``skipped`` set."""
