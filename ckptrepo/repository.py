@@ -43,21 +43,18 @@ from ckptrepo.core._remotes import add_remote, check_remote_name, remotes, remov
 from ckptrepo.core._whereabouts import version_durability
 from ckptrepo.core.schema import ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
-    ArgumentError,
     CkptRepoError,
     LayoutError,
     RevisionError,
     SnapshotFailedError,
-    StateMismatchError,
-    first_line,
 )
+from ckptrepo.loading._targets import check_into, load_device
 from ckptrepo.remotes._remote import REPOSITORY_ID
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage import Store, open_store
 from ckptrepo.storage._arrays import check_compression, itemsize
 
 if TYPE_CHECKING:
-    import torch
 
     from ckptrepo.loading._engine import ReadStats
     from ckptrepo.maintenance._fsck import FsckReport
@@ -87,20 +84,6 @@ def _layout(layout: Any) -> None:
     from ckptrepo.parallel.layout import ParallelLayout
     if layout is not None and not isinstance(layout, ParallelLayout):
         raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not {shown(layout)}")
-
-
-def _into(into: Any) -> None:
-    """``load(into=...)`` takes the state to fill in place; a value that cannot hold one is refused, where it was
-    ignored (the load returned a new state and the caller's was left as it was)."""
-    import numpy as np
-    import torch
-
-    from ckptrepo.state._providers import is_stateful
-    if into is None or isinstance(into, (dict, list, tuple, torch.Tensor, np.ndarray, np.random.Generator)) \
-            or is_stateful(into):
-        return
-    raise StateMismatchError(f"into= takes the state to fill in place (a dict, list, module, optimizer or tensor), "
-                             f"not {shown(into)}; leave it out to get a new state")
 
 
 def init(url: str | os.PathLike[str], exist_ok: bool = False, options: dict[str, Any] | None = None,
@@ -140,28 +123,6 @@ def open(url: str | os.PathLike[str], options: dict[str, Any] | None = None  # n
          ) -> "Repository":
     """Open the repository at ``url`` (a path, ``pathlib.Path`` or URL); NotARepositoryError when there is none."""
     return Repository(open_store(repo_url(url), options))
-
-
-def load_device(spec: Any) -> "torch.device | None":
-    """The device a load puts fresh tensors on (``None``: where they are read, the CPU), checked before any read.
-
-    Why here: torch only complains at the first ``.to()``, after the reads, and on a CPU-only build
-    with an ``AssertionError`` ("Torch not compiled with CUDA enabled").
-    """
-    if spec is None:
-        return None
-    import torch
-    try:
-        dev = torch.device(spec)
-    except (TypeError, RuntimeError, ValueError):
-        raise ArgumentError(f"device {spec!r} is not a device; pass 'cpu', 'cuda', 'cuda:1' or a torch.device "
-                         f"(a map_location dict or function is not supported)") from None
-    try:
-        torch.empty(0, device=dev)
-    except (AssertionError, RuntimeError) as e:
-        raise ArgumentError(f"cannot load onto device {str(dev)!r} in this process ({first_line(e)}); "
-                         f"load with device='cpu' or pick an available device") from None
-    return dev
 
 
 def load(url: str | os.PathLike[str], rev: str = "HEAD", parallel_layout: "ParallelLayout | None" = None,
@@ -301,7 +262,7 @@ class Repository:
 
         from ckptrepo.loading._version_load import load_version
         check_rev(rev)
-        _into(into)
+        check_into(into)
         _layout(parallel_layout)
         check_callback(on_bytes, "on_bytes")
         target = load_device(device if device is not None else map_location)
@@ -337,20 +298,7 @@ class Repository:
         """Move HEAD to ``rev``: onto a branch if ``rev`` is one, else detached; ``branch`` creates one there."""
         if branch is not None:
             check_ref_type(branch, "branch")
-        refs = self._plumbing.refs
-        head = refs.head(for_update=True)
-        vid = self.resolve(rev)
-        rev = rev.strip()   # as resolve() reads it: " main" resolved to main's tip, then detached there
-        if branch is not None:
-            refs.create_branch(branch, vid)
-            refs.set_head(branch, None, head.generation)
-        elif rev == "HEAD" and head.branch is not None:
-            pass   # already there, on its branch: git's `checkout HEAD` is a no-op, not a detach
-        elif refs.branch_tip(rev) is not None:
-            refs.set_head(rev, None, head.generation)
-        else:
-            refs.set_head(None, vid, head.generation)
-        return self.version(vid)
+        return self.version(self._plumbing.refs.checkout(rev, branch, self.resolve))
 
     def checkout_orphan(self, name: str) -> None:
         """``git checkout --orphan NAME``: put HEAD on a new branch ``name`` that has no versions yet; the next

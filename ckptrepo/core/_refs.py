@@ -338,6 +338,23 @@ class Refs:
         self._remove_empty_folders(key)
         return value
 
+    def checkout(self, rev: str, branch: str | None, resolve: Callable[[str], str]) -> str:
+        """Move HEAD to the version ``rev`` names (``resolve``): onto a branch if ``rev`` is one, else detached;
+        ``branch`` creates one there. Returns that version. HEAD is read first, and moved only if unchanged."""
+        head = self.head(for_update=True)
+        vid = resolve(rev)
+        rev = rev.strip()   # as resolve() reads it: " main" resolved to main's tip, then detached there
+        if branch is not None:
+            self.create_branch(branch, vid)
+            self.set_head(branch, None, head.generation)
+        elif rev == "HEAD" and head.branch is not None:
+            pass   # already there, on its branch: git's `checkout HEAD` is a no-op, not a detach
+        elif self.branch_tip(rev) is not None:
+            self.set_head(rev, None, head.generation)
+        else:
+            self.set_head(None, vid, head.generation)
+        return vid
+
     def delete_branch(self, name: str, force: bool, parents: Callable[[str], Sequence[str]]) -> str:
         """Delete branch ``name`` (``git branch -d``; ``force``: ``-D``); returns the version it pointed at.
 
