@@ -81,8 +81,10 @@ class Model:
         return [v for v in self.versions if v not in self.collected]
 
     def at_step(self, step: int) -> str | None:
-        """The newest version with ``step`` on HEAD's first-parent chain (what ``@STEP`` names)."""
-        return next((v for v in self.chain(self.head()) if self.versions[v].step == step), None)
+        """What ``@STEP`` names: the newest version with ``step`` on HEAD's first-parent chain that gc did not
+        prune, else the newest with it."""
+        matches = [v for v in self.chain(self.head()) if self.versions[v].step == step]
+        return next((v for v in matches if v not in self.pruned), matches[0] if matches else None)
 
     def names_for(self, vid: str) -> list[str]:
         """Revision strings that must resolve to ``vid``, in many forms."""
