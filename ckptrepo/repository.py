@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from ckptrepo.tools._bisect import BisectResult
     from ckptrepo.tools._inspect import VersionDiff
     from ckptrepo.tools._recorded import TensorStats
+    from ckptrepo.tools._status import RepoStatus
     from ckptrepo.tools._trajectory import StatMatrix, TrajectoryPoint
 
 DEFAULT_BRANCH = "main"
@@ -858,6 +859,56 @@ class Repository:
         """Fetch ``remote``, then fast-forward the current branch to its branch of the same name."""
         from ckptrepo.remotes._sync import pull
         return pull(self._plumbing, check_remote_name(remote), lazy=lazy, progress=progress)
+
+    # --- porcelain for the CLI (issue 40) ---
+    # What the command line asks of a repository beyond the commands above, so that it never reaches into
+    # ``plumbing`` (not a stable API) nor into a subpackage's private modules.
+    @property
+    def local_root(self) -> str | None:
+        """The folder of a local repository, None for an object store: no output file may go inside it (it
+        could replace HEAD or a ref)."""
+        return self._plumbing.store.capabilities.local_root
+
+    def head_version(self) -> str | None:
+        """HEAD's version id; None on a branch without versions (a new repository, an orphan checkout)."""
+        return self._plumbing.head_version()
+
+    def version_count(self) -> int:
+        """The number of version manifests in storage, reachable or not."""
+        return len(self._plumbing.all_version_ids())
+
+    def status(self) -> "RepoStatus":
+        """Where HEAD is, the snapshots in flight or abandoned, and the failed ones (``ckptrepo status``);
+        damage to HEAD is reported in it, not raised."""
+        from ckptrepo.tools._status import repo_status
+        return repo_status(self._plumbing)
+
+    def revision_names(self, incomplete: str = "") -> list[str]:
+        """What a revision starting with ``incomplete`` may be (shell completion): HEAD, branches, tags, and
+        short ids once ``incomplete`` is a hex prefix long enough to name one."""
+        from ckptrepo.tools._status import revision_names
+        return revision_names(self._plumbing, incomplete)
+
+    def tracking_refs(self) -> dict[str, str]:
+        """Remote-tracking refs (``origin/main``) -> the version each records, as the last fetch or push left
+        them; a damaged one is left out."""
+        return tracking_refs(self._plumbing.store)
+
+    def repair_lost(self) -> list[str]:
+        """Mark the versions whose manifest a gc collected while a ref came to name them lost, tag what may
+        have preceded each and move a branch that names one back (``fsck --repair``); deletes nothing.
+        One line per thing done; running it again does nothing more."""
+        from ckptrepo.maintenance._lost import repair_lost
+        return repair_lost(self._plumbing)
+
+    @staticmethod
+    def repair_config(url: str | os.PathLike[str]) -> list[str]:
+        """Rebuild a damaged or missing ``ckptrepo.json`` of the repository at ``url`` from what it holds
+        (``fsck --repair-config``), one line per thing done; done on the store, as a repository whose config
+        is damaged cannot be opened. An intact config is left as it is."""
+        from ckptrepo.core._manifest import repair_config
+        return repair_config(open_store(repo_url(url)))
+    # --- end porcelain for the CLI ---
 
 
 __all__ = ["DEFAULT_BRANCH", "Repository", "VersionDetails", "clone", "init", "load", "load_device", "open"]
