@@ -258,5 +258,5 @@ def diff(repo: Repository, rev: str, against: str | None) -> dict[str, Any]:
     v = repo.version(rev)
     if against is None and not v.parents:
         return {"a": None, "b": v.id, "root": True, "tensors": [], "objects": [], "prefixes": []}
-    d = repo.diff(against if against is not None else v.parents[0], v.id)
+    d = repo.diff(v.id) if against is None else repo.diff(against, v.id)
     return finite(dict(d.to_json(), root=False, prefixes=d.by_prefix()))
