@@ -63,7 +63,7 @@ def diff(ctx: click.Context, a: str, b: str | None, against_parent: bool, patter
         rows = [t.to_json() for t in d.tensors if not (only_changed and t.status == "unchanged")]
         out.print_table(title, ("tensor", "status", "||B-A||", "rel. change", "max |B-A|", "cosine"),
                         ((t["name"], t["status"], out.num(t["l2"]), out.num(t["relative"]), out.num(t["max_abs"]),
-                          out.num(t["cosine"])) for t in sorted(rows, key=key)))
+                          out.num(t["cosine"])) for t in sorted(rows, key=key)), whole_names=True)
         print_objects(d)
 
 

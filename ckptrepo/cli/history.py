@@ -71,11 +71,12 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
     if not versions and not failures:
         click.echo("no versions match --since/--until" if since is not None or until is not None else "no versions yet")
     durable = bool(repo.remotes()) or any(v.remotes or (not v.local and not v.pruned) for v in versions)
+    tracking = _tracking_names(repo)
     for row in graph_rows(versions) if graph else [GraphRow("", v) for v in versions]:
         if row.version is None:   # a line that only connects columns
             out.echo_fit(row.prefix)
             continue
-        _print_log_line(row.prefix, row.version, oneline, durable)
+        _print_log_line(row.prefix, row.version, oneline, durable, tracking.get(row.version.id, ()))
         if with_stats:
             out.echo_fit("    " + _capture_stats_line(stats[row.version.id]))
         if patch:
@@ -87,21 +88,48 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
         out.print_marked(line, 0, 6 if line.startswith("FAILED") else 0, "red")
 
 
-def _print_log_line(prefix: str, v: ckptrepo.Version, oneline: bool, durable: bool = False) -> None:
+def _tracking_names(repo: ckptrepo.Repository) -> dict[str, tuple[str, ...]]:
+    """Version id -> the remote-tracking refs (``origin/main``) that name it, in name order."""
+    names: dict[str, list[str]] = {}
+    for name, vid in sorted(repo.tracking_refs().items(), key=lambda kv: natural_key(kv[0])):
+        names.setdefault(vid, []).append(name)
+    return {vid: tuple(n) for vid, n in names.items()}
+
+
+def decorations(v: ckptrepo.Version, tracking: tuple[str, ...]) -> list[str]:
+    """The names shown beside a version, in git's order: HEAD and branches, then remote-tracking refs, then
+    tags (``HEAD -> main, origin/main, tag: v1``)."""
+    refs = list(v.refs)
+    at = next((i for i, r in enumerate(refs) if r.startswith("tag: ")), len(refs))
+    return refs[:at] + list(tracking) + refs[at:]
+
+
+def _print_log_line(prefix: str, v: ckptrepo.Version, oneline: bool, durable: bool = False,
+                    tracking: tuple[str, ...] = ()) -> None:
     """One version as ``log`` prints it, cut to the width: the id (coloured on a terminal), its refs, where it
-    is durable (``durable``: in a repository with remotes), then ``--oneline``: the step and the message's first
-    line; otherwise also the time, the size and the metrics. What comes from the repository is shown as text,
+    is durable (``durable``: in a repository with remotes), then ``--oneline``: the step, ``pruned`` for a
+    version whose data gc deleted, and the message's first line; otherwise also the time, the size and the
+    metrics. Where the line is too wide, the time is shortened (to the minute, then without the year, then left
+    out) before anything is cut, so that the metrics stay. What comes from the repository is shown as text,
     never as markup or terminal codes."""
-    refs = f" ({', '.join(v.refs)})" if v.refs else ""
+    names = decorations(v, tracking)
+    refs = f" ({', '.join(names)})" if names else ""
     if durable:
         refs += f" {out.durability(v)}"
+    width = out.width()
     if oneline:
-        rest = f"{refs} {out.step(v)}  {out.first_line(v.message)}"
+        pruned = "  pruned" if v.pruned else ""
+        line = prefix + v.short_id + f"{refs} {out.step(v)}{pruned}  {out.first_line(v.message)}"
     else:
         size = "pruned" if v.pruned else out.size(v.size)
-        rest = (f"{refs}  {out.step(v)}  {out.when(v.time)}  {size}  {out.metrics_text(v.metrics)}  "
-                f"{out.first_line(v.message)}")
-    plain = fit(out.printable(prefix + v.short_id + rest).rstrip(), out.width())
+        minute = out.when(v.time, seconds=False)
+        times = [out.when(v.time)] + ([minute, minute[5:]] if minute[:1].isdigit() else []) + [""]
+        for when in times:
+            line = (prefix + v.short_id + f"{refs}  {out.step(v)}  {when + '  ' if when else ''}{size}  "
+                    f"{out.metrics_text(v.metrics)}  {out.first_line(v.message)}")
+            if width is None or len(out.printable(line).rstrip()) - len(out.first_line(v.message)) <= width:
+                break
+    plain = fit(out.printable(line).rstrip(), width)
     start, end = len(out.printable(prefix)), len(out.printable(prefix)) + len(v.short_id)
     if plain[start:end] != v.short_id:   # a width too narrow for the id: no colour
         start = end = 0
@@ -172,8 +200,9 @@ def show(ctx: click.Context, rev: str, with_stat: bool, as_json: bool) -> None:
         return
     width = out.width()
     click.echo(f"version {v.id}")
-    if v.refs:
-        out.echo_fit(out.printable(f"refs    {', '.join(v.refs)}"))
+    names = decorations(v, _tracking_names(repo).get(v.id, ()))
+    if names:
+        out.echo_fit(out.printable(f"refs    {', '.join(names)}"))
     out.echo_fit(f"parents {' '.join(v.parents) or '-'}")
     size = "pruned: gc deleted its data (the tensors below are what was saved)" if v.pruned else out.size(v.size)
     click.echo(f"step    {v.step if v.step is not None else '-'}\ntime    {out.when(v.time)}")
@@ -210,7 +239,7 @@ def print_stat(d: Any, title: str, depth: int = 2, sort_by: str = "name") -> Non
     """A diff's summary per module prefix (``show --stat``, ``diff --stat``), then its objects."""
     out.print_table(title, ("prefix", "tensors", "changed", "||B-A||", "rel. change"),
                     ((g["prefix"], str(g["tensors"]), str(g["changed"]), out.num(g["l2"]), out.num(g["relative"]))
-                     for g in diff_stat(d, depth, sort_by)))
+                     for g in diff_stat(d, depth, sort_by)), whole_names=True)
     print_objects(d)
 
 

@@ -10,6 +10,8 @@ TensorStore or rich: tests/integration/test_startup.py holds ``log`` to that.
 """
 from __future__ import annotations
 
+import io
+import os
 import sys
 
 import click
@@ -22,7 +24,20 @@ from ckptrepo.cli.data import TENSOR_METRICS
 from ckptrepo.errors import CkptRepoError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _ReaderLeft(Exception):
+    """stdout's reader went away mid-command; not an OSError, so that click's own EPIPE handling (exit 1) passes
+    it by to ``main``."""
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            raise _ReaderLeft() from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--repo", "url", envvar="CKPTREPO_REPO", default=".", show_default="$CKPTREPO_REPO or .",
               help="Repository URL: a path, file://, memory://, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX.")
 @click.version_option(ckptrepo.__version__, prog_name="ckptrepo")
@@ -64,6 +79,9 @@ def main() -> None:
     try:
         # named, not guessed from how Python was started: completion reads _CKPTREPO_COMPLETE under any launcher
         cli.main(standalone_mode=False, prog_name="ckptrepo")
+        sys.stdout.flush()   # here, where a closed pipe is caught, not in the interpreter's exit
+    except (BrokenPipeError, _ReaderLeft):
+        _reader_left()
     except click.exceptions.Abort:
         out.err_console().print("aborted")
         sys.exit(130)
@@ -77,6 +95,18 @@ def main() -> None:
             raise
         errors.report(e)
         sys.exit(2)
+
+
+def _reader_left() -> None:
+    """The reader of stdout went away (``ckptrepo log | head -1``): stop quietly with status 0, as git does
+    for a pager or ``head``, with nothing on stderr. stdout is pointed at the null device first, so that the
+    interpreter's own flush at exit finds no closed pipe to complain about."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):   # a stream with no descriptor (tests run in-process)
+        pass
+    sys.exit(0)
 
 
 __all__ = ["TENSOR_METRICS", "cli", "main"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -89,16 +90,27 @@ def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_b
     if as_json:
         out.emit_json(r.to_json())
         return
-    if dry_run:   # what would go, one line each, so that a gc can be checked before it deletes anything
-        for what, vids in (("prune", r.pruned), ("collect", r.collected), ("delete leftover data of", r.orphan_data)):
-            for vid in vids:
-                click.echo(f"would {what} {vid[:12]}")
+    if dry_run:   # what would go, oldest first, one line each, so that a gc can be checked before it deletes
+        _print_doomed(r)
     verb = "would free" if dry_run else "freed"
     click.echo(f"kept {len(r.kept)} versions, pruned {len(r.pruned)}, collected {len(r.collected)} unreachable and "
                f"{len(r.orphan_data)} leftover data sets; {verb} {out.size(r.stored_bytes_freed)} "
                f"({out.size(r.bytes_freed)} of tensors)"
                + (f"; {len(r.too_young)} unreferenced objects are younger than the grace period"
                   if r.too_young else ""))
+
+
+def _print_doomed(r: Any) -> None:
+    """``gc --dry-run``'s list: what would be pruned, collected or deleted as leftover data, oldest first, each
+    with its step, time and the stored bytes it would free."""
+    what = {**{v: "prune" for v in r.pruned}, **{v: "collect" for v in r.collected},
+            **{v: "delete leftover data of" for v in r.orphan_data}}
+    order = list(r.details) + [v for v in what if v not in r.details]
+    for vid in order:
+        d = r.details.get(vid, {})
+        when = "-" if d.get("time") is None else out.when(d["time"], seconds=False)
+        out.echo_fit(f"would {what[vid]} {vid[:12]}  {out.step_of(d.get('step')):<12}  {when:<16}  "
+                     f"{out.size(d.get('stored_bytes', 0)):>10}".rstrip())
 
 
 @click.command()
