@@ -13,7 +13,7 @@
   const ABSENT = "#e6e8eb";
   const NO_FINITE = "#ff2d55";   // a tensor present with not one finite value: the server sends "nan"
 
-  const state = {info: null, rev: "HEAD", stat: null, pattern: "*", scale: "log", selected: null,
+  const state = {info: null, rev: "HEAD", stat: null, pattern: "*", scale: "log", nonfloat: false, selected: null,
                  graph: null, metrics: null, heatmap: null, charts: [], drawn: null, detailToken: 0};
 
   // ---- small helpers --------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@
     box.append(el("div", {class: "error"}, err.message));
   }
 
-  // ---- the URL's hash: #v=<version>&rev=&stat=&pattern=&scale= --------------------------------------------
+  // ---- the URL's hash: #v=<version>&rev=&stat=&pattern=&scale=&nonfloat= ----------------------------------
   function hashParams() { return new URLSearchParams(location.hash.replace(/^#/, "")); }
 
   function writeHash(changes, addToHistory) {
@@ -484,7 +484,7 @@
     if (state.heatmap) renderHeatmap();
     const box = $("detail");
     const [info, diff] = await Promise.allSettled([api(`api/version/${encodeURIComponent(id)}`),
-                                                   api(`api/diff/${encodeURIComponent(id)}`)]);
+                                                   api(`api/diff/${encodeURIComponent(id)}${nonfloatQuery("?")}`)]);
     if (token !== state.detailToken) return;   // another version was chosen meanwhile
     box.className = "";
     if (info.status === "rejected") {
@@ -544,7 +544,7 @@
     const cols = Math.max(20, Math.min(400, Math.floor(((box.clientWidth || 800) - 120) / 2)));
     try {
       state.heatmap = await api(`api/heatmap?rev=${encodeURIComponent(state.rev)}&stat=${encodeURIComponent(state.stat)}` +
-                                `&pattern=${encodeURIComponent(state.pattern)}&max_versions=${cols}`);
+                                `&pattern=${encodeURIComponent(state.pattern)}&max_versions=${cols}${nonfloatQuery("&")}`);
       renderHeatmap();
     } catch (e) { state.heatmap = null; failed(box, e); throw e; }
   }
@@ -555,11 +555,16 @@
     state.stat = p.get("stat") || state.stat || (state.info && state.info.stats.includes("absmax") ? "absmax" : "norm");
     state.pattern = p.get("pattern") || state.pattern;
     state.scale = p.get("scale") || state.scale;
+    state.nonfloat = p.get("nonfloat") === "1";
     $("rev").value = state.rev;
     $("stat").value = state.stat;
     $("pattern").value = state.pattern;
     $("scale").value = state.scale;
+    $("nonfloat").checked = state.nonfloat;
   }
+
+  // non-float tensors and step counters are left out of the numbers unless asked for (docs/ui.md)
+  function nonfloatQuery(sep) { return state.nonfloat ? `${sep}nonfloat=1` : ""; }
 
   async function loadAll() {
     document.body.dataset.state = "loading";
@@ -590,14 +595,15 @@
 
   function onHashChange() {
     const p = hashParams();
-    const before = [state.rev, state.stat, state.pattern, state.scale];
+    const before = [state.rev, state.stat, state.pattern, state.scale, state.nonfloat];
     readHashSettings();
-    const after = [state.rev, state.stat, state.pattern, state.scale];
+    const after = [state.rev, state.stat, state.pattern, state.scale, state.nonfloat];
     if (before[0] !== after[0]) loadMetrics().catch(() => {});
-    if (before[0] !== after[0] || before[1] !== after[1] || before[2] !== after[2]) loadHeatmap().catch(() => {});
-    else if (before[3] !== after[3] && state.heatmap) renderHeatmap();
+    if (before[0] !== after[0] || before[1] !== after[1] || before[2] !== after[2] || before[4] !== after[4]) {
+      loadHeatmap().catch(() => {});
+    } else if (before[3] !== after[3] && state.heatmap) renderHeatmap();
     const v = p.get("v");
-    if (v && v !== state.selected) showDetail(v);
+    if (v && (v !== state.selected || before[4] !== after[4])) showDetail(v);
   }
 
   function moveSelection(delta) {
@@ -625,6 +631,7 @@
     });
     $("stat").addEventListener("change", () => $("heatmap-controls").requestSubmit());
     $("scale").addEventListener("change", () => { writeHash({scale: $("scale").value}, false); onHashChange(); });
+    $("nonfloat").addEventListener("change", () => { writeHash({nonfloat: $("nonfloat").checked ? "1" : null}, false); onHashChange(); });
     window.addEventListener("hashchange", onHashChange);
     let resize = null;
     window.addEventListener("resize", () => {
