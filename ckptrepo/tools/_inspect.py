@@ -7,7 +7,7 @@ read exactly its bytes through the read engine (verified ``preadv`` into a
 buffer the worker keeps, or TensorStore) and reduce them, ``BLOCK_ELEMS`` at a
 time, to a *partial*: the moments of those elements for ``stats``, the norms,
 dot product and largest difference for ``diff``. Partials are merged in element
-order, pairwise (Chan et al. for mean and spread), so a result does not depend
+order, pairwise (Chan et al. for mean and spread, core/_moments.py), so a result does not depend
 on which thread finished first. Memory is the workers' buffers: a few
 ``CHUNK_BYTES`` each, whatever the checkpoint size.
 
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ckptrepo.core._boxes import flat_boxes, volume
+from ckptrepo.core._moments import merge_moments
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core.schema import Manifest, TensorEntry
 from ckptrepo.loading._engine import Engine, Read
@@ -93,17 +94,10 @@ class _Moments:
 
 
 def _merge_moments(p: _Moments, q: _Moments) -> _Moments:
-    """Chan et al.'s pairwise update, with the spread kept as a root of sums of squares."""
-    out = _Moments(p.count + q.count, nan=p.nan + q.nan, inf=p.inf + q.inf, lo=min(p.lo, q.lo), hi=max(p.hi, q.hi))
-    if not p.count or not q.count:
-        one = p if p.count else q
-        out.mean, out.dev, out.norm = one.mean, one.dev, one.norm
-        return out
-    delta = q.mean - p.mean
-    out.mean = p.mean + delta * q.count / out.count
-    out.dev = math.hypot(p.dev, q.dev, abs(delta) * math.sqrt(p.count * q.count / out.count))
-    out.norm = math.hypot(p.norm, q.norm)
-    return out
+    """Two runs' moments together: count, mean and spread as core/_moments.py merges them, norms as a hypot."""
+    count, mean, dev = merge_moments(p.count, p.mean, p.dev, q.count, q.mean, q.dev)
+    norm = p.norm if not q.count else q.norm if not p.count else math.hypot(p.norm, q.norm)
+    return _Moments(count, mean, dev, norm, min(p.lo, q.lo), max(p.hi, q.hi), p.nan + q.nan, p.inf + q.inf)
 
 
 @dataclass
