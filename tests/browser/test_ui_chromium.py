@@ -138,16 +138,15 @@ class DevTools:
     def __init__(self, tmp_path: Path) -> None:
         to_chrome, self._w = os.pipe()
         self._r, from_chrome = os.pipe()
-
-        def fds() -> None:   # in the child: the pipe ends at the fds Chromium expects
-            os.dup2(to_chrome, 3)
-            os.dup2(from_chrome, 4)
-
         flags = [f for f in FLAGS if not f.startswith("--virtual-time-budget")]
-        self.proc = subprocess.Popen([CHROMIUM, *flags, "--remote-debugging-pipe",
-                                      f"--user-data-dir={tmp_path / 'profile-devtools'}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=fds,
-                                     pass_fds=(3, 4))   # kept open: the fds are closed after preexec_fn
+        # bash moves the pipe ends to the fds Chromium expects (no preexec_fn: the server's thread runs; and
+        # dash takes only one-digit fds)
+        move = f'exec "$0" "$@" 3<&{to_chrome} 4>&{from_chrome} {to_chrome}<&- {from_chrome}>&-'
+        self.proc = subprocess.Popen([shutil.which("bash") or "bash", "-c", move, CHROMIUM, *flags,
+                                      "--remote-debugging-pipe", f"--user-data-dir={tmp_path / 'profile-devtools'}",
+                                      "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     pass_fds=(to_chrome, from_chrome))
         os.close(to_chrome)
         os.close(from_chrome)
         self._buf = b""
