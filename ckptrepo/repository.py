@@ -615,9 +615,11 @@ class Repository:
                               tensors, [(p, short_text(v, 80)) for p, v in plain_values(m.tree, summarize_after=8)])
 
     def diff(self, a: str, b: str | None = None, pattern: str | None = None,
-             on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
+             on_bytes: Callable[[int], None] | None = None, include_nonfloat: bool = False) -> VersionDiff:
         """Per tensor: changed or not, ||B-A||, ||B-A||/||A||, max |B-A|, cosine; objects: what changed.
         Without ``b``, version ``a`` against its first parent (as ``git show`` does): the parent is A then.
+        Non-float tensors and step counters (RNG states, integer buffers) are listed changed or unchanged
+        with their numbers NaN, unless ``include_nonfloat`` (see ckptrepo.tools._numeric).
 
         Only the tensors ``pattern`` matches are read, on every core, in bounded memory; see
         ckptrepo.tools._inspect.
@@ -633,7 +635,8 @@ class Repository:
         _rev(b)
         _pattern(pattern)
         _callback(on_bytes, "on_bytes")
-        return diff_versions(self._plumbing, a, b, pattern, on_bytes)
+        _flag(include_nonfloat, "include_nonfloat")
+        return diff_versions(self._plumbing, a, b, pattern, on_bytes, include_nonfloat)
 
     def stats(self, rev: str = "HEAD", pattern: str | None = None,
               on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
@@ -653,30 +656,34 @@ class Repository:
         return tensor_stats(self._plumbing, vid, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
-                   until: int | None = None) -> list[TrajectoryPoint]:
+                   until: int | None = None, include_nonfloat: bool = False) -> list[TrajectoryPoint]:
         """A statistic (``METRICS`` of tools/_trajectory.py: norm, mean, std, min, max, absmax, nan, inf, delta,
-        relative-change) of tensors matching ``pattern`` over the first-parent history of ``rev``, oldest first."""
+        relative-change) of tensors matching ``pattern`` over the first-parent history of ``rev``, oldest first;
+        non-float tensors and step counters only with ``include_nonfloat``."""
         from ckptrepo.tools._trajectory import trajectory
         _pattern(pattern, required=True)
         _rev(rev)
         _whole(since, "since")
         _whole(until, "until")
-        return trajectory(self._plumbing, pattern, metric, rev, since, until)
+        _flag(include_nonfloat, "include_nonfloat")
+        return trajectory(self._plumbing, pattern, metric, rev, since, until, include_nonfloat)
 
     def stat_matrix(self, pattern: str | None = None, stat: str = "norm", rev: str = "HEAD",
                     since: int | None = None, until: int | None = None,
-                    max_versions: int | None = None) -> StatMatrix:
+                    max_versions: int | None = None, include_nonfloat: bool = False) -> StatMatrix:
         """``stat`` of tensors matching ``pattern`` (all: None) over the first-parent history of ``rev``, as a
         tensors x versions matrix; ``max_versions`` samples the history evenly (the newest kept) and reads only
-        the sampled versions. See ckptrepo.tools._trajectory.StatMatrix."""
+        the sampled versions; non-float tensors and step counters only with ``include_nonfloat``. See
+        ckptrepo.tools._trajectory.StatMatrix."""
         from ckptrepo.tools._trajectory import stat_matrix
         _pattern(pattern)
         _rev(rev)
         _whole(since, "since")
         _whole(until, "until")
+        _flag(include_nonfloat, "include_nonfloat")
         if max_versions is not None and (type(max_versions) is not int or max_versions < 1):
             raise ArgumentError(f"max_versions must be a positive int or None, not {max_versions!r}")
-        return stat_matrix(self._plumbing, pattern, stat, rev, since, until, max_versions)
+        return stat_matrix(self._plumbing, pattern, stat, rev, since, until, max_versions, include_nonfloat)
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
@@ -696,12 +703,13 @@ class Repository:
 
     def bisect(self, when: str | None = None, metric: str | None = None, tensor: str | None = None,
                stat: str = "norm", nonfinite: bool = False, rev: str = "HEAD", since: int | None = None,
-               until: int | None = None) -> BisectResult | None:
+               until: int | None = None, include_nonfloat: bool = False) -> BisectResult | None:
         """The first version, oldest first along the first-parent history of ``rev`` (steps in [since, until]),
         where a recorded ``metric``, or the statistic ``stat`` of a tensor matching the glob ``tensor``, meets
         the condition ``when`` ("rises above 3.0", "> 100", "changes by more than 50%": see
         ckptrepo.tools._bisect); ``nonfinite``: the first version where a tensor (matching ``tensor``, default
-        all) holds a NaN or an Inf. None when no version matches.
+        all) holds a NaN or an Inf. None when no version matches. Tensors are non-float ones and step counters
+        too only with ``include_nonfloat``.
 
         Answered from headers and capture-time statistics by a linear scan, which finds the exact first match
         of any condition; a binary search would need a condition that stays true once true (see _bisect).
@@ -710,6 +718,7 @@ class Repository:
         _rev(rev)
         _pattern(tensor)
         _flag(nonfinite, "nonfinite")
+        _flag(include_nonfloat, "include_nonfloat")
         _whole(since, "since")
         _whole(until, "until")
         if nonfinite:
@@ -717,8 +726,8 @@ class Repository:
                 raise ArgumentError("nonfinite=True takes no condition and no metric: it looks for NaN and Inf "
                                     "elements of tensors (narrow them with tensor=GLOB)")
             pattern = tensor or "*"
-            nan = self._bisect_matrix(pattern, "nan", rev, since, until)
-            inf = self._bisect_matrix(pattern, "inf", rev, since, until)
+            nan = self._bisect_matrix(pattern, "nan", rev, since, until, include_nonfloat)
+            inf = self._bisect_matrix(pattern, "inf", rev, since, until, include_nonfloat)
             return _bisect.first_nonfinite(nan.versions, nan.steps, nan.names, nan.values, inf.values)
         if (metric is None) == (tensor is None):
             raise ArgumentError("bisect needs one of metric= (a recorded metric) or tensor= (a glob, with stat=), "
@@ -738,12 +747,13 @@ class Repository:
             raise ArgumentError("'is nan' is for metrics: a tensor statistic is NaN where the tensor is absent; "
                                 "find NaN elements with nonfinite=True (--nonfinite)")
         assert tensor is not None
-        m = self._bisect_matrix(tensor, stat, rev, since, until)
+        m = self._bisect_matrix(tensor, stat, rev, since, until, include_nonfloat)
         return _bisect.first_tensor_match(m.versions, m.steps, m.names, m.values, stat, cond)
 
-    def _bisect_matrix(self, pattern: str, stat: str, rev: str, since: int | None, until: int | None) -> StatMatrix:
+    def _bisect_matrix(self, pattern: str, stat: str, rev: str, since: int | None, until: int | None,
+                       include_nonfloat: bool) -> StatMatrix:
         """``stat_matrix`` of ``pattern``, refused in one line when no tensor matches."""
-        m = self.stat_matrix(pattern, stat, rev, since, until)
+        m = self.stat_matrix(pattern, stat, rev, since, until, include_nonfloat=include_nonfloat)
         if not m.names:
             where = " in the --since/--until range" if since is not None or until is not None else ""
             raise ArgumentError(f"no tensor matches {pattern!r} in the history of {rev}{where}; "
