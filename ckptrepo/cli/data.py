@@ -15,6 +15,11 @@ from ckptrepo.cli.history import print_objects, print_stat
 from ckptrepo.errors import ArgumentError, CkptRepoError, ExchangeError
 from ckptrepo.tools import keep_last, row_key
 
+_INCLUDE_NONFLOAT = click.option(
+    "--include-nonfloat", is_flag=True,
+    help="Also put numbers on non-float tensors and step counters (RNG states, integer buffers), which are left "
+         "out of the numeric views by default.")
+
 
 @click.command()
 @click.argument("a", shell_complete=complete_revision)
@@ -30,17 +35,18 @@ from ckptrepo.tools import keep_last, row_key
               help="Order of the rows: by name (numbers inside names by value: layers.2 before layers.10), or "
                    "largest first by relative change ||B-A||/||A|| or by ||B-A||.")
 @click.option("--only-changed", is_flag=True, help="Hide unchanged tensors.")
+@_INCLUDE_NONFLOAT
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def diff(ctx: click.Context, a: str, b: str | None, against_parent: bool, pattern: str | None, summary: bool,
-         depth: int, sort_by: str, only_changed: bool, as_json: bool) -> None:
+         depth: int, sort_by: str, only_changed: bool, include_nonfloat: bool, as_json: bool) -> None:
     """Compare version A with B tensor by tensor and object by object; without B (or with --against-parent),
     compare A's first parent with A, as git show does. Reads the tensors on every core, in bounded memory."""
     if b is not None and against_parent:
         # one line, as every ckptrepo error (click's usage errors print three)
         raise ArgumentError("give B or --against-parent, not both: --against-parent compares A with its parent")
     repo = open_repo(ctx)
-    d = repo.diff(a, b, pattern)
+    d = repo.diff(a, b, pattern, include_nonfloat=include_nonfloat)
     if b is None:
         a, b = d.a[:12], a   # the parent, then A
     if pattern is not None and not d.tensors:
@@ -151,10 +157,11 @@ def _write_png(path: str, draw: Any) -> None:
 @click.option("--png", "png_path", metavar="FILE", default=None,
               help="Also plot them to a PNG file (needs ckptrepo[plot]).")
 @click.option("--force", is_flag=True, help="Overwrite the --csv and --png files if they exist.")
+@_INCLUDE_NONFLOAT
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: int | None, until: int | None,
-               csv_path: str | None, png_path: str | None, force: bool, as_json: bool) -> None:
+               csv_path: str | None, png_path: str | None, force: bool, include_nonfloat: bool, as_json: bool) -> None:
     """A metric of the tensors matching PATTERN (a glob) across versions, with a terminal sparkline."""
     if png_path:
         tools.require_matplotlib()
@@ -163,7 +170,7 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
     csv_path = output_path(repo, csv_path, force, "the CSV")
     if png_path is not None and png_path == csv_path:
         raise ExchangeError(f"--csv and --png both name {png_path}; give them two paths")
-    points = repo.trajectory(pattern, metric, rev, since, until)
+    points = repo.trajectory(pattern, metric, rev, since, until, include_nonfloat=include_nonfloat)
     if not points and not as_json:
         raise CkptRepoError(f"no {metric} values: no tensor matches {pattern!r} in the versions of {rev}"
                             f"{' in the --since/--until range' if since is not None or until is not None else ''}"
@@ -201,10 +208,12 @@ def trajectory(ctx: click.Context, pattern: str, metric: str, rev: str, since: i
               help="Walk the first-parent history of this revision.")
 @click.option("--since", type=int, default=None, help="First step to include.")
 @click.option("--until", type=int, default=None, help="Last step to include.")
+@_INCLUDE_NONFLOAT
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def bisect(ctx: click.Context, metric: str | None, pattern: str | None, stat: str | None, condition: str | None,
-           nonfinite: bool, rev: str, since: int | None, until: int | None, as_json: bool) -> None:
+           nonfinite: bool, rev: str, since: int | None, until: int | None, include_nonfloat: bool,
+           as_json: bool) -> None:
     """The first version, oldest first along the history of --rev, where --metric or a --tensor statistic meets
     --when (or, with --nonfinite, that holds a NaN or an Inf), from the recorded metrics and capture-time
     statistics (the data of versions saved before those existed is read). Exit status 0 when one is found, 1 when
@@ -219,7 +228,8 @@ def bisect(ctx: click.Context, metric: str | None, pattern: str | None, stat: st
         if condition is None:
             raise click.UsageError("say what to look for with --when, e.g. --when 'rises above 3.0'")
     found = open_repo(ctx).bisect(condition, metric=metric, tensor=pattern, stat=stat or "norm", nonfinite=nonfinite,
-                                  rev=rev, since=since, until=until)
+                                  rev=rev, since=since, until=until,
+                                  include_nonfloat=include_nonfloat)
     if nonfinite:
         what = f"a tensor{'' if pattern is None else ' matching ' + repr(pattern)} holds NaN or Inf"
     else:

@@ -113,3 +113,24 @@ def test_the_page_leaves_them_out_of_the_heatmap_and_diff(repo):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_cli_flag_puts_numbers_back(repo):
+    from click.testing import CliRunner
+
+    from ckptrepo.cli.main import cli
+    root = repo.url
+
+    def rows(*extra: str) -> dict:
+        res = CliRunner().invoke(cli, ["--repo", root, "diff", "HEAD~1", "HEAD", "--json", *extra])
+        assert res.exit_code == 0, res.output
+        return {t["name"]: t for t in json.loads(res.output)["tensors"]}
+    assert rows()["rng/torch"]["l2"] is None
+    assert rows("--include-nonfloat")["rng/torch"]["l2"] > 0
+    res = CliRunner().invoke(cli, ["--repo", root, "trajectory", "rng/*", "--json"])
+    assert res.exit_code != 0 and "--include-nonfloat" in str(res.exception)
+    res = CliRunner().invoke(cli, ["--repo", root, "trajectory", "rng/*", "--json", "--include-nonfloat"])
+    assert res.exit_code == 0 and len(json.loads(res.output)) == 3
+    res = CliRunner().invoke(cli, ["--repo", root, "bisect", "--tensor", "step", "--stat", "max",
+                                   "--when", "rises above 1.5", "--include-nonfloat", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["step"] == 2, res.output
