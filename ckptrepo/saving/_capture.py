@@ -78,12 +78,11 @@ from ckptrepo.errors import (
     FormatVersionError,
     LayoutError,
     RefError,
-    RetentionError,
     SnapshotFailedError,
     StorageError,
     first_line,
 )
-from ckptrepo.maintenance._gc import RetentionPolicy, VersionFacts
+from ckptrepo.maintenance._gc import VersionFacts
 from ckptrepo.parallel._distributed import all_gather, assign_writers, process_group_rank
 from ckptrepo.parallel._replicas import fingerprints
 from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blocks
@@ -93,7 +92,8 @@ from ckptrepo.saving._dedup import DedupIndex, dedup_key, piece_id
 from ckptrepo.saving._device_copies import DeviceCopies
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change
 from ckptrepo.saving._gil import quick_gil_handoffs
-from ckptrepo.saving._host_memory import default_host_memory, parse_size
+from ckptrepo.saving._host_memory import default_host_memory
+from ckptrepo.saving._options import SnapshotterOptions
 from ckptrepo.saving._pusher import BackgroundPusher, check_push_target
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from ckptrepo.saving._tensor_stats import stat_feeds
@@ -124,42 +124,6 @@ from ckptrepo.storage._chunktable import chunk_crcs, write_table
 from ckptrepo.storage._localwrite import DirectWriter, LiveShard
 
 log = logging.getLogger("ckptrepo")
-
-
-def check_arguments(host_memory: Any, pin_memory: Any, parallel_layout: Any, commit_timeout_s: Any, dedup: Any,
-                    retention: Any, max_in_flight: Any, push_to: Any = None, local_keep_last: Any = None,
-                    local_max_bytes: Any = None, on_full: Any = "wait") -> tuple[int | None, int | None]:
-    """Refuse a snapshotter's arguments that cannot work, when it is made: found later, a bad one would fail
-    in a background thread, once per snapshot (a retention policy of the wrong type would make every commit's
-    gc pass fail, and ``close()`` report it as failed snapshots that were in fact committed). Returns the
-    staging bound ``host_memory`` names and the local tier's bound ``local_max_bytes`` names, in bytes (None:
-    the default)."""
-    if push_to is not None and not isinstance(push_to, str):
-        raise ArgumentError(f"push_to must be the name of a remote (text, e.g. 'origin') or None, not {push_to!r:.40}")
-    if local_keep_last is not None and (isinstance(local_keep_last, bool) or not isinstance(local_keep_last, int)
-                                        or local_keep_last < 1):
-        raise ArgumentError(f"local_keep_last must be a whole number of at least 1 or None, not {local_keep_last!r}")
-    if on_full not in ("wait", "skip"):
-        raise ArgumentError(f"on_full must be 'wait' or 'skip', not {on_full!r:.40}")
-    if push_to is None and (local_keep_last is not None or local_max_bytes is not None):
-        raise ArgumentError("local_keep_last and local_max_bytes bound a local tier that pushes to a remote: pass "
-                            "push_to='origin' (a remote added with repo.remote_add) as well")
-    tier_bytes = parse_size(local_max_bytes, "local_max_bytes")
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ArgumentError(f"max_in_flight must be a whole number of at least 1, not {max_in_flight!r}")
-    if isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float)) \
-            or not commit_timeout_s > 0:   # NaN too
-        raise ArgumentError(f"commit_timeout_s must be a number of seconds above 0, not {commit_timeout_s!r}")
-    for name, value in (("dedup", dedup), ("pin_memory", pin_memory)):
-        if not isinstance(value, bool) and not (name == "pin_memory" and value is None):
-            raise ArgumentError(f"{name} must be True or False, not {value!r}")
-    if retention is not None and not isinstance(retention, RetentionPolicy):
-        raise RetentionError(f"retention must be a ckptrepo.RetentionPolicy or None, not {type(retention).__name__} "
-                             f"{retention!r:.40}")
-    if parallel_layout is not None and not isinstance(parallel_layout, ParallelLayout):
-        raise LayoutError(f"parallel_layout must be a ckptrepo.ParallelLayout or None, not "
-                          f"{type(parallel_layout).__name__} {parallel_layout!r:.40}")
-    return parse_size(host_memory), tier_bytes
 
 
 def _refuse_spread_dtensors(records: list[TensorRecord]) -> None:
@@ -244,24 +208,21 @@ class Snapshotter:
     raised by the next call, like a failed snapshot; ``wait()`` also waits for the pushes.
     """
 
-    def __init__(self, plumbing: Plumbing, host_memory: int | str | None = None, pin_memory: bool | None = None,
-                 record_failures: bool = True, parallel_layout: ParallelLayout | None = None,
-                 group: Any = None, commit_timeout_s: float = 600.0, dedup: bool = True,
-                 retention: RetentionPolicy | None = None, max_in_flight: int = 4, push_to: str | None = None,
-                 local_keep_last: int | None = None, local_max_bytes: int | str | None = None,
-                 on_full: str = "wait", single_process: bool = False, tensor_stats: bool = True,
-                 compression: str | bool | None = None) -> None:
-        for name, flag in (("single_process", single_process), ("tensor_stats", tensor_stats)):
-            if not isinstance(flag, bool):
-                raise ArgumentError(f"{name} must be True or False, not {flag!r:.40}")
+    def __init__(self, plumbing: Plumbing, options: SnapshotterOptions | None = None, *,
+                 record_failures: bool = True, **keywords: Any) -> None:
+        # the options, checked once when made (saving/_options.py): given whole, or as repo.snapshotter's keywords
+        self.options = options = SnapshotterOptions.given(options, keywords)
         # the arrays' lossless compression (None: the repository's setting); compressed shards are encoded and
         # written by TensorStore from staged copies, never from the tensors' memory (decisions/035)
-        self.compression = snapshot_compression(plumbing, compression)
+        self.compression = snapshot_compression(plumbing, options.compression)
         # per-tensor statistics taken while capturing (saving/_tensor_stats.py), which trajectory questions read
-        self.tensor_stats = tensor_stats
-        host_bytes, tier_bytes = check_arguments(host_memory, pin_memory, parallel_layout, commit_timeout_s, dedup,
-                                                 retention, max_in_flight, push_to, local_keep_last,
-                                                 local_max_bytes, on_full)
+        self.tensor_stats = options.tensor_stats
+        single_process, parallel_layout, retention = (options.single_process, options.parallel_layout,
+                                                      options.retention)
+        tier = options.tier
+        push_to = None if tier is None else tier.push_to
+        on_full = "wait" if tier is None else tier.on_full
+        max_in_flight, group, dedup = options.max_in_flight, options.group, options.dedup
         # backpressure when storage is slower than the snapshots: with nothing bounding them, snapshot() calls
         # pile up in flight without limit, and a state of small tensors (copied at snapshot(), outside the
         # staging pool) takes memory far beyond host_memory
@@ -296,14 +257,14 @@ class Snapshotter:
         self.record_failures = record_failures  # False when the caller waits and gets the error itself
         # reads HEAD: DetachedHeadError before anything starts
         self._committer = Committer(plumbing, parallel_layout, self.rank, self.world_size, self.sharded,
-                                    commit_timeout_s)
+                                    options.commit_timeout_s)
         self._committer.before_ref = self._recheck_reused
         # compares with the branch tip first, whoever wrote it, then with this snapshotter's last commit
         self._dedup = DedupIndex(self._committer.tip, plumbing.manifest, plumbing.store) if dedup else None
-        self.host_memory = host_bytes or default_host_memory()
+        self.host_memory = options.host_bytes or default_host_memory()
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        pin = torch.cuda.is_available() if options.pin_memory is None else options.pin_memory
         # local store: plain shards written without TensorStore
         self._direct = DirectWriter.for_store(plumbing.store) if self.compression is None else None
         # page-aligned buffers where the direct writer may write them with O_DIRECT as they are (fill_live)
@@ -343,10 +304,12 @@ class Snapshotter:
             if on_full == "skip" and self.distributed:
                 raise ArgumentError("on_full='skip' needs a single process (every rank would have to skip the "
                                     "same snapshot); use on_full='wait'")
+            assert tier is not None
             if self.rank == 0:   # one pusher per version: the rank that commits it
                 self._pusher = BackgroundPusher(
-                    plumbing, push_to, self._committer.branch, local_keep_last,
-                    tier_bytes or default_local_max_bytes(plumbing.store), self._pusher_failed, self._reusable)
+                    plumbing, push_to, self._committer.branch, tier.keep_last,
+                    tier.max_bytes_parsed or default_local_max_bytes(plumbing.store), self._pusher_failed,
+                    self._reusable)
         atexit.register(self._atexit)
 
     # ---- public API -------------------------------------------------------
