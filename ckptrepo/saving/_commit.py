@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any, Callable
+from typing import Any
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
+from ckptrepo.core._manifest import DATA_PREFIX, FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, lost_head_branch
 from ckptrepo.core.schema import (
@@ -43,12 +43,13 @@ from ckptrepo.maintenance._lost import collected_while_committing, own_arrays, u
 from ckptrepo.parallel._distributed import GroupHealth, Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
 from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.saving._dedup import StoredTensor
+from ckptrepo.saving._dedup import DedupIndex, StoredTensor
 from ckptrepo.saving._snapshot_job import SnapshotJob
 from ckptrepo.saving._tensor_stats import piece_moments, stats_record
 from ckptrepo.saving._writer import WritePlan
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage._chunktable import write_table
 
 log = logging.getLogger("ckptrepo")
 
@@ -81,14 +82,22 @@ class Committer:
         if self.tip is None:
             refuse_new_root(plumbing, head.branch, head.orphan)
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
-        # called between the manifest and the ref: a check that must see what a concurrent prune sees (dedup)
-        self.before_ref: Callable[[SnapshotJob, Manifest], None] | None = None
+        # the snapshotter's dedup index (set by it once made: it compares with this committer's tip first)
+        self.dedup: DedupIndex | None = None
         faults.point("after_read_head")
 
     def commit(self, job: SnapshotJob) -> Version:
-        """Commit the job's version (its data is durable); raises if it cannot be, and then nothing is visible."""
-        if self.sharded or job.sharded:
-            return self._commit_sharded(job)
+        """Commit the job's version (its data is durable): its arrays' chunk tables, then its manifest and the
+        branch; raises if it cannot be, and then nothing is visible."""
+        job.arrays = {d: write_table(self.plumbing.store, info, job.chunk_crcs[d]) for d, info in job.arrays.items()}
+        if self.dedup is not None and job.reused:
+            self.dedup.check_reused(self.plumbing.store, job, arrays_listed({}, job.reused))
+        version = self._commit_sharded(job) if self.sharded or job.sharded else self._commit_single(job)
+        if self.dedup is not None:
+            self.dedup.remember(job)
+        return version
+
+    def _commit_single(self, job: SnapshotJob) -> Version:
         assert job.plan is not None
         manifest = build_manifest(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.records,
                                   job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused,
@@ -155,8 +164,7 @@ class Committer:
         manifest = manifest.with_stats(job.handle.stats.to_json())
         self.plumbing.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
         faults.point("after_manifest")
-        if self.before_ref is not None:
-            self.before_ref(job, manifest)
+        self._recheck_reused(job, manifest)
         moved = self.plumbing.refs.move_branch(self.branch, job.vid, self.generation, self.tip,
                                                self.plumbing.first_parent)
         if moved is None:
@@ -193,6 +201,15 @@ class Committer:
                 log.warning("ckptrepo: HEAD still says orphan of branch %r: %s", self.branch, err)
         self.plumbing.remember_header(manifest)
         return version_from_manifest(manifest, (self.branch,))
+
+    def _recheck_reused(self, job: SnapshotJob, manifest: Manifest) -> None:
+        """Between the manifest and the ref: the reused arrays again, every rank's (those of the manifest that
+        are not this version's own). A prune that began meanwhile either reads this manifest (and keeps what it
+        reuses) or has its intent seen here (maintenance/_gc.py prune_version)."""
+        own = f"{DATA_PREFIX}{job.vid}/"
+        reused = {k: a for k, a in manifest.arrays.items() if not k.startswith(own)}
+        if self.dedup is not None and reused:
+            self.dedup.check_reused(self.plumbing.store, job, reused, announced=True)
 
     def publish_failure(self, job: SnapshotJob, err: BaseException) -> None:
         """Distributed: let the other ranks know at once (rank 0 aborts the version; the others stop waiting)."""

@@ -12,14 +12,17 @@ wrong world size, a detached HEAD) is checked by the ``Snapshotter`` it configur
 from __future__ import annotations
 
 import inspect
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from ckptrepo.errors import ArgumentError, LayoutError, RetentionError
+from ckptrepo.core._manifest import COMPRESSION_SETTING, CONFIG_KEY
+from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.errors import ArgumentError, FormatVersionError, LayoutError, RetentionError
 from ckptrepo.maintenance._gc import RetentionPolicy
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._host_memory import parse_size
-from ckptrepo.storage._arrays import check_compression
+from ckptrepo.storage._arrays import COMPRESSIONS, check_compression
 
 ON_FULL = ("wait", "skip")
 
@@ -159,4 +162,29 @@ class SnapshotterOptions:
         return parse_size(self.host_memory)
 
 
-__all__ = ["LocalTier", "SnapshotterOptions"]
+def snapshot_compression(plumbing: Plumbing, compression: Any) -> str | None:
+    """The compression a snapshotter's arrays get: ``compression`` ("zstd", or "none"/False: off), or for None
+    the repository's setting (``ckptrepo.init(url, compression=...)``)."""
+    if compression is not None:
+        return check_compression(compression)
+    setting = plumbing.config.get(COMPRESSION_SETTING)
+    if setting is None or setting in COMPRESSIONS:
+        return setting
+    raise FormatVersionError(f"{plumbing.url}: {CONFIG_KEY} asks for compression {str(setting)[:20]!r}, which this "
+                             f"ckptrepo does not write; upgrade ckptrepo, or pass compression='none'")
+
+
+def default_local_max_bytes(store: Any) -> int | None:
+    """The default bound of a local tier's unpushed data: half the space free on its file system when the
+    snapshotter starts, so that a remote falling behind holds the run up instead of filling the disk; None
+    (no bound) for a store that is not a local directory."""
+    root = store.capabilities.local_root
+    if root is None:
+        return None
+    try:
+        return max(1, shutil.disk_usage(root).free // 2)
+    except OSError:
+        return None
+
+
+__all__ = ["LocalTier", "SnapshotterOptions", "default_local_max_bytes", "snapshot_compression"]
