@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -42,7 +42,6 @@ from ckptrepo.errors import (
     ArgumentError,
     CkptRepoError,
     ConflictError,
-    LayoutError,
     SnapshotFailedError,
 )
 from ckptrepo.parallel._distributed import process_group_rank
@@ -50,7 +49,7 @@ from ckptrepo.saving._capture_stage import CaptureStage
 from ckptrepo.saving._commit import Committer
 from ckptrepo.saving._commit_stage import CommitStage
 from ckptrepo.saving._dedup import DedupIndex
-from ckptrepo.saving._eager_copies import copy_what_forward_may_change
+from ckptrepo.saving._eager_copies import copy_what_forward_may_change, step_owned
 from ckptrepo.saving._flush_stage import FlushStage
 from ckptrepo.saving._host_memory import default_host_memory
 from ckptrepo.saving._options import SnapshotterOptions, default_local_max_bytes, snapshot_compression
@@ -132,14 +131,7 @@ class Snapshotter:
         self.rank, self.world_size = (0, 1) if opts.single_process else process_group_rank()
         self.single_process = opts.single_process
         layout = self.layout = opts.parallel_layout
-        if opts.single_process and layout is not None and layout.world_size > 1:
-            raise LayoutError(f"a single_process snapshotter saves the whole state from this process alone, so it "
-                              f"takes no layout of several ranks ({layout}); leave single_process off to "
-                              f"snapshot from every rank")
-        if layout is not None and layout.world_size != self.world_size:
-            raise LayoutError(f"the layout ({layout}) has {layout.world_size} ranks but "
-                              f"torch.distributed has {self.world_size}; initialise the process group first "
-                              f"(torchrun) or pass the layout that matches it")
+        opts.check_world(self.world_size)
         self.retention = opts.retention
         self.distributed = self.world_size > 1
         # through the Sharder (global names, boxes, column blocks): every distributed snapshot, and a
@@ -285,18 +277,7 @@ class Snapshotter:
         self._optimizers.append(weakref.ref(optimizer))
 
     def _step_owned(self) -> set[int]:
-        """Addresses of the tensors only an attached optimizer's step changes (its parameters and their state),
-        which capture may leave live however small: the step waits for capture."""
-        owned: set[int] = set()
-        for ref in self._optimizers:
-            opt = ref()
-            if opt is None:
-                continue
-            for group in opt.param_groups:
-                owned.update(p.data_ptr() for p in group["params"])
-            for st in opt.state.values():
-                owned.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
-        return owned
+        return step_owned(self._optimizers)
 
     def wait_captured(self) -> None:
         """Block until every snapshot taken so far is in staging memory: the state may be mutated again."""
@@ -400,9 +381,10 @@ class Snapshotter:
     def _start_threads(self) -> None:
         """Start the capture, flush and commit threads, or whichever of them an interrupted start left unstarted."""
         if not self._threads:
-            self._threads = [threading.Thread(target=target, name=f"ckptrepo-{name}", daemon=True)
-                             for name, target in (("capture", self._capture_loop), ("flush", self._flush_loop),
-                                                  ("commit", self._commit_loop))]
+            loops = {"capture": (self._capture_q, self._capturing.run, lambda: self._flush_q.put(None)),
+                     "flush": (self._flush_q, self._flushing.run), "commit": (self._commit_q, self._committing.run)}
+            self._threads = [threading.Thread(target=self._loop, args=args, name=f"ckptrepo-{name}", daemon=True)
+                             for name, args in loops.items()]
         for t in self._threads:
             if t.ident is None:
                 t.start()
@@ -430,34 +412,21 @@ class Snapshotter:
         except CkptRepoError as err:
             log.error("ckptrepo: %s", err)
 
-    # The threads' loops. Each lets go of its last item before it waits for the next (``del``): a job kept by a
-    # waiting thread would live on until the next snapshot, long enough for the cyclic GC to promote its
-    # thousands of objects (records, skeleton lists, tensor objects) to its oldest generation, which brings on
-    # full collections.
-    def _capture_loop(self) -> None:
+    # The threads' loop: a stage's ``run`` on each item of its queue until None, then ``then()``. It lets go of
+    # its last item before it waits for the next (``del``): a job kept by a waiting thread would live on until
+    # the next snapshot, long enough for the cyclic GC to promote its thousands of objects (records, skeleton
+    # lists, tensor objects) to its oldest generation, which brings on full collections.
+    @staticmethod
+    def _loop(q: queue.Queue, run: Callable[..., None], then: Callable[[], None] = lambda: None) -> None:
         while True:
-            job = self._capture_q.get()
-            if job is None:
-                self._flush_q.put(None)
-                return
-            self._capturing.run(job)
-            del job
-
-    def _flush_loop(self) -> None:
-        while True:
-            item = self._flush_q.get()
+            item = q.get()
             if item is None:
-                return
-            self._flushing.run(*item)
+                return then()
+            if isinstance(item, tuple):   # the flush stage's (job, segment, buffer, view, event)
+                run(*item)
+            else:
+                run(item)
             del item
-
-    def _commit_loop(self) -> None:
-        while True:
-            job = self._commit_q.get()
-            if job is None:
-                return
-            self._committing.run(job)
-            del job
 
     def _plan_after_dedup(self, job: SnapshotJob) -> None:
         """The capture stage's plan of a job whose reusable tensors dedup has just decided on."""

@@ -156,6 +156,21 @@ class SnapshotterOptions:
                                 f"(options= with {', '.join(also)})")
         return options
 
+    def check_world(self, world_size: int) -> None:
+        """Refuse a layout that does not fit the ranks the snapshotter runs on (``world_size``: torch.distributed's,
+        or one for ``single_process``)."""
+        layout = self.parallel_layout
+        if layout is None:
+            return
+        if self.single_process and layout.world_size > 1:
+            raise LayoutError(f"a single_process snapshotter saves the whole state from this process alone, so it "
+                              f"takes no layout of several ranks ({layout}); leave single_process off to "
+                              f"snapshot from every rank")
+        if layout.world_size != world_size:
+            raise LayoutError(f"the layout ({layout}) has {layout.world_size} ranks but "
+                              f"torch.distributed has {world_size}; initialise the process group first "
+                              f"(torchrun) or pass the layout that matches it")
+
     @property
     def host_bytes(self) -> int | None:
         """``host_memory`` in bytes (None: the default)."""
