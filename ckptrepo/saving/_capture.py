@@ -52,9 +52,9 @@ from ckptrepo.saving._dedup import DedupIndex
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change, step_owned
 from ckptrepo.saving._flush_stage import FlushStage
 from ckptrepo.saving._host_memory import default_host_memory
-from ckptrepo.saving._options import SnapshotterOptions, default_local_max_bytes, snapshot_compression
+from ckptrepo.saving._options import SnapshotterOptions, snapshot_compression
 from ckptrepo.saving._prepare import JobMaker, Planner, Sharding, refuse_spread_dtensors
-from ckptrepo.saving._pusher import BackgroundPusher, check_push_target, skipped_handle
+from ckptrepo.saving._pusher import skipped_handle, tier_pusher
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from ckptrepo.saving._trackers import tracker_meta
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
@@ -181,16 +181,8 @@ class Snapshotter:
         tier = opts.tier
         self.push_to = None if tier is None else tier.push_to
         self.on_full = "wait" if tier is None else tier.on_full
-        self._pusher: BackgroundPusher | None = None
-        if tier is not None:
-            check_push_target(plumbing, tier.push_to)   # an unknown remote, or this repository itself: one line
-            if tier.on_full == "skip" and self.distributed:
-                raise ArgumentError("on_full='skip' needs a single process (every rank would have to skip the "
-                                    "same snapshot); use on_full='wait'")
-            if self.rank == 0:   # one pusher per version: the rank that commits it
-                self._pusher = BackgroundPusher(
-                    plumbing, tier.push_to, self._committer.branch, tier.keep_last,
-                    tier.max_bytes_parsed or default_local_max_bytes(plumbing.store), self._report, self._reusable)
+        self._pusher = None if tier is None else tier_pusher(plumbing, tier, self._committer.branch, self.rank,
+                                                             self.world_size, self._report, self._reusable)
         # the stages, one per thread (see the module docstring)
         self._jobs = JobMaker(self._planner, self._sharding, self._dedup,
                               self._direct is not None and self._direct.direct_io, self.tensor_stats)

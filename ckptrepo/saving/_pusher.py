@@ -28,9 +28,17 @@ from ckptrepo.core._manifest import checked_step, new_version_id
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._remotes import record_push_failure, remote_url
 from ckptrepo.core._same_store import check_not_itself, refuse_if_same_store
-from ckptrepo.errors import BackpressureWarning, CkptRepoError, RemoteError, SnapshotFailedError, first_line
+from ckptrepo.errors import (
+    ArgumentError,
+    BackpressureWarning,
+    CkptRepoError,
+    RemoteError,
+    SnapshotFailedError,
+    first_line,
+)
 from ckptrepo.remotes._evict import evict
 from ckptrepo.remotes._sync import push
+from ckptrepo.saving._options import LocalTier, default_local_max_bytes
 from ckptrepo.saving._snapshot_job import SnapshotHandle
 from ckptrepo.storage import open_store
 
@@ -232,6 +240,21 @@ class BackgroundPusher:
         self._on_error(failure)
 
 
+def tier_pusher(plumbing: Plumbing, tier: LocalTier, branch: str, rank: int, world_size: int,
+                on_error: Callable[[CkptRepoError], None],
+                protect: Callable[[], Iterable[str]]) -> BackgroundPusher | None:
+    """A snapshotter's pusher for ``tier`` on ``branch``, once its remote is checked (``check_push_target``);
+    None on ranks other than 0: one pusher per version, on the rank that commits it."""
+    check_push_target(plumbing, tier.push_to)   # an unknown remote, or this repository itself: one line
+    if tier.on_full == "skip" and world_size > 1:
+        raise ArgumentError("on_full='skip' needs a single process (every rank would have to skip the same "
+                            "snapshot); use on_full='wait'")
+    if rank != 0:
+        return None
+    return BackgroundPusher(plumbing, tier.push_to, branch, tier.keep_last,
+                            tier.max_bytes_parsed or default_local_max_bytes(plumbing.store), on_error, protect)
+
+
 def skipped_handle(step: int | None, remote: str, t0: float) -> SnapshotHandle:
     """The handle of a snapshot not taken (``on_full="skip"``): done at once, ``skipped`` set."""
     handle = SnapshotHandle(new_version_id(), checked_step(step))
@@ -250,4 +273,4 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-__all__ = ["BackgroundPusher", "check_push_target", "skipped_handle"]
+__all__ = ["BackgroundPusher", "check_push_target", "skipped_handle", "tier_pusher"]
