@@ -16,7 +16,7 @@ import heapq
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from ckptrepo.core._gcpause import collection_paused
@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from ckptrepo.remotes._sync import SyncResult
     from ckptrepo.remotes._transfer import Progress
     from ckptrepo.saving._capture import Snapshotter
+    from ckptrepo.saving._options import SnapshotterOptions
     from ckptrepo.tools._bisect import BisectResult
     from ckptrepo.tools._inspect import VersionDiff
     from ckptrepo.tools._recorded import TensorStats
@@ -327,7 +328,8 @@ class Repository:
                     push_to: str | None = None, local_keep_last: int | None = None,
                     local_max_bytes: int | str | None = None, on_full: str = "wait",
                     single_process: bool = False, tensor_stats: bool = True,
-                    compression: str | bool | None = None) -> "Snapshotter":
+                    compression: str | bool | None = None,
+                    options: "SnapshotterOptions | None" = None) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.saving._capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
@@ -350,13 +352,21 @@ class Repository:
         data; False saves the capture thread that pass over the bytes.
         ``compression``: "zstd" or "none" (False) for this snapshotter's versions; None follows the repository's
         setting (``ckptrepo.init(url, compression=...)``).
+        ``options``: all of the above as one :class:`ckptrepo.SnapshotterOptions` (the local tier's four as a
+        :class:`ckptrepo.LocalTier`), in place of the keywords: a value to build once and pass to several
+        snapshotters, checked when it is made.
         """
         from ckptrepo.saving._capture import Snapshotter
-        return Snapshotter(self._plumbing, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
-                           parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
-                           dedup=dedup, retention=retention, max_in_flight=max_in_flight, push_to=push_to,
-                           local_keep_last=local_keep_last, local_max_bytes=local_max_bytes, on_full=on_full,
-                           single_process=single_process, tensor_stats=tensor_stats, compression=compression)
+        from ckptrepo.saving._options import SnapshotterOptions
+        keywords = dict(host_memory=host_memory or None, pin_memory=pin_memory, parallel_layout=parallel_layout,
+                        group=group, commit_timeout_s=commit_timeout_s, dedup=dedup, retention=retention,
+                        max_in_flight=max_in_flight, push_to=push_to, local_keep_last=local_keep_last,
+                        local_max_bytes=local_max_bytes, on_full=on_full, single_process=single_process,
+                        tensor_stats=tensor_stats, compression=compression)
+        options = SnapshotterOptions.given(options, keywords)
+        if options.host_memory is None and self.host_memory:   # the repository's bound, unless the options name one
+            options = replace(options, host_memory=self.host_memory)
+        return Snapshotter(self._plumbing, options)
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,
