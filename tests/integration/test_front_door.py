@@ -39,3 +39,4 @@ def test_the_unpadded_state_an_unsharded_load_returns_snapshots_again_with_its_r
         a = repo.load("@1", parallel_layout=tp2, rank=rank)["model"]
         b = repo.load("@2", parallel_layout=tp2, rank=rank)["model"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+
