@@ -40,3 +40,37 @@ def test_the_unpadded_state_an_unsharded_load_returns_snapshots_again_with_its_r
         b = repo.load("@2", parallel_layout=tp2, rank=rank)["model"]
         assert all(torch.equal(a[k], b[k]) for k in a)
 
+
+
+def test_the_dcp_writer_creates_the_repository_as_the_other_adapters_do(tmp_path) -> None:
+    """``dcp.save(..., storage_writer=Writer(url))`` into a path with no repository yet: created, one version;
+    eight writers made at once (every rank of a job does so) create one repository between them."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckptrepo.dcp
+    url = str(tmp_path / "new")
+    state = {"w": torch.arange(4.0)}
+    dcp.save(state, storage_writer=ckptrepo.dcp.Writer(url, step=1), no_dist=True)
+    assert [v.step for v in ckptrepo.open(url).log()] == [1]
+
+    raced = str(tmp_path / "raced")
+    start, errors = threading.Barrier(8), []
+
+    def make() -> None:
+        start.wait()
+        try:
+            ckptrepo.dcp.Writer(raced, step=2)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    dcp.save(state, storage_writer=ckptrepo.dcp.Writer(raced, step=2), no_dist=True)
+    into = {"w": torch.zeros(4)}
+    dcp.load(into, storage_reader=ckptrepo.dcp.Reader(raced), no_dist=True)
+    assert torch.equal(into["w"], state["w"]) and ckptrepo.open(raced).current_branch() == "main"
