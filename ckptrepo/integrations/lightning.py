@@ -10,8 +10,11 @@ crash loses no checkpoint older than two steps. ``load_checkpoint`` follows a po
 repository (never another), or takes a revision (``"@20"``, a tag, an id); ``remove_checkpoint`` deletes the
 pointer and the tag and prunes the version's data. ``load_from_checkpoint`` builds a ``LightningModule``
 from a checkpoint (Lightning's own classmethod reads the file with ``torch.load``, which a pointer is not
-for). The mechanics live in ``integrations/_checkpoint_files.py``; docs/decisions/027-lightning-checkpointio.md
-and 041-lightning-paths-exist-at-once.md say why it is built this way.
+for). A fit that loaded nothing and first saves into a new logger folder (no ``ModelCheckpoint(dirpath=)``)
+while another holds this repository's last checkpoint is stopped there: ``ckpt_path="last"`` missed it
+(decision 049). The mechanics live in ``integrations/_checkpoint_files.py``;
+docs/decisions/027-lightning-checkpointio.md and 041-lightning-paths-exist-at-once.md say why it is built
+this way.
 
 Lightning is imported only when ``CkptRepoIO`` is first used (``import ckptrepo`` never imports it).
 """
