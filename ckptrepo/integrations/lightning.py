@@ -243,13 +243,13 @@ def _define() -> type[CheckpointIO]:
             # a save off the main thread comes from a wrapper's queue (AsyncCheckpointIO), which never passes
             # teardown on: it is committed before it returns
             wrapped = threading.current_thread() is not threading.main_thread()
+            if not self._saved and not self._resumed:
+                self._refuse_a_run_that_missed_its_last_checkpoint(os.fspath(path))
+            self._saved = True
             key = path_key(os.fspath(path))
             arrived = self._queue.arrive(key, queued=wrapped)
             if arrived is None:
                 return   # Lightning removed it while it was queued
-            if not self._saved and not self._resumed:
-                self._refuse_a_run_that_missed_its_last_checkpoint(os.fspath(path))
-            self._saved = True
             step = checkpoint.get("global_step")
             if not wrapped:
                 self._steps.start()
@@ -279,8 +279,8 @@ def _define() -> type[CheckpointIO]:
                 raise CkptRepoError(
                     f"this fit started from scratch, but {last} holds the last checkpoint of this repository: "
                     f"ckpt_path=\"last\" looks only in ModelCheckpoint's folder, and without "
-                    f"ModelCheckpoint(dirpath=...) each run gets a new one; set dirpath to resume there, pass "
-                    f"ckpt_path={last!r}, or start a separate run with another tag_prefix or repository")
+                    f"ModelCheckpoint(dirpath=...) each run gets a new one; give every run the same dirpath, "
+                    f"pass ckpt_path={last!r}, or start a separate run with another tag_prefix or repository")
 
         def load_checkpoint(self, path: Any, map_location: Any | None = None,
                             weights_only: bool | None = None) -> dict[str, Any]:
