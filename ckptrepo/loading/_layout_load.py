@@ -299,7 +299,7 @@ def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None,
         if layout is not None or into is None or _has_dtensor(into):
             raise
         saved = manifest.layout
-        if saved is None or saved.tp is None:
+        if saved is None or saved.tp is None or saved.world_size == 1:   # one saved rank: unsharded is its own
             raise
         degrees = f"tp={saved.tp}, pp={saved.pp}, dp={saved.dp}, zero={_or(saved.zero, 0)}"
         if process_group_rank()[1] != saved.world_size:

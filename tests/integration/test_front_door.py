@@ -1,4 +1,5 @@
-"""The five places a new user running the README's examples got stuck (issue 40, "the front door")."""
+"""Places a new user running the README's examples got stuck (issue 40, "the front door"); the torchrun case
+is in tests/distributed/test_front_door_ranks.py, Lightning's "last" in test_lightning_last.py."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,11 @@ def test_going_back_past_the_first_version_says_how_many_there_are(tmp_path) -> 
     with pytest.raises(RevisionError) as e:
         repo.tag("best", "HEAD~3")
     assert str(e.value) == ("'HEAD~3' goes back 3 versions but 'HEAD' has only 0 ancestors (1 version in its "
-                            "history): use HEAD~0 to HEAD~0, or see `ckptrepo log`")
+                            "history): name HEAD, or see `ckptrepo log`")
+    repo.snapshot({"w": torch.ones(2)}, step=2)
+    with pytest.raises(RevisionError, match=r"has only 1 ancestors \(2 versions in its history\): name one of "
+                                            r"HEAD to HEAD~1, or see `ckptrepo log`$"):
+        repo.load("HEAD~3")
 
 
 def test_the_unpadded_state_an_unsharded_load_returns_snapshots_again_with_its_rules(tmp_path) -> None:

@@ -166,9 +166,9 @@ def test_going_back_past_the_root(src: FakeSource, rev: str, base: str, back: in
     """``~N`` past the root says how many versions the history holds, which ``~N`` reach them, and where to
     look."""
     count = f"{ancestors + 1} version{'s' if ancestors else ''}"
+    what = f"name {base}" if ancestors == 0 else f"name one of {base} to {base}~{ancestors}"
     assert one_line_error(src, rev) == (f"{rev!r} goes back {back} versions but {base!r} has only {ancestors} "
-                                        f"ancestors ({count} in its history): use {base}~0 to {base}~{ancestors}, "
-                                        f"or see `ckptrepo log`")
+                                        f"ancestors ({count} in its history): {what}, or see `ckptrepo log`")
 
 
 def test_at_step_failures(src: FakeSource) -> None:
