@@ -305,7 +305,7 @@ def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None,
         if process_group_rank()[1] != saved.world_size:
             raise StateMismatchError(f"{e}; `into` is not the unsharded state, and version {manifest.id[:12]} was "
                                      f"saved by {saved.world_size} ranks: to fill one rank's state pass "
-                                     f"parallel_layout=ckptrepo.ParallelLayout({degrees}) and rank=") from None
+                                     f"parallel_layout=ckptrepo.ParallelLayout({degrees}) and its rank=") from None
         ranks_layout = ParallelLayout(_or(saved.tp, 1), _or(saved.pp, 1), _or(saved.dp, 1), _or(saved.zero, 0))
         return _load_layout(store, manifest, ranks_layout, rank, into, device, stats)
 

@@ -23,7 +23,7 @@ def test_every_rank_fills_its_state_without_naming_the_layout(tmp_path) -> None:
     into = shard_full(CFG, ParallelLayout(tp=2), 1, init_full_params(CFG, seed=5))
     with pytest.raises(StateMismatchError, match=r"saved by 2 ranks: to fill one rank's state pass "
                                                  r"parallel_layout=ckptrepo\.ParallelLayout\(tp=2, pp=1, dp=1, "
-                                                 r"zero=0\) and rank=$"):
+                                                 r"zero=0\) and its rank=$"):
         repo.load("@1000", into=into)
     repo.load("@1000", into=into, parallel_layout=ParallelLayout(tp=2, pp=1, dp=1, zero=0), rank=1)
     assert all(torch.equal(into["model"][k], results[1]["saved"][k]) for k in into["model"])
