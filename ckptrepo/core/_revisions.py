@@ -70,8 +70,9 @@ def resolve(src: RevisionSource, rev: str) -> str:
     for i in range(back):
         parent = src.first_parent(vid)
         if parent is None:
-            raise RevisionError(f"{rev!r} goes back {back} versions but {base!r} has only {i} ancestors; "
-                                f"see `ckptrepo log`")
+            what = f"name {base}" if i == 0 else f"name one of {base} to {base}~{i}"
+            raise RevisionError(f"{rev!r} goes back {back} versions but {base!r} has only {i} ancestors "
+                                f"({i + 1} version{'s' if i else ''} in its history): {what}, or see `ckptrepo log`")
         if parent in seen:
             raise parent_cycle_error(walked[walked.index(parent):] + [parent])
         seen.add(parent)
