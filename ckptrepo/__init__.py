@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ckptrepo.maintenance._gc import RetentionPolicy
     from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.repository import Repository, VersionDetails, clone, init, load, open
+    from ckptrepo.saving._options import LocalTier, SnapshotterOptions
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,8 @@ _LAZY = {
     "Version": ("ckptrepo.core._manifest", "Version"),
     "RetentionPolicy": ("ckptrepo.maintenance._gc", "RetentionPolicy"),
     "ParallelLayout": ("ckptrepo.parallel.layout", "ParallelLayout"),
+    "SnapshotterOptions": ("ckptrepo.saving._options", "SnapshotterOptions"),
+    "LocalTier": ("ckptrepo.saving._options", "LocalTier"),
     **{name: ("ckptrepo.repository", name)
        for name in ("Repository", "VersionDetails", "clone", "init", "load", "open")},
 }
@@ -75,5 +78,5 @@ __all__ = [
     "ParallelLayout", "RetentionPolicy", "load", "rules",
     "NotARepositoryError", "RefError", "RepositoryExistsError", "RetentionError", "RevisionError", "StateMismatchError",
     "StorageError", "UnsupportedValueError", "Repository", "Version", "VersionDetails", "init", "open",
-    "clone", "PushRejectedError", "RemoteError",
+    "clone", "PushRejectedError", "RemoteError", "SnapshotterOptions", "LocalTier",
 ]

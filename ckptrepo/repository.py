@@ -16,7 +16,7 @@ import functools
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from ckptrepo.arguments import (
@@ -39,7 +39,7 @@ from ckptrepo.core._manifest import (
     update_config,
 )
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import add_remote, check_remote_name, remotes, remove_remote
+from ckptrepo.core._remotes import add_remote, check_remote_name, remotes, remove_remote, tracking_refs
 from ckptrepo.core._whereabouts import version_durability
 from ckptrepo.core.schema import ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
@@ -65,9 +65,11 @@ if TYPE_CHECKING:
     from ckptrepo.remotes._sync import SyncResult
     from ckptrepo.remotes._transfer import Progress
     from ckptrepo.saving._capture import Snapshotter
+    from ckptrepo.saving._options import SnapshotterOptions
     from ckptrepo.tools._bisect import BisectResult
     from ckptrepo.tools._inspect import VersionDiff
     from ckptrepo.tools._recorded import TensorStats
+    from ckptrepo.tools._status import RepoStatus
     from ckptrepo.tools._trajectory import StatMatrix, TrajectoryPoint
 
 DEFAULT_BRANCH = "main"
@@ -210,7 +212,8 @@ class Repository:
                     push_to: str | None = None, local_keep_last: int | None = None,
                     local_max_bytes: int | str | None = None, on_full: str = "wait",
                     single_process: bool = False, tensor_stats: bool = True,
-                    compression: str | bool | None = None) -> "Snapshotter":
+                    compression: str | bool | None = None,
+                    options: "SnapshotterOptions | None" = None) -> "Snapshotter":
         """An asynchronous snapshot hook for the training loop; see :class:`ckptrepo.saving._capture.Snapshotter`.
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
@@ -233,13 +236,21 @@ class Repository:
         data; False saves the capture thread that pass over the bytes.
         ``compression``: "zstd" or "none" (False) for this snapshotter's versions; None follows the repository's
         setting (``ckptrepo.init(url, compression=...)``).
+        ``options``: all of the above as one :class:`ckptrepo.SnapshotterOptions` (the local tier's four as a
+        :class:`ckptrepo.LocalTier`), in place of the keywords: a value to build once and pass to several
+        snapshotters, checked when it is made.
         """
         from ckptrepo.saving._capture import Snapshotter
-        return Snapshotter(self._plumbing, host_memory=host_memory or self.host_memory, pin_memory=pin_memory,
-                           parallel_layout=parallel_layout, group=group, commit_timeout_s=commit_timeout_s,
-                           dedup=dedup, retention=retention, max_in_flight=max_in_flight, push_to=push_to,
-                           local_keep_last=local_keep_last, local_max_bytes=local_max_bytes, on_full=on_full,
-                           single_process=single_process, tensor_stats=tensor_stats, compression=compression)
+        from ckptrepo.saving._options import SnapshotterOptions
+        keywords = dict(host_memory=host_memory or None, pin_memory=pin_memory, parallel_layout=parallel_layout,
+                        group=group, commit_timeout_s=commit_timeout_s, dedup=dedup, retention=retention,
+                        max_in_flight=max_in_flight, push_to=push_to, local_keep_last=local_keep_last,
+                        local_max_bytes=local_max_bytes, on_full=on_full, single_process=single_process,
+                        tensor_stats=tensor_stats, compression=compression)
+        options = SnapshotterOptions.given(options, keywords)
+        if options.host_memory is None and self.host_memory:   # the repository's bound, unless the options name one
+            options = replace(options, host_memory=self.host_memory)
+        return Snapshotter(self._plumbing, options)
 
     # ---- load -----------------------------------------------------------
     def load(self, rev: str = "HEAD", into: Any = None, map_location: Any = None, device: Any = None,
@@ -377,9 +388,11 @@ class Repository:
                               tensors, [(p, short_text(v, 80)) for p, v in plain_values(m.tree, summarize_after=8)])
 
     def diff(self, a: str, b: str | None = None, pattern: str | None = None,
-             on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
+             on_bytes: Callable[[int], None] | None = None, include_nonfloat: bool = False) -> VersionDiff:
         """Per tensor: changed or not, ||B-A||, ||B-A||/||A||, max |B-A|, cosine; objects: what changed.
         Without ``b``, version ``a`` against its first parent (as ``git show`` does): the parent is A then.
+        Non-float tensors and step counters (RNG states, integer buffers) are listed changed or unchanged
+        with their numbers NaN, unless ``include_nonfloat`` (see ckptrepo.tools._numeric).
 
         Only the tensors ``pattern`` matches are read, on every core, in bounded memory; see
         ckptrepo.tools._inspect.
@@ -395,7 +408,8 @@ class Repository:
         check_rev(b)
         check_pattern(pattern)
         check_callback(on_bytes, "on_bytes")
-        return diff_versions(self._plumbing, a, b, pattern, on_bytes)
+        _flag(include_nonfloat, "include_nonfloat")
+        return diff_versions(self._plumbing, a, b, pattern, on_bytes, include_nonfloat)
 
     def stats(self, rev: str = "HEAD", pattern: str | None = None,
               on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
@@ -415,29 +429,33 @@ class Repository:
         return tensor_stats(self._plumbing, vid, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
-                   until: int | None = None) -> list[TrajectoryPoint]:
+                   until: int | None = None, include_nonfloat: bool = False) -> list[TrajectoryPoint]:
         """A statistic (``METRICS`` of tools/_trajectory.py: norm, mean, std, min, max, absmax, nan, inf, delta,
-        relative-change) of tensors matching ``pattern`` over the first-parent history of ``rev``, oldest first."""
+        relative-change) of tensors matching ``pattern`` over the first-parent history of ``rev``, oldest first;
+        non-float tensors and step counters only with ``include_nonfloat``."""
         from ckptrepo.tools._trajectory import trajectory
         check_pattern(pattern, required=True)
         check_rev(rev)
         _whole(since, "since")
         _whole(until, "until")
-        return trajectory(self._plumbing, pattern, metric, rev, since, until)
+        _flag(include_nonfloat, "include_nonfloat")
+        return trajectory(self._plumbing, pattern, metric, rev, since, until, include_nonfloat)
 
     def stat_matrix(self, pattern: str | None = None, stat: str = "norm", rev: str = "HEAD",
                     since: int | None = None, until: int | None = None,
-                    max_versions: int | None = None) -> StatMatrix:
+                    max_versions: int | None = None, include_nonfloat: bool = False) -> StatMatrix:
         """``stat`` of tensors matching ``pattern`` (all: None) over the first-parent history of ``rev``, as a
         tensors x versions matrix; ``max_versions`` samples the history evenly (the newest kept) and reads only
-        the sampled versions. See ckptrepo.tools._trajectory.StatMatrix."""
+        the sampled versions; non-float tensors and step counters only with ``include_nonfloat``. See
+        ckptrepo.tools._trajectory.StatMatrix."""
         from ckptrepo.tools._trajectory import stat_matrix
         check_pattern(pattern)
         check_rev(rev)
         _whole(since, "since")
         _whole(until, "until")
+        _flag(include_nonfloat, "include_nonfloat")
         _whole(max_versions, "max_versions", 1)
-        return stat_matrix(self._plumbing, pattern, stat, rev, since, until, max_versions)
+        return stat_matrix(self._plumbing, pattern, stat, rev, since, until, max_versions, include_nonfloat)
 
     def metrics(self, rev: str = "HEAD") -> list[dict[str, Any]]:
         """The recorded metrics (loss, lr, ...) per version along the first-parent history of ``rev``, oldest first."""
@@ -453,12 +471,13 @@ class Repository:
 
     def bisect(self, when: str | None = None, metric: str | None = None, tensor: str | None = None,
                stat: str = "norm", nonfinite: bool = False, rev: str = "HEAD", since: int | None = None,
-               until: int | None = None) -> BisectResult | None:
+               until: int | None = None, include_nonfloat: bool = False) -> BisectResult | None:
         """The first version, oldest first along the first-parent history of ``rev`` (steps in [since, until]),
         where a recorded ``metric``, or the statistic ``stat`` of a tensor matching the glob ``tensor``, meets
         the condition ``when`` ("rises above 3.0", "> 100", "changes by more than 50%": see
         ckptrepo.tools._bisect); ``nonfinite``: the first version where a tensor (matching ``tensor``, default
-        all) holds a NaN or an Inf. None when no version matches.
+        all) holds a NaN or an Inf. None when no version matches. Tensors are non-float ones and step counters
+        too only with ``include_nonfloat``.
 
         Answered from headers and capture-time statistics by a linear scan, which finds the exact first match
         of any condition; a binary search would need a condition that stays true once true (see _bisect).
@@ -467,9 +486,10 @@ class Repository:
         check_rev(rev)
         check_pattern(tensor)
         _flag(nonfinite, "nonfinite")
+        _flag(include_nonfloat, "include_nonfloat")
         _whole(since, "since")
         _whole(until, "until")
-        return bisect(self._plumbing, when, metric, tensor, stat, nonfinite, rev, since, until)
+        return bisect(self._plumbing, when, metric, tensor, stat, nonfinite, rev, since, until, include_nonfloat)
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None, keep_tagged: bool = True,
            keep_branch_heads: bool = True, grace_period_s: float | None = None, dry_run: bool = False,
@@ -580,6 +600,56 @@ class Repository:
         """Fetch ``remote``, then fast-forward the current branch to its branch of the same name."""
         from ckptrepo.remotes._sync import pull
         return pull(self._plumbing, check_remote_name(remote), lazy=lazy, progress=progress)
+
+    # --- porcelain for the CLI (issue 40) ---
+    # What the command line asks of a repository beyond the commands above, so that it never reaches into
+    # ``plumbing`` (not a stable API) nor into a subpackage's private modules.
+    @property
+    def local_root(self) -> str | None:
+        """The folder of a local repository, None for an object store: no output file may go inside it (it
+        could replace HEAD or a ref)."""
+        return self._plumbing.store.capabilities.local_root
+
+    def head_version(self) -> str | None:
+        """HEAD's version id; None on a branch without versions (a new repository, an orphan checkout)."""
+        return self._plumbing.head_version()
+
+    def version_count(self) -> int:
+        """The number of version manifests in storage, reachable or not."""
+        return len(self._plumbing.all_version_ids())
+
+    def status(self) -> "RepoStatus":
+        """Where HEAD is, the snapshots in flight or abandoned, and the failed ones (``ckptrepo status``);
+        damage to HEAD is reported in it, not raised."""
+        from ckptrepo.tools._status import repo_status
+        return repo_status(self._plumbing)
+
+    def revision_names(self, incomplete: str = "") -> list[str]:
+        """What a revision starting with ``incomplete`` may be (shell completion): HEAD, branches, tags, and
+        short ids once ``incomplete`` is a hex prefix long enough to name one."""
+        from ckptrepo.tools._status import revision_names
+        return revision_names(self._plumbing, incomplete)
+
+    def tracking_refs(self) -> dict[str, str]:
+        """Remote-tracking refs (``origin/main``) -> the version each records, as the last fetch or push left
+        them; a damaged one is left out."""
+        return tracking_refs(self._plumbing.store)
+
+    def repair_lost(self) -> list[str]:
+        """Mark the versions whose manifest a gc collected while a ref came to name them lost, tag what may
+        have preceded each and move a branch that names one back (``fsck --repair``); deletes nothing.
+        One line per thing done; running it again does nothing more."""
+        from ckptrepo.maintenance._lost import repair_lost
+        return repair_lost(self._plumbing)
+
+    @staticmethod
+    def repair_config(url: str | os.PathLike[str]) -> list[str]:
+        """Rebuild a damaged or missing ``ckptrepo.json`` of the repository at ``url`` from what it holds
+        (``fsck --repair-config``), one line per thing done; done on the store, as a repository whose config
+        is damaged cannot be opened. An intact config is left as it is."""
+        from ckptrepo.core._config_repair import repair_config
+        return repair_config(open_store(repo_url(url)))
+    # --- end porcelain for the CLI ---
 
 
 __all__ = ["DEFAULT_BRANCH", "Repository", "VersionDetails", "clone", "init", "load", "load_device", "open"]

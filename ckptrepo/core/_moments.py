@@ -1,15 +1,31 @@
-"""Mergeable summary statistics of a tensor's values: what capture records per tensor, and what the ranks
-of a distributed snapshot record per piece for rank 0 to merge (saving/_tensor_stats.py, parallel/)."""
+"""Mergeable summary statistics of a tensor's values: what capture records per tensor, what the ranks
+of a distributed snapshot record per piece for rank 0 to merge (saving/_tensor_stats.py, parallel/), and
+the pairwise merge that ``stats`` and ``diff`` use on their partials (tools/_inspect.py)."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
 
+def merge_moments(n1: int, mean1: float, dev1: float, n2: int, mean2: float,
+                  dev2: float) -> tuple[int, float, float]:
+    """Count, mean and ``dev`` of two parts together (Chan et al.'s pairwise update); either may be empty.
+
+    ``dev`` is the root of the summed squared deviations from the mean, merged with ``math.hypot``: values
+    near float64's limits (1e200, 1e-200) neither overflow nor underflow, where sums of squares would.
+    """
+    if not n2:
+        return n1, mean1, dev1
+    if not n1:
+        return n2, mean2, dev2
+    total = n1 + n2
+    delta = mean2 - mean1
+    return total, mean1 + delta * n2 / total, math.hypot(dev1, dev2, abs(delta) * math.sqrt(n1 * n2 / total))
+
+
 class Moments:
     """Count, mean and root of the summed squared deviations (``dev``) of finite values, min/max, NaN and
-    Inf counts: mergeable part by part. ``dev`` is kept as a root and merged with ``math.hypot``, so values
-    near float64's limits (1e200, 1e-200) neither overflow nor underflow, as in tools/_inspect.py."""
+    Inf counts: mergeable part by part (``merge_moments``)."""
 
     __slots__ = ("n", "mean", "dev", "lo", "hi", "nan", "inf", "unknown")
 
@@ -24,14 +40,10 @@ class Moments:
         self.unknown = False   # the finite values' statistics could not be taken (only the counts are right)
 
     def add(self, k: int, mean: float, dev: float, lo: float, hi: float) -> None:
-        """Merge a part of ``k`` finite values (Chan et al.'s pairwise update)."""
+        """Merge a part of ``k`` finite values."""
         if not k:
             return
-        total = self.n + k
-        delta = mean - self.mean
-        self.dev = math.hypot(self.dev, dev, abs(delta) * math.sqrt(self.n * k / total) if self.n else 0.0)
-        self.mean += delta * k / total
-        self.n = total
+        self.n, self.mean, self.dev = merge_moments(self.n, self.mean, self.dev, k, mean, dev)
         self.lo = min(self.lo, lo)
         self.hi = max(self.hi, hi)
 

@@ -71,8 +71,10 @@ def resolve(src: RevisionSource, rev: str) -> str:
     for ancestors, vid in enumerate(first_parent_chain(_resolve_base(src, base, rev), src.first_parent)):
         if ancestors == back:
             return vid
-    raise RevisionError(f"{rev!r} goes back {back} versions but {base!r} has only {ancestors} ancestors; "
-                        f"see `ckptrepo log`")
+    what = f"name {base}" if ancestors == 0 else f"name one of {base} to {base}~{ancestors}"
+    raise RevisionError(f"{rev!r} goes back {back} versions but {base!r} has only {ancestors} ancestors "
+                        f"({ancestors + 1} version{'s' if ancestors else ''} in its history): {what}, or see "
+                        f"`ckptrepo log`")
 
 
 def _resolve_base(src: RevisionSource, base: str, rev: str) -> str:

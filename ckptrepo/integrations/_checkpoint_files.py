@@ -198,6 +198,10 @@ class CheckpointFiles:
     def _ours(self, pointer: Pointer) -> bool:
         return pointer.repository == self.url or (self._repo is not None and pointer.repository == self._repo.url)
 
+    def names_ours(self, pointer: Pointer) -> bool:
+        """Whether ``pointer`` names a version of this repository saved under this ``tag_prefix``."""
+        return self._ours(pointer) and (pointer.tag or "").startswith(self.tag_prefix)
+
     # ---- save ------------------------------------------------------------------------------------------------
     def save(self, state: Any, path: str | os.PathLike[str], step: int | None = None, message: str = "",
              wait_captured: bool = True) -> SnapshotHandle:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,7 @@ from ckptrepo.arguments import is_whole
 from ckptrepo.core._manifest import is_version_id
 from ckptrepo.core._refs import is_new_ref_name
 from ckptrepo.errors import PointerError, StorageError, first_line
+from ckptrepo.integrations._atomic_file import replace_file, sync_file
 
 POINTER_KIND = "ckptrepo-checkpoint"   # the "kind" of a pointer file: what tells it from a framework's own file
 POINTER_MAX_BYTES = 64 * 1024          # a pointer is a few hundred bytes; anything longer is not one
@@ -148,15 +148,7 @@ def write_pointer(path: str | os.PathLike[str], pointer: Pointer, sync: bool = T
         return
     path = local(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:   # noqa: PTH123
-        f.write(text)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if sync:
-        _sync_dir(path)
+    replace_file(path, text, sync=sync)
 
 
 def sync_pointer(path: str | os.PathLike[str]) -> None:
@@ -164,20 +156,7 @@ def sync_pointer(path: str | os.PathLike[str]) -> None:
     path = os.fspath(path)
     if is_remote(path):
         return
-    fd = os.open(local(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _sync_dir(local(path))
-
-
-def _sync_dir(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    sync_file(local(path))
 
 
 def delete_file(path: str | os.PathLike[str]) -> None:

@@ -129,9 +129,9 @@ def _has_tag(node: Any, tags: tuple[str, ...]) -> bool:
 
 class Writer(StorageWriter):
     """A DCP ``StorageWriter`` that makes each ``dcp.save`` (or ``dcp.async_save``) one version of the
-    repository at ``url``, on ``branch`` (default: HEAD's), with ``step``, ``message``, ``metrics`` and
-    ``meta`` (free text in the manifest header); ``tag`` names the version once committed (``force_tag``
-    moves an existing tag of that name to it).
+    repository at ``url`` (created if there is none), on ``branch`` (default: HEAD's), with ``step``,
+    ``message``, ``metrics`` and ``meta`` (free text in the manifest header); ``tag`` names the version once
+    committed (``force_tag`` moves an existing tag of that name to it).
 
     ``version`` is the committed Version on the coordinator once the save returned (None elsewhere).
     """
@@ -149,7 +149,9 @@ class Writer(StorageWriter):
             raise UnsupportedValueError(f"message must be text, not {type(message).__name__}")
         if tag is not None:
             check_ref_name(tag, "tag")   # a bad name is refused now, not after the data is written
-        self._plumbing: Plumbing = ckptrepo.open(self.url).plumbing   # not a repository: the error at once
+        # created where there is none, as the other adapters do; every rank may do so at once (init with
+        # exist_ok writes the configuration and HEAD only where absent)
+        self._plumbing: Plumbing = ckptrepo.init(self.url, exist_ok=True).plumbing
         self.is_coordinator = True
         self.rank = 0
         self._base: BranchBase | None = None
@@ -168,7 +170,7 @@ class Writer(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.url:
             self.url = str(checkpoint_id)
-            self._plumbing = ckptrepo.open(self.url).plumbing
+            self._plumbing = ckptrepo.init(self.url, exist_ok=True).plumbing
         self._base, self._vid = None, None
         self.version = None
 

@@ -51,6 +51,7 @@ from ckptrepo.errors import (
     StorageError,
     first_line,
 )
+from ckptrepo.integrations._atomic_file import replace_file
 from ckptrepo.integrations._deepspeed_plain import TYPE_KEY, from_plain, to_plain
 from ckptrepo.repository import Repository, init, repo_url
 
@@ -66,10 +67,7 @@ log = logging.getLogger("ckptrepo")
 def write_stub(path: str, url: str, vid: str, tag: str, entry: str) -> None:
     """Leave at ``path`` the stub of ``entry`` of version ``vid`` (replaced whole: a reader never sees half)."""
     text = json.dumps({"format": STUB_FORMAT, "repository": url, "version": vid, "tag": tag, "entry": entry})
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
-    os.replace(tmp, path)
+    replace_file(path, text + "\n")
 
 
 def read_stub(path: str) -> dict[str, str]:
@@ -355,8 +353,7 @@ def checkout(url: str | os.PathLike[str], save_dir: str | os.PathLike[str], rev:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_stub(path, repo.url, vid, tag, str(entry))
         paths.append(path)
-    with open(os.path.join(os.fspath(save_dir), "latest"), "w") as f:
-        f.write(tag)
+    replace_file(os.path.join(os.fspath(save_dir), "latest"), tag)
     return paths
 
 

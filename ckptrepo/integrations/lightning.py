@@ -10,22 +10,27 @@ crash loses no checkpoint older than two steps. ``load_checkpoint`` follows a po
 repository (never another), or takes a revision (``"@20"``, a tag, an id); ``remove_checkpoint`` deletes the
 pointer and the tag and prunes the version's data. ``load_from_checkpoint`` builds a ``LightningModule``
 from a checkpoint (Lightning's own classmethod reads the file with ``torch.load``, which a pointer is not
-for). The mechanics live in ``integrations/_checkpoint_files.py``; docs/decisions/027-lightning-checkpointio.md
-and 041-lightning-paths-exist-at-once.md say why it is built this way.
+for). A fit that loaded nothing and first saves into a new logger folder (no ``ModelCheckpoint(dirpath=)``)
+while another holds this repository's last checkpoint is stopped there: ``ckpt_path="last"`` missed it
+(decision 049). The mechanics live in ``integrations/_checkpoint_files.py``;
+docs/decisions/027-lightning-checkpointio.md and 041-lightning-paths-exist-at-once.md say why it is built
+this way.
 
 Lightning is imported only when ``CkptRepoIO`` is first used (``import ckptrepo`` never imports it).
 """
 from __future__ import annotations
 
+import glob
 import os
 import pickle
+import re
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from ckptrepo.errors import ArgumentError, CkptRepoError, UnsupportedValueError, first_line
 from ckptrepo.integrations._checkpoint_files import CheckpointFiles
-from ckptrepo.integrations._pointer_files import file_exists, path_key
+from ckptrepo.integrations._pointer_files import file_exists, is_remote, path_key, read_pointer
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -117,6 +122,31 @@ class _StepWatch:
                 pass
 
 
+def _last_checkpoint_elsewhere(files: CheckpointFiles, path: str) -> str | None:
+    """The newest ``last*.ckpt`` pointer into this repository (with this ``tag_prefix``) in another version
+    folder of the same logger, when ``path`` is in a logger's ``version_N/checkpoints`` folder: there
+    ``ModelCheckpoint`` was given no ``dirpath``, so each run saves into a new folder, and Lightning's
+    ``ckpt_path="last"``, which looks only in the callback's own folder (as with its own files), found
+    nothing; None otherwise."""
+    if is_remote(path):
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    run = os.path.dirname(folder)
+    if os.path.basename(folder) != "checkpoints" or not re.fullmatch(r"version_\d+", os.path.basename(run)):
+        return None
+    found: list[tuple[float, str]] = []
+    for other in glob.glob(os.path.join(glob.escape(os.path.dirname(run)), "version_*", "checkpoints", "last*.ckpt")):
+        if os.path.dirname(os.path.dirname(other)) == run:
+            continue
+        try:
+            pointer = read_pointer(other)
+            if pointer is not None and files.names_ours(pointer):
+                found.append((os.path.getmtime(other), other))
+        except (CkptRepoError, OSError):   # a damaged or vanished file is no checkpoint to resume
+            continue
+    return max(found)[1] if found else None
+
+
 class _WrapperQueue:
     """Lightning's ``AsyncCheckpointIO`` calls ``save_checkpoint`` on its own thread, from a queue, but passes
     ``remove_checkpoint`` on at once, on the training thread: a remove can reach the plugin before the save of
@@ -188,6 +218,7 @@ def _define() -> type[CheckpointIO]:
             # weights then, and the worker process exits at once): such a save is committed before it returns
             self._torn_down = False
             self._queue = _WrapperQueue()
+            self._resumed = self._saved = False   # this fit loaded a checkpoint / saved one already
 
         def __getstate__(self) -> dict[str, Any]:
             return {"arguments": self._arguments}
@@ -212,6 +243,9 @@ def _define() -> type[CheckpointIO]:
             # a save off the main thread comes from a wrapper's queue (AsyncCheckpointIO), which never passes
             # teardown on: it is committed before it returns
             wrapped = threading.current_thread() is not threading.main_thread()
+            if not self._saved and not self._resumed:
+                self._refuse_a_run_that_missed_its_last_checkpoint(os.fspath(path))
+            self._saved = True
             key = path_key(os.fspath(path))
             arrived = self._queue.arrive(key, queued=wrapped)
             if arrived is None:
@@ -236,6 +270,18 @@ def _define() -> type[CheckpointIO]:
             finally:
                 self._queue.leave(key, arrived)
 
+        def _refuse_a_run_that_missed_its_last_checkpoint(self, path: str) -> None:
+            """A first save, with no checkpoint loaded, into a new logger folder while another holds this
+            repository's last checkpoint: ``ckpt_path="last"`` found nothing (without ``dirpath`` each run
+            has a folder of its own), and the run would go on from scratch with only a warning."""
+            last = _last_checkpoint_elsewhere(self.files, path)
+            if last is not None:
+                raise CkptRepoError(
+                    f"this fit started from scratch, but {last} holds the last checkpoint of this repository: "
+                    f"ckpt_path=\"last\" looks only in ModelCheckpoint's folder, and without "
+                    f"ModelCheckpoint(dirpath=...) each run gets a new one; give every run the same dirpath, "
+                    f"pass ckpt_path={last!r}, or start a separate run with another tag_prefix or repository")
+
         def load_checkpoint(self, path: Any, map_location: Any | None = None,
                             weights_only: bool | None = None) -> dict[str, Any]:
             """The checkpoint a pointer file at ``path`` names, or the version ``path`` names as a revision; a
@@ -243,6 +289,7 @@ def _define() -> type[CheckpointIO]:
             first. ckptrepo never unpickles, whatever ``weights_only`` says. FileNotFoundError when ``path``
             names no checkpoint."""
             state = self.files.load(path, device=_device(map_location))
+            self._resumed = True
             if state is None:
                 try:
                     return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -282,6 +329,7 @@ def _define() -> type[CheckpointIO]:
             no thread of the plugin's is left."""
             self._steps.stop()
             self._torn_down = True
+            self._resumed = self._saved = False
             self._queue.clear()
             self.files.close()
             from ckptrepo.storage._localread import release_reader_threads

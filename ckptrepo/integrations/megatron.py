@@ -40,6 +40,7 @@ from ckptrepo.errors import (
     UnsupportedValueError,
     first_line,
 )
+from ckptrepo.integrations._atomic_file import replace_file
 from ckptrepo.parallel._distributed import process_group_rank
 from ckptrepo.repository import open as open_repo
 from ckptrepo.saving._pieces import (
@@ -129,10 +130,7 @@ def step_from_dir(checkpoint_dir: str | os.PathLike[str]) -> int | None:
 def write_pointer(checkpoint_dir: str | os.PathLike[str], url: str, version: str) -> None:
     """Record in a checkpoint directory which repository and version hold its tensors (written atomically)."""
     path = os.path.join(str(checkpoint_dir), POINTER_FILE)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"url": url, "version": version}, f)
-    os.replace(tmp, path)
+    replace_file(path, json.dumps({"url": url, "version": version}))
 
 
 def read_pointer(checkpoint_dir: str | os.PathLike[str]) -> tuple[str, str]:

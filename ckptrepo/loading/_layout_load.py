@@ -284,7 +284,33 @@ def template_rank(manifest: Manifest, layout: ParallelLayout, rank: int) -> tupl
 
 def load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None, rank: int | None,
                 into: Any = None, device: Any = None, stats: ReadStats | None = None) -> Any:
-    """Build (or fill ``into``) rank ``rank``'s state of ``layout`` from the version ``manifest``."""
+    """Build (or fill ``into``) rank ``rank``'s state of ``layout`` from the version ``manifest``.
+
+    ``into`` without a layout is first taken as the unsharded state (the documented load of a sharded
+    version into one process). When it is not, and this process is one of a torch.distributed group of as
+    many ranks as saved the version under a ParallelLayout, it is taken as this rank's state of that saved
+    layout, as DCP reads the layout from the state it fills. Either refusal happens before anything is read
+    or changed, so the second try starts from the state the caller gave.
+    """
+    try:
+        return _load_layout(store, manifest, layout, rank, into, device, stats)
+    except StateMismatchError as e:
+        if layout is not None or into is None or _has_dtensor(into):
+            raise
+        saved = manifest.layout
+        if saved is None or saved.tp is None or saved.world_size == 1:   # one saved rank: unsharded is its own
+            raise
+        degrees = f"tp={saved.tp}, pp={saved.pp}, dp={saved.dp}, zero={_or(saved.zero, 0)}"
+        if process_group_rank()[1] != saved.world_size:
+            raise StateMismatchError(f"{e}; `into` is not the unsharded state, and version {manifest.id[:12]} was "
+                                     f"saved by {saved.world_size} ranks: to fill one rank's state pass "
+                                     f"parallel_layout=ckptrepo.ParallelLayout({degrees}) and its rank=") from None
+        ranks_layout = ParallelLayout(_or(saved.tp, 1), _or(saved.pp, 1), _or(saved.dp, 1), _or(saved.zero, 0))
+        return _load_layout(store, manifest, ranks_layout, rank, into, device, stats)
+
+
+def _load_layout(store: Store, manifest: Manifest, layout: ParallelLayout | None, rank: int | None,
+                 into: Any, device: Any, stats: ReadStats | None) -> Any:
     world = saved_world(manifest)
     rules = layout.rules if layout is not None and layout.rules is not None else saved_rules(manifest)
     if layout is None:

@@ -76,6 +76,9 @@ class GcReport:
     bytes_freed: int = 0          # tensor bytes of the arrays deleted
     stored_bytes_freed: int = 0   # what they took in the store (chunk padding, checksums, indexes: see du)
     dry_run: bool = False
+    # each pruned, collected or leftover id -> its "step", "time" and the "stored_bytes" that go with it (an array
+    # shared by two of them counted with the older), so that a dry run can say what goes, in time order
+    details: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -407,6 +410,8 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     report.bytes_freed = sum(nbytes for nbytes, _ in doomed_arrays.values())
     stored = {key: stored_bytes(plumbing.store, key, layout) for key, (_, layout) in doomed_arrays.items()}
     report.stored_bytes_freed = sum(stored.values())
+    report.details = _details(plumbing, report, facts, stored)
+    report.stored_bytes_freed += sum(report.details[vid]["stored_bytes"] for vid in report.orphan_data)
     if dry_run:
         return report
 
@@ -435,6 +440,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
             if plumbing.store.exists(VERSIONS_PREFIX + vid):
                 report.orphan_data.remove(vid)
                 report.too_young.append(vid)
+                report.stored_bytes_freed -= report.details.pop(vid)["stored_bytes"]
                 rescued.append(vid)
                 continue
             plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
@@ -460,6 +466,29 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
         if not young(vid, version_id_time(vid)):
             plumbing.store.delete_prefix(f"{STAGING_PREFIX}{vid}/")
     return report
+
+
+def _details(plumbing: Plumbing, report: GcReport, facts: dict[str, VersionFacts],
+             stored: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+    """The step, time and stored bytes of each version gc prunes or collects and of each leftover data set,
+    oldest first. A version's bytes are those of its arrays that go and that no older one of them listed; a
+    leftover's are what ``data/<id>/`` takes (on a local store; an object store is not asked, and says 0)."""
+    from ckptrepo.storage._arrays import stored_bytes
+    out: dict[str, dict[str, Any]] = {}
+    for vid in report.pruned + report.collected:
+        out[vid] = {"step": facts[vid].step, "time": facts[vid].time, "stored_bytes": 0}
+    for vid in report.orphan_data:
+        out[vid] = {"step": None, "time": version_id_time(vid),
+                    "stored_bytes": stored_bytes(plumbing.store, f"{DATA_PREFIX}{vid}", 0)}
+    ordered = sorted(out, key=lambda v: (out[v]["time"] is None, out[v]["time"] or 0.0, v))
+    counted: set[str] = set()
+    for vid in ordered:
+        if vid in facts:
+            for key, _, _ in facts[vid].arrays:
+                if key in stored and key not in counted:
+                    counted.add(key)
+                    out[vid]["stored_bytes"] += stored[key]
+    return {vid: out[vid] for vid in ordered}
 
 
 def committed_meanwhile(plumbing: Plumbing, candidates: Collection[str],

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from ckptrepo.core._boxes import Box, check_coverage, volume
 from ckptrepo.core._manifest import DATA_PREFIX, STAGING_PREFIX, seal, unseal
@@ -221,30 +221,8 @@ def merge_rank_manifests(ranks: Sequence[RankPart], layout: "ParallelLayout | No
     parameter section holding every global tensor), which ``show`` and the
     inspection tools read; every rank's own tree is kept under ``layout.ranks``.
     """
-    declared: dict[str, tuple[str, tuple[int, ...], int]] = {}   # name -> (dtype, shape, the first rank listing it)
-    pieces: dict[str, list[Piece]] = {}
-    stage_of = {p.rank: (p.coords or {}).get("pp", 0) for p in ranks}
-    for part in ranks:
-        for name, dtype, shape in part.names:
-            seen_dtype, seen_shape, first = declared.setdefault(name, (dtype, shape, part.rank))
-            pieces.setdefault(name, [])
-            if stage_of[first] != stage_of[part.rank]:   # replicas live within a stage: one copy would be kept
-                raise LayoutError(f"{name}: pipeline stages {stage_of[first]} and {stage_of[part.rank]} both hold "
-                                  f"a tensor of this name, and only one copy would be kept; name the layers with "
-                                  f"the rules' layer_prefix so that each stage's become global layer numbers, or "
-                                  f"give each stage's tensor a name of its own")
-            if (seen_dtype, seen_shape) != (dtype, shape):   # bytes of one dtype would load as another's
-                raise LayoutError(f"{name}: the ranks disagree about this tensor: rank {first} holds it as "
-                                  f"{seen_dtype} {list(seen_shape)}, rank {part.rank} as {dtype} {list(shape)}; "
-                                  f"give every rank the same dtype and rules")
-    arrays: dict[str, ArrayInfo] = {}
-    for part in ranks:
-        arrays.update(part.arrays)
-        for name, mine in part.tensors:
-            pieces[name].extend(mine)
-    check_coverage({n: (declared[n][1], [p.box for p in ps]) for n, ps in pieces.items()})
+    tensors, arrays = merge_tensor_table(ranks)
     own = f"{DATA_PREFIX}{header.id}/"
-    tensors = tuple(TensorEntry(n, dtype, shape, tuple(pieces[n])) for n, (dtype, shape, _) in declared.items())
     index = {t.name: i for i, t in enumerate(tensors)}
     sections = layout.rules.all_sections() if layout is not None and layout.rules is not None else ()
     records = tuple(RankRecord(p.rank, p.coords, p.tree, p.leaf_names) for p in ranks)
@@ -258,6 +236,52 @@ def merge_rank_manifests(ranks: Sequence[RankPart], layout: "ParallelLayout | No
                        size=sum(volume(p.box[1]) * TORCH_DTYPES[t.dtype].itemsize for t in tensors for p in t.pieces
                                 if p.array.startswith(own)),   # the bytes it wrote: not the pieces it reuses
                        tree=full_tree(ranks[0].tree, ranks[0].leaf_names, tensors, index, sections))
+
+
+class TablePart(Protocol):
+    """What ``merge_tensor_table`` reads of one rank's part: a snapshotter's ``RankPart``, or the ``RankWrite``
+    of a rank in a framework-coordinated save (saving/_pieces.py)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def coords(self) -> dict[str, int] | None: ...
+    @property
+    def names(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]: ...
+    @property
+    def tensors(self) -> tuple[tuple[str, tuple[Piece, ...]], ...]: ...
+    @property
+    def arrays(self) -> dict[str, ArrayInfo]: ...
+
+
+def merge_tensor_table(parts: Sequence[TablePart]) -> tuple[tuple[TensorEntry, ...], dict[str, ArrayInfo]]:
+    """The version's tensor table and arrays from every rank's part, in the parts' order: each tensor listed
+    where a rank first names it, with the pieces all ranks wrote of it, which must cover it exactly once.
+    Ranks that disagree about a tensor's dtype or shape, or pipeline stages that both hold one, are refused:
+    bytes of one dtype would load as another's, and only one stage's copy would be kept."""
+    declared: dict[str, tuple[str, tuple[int, ...], int]] = {}   # name -> (dtype, shape, the first rank listing it)
+    pieces: dict[str, list[Piece]] = {}
+    stage_of = {p.rank: (p.coords or {}).get("pp", 0) for p in parts}
+    for part in parts:
+        for name, dtype, shape in part.names:
+            seen_dtype, seen_shape, first = declared.setdefault(name, (dtype, shape, part.rank))
+            pieces.setdefault(name, [])
+            if stage_of[first] != stage_of[part.rank]:   # replicas live within a stage: one copy would be kept
+                raise LayoutError(f"{name}: pipeline stages {stage_of[first]} and {stage_of[part.rank]} both hold "
+                                  f"a tensor of this name, and only one copy would be kept; name the layers with "
+                                  f"the rules' layer_prefix so that each stage's become global layer numbers, or "
+                                  f"give each stage's tensor a name of its own")
+            if (seen_dtype, seen_shape) != (dtype, shape):   # bytes of one dtype would load as another's
+                raise LayoutError(f"{name}: the ranks disagree about this tensor: rank {first} holds it as "
+                                  f"{seen_dtype} {list(seen_shape)}, rank {part.rank} as {dtype} {list(shape)}; "
+                                  f"give every rank the same dtype and rules")
+    arrays: dict[str, ArrayInfo] = {}
+    for part in parts:
+        arrays.update(part.arrays)
+        for name, mine in part.tensors:
+            pieces[name].extend(mine)
+    check_coverage({n: (declared[n][1], [p.box for p in ps]) for n, ps in pieces.items()})
+    return tuple(TensorEntry(n, dtype, shape, tuple(pieces[n])) for n, (dtype, shape, _) in declared.items()), arrays
 
 
 def merged_stats(ranks: Sequence[RankPart], tensors: Sequence[TensorEntry]) -> TensorStatsRecord | None:

@@ -172,7 +172,10 @@ def global_shape(spec: Spec, local: Sequence[int], tp: int, what: str = "tensor"
     if d is None:
         return tuple(shape)
     if isinstance(spec, VocabSplit):
-        if shape[d] * tp != spec.padded(tp):
+        # one rank holding the whole vocabulary may hold it unpadded, as an unsharded load returns it: its
+        # rows are then the global rows, and the padding a tensor-parallel load adds is zeros either way
+        unpadded = tp == 1 and shape[d] == spec.size
+        if shape[d] * tp != spec.padded(tp) and not unpadded:
             hint = (f"; an unsharded load returns it unpadded: pad it with zero rows to {spec.padded(tp)} "
                     f"before this snapshot" if shape[d] * tp == spec.size else "; check the rules")
             raise LayoutError(f"{what}: {shape[d]} local rows x tp={tp} is not the padded vocabulary "

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
+from ckptrepo.core._manifest import DATA_PREFIX, FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._refs import Head, lost_head_branch
 from ckptrepo.core.schema import (
@@ -43,12 +44,13 @@ from ckptrepo.maintenance._lost import collected_while_committing, own_arrays, u
 from ckptrepo.parallel._distributed import GroupHealth, Staging, merge_rank_manifests
 from ckptrepo.parallel._replicas import check_replicas
 from ckptrepo.parallel.layout import ParallelLayout
-from ckptrepo.saving._dedup import StoredTensor
+from ckptrepo.saving._dedup import DedupIndex, StoredTensor
 from ckptrepo.saving._snapshot_job import SnapshotJob
 from ckptrepo.saving._tensor_stats import piece_moments, stats_record
 from ckptrepo.saving._writer import WritePlan
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage._chunktable import write_table
 
 log = logging.getLogger("ckptrepo")
 
@@ -81,14 +83,22 @@ class Committer:
         if self.tip is None:
             refuse_new_root(plumbing, head.branch, head.orphan)
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
-        # called between the manifest and the ref: a check that must see what a concurrent prune sees (dedup)
-        self.before_ref: Callable[[SnapshotJob, Manifest], None] | None = None
+        # the snapshotter's dedup index (set by it once made: it compares with this committer's tip first)
+        self.dedup: DedupIndex | None = None
         faults.point("after_read_head")
 
     def commit(self, job: SnapshotJob) -> Version:
-        """Commit the job's version (its data is durable); raises if it cannot be, and then nothing is visible."""
-        if self.sharded or job.sharded:
-            return self._commit_sharded(job)
+        """Commit the job's version (its data is durable): its arrays' chunk tables, then its manifest and the
+        branch; raises if it cannot be, and then nothing is visible."""
+        job.arrays = {d: write_table(self.plumbing.store, info, job.chunk_crcs[d]) for d, info in job.arrays.items()}
+        if self.dedup is not None and job.reused:
+            self.dedup.check_reused(self.plumbing.store, job, arrays_listed({}, job.reused))
+        version = self._commit_sharded(job) if self.sharded or job.sharded else self._commit_single(job)
+        if self.dedup is not None:
+            self.dedup.remember(job)
+        return version
+
+    def _commit_single(self, job: SnapshotJob) -> Version:
         assert job.plan is not None
         manifest = build_manifest(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.records,
                                   job.plan, job.arrays, job.skeleton, written=job.written, reused=job.reused,
@@ -153,46 +163,46 @@ class Committer:
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
         manifest = manifest.with_stats(job.handle.stats.to_json())
-        self.plumbing.store.put_if_absent(VERSIONS_PREFIX + job.vid, encode_manifest(manifest))
-        faults.point("after_manifest")
-        if self.before_ref is not None:
-            self.before_ref(job, manifest)
-        moved = self.plumbing.refs.move_branch(self.branch, job.vid, self.generation, self.tip,
-                                               self.plumbing.first_parent)
-        if moved is None:
-            now = self.plumbing.refs.branch_tip(self.branch)
-            base = f"version {self.tip[:12]}" if self.tip else "an empty branch"
+        parent = self.tip
+        base = f"version {parent[:12]}" if parent else "an empty branch"
+
+        def moved_away(now: str | None) -> str:
             # every later snapshot of this snapshotter was taken from the diverged state too (those in flight
             # already): none may go on top of the other writer's version, so none is committed
             self.conflict = (f"branch {self.branch!r} moved to {str(now)[:12]} (another writer) while this "
                              f"snapshotter wrote on top of {base}, so it commits nothing more to it: load the branch "
                              f"tip and snapshot with a new snapshotter, or give each writer a branch of its own")
-            raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
-        first, parent = self.tip is None, self.tip
-        self.tip = job.vid
-        if moved.generation is not None:
-            self.generation = moved.generation
-        else:   # committed, and another writer committed on top of it before this one read the branch back
-            self.conflict = (f"branch {self.branch!r} moved on past version {job.vid[:12]} (another writer "
-                             f"committed on top of it), so this snapshotter commits nothing more to it: load the "
-                             f"branch tip and snapshot with a new snapshotter, or give each writer a branch of its own")
-        faults.point("after_ref")
-        deleted = collected_while_committing(self.plumbing, job.vid, own_arrays(manifest))
-        if deleted is not None:
-            message, generation = undo_collected_commit(self.plumbing, self.branch, job.vid, parent,
-                                                        moved.generation, deleted)
+            return self.conflict
+
+        def moved(generation: bytes | None) -> None:
+            self.tip = job.vid
+            if generation is not None:
+                self.generation = generation
+            else:   # committed, and another writer committed on top of it before this one read the branch back
+                self.conflict = (f"branch {self.branch!r} moved on past version {job.vid[:12]} (another writer "
+                                 f"committed on top of it), so this snapshotter commits nothing more to it: load "
+                                 f"the branch tip and snapshot with a new snapshotter, or give each writer a "
+                                 f"branch of its own")
+
+        def undone(message: str, generation: bytes | None) -> None:
             if generation is not None:
                 self.tip, self.generation = parent, generation
             else:
                 self.conflict = message
-            raise SnapshotFailedError(message)
-        if first and self.orphan:
-            try:
-                self.plumbing.refs.settle_orphan(self.branch)
-            except CkptRepoError as err:   # committed all the same; HEAD still reads as this branch
-                log.warning("ckptrepo: HEAD still says orphan of branch %r: %s", self.branch, err)
-        self.plumbing.remember_header(manifest)
-        return version_from_manifest(manifest, (self.branch,))
+
+        # a manifest already there is this commit's own (a retried put whose reply was lost): version ids are new
+        return publish_version(self.plumbing, BranchBase(self.branch, parent, self.generation, self.orphan),
+                               manifest, moved_away, before_ref=lambda m: self._recheck_reused(job, m),
+                               on_moved=moved, on_undone=undone, refuse_existing=False)
+
+    def _recheck_reused(self, job: SnapshotJob, manifest: Manifest) -> None:
+        """Between the manifest and the ref: the reused arrays again, every rank's (those of the manifest that
+        are not this version's own). A prune that began meanwhile either reads this manifest (and keeps what it
+        reuses) or has its intent seen here (maintenance/_gc.py prune_version)."""
+        own = f"{DATA_PREFIX}{job.vid}/"
+        reused = {k: a for k, a in manifest.arrays.items() if not k.startswith(own)}
+        if self.dedup is not None and reused:
+            self.dedup.check_reused(self.plumbing.store, job, reused, announced=True)
 
     def publish_failure(self, job: SnapshotJob, err: BaseException) -> None:
         """Distributed: let the other ranks know at once (rank 0 aborts the version; the others stop waiting)."""
@@ -225,6 +235,60 @@ def refuse_new_root(plumbing: Plumbing, branch: str, orphan: bool) -> None:
     lost = lost_head_branch(plumbing.store, Head(branch, None, b"", orphan=orphan))
     if lost is not None:
         raise RefError(f"not snapshotting: it would start a new history (no parent) on branch {branch!r}; {lost}")
+
+
+@dataclass(frozen=True)
+class BranchBase:
+    """The branch a version goes on and the tip (and its generation) it is committed on top of."""
+
+    branch: str
+    tip: str | None
+    generation: bytes
+    orphan: bool
+
+
+def publish_version(plumbing: Plumbing, base: BranchBase, manifest: Manifest, moved_away: Callable[[str | None], str],
+                    *, before_ref: Callable[[Manifest], None] | None = None,
+                    on_moved: Callable[[bytes | None], None] | None = None,
+                    on_undone: Callable[[str, bytes | None], None] | None = None,
+                    refuse_existing: bool = True) -> Version:
+    """Commit ``manifest`` on ``base``: the manifest written create-only, then the branch moved from
+    ``base.tip`` by compare-and-swap; the version exists once the ref moved. Every commit goes through here:
+    a snapshotter's (``Committer``) and a framework-coordinated save's (saving/_pieces.py).
+
+    A branch that moved since ``base`` is a ConflictError whose reason ``moved_away(tip now)`` words;
+    ``before_ref(manifest)`` runs between the manifest and the ref (dedup's recheck), ``on_moved(generation)``
+    right after the ref moved (None: another writer already committed on top of it). A version whose data a
+    concurrent gc deleted meanwhile is taken off the branch again (maintenance/_lost.py), ``on_undone(why,
+    generation the branch has now or None)`` told, and SnapshotFailedError raised. ``refuse_existing``: a
+    manifest already there is a ConflictError (False: it is this commit's own, put again)."""
+    vid = manifest.id
+    created = plumbing.store.put_if_absent(VERSIONS_PREFIX + vid, encode_manifest(manifest))
+    if not created and refuse_existing:
+        raise ConflictError(f"version {vid[:12]} already exists; a save commits a version once")
+    faults.point("after_manifest")
+    if before_ref is not None:
+        before_ref(manifest)
+    moved = plumbing.refs.move_branch(base.branch, vid, base.generation, base.tip, plumbing.first_parent)
+    if moved is None:
+        why = moved_away(plumbing.refs.branch_tip(base.branch))
+        raise ConflictError(f"version {vid[:12]} was not committed: {why}")
+    if on_moved is not None:
+        on_moved(moved.generation)
+    faults.point("after_ref")
+    deleted = collected_while_committing(plumbing, vid, own_arrays(manifest))
+    if deleted is not None:
+        message, generation = undo_collected_commit(plumbing, base.branch, vid, base.tip, moved.generation, deleted)
+        if on_undone is not None:
+            on_undone(message, generation)
+        raise SnapshotFailedError(message)
+    if base.tip is None and base.orphan:
+        try:
+            plumbing.refs.settle_orphan(base.branch)
+        except CkptRepoError as err:   # committed all the same; HEAD still reads as this branch
+            log.warning("ckptrepo: HEAD still says orphan of branch %r: %s", base.branch, err)
+    plumbing.remember_header(manifest)
+    return version_from_manifest(manifest, (base.branch,))
 
 
 def version_header(vid: str, parent: str | None, step: int | None, message: str,

@@ -19,6 +19,21 @@ EAGER_COPY_BYTES = 64 << 10   # tensors this small are copied at snapshot(): see
 EAGER_COPY_BYTES_ATTACHED = 16 << 20
 
 
+def step_owned(optimizers: list[Any]) -> set[int]:
+    """Addresses of the tensors only the attached optimizers' step changes (their parameters and state, from
+    weak references to them), which capture may leave live however small: the step waits for capture."""
+    owned: set[int] = set()
+    for ref in optimizers:
+        opt = ref()
+        if opt is None:
+            continue
+        for group in opt.param_groups:
+            owned.update(p.data_ptr() for p in group["params"])
+        for st in opt.state.values():
+            owned.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+    return owned
+
+
 def copy_what_forward_may_change(state: Any, records: list[TensorRecord], step_owned: set[int],
                                   last: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """Copy now the buffers of modules in ``state`` (forward changes BatchNorm statistics in place), also of modules

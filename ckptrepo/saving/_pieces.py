@@ -23,30 +23,24 @@ import numpy as np
 import torch
 
 from ckptrepo import faults
-from ckptrepo.core._boxes import check_coverage, volume
-from ckptrepo.core._manifest import VERSIONS_PREFIX, Version
+from ckptrepo.core._boxes import volume
+from ckptrepo.core._manifest import Version
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core.schema import (
     SINGLE_PROCESS_LAYOUT,
     Manifest,
     Piece,
-    TensorEntry,
-    encode_manifest,
-    version_from_manifest,
 )
 from ckptrepo.errors import (
-    CkptRepoError,
-    ConflictError,
     DetachedHeadError,
     LayoutError,
-    SnapshotFailedError,
     UnsupportedValueError,
 )
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.loading._reshard import read_pieces
-from ckptrepo.maintenance._lost import collected_while_committing, own_arrays, undo_collected_commit
+from ckptrepo.parallel._distributed import merge_tensor_table
 from ckptrepo.parallel._sharding import Piece as TargetPiece
-from ckptrepo.saving._commit import refuse_new_root, version_header
+from ckptrepo.saving._commit import BranchBase, publish_version, refuse_new_root, version_header
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
 from ckptrepo.state._providers import DTYPE_NAMES, TensorRecord
 from ckptrepo.storage._arrays import ArrayInfo, create_array, itemsize
@@ -91,15 +85,16 @@ class RankWrite:
     def nbytes(self) -> int:
         return sum(volume(c.piece.box[1]) * itemsize(c.dtype) for c in self.chunks if c.piece is not None)
 
+    # what rank 0 merges of a snapshotter's rank parts too (parallel/_distributed.py merge_tensor_table)
+    coords = None   # no pipeline stages: the framework decided what each rank writes
 
-@dataclass(frozen=True)
-class BranchBase:
-    """The branch a version goes on and the tip (and its generation) it is committed on top of."""
+    @property
+    def names(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        return tuple((c.name, c.dtype, c.gshape) for c in self.chunks)
 
-    branch: str
-    tip: str | None
-    generation: bytes
-    orphan: bool
+    @property
+    def tensors(self) -> tuple[tuple[str, tuple[Piece, ...]], ...]:
+        return tuple((c.name, (c.piece,)) for c in self.chunks if c.piece is not None)
 
 
 def _dtype_name(t: torch.Tensor, name: str) -> str:
@@ -212,57 +207,22 @@ def commit_chunks(plumbing: Plumbing, vid: str, writes: Sequence[RankWrite], tre
     """
     del world_size   # see the docstring: the layout is one process's
     base = base if base is not None else read_branch_base(plumbing)
-    _, tensors, arrays = _merge(writes)
+    tensors, arrays = merge_tensor_table(sorted(writes, key=lambda w: w.rank))
     header = version_header(vid, base.tip, step, message, dict(metrics or {}), dict(meta) if meta else None)
     size = sum(volume(p.box[1]) * arrays[p.array].itemsize for t in tensors for p in t.pieces)
     manifest = Manifest.of(header, size=size, layout=SINGLE_PROCESS_LAYOUT, arrays=arrays, tensors=tensors,
                            tree=tree)
-    if not plumbing.store.put_if_absent(VERSIONS_PREFIX + vid, encode_manifest(manifest)):
-        raise ConflictError(f"version {vid[:12]} already exists; a save commits a version once")
-    faults.point("after_manifest")
-    moved = plumbing.refs.move_branch(base.branch, vid, base.generation, base.tip, plumbing.first_parent)
-    if moved is None:
-        now = plumbing.refs.branch_tip(base.branch)
-        on = f"version {base.tip[:12]}" if base.tip else "an empty branch"
-        raise ConflictError(f"version {vid[:12]} was not committed: branch {base.branch!r} moved to {str(now)[:12]} "
-                            f"(another writer) while this save wrote on top of {on}; save again, or give each "
-                            f"writer a branch of its own")
-    faults.point("after_ref")
-    deleted = collected_while_committing(plumbing, vid, own_arrays(manifest))
-    if deleted is not None:
-        raise SnapshotFailedError(undo_collected_commit(plumbing, base.branch, vid, base.tip, moved.generation,
-                                                        deleted)[0])
-    if base.tip is None and base.orphan:
-        try:
-            plumbing.refs.settle_orphan(base.branch)
-        except CkptRepoError:   # committed all the same; HEAD still reads as this branch
-            pass
-    plumbing.remember_header(manifest)
-    return version_from_manifest(manifest, (base.branch,))
+    on = f"version {base.tip[:12]}" if base.tip else "an empty branch"
+
+    def moved_away(now: str | None) -> str:
+        return (f"branch {base.branch!r} moved to {str(now)[:12]} (another writer) while this save wrote on top "
+                f"of {on}; save again, or give each writer a branch of its own")
+    return publish_version(plumbing, base, manifest, moved_away)
 
 
 def tensor_order(writes: Sequence[RankWrite]) -> list[str]:
     """The tensors' names in the order ``commit_chunks`` lists them (their index in a tree's tensor leaves)."""
-    return list(_merge(writes)[0])
-
-
-def _merge(writes: Sequence[RankWrite]) -> tuple[dict[str, int], tuple[TensorEntry, ...], dict[str, ArrayInfo]]:
-    declared: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    pieces: dict[str, list[Piece]] = {}
-    arrays: dict[str, ArrayInfo] = {}
-    for w in sorted(writes, key=lambda w: w.rank):
-        arrays.update(w.arrays)
-        for c in w.chunks:
-            dtype, gshape, first = declared.setdefault(c.name, (c.dtype, c.gshape, w.rank))
-            if (dtype, gshape) != (c.dtype, c.gshape):
-                raise LayoutError(f"{c.name}: the ranks disagree about this tensor: rank {first} writes it as "
-                                  f"{dtype} {list(gshape)}, rank {w.rank} as {c.dtype} {list(c.gshape)}")
-            pieces.setdefault(c.name, [])
-            if c.piece is not None:
-                pieces[c.name].append(c.piece)
-    check_coverage({n: (declared[n][1], [p.box for p in ps]) for n, ps in pieces.items()})
-    tensors = tuple(TensorEntry(n, d, s, tuple(pieces[n])) for n, (d, s, _) in declared.items())
-    return {n: i for i, n in enumerate(declared)}, tensors, arrays
+    return [t.name for t in merge_tensor_table(sorted(writes, key=lambda w: w.rank))[0]]
 
 
 def read_chunks(source: Plumbing | Store, manifest: Manifest, wants: Sequence[GlobalChunk],

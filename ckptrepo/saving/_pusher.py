@@ -20,14 +20,26 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable, Iterable
 
+from ckptrepo.core._manifest import checked_step, new_version_id
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core._remotes import record_push_failure, remote_url
 from ckptrepo.core._same_store import check_not_itself, refuse_if_same_store
-from ckptrepo.errors import CkptRepoError, RemoteError, first_line
+from ckptrepo.errors import (
+    ArgumentError,
+    BackpressureWarning,
+    CkptRepoError,
+    RemoteError,
+    SnapshotFailedError,
+    first_line,
+    warn,
+)
 from ckptrepo.remotes._evict import evict
 from ckptrepo.remotes._sync import push
+from ckptrepo.saving._options import LocalTier, default_local_max_bytes
+from ckptrepo.saving._snapshot_job import SnapshotHandle
 from ckptrepo.storage import open_store
 
 log = logging.getLogger("ckptrepo")
@@ -133,6 +145,20 @@ class BackgroundPusher:
                 self._cond.wait()
             return True
 
+    def admit(self, nbytes: int, step: int | None, on_full: str) -> bool:
+        """``make_room`` for a snapshot of ``nbytes`` at ``step``, with the ``BackpressureWarning`` that says
+        why it waits (``on_full="wait"``) or is skipped; called by ``Snapshotter.snapshot`` (the warning
+        names the line that called the snapshotter)."""
+        def warn_full(unpushed: int) -> None:
+            assert self.max_bytes is not None
+            what = "waits for the push" if on_full == "wait" else "is skipped"
+            at = "" if step is None else f" at step {step}"
+            warn(f"ckptrepo: the local tier holds {_size(unpushed)} not pushed to {self.remote!r} yet; "
+                 f"the snapshot{at} ({_size(nbytes)}) would pass local_max_bytes={_size(self.max_bytes)}, "
+                 f"so it {what} (on_full={on_full!r}); the remote is slower than the snapshots: "
+                 f"snapshot less often or raise local_max_bytes", BackpressureWarning)
+        return self.make_room(nbytes, on_full == "wait", warn_full)
+
     def _over(self, nbytes: int) -> bool:
         unpushed = sum(self._pending.values())
         return self.max_bytes is not None and unpushed > 0 and unpushed + nbytes > self.max_bytes
@@ -214,4 +240,37 @@ class BackgroundPusher:
         self._on_error(failure)
 
 
-__all__ = ["BackgroundPusher", "check_push_target"]
+def tier_pusher(plumbing: Plumbing, tier: LocalTier, branch: str, rank: int, world_size: int,
+                on_error: Callable[[CkptRepoError], None],
+                protect: Callable[[], Iterable[str]]) -> BackgroundPusher | None:
+    """A snapshotter's pusher for ``tier`` on ``branch``, once its remote is checked (``check_push_target``);
+    None on ranks other than 0: one pusher per version, on the rank that commits it."""
+    check_push_target(plumbing, tier.push_to)   # an unknown remote, or this repository itself: one line
+    if tier.on_full == "skip" and world_size > 1:
+        raise ArgumentError("on_full='skip' needs a single process (every rank would have to skip the same "
+                            "snapshot); use on_full='wait'")
+    if rank != 0:
+        return None
+    return BackgroundPusher(plumbing, tier.push_to, branch, tier.keep_last,
+                            tier.max_bytes_parsed or default_local_max_bytes(plumbing.store), on_error, protect)
+
+
+def skipped_handle(step: int | None, remote: str, t0: float) -> SnapshotHandle:
+    """The handle of a snapshot not taken (``on_full="skip"``): done at once, ``skipped`` set."""
+    handle = SnapshotHandle(new_version_id(), checked_step(step))
+    reason = SnapshotFailedError(f"the snapshot{'' if step is None else f' at step {step}'} was skipped: the "
+                                 f"local tier was full (local_max_bytes) while the push to {remote!r} "
+                                 f"caught up (on_full='skip')")
+    handle._skip(reason)
+    handle.stats.blocking_s = time.perf_counter() - t0
+    return handle
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+__all__ = ["BackgroundPusher", "check_push_target", "skipped_handle", "tier_pusher"]

@@ -206,16 +206,18 @@ NONFINITE = Condition("has NaN or Inf", ">", 0.0)
 
 
 def bisect(plumbing: Plumbing, when: str | None, metric: str | None, tensor: str | None, stat: str,
-           nonfinite: bool, rev: str, since: int | None, until: int | None) -> BisectResult | None:
+           nonfinite: bool, rev: str, since: int | None, until: int | None,
+           include_nonfloat: bool = False) -> BisectResult | None:
     """``Repository.bisect``: its arguments' combinations checked, then answered from the first-parent history
-    of ``rev`` (recorded metrics, or the capture-time statistics of ``stat_matrix``)."""
+    of ``rev`` (recorded metrics, or the capture-time statistics of ``stat_matrix``; non-float tensors and
+    step counters only with ``include_nonfloat``)."""
     if nonfinite:
         if when is not None or metric is not None:
             raise ArgumentError("nonfinite=True takes no condition and no metric: it looks for NaN and Inf "
                                 "elements of tensors (narrow them with tensor=GLOB)")
         pattern = tensor or "*"
-        nan = _matrix(plumbing, pattern, "nan", rev, since, until)
-        inf = _matrix(plumbing, pattern, "inf", rev, since, until)
+        nan = _matrix(plumbing, pattern, "nan", rev, since, until, include_nonfloat)
+        inf = _matrix(plumbing, pattern, "inf", rev, since, until, include_nonfloat)
         return first_nonfinite(nan.versions, nan.steps, nan.names, nan.values, inf.values)
     if (metric is None) == (tensor is None):
         raise ArgumentError("bisect needs one of metric= (a recorded metric) or tensor= (a glob, with stat=), "
@@ -234,16 +236,16 @@ def bisect(plumbing: Plumbing, when: str | None, metric: str | None, tensor: str
         raise ArgumentError("'is nan' is for metrics: a tensor statistic is NaN where the tensor is absent; "
                             "find NaN elements with nonfinite=True (--nonfinite)")
     assert tensor is not None
-    m = _matrix(plumbing, tensor, stat, rev, since, until)
+    m = _matrix(plumbing, tensor, stat, rev, since, until, include_nonfloat)
     return first_tensor_match(m.versions, m.steps, m.names, m.values, stat, cond)
 
 
-def _matrix(plumbing: Plumbing, pattern: str, stat: str, rev: str, since: int | None,
-            until: int | None) -> StatMatrix:
+def _matrix(plumbing: Plumbing, pattern: str, stat: str, rev: str, since: int | None, until: int | None,
+            include_nonfloat: bool) -> StatMatrix:
     """``stat_matrix`` of ``pattern``, refused in one line when no tensor matches."""
     # numpy: imported when a bisect runs, not with this module
     from ckptrepo.tools._trajectory import stat_matrix
-    m = stat_matrix(plumbing, pattern, stat, rev, since, until)
+    m = stat_matrix(plumbing, pattern, stat, rev, since, until, include_nonfloat=include_nonfloat)
     if not m.names:
         where = " in the --since/--until range" if since is not None or until is not None else ""
         raise ArgumentError(f"no tensor matches {pattern!r} in the history of {rev}{where}; "

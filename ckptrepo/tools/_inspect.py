@@ -7,7 +7,7 @@ read exactly its bytes through the read engine (verified ``preadv`` into a
 buffer the worker keeps, or TensorStore) and reduce them, ``BLOCK_ELEMS`` at a
 time, to a *partial*: the moments of those elements for ``stats``, the norms,
 dot product and largest difference for ``diff``. Partials are merged in element
-order, pairwise (Chan et al. for mean and spread), so a result does not depend
+order, pairwise (Chan et al. for mean and spread, core/_moments.py), so a result does not depend
 on which thread finished first. Memory is the workers' buffers: a few
 ``CHUNK_BYTES`` each, whatever the checkpoint size.
 
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ckptrepo.core._boxes import flat_boxes, volume
+from ckptrepo.core._moments import merge_moments
 from ckptrepo.core._plumbing import Plumbing
 from ckptrepo.core.schema import Manifest, TensorEntry
 from ckptrepo.loading._engine import Engine, Read
@@ -46,6 +47,7 @@ from ckptrepo.parallel._sharding import Piece
 from ckptrepo.state._providers import TORCH_DTYPES
 from ckptrepo.state._skeleton import plain_values, short_text
 from ckptrepo.storage._arrays import ArrayInfo, itemsize
+from ckptrepo.tools._numeric import is_numeric
 from ckptrepo.tools._recorded import TensorStats
 
 CHUNK_BYTES = 8 << 20     # stored bytes of one version that a job reads (a diff job reads as much of each side)
@@ -92,17 +94,10 @@ class _Moments:
 
 
 def _merge_moments(p: _Moments, q: _Moments) -> _Moments:
-    """Chan et al.'s pairwise update, with the spread kept as a root of sums of squares."""
-    out = _Moments(p.count + q.count, nan=p.nan + q.nan, inf=p.inf + q.inf, lo=min(p.lo, q.lo), hi=max(p.hi, q.hi))
-    if not p.count or not q.count:
-        one = p if p.count else q
-        out.mean, out.dev, out.norm = one.mean, one.dev, one.norm
-        return out
-    delta = q.mean - p.mean
-    out.mean = p.mean + delta * q.count / out.count
-    out.dev = math.hypot(p.dev, q.dev, abs(delta) * math.sqrt(p.count * q.count / out.count))
-    out.norm = math.hypot(p.norm, q.norm)
-    return out
+    """Two runs' moments together: count, mean and spread as core/_moments.py merges them, norms as a hypot."""
+    count, mean, dev = merge_moments(p.count, p.mean, p.dev, q.count, q.mean, q.dev)
+    norm = p.norm if not q.count else q.norm if not p.count else math.hypot(p.norm, q.norm)
+    return _Moments(count, mean, dev, norm, min(p.lo, q.lo), max(p.hi, q.hi), p.nan + q.nan, p.inf + q.inf)
 
 
 @dataclass
@@ -513,6 +508,7 @@ class TensorDiff:
     cosine: float = 1.0              # <A, B> / (||A|| ||B||)
     norm_a: float = math.nan         # NaN: not computed (a tensor added, removed, reshaped or retyped)
     norm_b: float = math.nan
+    numeric: bool = True             # False: a non-float tensor or step counter, its numbers left out (NaN)
 
     def to_json(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.__dict__.items()}
@@ -546,14 +542,20 @@ class VersionDiff:
         for t in self.tensors:
             parts = t.name.replace("/", ".").split(".")
             key = ".".join(parts[:depth])
-            g = groups.setdefault(key, {"prefix": key, "tensors": 0, "changed": 0, "l2": 0.0, "norm_a": 0.0})
+            g = groups.setdefault(key, {"prefix": key, "tensors": 0, "changed": 0, "l2": 0.0, "norm_a": 0.0,
+                                        "numeric": 0})
             g["tensors"] += 1
             g["changed"] += t.status != "unchanged"
-            g["l2"] = math.hypot(g["l2"], t.l2)     # hypot: the norm of norms, without squaring into overflow
-            g["norm_a"] = math.hypot(g["norm_a"], t.norm_a)
+            if t.numeric:   # a tensor left out of the numbers is counted, not measured
+                g["numeric"] += 1
+                g["l2"] = math.hypot(g["l2"], t.l2)     # hypot: the norm of norms, without squaring into overflow
+                g["norm_a"] = math.hypot(g["norm_a"], t.norm_a)
         out = []
         for g in groups.values():
             l2, na = g["l2"], g.pop("norm_a")
+            if not g.pop("numeric"):
+                out.append(dict(g, l2=math.nan, relative=math.nan))
+                continue
             out.append(dict(g, relative=l2 / na if na else (0.0 if l2 == 0 else math.inf)))
         return out
 
@@ -563,9 +565,11 @@ class VersionDiff:
 
 
 def diff_versions(plumbing: Plumbing, a: str, b: str, pattern: str | None = None,
-                  on_bytes: Callable[[int], None] | None = None) -> VersionDiff:
+                  on_bytes: Callable[[int], None] | None = None, include_nonfloat: bool = False) -> VersionDiff:
     """Compare versions ``a`` and ``b`` tensor by tensor (the tensors ``pattern`` matches, read in parallel
-    jobs) and object by object. ``on_bytes`` is told the stored bytes of each job once it is read."""
+    jobs) and object by object. ``on_bytes`` is told the stored bytes of each job once it is read. A non-float
+    tensor or step counter (tools/_numeric.py) is listed changed or unchanged with its numbers NaN, unless
+    ``include_nonfloat``."""
     va, vb = plumbing.resolve(a), plumbing.resolve(b)
     ma, mb = plumbing.manifest(va), plumbing.manifest(vb)
     plumbing.require_data(va, ma)
@@ -603,6 +607,11 @@ def diff_versions(plumbing: Plumbing, a: str, b: str, pattern: str | None = None
     partials = _run_jobs(_jobs(rows), functools.partial(_diff_job, sa, sb), on_bytes)
     for row, entry in compared.items():
         result.tensors[row] = _tensor_diff(entry, _merged(partials.get(row), _merge_deltas, _Delta()))
+    if not include_nonfloat:
+        for row, t in enumerate(result.tensors):
+            entry = ta.get(t.name) or tb[t.name]
+            if not is_numeric(entry.name, entry.dtype, entry.numel):
+                result.tensors[row] = TensorDiff(t.name, t.status, t.dtype, t.shape, *(math.nan,) * 6, numeric=False)
     result.objects = _diff_objects(ma.tree, mb.tree)
     return result
 

@@ -27,6 +27,7 @@ from ckptrepo.core.schema import (
     decode_header_and_stats,
 )
 from ckptrepo.errors import ArgumentError, CkptRepoError
+from ckptrepo.tools._numeric import NONFLOAT_HINT, is_numeric
 
 METRICS = STAT_COLUMNS   # norm, mean, std, min, max, absmax, nan, inf, delta, relative-change
 CHANGE_METRICS = ("delta", "relative-change")
@@ -143,7 +144,8 @@ class _Matcher:
 
 
 def stat_matrix(plumbing: Plumbing, pattern: str | None, stat: str = "norm", rev: str = "HEAD",
-                since: int | None = None, until: int | None = None, max_versions: int | None = None) -> StatMatrix:
+                since: int | None = None, until: int | None = None, max_versions: int | None = None,
+                include_nonfloat: bool = False) -> StatMatrix:
     """``stat`` of every tensor matching ``pattern`` along the first-parent history of ``rev`` (see StatMatrix).
 
     Versions gc pruned are skipped (their data is gone). ``delta`` (||v_i - v_{i-1}||) and
@@ -151,7 +153,9 @@ def stat_matrix(plumbing: Plumbing, pattern: str | None, stat: str = "norm", rev
     has none. ``max_versions`` samples the history evenly, the newest kept: the walk decodes every header,
     and only the sampled versions' statistics (and, for a change capture did not measure, their data).
     A glob that matches no tensor of any version of the range is an ArgumentError; one that matches but
-    has no value (a change over a single version) gives an empty matrix.
+    has no value (a change over a single version) gives an empty matrix. Non-float tensors and step counters
+    (tools/_numeric.py) are left out unless ``include_nonfloat``; a glob that matches only those is an
+    ArgumentError that says so.
     """
     check_metric(stat)
     pruned = plumbing.pruned_ids()
@@ -192,18 +196,42 @@ def stat_matrix(plumbing: Plumbing, pattern: str | None, stat: str = "norm", rev
     for column in columns:
         for name in column:
             index.setdefault(name, len(index))
+    if not include_nonfloat and index:
+        left_out = _not_numeric(plumbing, [vid for vid, *_ in chain[::-1]], list(index))
+        if left_out and len(left_out) == len(index):
+            shown = ", ".join(left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+            raise ArgumentError(f"{pattern or '*'!r} matches only non-float tensors or step counters ({shown}), "
+                                f"which numeric views leave out; {NONFLOAT_HINT}")
+        dropped = set(left_out)
+        index = {name: i for i, name in enumerate(n for n in index if n not in dropped)}
     out.names = list(index)
     out.values = np.full((len(index), len(columns)), np.nan)
     out.present = np.zeros((len(index), len(columns)), bool)
     for j, column in enumerate(columns):
         for name, value in column.items():
-            out.values[index[name], j] = value
-            out.present[index[name], j] = True
+            if name in index:
+                out.values[index[name], j] = value
+                out.present[index[name], j] = True
     if chain and not out.names and not matched and not any(
             matcher.match(t.name) for vid, *_ in chain for t in plumbing.manifest(vid).tensors):
         raise ArgumentError(f"no tensor matches {pattern!r} in the history of {rev}; "
                             f"`ckptrepo show {rev}` lists the tensors")
     return out
+
+
+def _not_numeric(plumbing: Plumbing, newest_first: list[str], names: list[str]) -> list[str]:
+    """Those of ``names`` that are non-float tensors or step counters, by the tensor table of the newest
+    version of ``newest_first`` that holds each: one manifest decoded where the names stay the same."""
+    unknown = set(names)
+    numeric: dict[str, bool] = {}
+    for vid in newest_first:
+        for t in plumbing.manifest(vid).tensors:
+            if t.name in unknown:
+                unknown.discard(t.name)
+                numeric[t.name] = is_numeric(t.name, t.dtype, t.numel)
+        if not unknown:
+            break
+    return [n for n in names if not numeric.get(n, True)]
 
 
 def _from_record(record: TensorStatsRecord | None, stat: str, matcher: _Matcher) -> dict[str, float] | None:
@@ -224,17 +252,17 @@ def _from_data(plumbing: Plumbing, vid: str, previous: str | None, stat: str, pa
         if previous is None:
             return {}
         return {d.name: d.l2 if stat == "delta" else d.relative
-                for d in diff_versions(plumbing, previous, vid, pattern).tensors
+                for d in diff_versions(plumbing, previous, vid, pattern, include_nonfloat=True).tensors
                 if d.status in ("changed", "unchanged")}
     return {s.name: float(getattr(s, stat)) for s in tensor_stats(plumbing, vid, pattern)}
 
 
 def trajectory(plumbing: Plumbing, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
-               until: int | None = None) -> list[TrajectoryPoint]:
+               until: int | None = None, include_nonfloat: bool = False) -> list[TrajectoryPoint]:
     """``metric`` of every tensor matching ``pattern`` along the first-parent history of ``rev``, oldest first
     (``stat_matrix``, one point per tensor present in a version)."""
     check_metric(metric)
-    m = stat_matrix(plumbing, pattern, metric, rev, since, until)
+    m = stat_matrix(plumbing, pattern, metric, rev, since, until, include_nonfloat=include_nonfloat)
     points = []
     for j, (vid, step) in enumerate(zip(m.versions, m.steps)):
         for i, name in enumerate(m.names):

@@ -58,6 +58,31 @@ def fit(text: str, width: int | None) -> str:
     return "".join(out) + ELLIPSIS
 
 
+def fit_middle(text: str, width: int | None) -> str:
+    """``text`` in ``width`` cells with its middle cut to an ellipsis where it is wider: a long tensor name keeps
+    its start (the module) and its end (the parameter), as git's ``diff --stat`` shortens a path."""
+    if width is None or cell_width(text) <= width:
+        return text
+    if width < 3:
+        return fit(text, width)
+    head_room = width // 2
+    tail_room = width - 1 - head_room
+    head, used = [], 0
+    for c in text:
+        if used + _char_width(c) > head_room:
+            break
+        head.append(c)
+        used += _char_width(c)
+    tail: list[str] = []
+    used = 0
+    for c in reversed(text):
+        if used + _char_width(c) > tail_room:
+            break
+        tail.append(c)
+        used += _char_width(c)
+    return "".join(head) + ELLIPSIS + "".join(reversed(tail))
+
+
 def keep_last(text: str, width: int | None) -> str:
     """The end of ``text`` in ``width`` cells, an ellipsis first where the start was cut: for a sparkline, whose
     newest values are the ones to see."""
@@ -74,7 +99,7 @@ RULE = "─"
 
 
 def table_lines(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int | None,
-                fold: int = 1) -> list[str]:
+                fold: int = 1, whole_names: bool = False) -> list[str]:
     """A table as lines of at most ``width`` cells: a header, a rule, then the rows, columns ``GAP`` apart.
 
     Cells are never cut short: a cell wider than its column folds onto more lines (at a ``/``, ``.``, ``_`` or
@@ -83,11 +108,17 @@ def table_lines(headers: Sequence[str], rows: Sequence[Sequence[str]], width: in
     column would be left fewer than ``MIN_NAME`` cells, each name gets a line of its own and the other cells
     go on the line below it, indented (a table of many numbers in a narrow terminal). With no ``width`` each
     column is as wide as its widest cell.
+
+    ``whole_names``: the first column is never folded inside a name; when the names do not fit beside the
+    other cells, each takes a line of its own (its middle cut to an ellipsis only where it is wider than the
+    whole line), as a tensor name read in two pieces reads as two names.
     """
     n = len(headers)
     natural = [max([cell_width(h)] + [cell_width(r[i]) for r in rows]) for i, h in enumerate(headers)]
     if width is None or sum(natural) + GAP * (n - 1) <= width:
         return _lines(headers, rows, natural)
+    if whole_names and n > 1:
+        return _stacked(headers, [[fit_middle(r[0], width)] + list(r[1:]) for r in rows], natural, width)
     if fold == 1 and n > 1 and width - sum(natural[1:]) - GAP * (n - 1) < min(MIN_NAME, natural[0]):
         return _stacked(headers, rows, natural, width)
     return _lines(headers, rows, _shrink(natural, width - GAP * (n - 1), fold))
@@ -169,4 +200,5 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((1, int(part)) if part.isdigit() else (0, part) for part in _DIGITS.split(name) if part)
 
 
-__all__ = ["ELLIPSIS", "MIN_WIDTH", "cell_width", "fit", "keep_last", "natural_key", "table_lines", "terminal_width"]
+__all__ = ["ELLIPSIS", "MIN_WIDTH", "cell_width", "fit", "fit_middle", "keep_last", "natural_key", "table_lines",
+           "terminal_width"]

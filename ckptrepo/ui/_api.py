@@ -213,9 +213,10 @@ def _cell(x: float, present: bool) -> float | str | None:
 
 
 def heatmap(repo: Repository, rev: str, stat: str, pattern: str, max_versions: int, max_rows: int,
-            since: int | None = None, until: int | None = None) -> dict[str, Any]:
+            since: int | None = None, until: int | None = None, include_nonfloat: bool = False) -> dict[str, Any]:
     """``stat`` of every tensor matching ``pattern`` (rows) at each version of the first-parent history of ``rev``
-    (columns, oldest first), sampled to ``max_versions`` columns and folded to ``max_rows`` rows."""
+    (columns, oldest first), sampled to ``max_versions`` columns and folded to ``max_rows`` rows; non-float
+    tensors and step counters only with ``include_nonfloat`` (their bytes would set the colour scale)."""
     import numpy as np
 
     from ckptrepo.tools._trajectory import METRICS
@@ -225,7 +226,8 @@ def heatmap(repo: Repository, rev: str, stat: str, pattern: str, max_versions: i
              "tensors": 0, "aggregated": None}
     if not has_versions(repo, rev):
         return empty
-    m = repo.stat_matrix(pattern, stat=stat, rev=rev, since=since, until=until, max_versions=max_versions)
+    m = repo.stat_matrix(pattern, stat=stat, rev=rev, since=since, until=until, max_versions=max_versions,
+                         include_nonfloat=include_nonfloat)
     groups = group_rows(m.names, max_rows)
     folded = len(groups) < len(m.names)
     values, present = m.values, m.present
@@ -252,11 +254,13 @@ def version(repo: Repository, rev: str) -> dict[str, Any]:
                    "objects": [{"path": p, "value": val} for p, val in d.objects], "stats": bool(stats)})
 
 
-def diff(repo: Repository, rev: str, against: str | None) -> dict[str, Any]:
+def diff(repo: Repository, rev: str, against: str | None, include_nonfloat: bool = False) -> dict[str, Any]:
     """The diff of ``rev`` against ``against`` (default: its first parent), per tensor and per module prefix;
-    ``a`` is None for a root version compared with nothing."""
+    ``a`` is None for a root version compared with nothing. Non-float tensors and step counters are listed,
+    changed or unchanged, with numbers only with ``include_nonfloat``."""
     v = repo.version(rev)
     if against is None and not v.parents:
         return {"a": None, "b": v.id, "root": True, "tensors": [], "objects": [], "prefixes": []}
-    d = repo.diff(against if against is not None else v.parents[0], v.id)
+    d = repo.diff(v.id, include_nonfloat=include_nonfloat) if against is None else \
+        repo.diff(against, v.id, include_nonfloat=include_nonfloat)
     return finite(dict(d.to_json(), root=False, prefixes=d.by_prefix()))

@@ -233,9 +233,11 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/api/heatmap":
             r, stat, pattern = q.text("rev", rev), q.text("stat", "norm"), q.glob("pattern", "*")
             mv, mr, since, until = q.number("max_versions"), q.number("max_rows"), q.step("since"), q.step("until")
-            return lambda: _api.heatmap(repo, r, stat, pattern, mv, mr, since, until)
+            nonfloat = q.flag("nonfloat", False)
+            return lambda: _api.heatmap(repo, r, stat, pattern, mv, mr, since, until, nonfloat)
         for prefix, call in (("/api/version/", lambda v: _api.version(repo, v)),
-                             ("/api/diff/", lambda v: _api.diff(repo, v, q.optional("against")))):
+                             ("/api/diff/", lambda v: _api.diff(repo, v, q.optional("against"),
+                                                                q.flag("nonfloat", False)))):
             if path.startswith(prefix) and path[len(prefix):]:
                 target = path[len(prefix):]
                 return lambda: call(target)

@@ -2,23 +2,31 @@
 
 Chromium's own ``--headless --dump-dom`` (with a virtual time budget, so the page's scripts and requests run)
 prints the DOM after the page has drawn itself; the test reads the ids and data attributes the page puts on
-what it drew. Skipped when no Chromium is installed (Debian: ``apt-get install chromium``). With
-CKPTREPO_UI_SCREENSHOT=PATH it also writes the page's screenshot there (docs/img/ui.png is made so).
+what it drew. Layout is asked of the page itself over the DevTools protocol (``--remote-debugging-pipe``,
+no client library). Skipped when no Chromium is installed (Debian: ``apt-get install chromium``). With
+CKPTREPO_UI_SCREENSHOT=PATH it also writes the page's screenshot there (docs/img/ui.png is made so), and with
+CKPTREPO_UI_LAYOUT_SCREENSHOT=PATH the 1400x1000 one.
 """
 from __future__ import annotations
 
+import base64
 import importlib.util
+import json
+import math
 import os
 import shutil
 import subprocess
 import threading
+import time
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import ckptrepo
+from ckptrepo.tools._numeric import is_numeric
 from ckptrepo.ui import make_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,10 +112,11 @@ def test_the_page_draws_graph_metrics_heatmap_and_a_version(page, tmp_path):
     assert int(charts["loss"]["data-points"]) == len(history) == 10
     assert dom.with_class("uplot") and any(t == "canvas" for t, _ in dom.all)
 
-    # the heatmap: tensors x versions of HEAD, every cell present
+    # the heatmap: tensors x versions of HEAD, every cell present; the RNG states and step counters left out
     _, heat = dom.by_id["heatmap-canvas"]
     tensors = len(repo.show("HEAD").tensors)
-    assert int(heat["data-tensors"]) == tensors and int(heat["data-cols"]) == len(history)
+    numeric = sum(is_numeric(t["name"], t["dtype"], math.prod(t["shape"])) for t in repo.show("HEAD").tensors)
+    assert int(heat["data-tensors"]) == numeric < tensors and int(heat["data-cols"]) == len(history)
     assert int(heat["data-cells"]) == int(heat["data-rows"]) * len(history) > 0
 
     # the version chosen by the URL's hash: its header, its tensors with statistics, its diff
@@ -120,3 +129,105 @@ def test_the_page_draws_graph_metrics_heatmap_and_a_version(page, tmp_path):
     shot = Path(os.environ.get("CKPTREPO_UI_SCREENSHOT") or tmp_path / "ui.png")
     p = _chromium(tmp_path, f"{server.url}#v={chosen.id}", "--window-size=1400,1700", f"--screenshot={shot}")
     assert p.returncode == 0 and shot.stat().st_size > 20_000, p.stderr[-2000:]
+
+
+class DevTools:
+    """A headless Chromium driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``: it reads
+    commands on fd 3 and answers on fd 4, JSON messages ending in NUL), so a test can ask the page's layout."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        to_chrome, self._w = os.pipe()
+        self._r, from_chrome = os.pipe()
+        flags = [f for f in FLAGS if not f.startswith("--virtual-time-budget")]
+        # bash moves the pipe ends to the fds Chromium expects (no preexec_fn: the server's thread runs; and
+        # dash takes only one-digit fds)
+        move = f'exec "$0" "$@" 3<&{to_chrome} 4>&{from_chrome} {to_chrome}<&- {from_chrome}>&-'
+        self.proc = subprocess.Popen([shutil.which("bash") or "bash", "-c", move, CHROMIUM, *flags,
+                                      "--remote-debugging-pipe", f"--user-data-dir={tmp_path / 'profile-devtools'}",
+                                      "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     pass_fds=(to_chrome, from_chrome))
+        os.close(to_chrome)
+        os.close(from_chrome)
+        self._buf = b""
+        self._id = 0
+        page = next(t for t in self.send("Target.getTargets")["targetInfos"] if t["type"] == "page")
+        self.session = self.send("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+
+    def send(self, method: str, session: str | None = None, **params: Any) -> dict[str, Any]:
+        """Send a command (to the page's session, if given) and return its result; events are skipped."""
+        self._id += 1
+        msg: dict[str, Any] = {"id": self._id, "method": method, "params": params}
+        if session:
+            msg["sessionId"] = session
+        os.write(self._w, json.dumps(msg).encode() + b"\0")
+        while True:
+            while b"\0" not in self._buf:
+                chunk = os.read(self._r, 1 << 16)
+                assert chunk, "Chromium closed the DevTools pipe"
+                self._buf += chunk
+            raw, self._buf = self._buf.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("id") == self._id:
+                assert "error" not in reply, reply["error"]
+                return reply["result"]
+
+    def page(self, method: str, **params: Any) -> dict[str, Any]:
+        return self.send(method, self.session, **params)
+
+    def eval(self, expression: str) -> Any:
+        """The value of a JavaScript expression in the page (awaited when it is a promise)."""
+        got = self.page("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        assert "exceptionDetails" not in got, got["exceptionDetails"]
+        return got["result"].get("value")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self._w)
+        os.close(self._r)
+
+
+# What the page's layout is at the window's size, read in the page: the version panel's top, each heatmap row's
+# label (its text and where it sits), and how wide the tensor table is against the box it sits in.
+LAYOUT = """(() => {
+  const rect = (e) => e.getBoundingClientRect();
+  const canvas = document.getElementById("heatmap-canvas"), table = document.getElementById("tensor-table");
+  return {width: innerWidth, height: innerHeight, detailTop: rect(document.getElementById("detail-panel")).top,
+          rows: Number(canvas.dataset.rows), canvasTop: rect(canvas).top,
+          labels: [...document.querySelectorAll("#heatmap-labels .heat-label")].map((l) => ({
+            row: Number(l.dataset.row), text: l.textContent, top: rect(l).top, bottom: rect(l).bottom,
+            visible: rect(l).width > 20 && getComputedStyle(l).visibility === "visible"})),
+          table: {scrollWidth: table.parentElement.scrollWidth, clientWidth: table.parentElement.clientWidth,
+                  width: rect(table).width, names: table.querySelectorAll("tbody tr").length}};
+})()"""
+
+
+def test_at_1400_by_1000_the_version_panel_shows_every_row_is_labelled_nothing_scrolls_sideways(page, tmp_path):
+    repo, server = page
+    chosen = repo.version("main~1")
+    chrome = DevTools(tmp_path)
+    try:
+        chrome.page("Emulation.setDeviceMetricsOverride", width=1400, height=1000, deviceScaleFactor=1, mobile=False)
+        chrome.page("Page.navigate", url=f"{server.url}#v={chosen.id}")
+        ready = "document.body.dataset.state === 'ready' && document.body.dataset.detail === 'ready'"
+        deadline = time.monotonic() + 120
+        while not chrome.eval(f"document.readyState === 'complete' && {ready}"):
+            assert time.monotonic() < deadline, chrome.eval("document.body.outerHTML.slice(0, 3000)")
+            time.sleep(0.2)
+        got = chrome.eval(LAYOUT)
+        shot = base64.b64decode(chrome.page("Page.captureScreenshot", format="png")["data"])
+    finally:
+        chrome.close()
+    Path(os.environ.get("CKPTREPO_UI_LAYOUT_SCREENSHOT") or tmp_path / "ui-1400x1000.png").write_bytes(shot)
+
+    assert (got["width"], got["height"]) == (1400, 1000)
+    assert 0 <= got["detailTop"] < got["height"] - 40, got   # the panel's heading is on the first screen
+    labels = got["labels"]
+    assert got["rows"] > 1 and [lab["row"] for lab in labels] == list(range(got["rows"])), got
+    for above, lab in zip([None, *labels], labels):
+        assert lab["text"].strip() and lab["visible"] and lab["bottom"] - lab["top"] >= 11, lab
+        assert above is None or lab["top"] >= above["bottom"] - 0.5, (above, lab)   # one row each, no overlap
+    t = got["table"]
+    assert t["names"] == len(repo.show(chosen.id).tensors)
+    assert t["scrollWidth"] <= t["clientWidth"] and t["width"] <= t["clientWidth"], t

@@ -456,15 +456,14 @@ def test_a_split_dimension_out_of_range_is_a_one_line_layout_error() -> None:
         local_shape(Split(-3), (4, 6), 2)
 
 
-def test_an_unpadded_vocabulary_snapshotted_with_its_rules_is_told_to_pad() -> None:
-    """An unsharded load returns the vocabulary unpadded; snapshotting it again with the same rules was
-    refused with only "check the rules"."""
+def test_an_unpadded_vocabulary_snapshotted_with_its_rules_is_taken_as_it_is() -> None:
+    """An unsharded load returns the vocabulary unpadded; one rank (tp=1) snapshotting it again with the same
+    rules stores its rows as the global rows, as it would the padded tensor."""
     from ckptrepo.errors import LayoutError
     from ckptrepo.rules import VocabSplit, global_shape
     spec = VocabSplit(dim=0, size=250, multiple=8)
     assert global_shape(spec, (256, 4), 1) == (250, 4)
-    with pytest.raises(LayoutError, match="pad it with zero rows to 256 before this snapshot"):
-        global_shape(spec, (250, 4), 1)
+    assert global_shape(spec, (250, 4), 1) == (250, 4)
     with pytest.raises(LayoutError, match="check the rules"):
         global_shape(spec, (100, 4), 1)
 

@@ -155,11 +155,11 @@ def test_fetch_pull_and_clone_json(pushed, tmp_path):
 def test_progress_bars_on_a_terminal_only(pushed, tmp_path, monkeypatch):
     from rich.console import Console
 
-    import ckptrepo.cli.main as cli_main
+    from ckptrepo.cli import _output
     a, remote = pushed
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=100)
-    monkeypatch.setattr(cli_main, "_err", lambda: console)
+    monkeypatch.setattr(_output, "err_console", lambda: console)
     ckptrepo.open(a).snapshot(_state(9), step=9)
     assert run("push", repo=a).returncode == 0
     assert "push to origin" in screen.getvalue()

@@ -114,8 +114,6 @@ def test_bad_input_is_one_line_of_ours(tmp_path) -> None:
     ckptrepo.init(url)
     with pytest.raises(NotARepositoryError, match="not a ckptrepo repository"):
         cdcp.Reader(str(tmp_path / "nothing"))
-    with pytest.raises(NotARepositoryError, match="not a ckptrepo repository"):
-        cdcp.Writer(str(tmp_path / "nothing"))
     _save(_state(), url, step=1)
     with pytest.raises(RevisionError):
         cdcp.Reader(url, "@999")

@@ -380,7 +380,7 @@ def test_a_gc_killed_midway_leaves_no_kept_manifest_without_its_parent(tmp_path,
     """Unreachable manifests go children first. Ids are made to sort oldest first, the order an id-ordered gc
     deleted them in: killed after one delete, it left a child whose parent was gone, an fsck error."""
     counter = iter(range(100))
-    monkeypatch.setattr("ckptrepo.saving._capture.new_version_id",
+    monkeypatch.setattr("ckptrepo.saving._prepare.new_version_id",
                         lambda: f"{next(counter):04x}" + "0" * 16 + f"{int(time.time() * 1000):012x}")
     path = tmp_path / "repo"
     repo = ckptrepo.init(str(path))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptrepo
-from ckptrepo.saving import _capture
+from ckptrepo.saving import _capture_stage
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, aligned_empty, fill_live, live_residues, make_plan
 from ckptrepo.state._providers import TensorRecord
 from ckptrepo.storage import _localwrite as localwrite
@@ -93,12 +93,12 @@ def test_the_pre_step_hook_does_not_wait_for_the_statistics_and_they_are_of_the_
     quiet = repo.snapshot({"model": model}, step=0)   # the same bytes, no hook, no release
 
     gate = threading.Event()
-    real = _capture.feed_live
+    real = _capture_stage.feed_live
 
     def slow_feed(*args, **kwargs):
         assert gate.wait(WAIT_S)
         return real(*args, **kwargs)
-    monkeypatch.setattr(_capture, "feed_live", slow_feed)
+    monkeypatch.setattr(_capture_stage, "feed_live", slow_feed)
     with repo.snapshotter(dedup=False) as snap:
         snap.attach(opt)
         h = snap.snapshot({"model": model}, step=1)

@@ -56,7 +56,7 @@ def test_an_upper_case_id_prefix_names_its_version(repo):
 
 def test_ambiguous_prefix(repo, monkeypatch):
     fake = iter(["abcd" + "0" * 27 + str(i) for i in range(3)])
-    monkeypatch.setattr("ckptrepo.saving._capture.new_version_id", lambda: next(fake))
+    monkeypatch.setattr("ckptrepo.saving._prepare.new_version_id", lambda: next(fake))
     commit_steps(repo, range(3))
     with pytest.raises(RevisionError, match="'abcd' is ambiguous: 3 versions"):
         repo.resolve("abcd")

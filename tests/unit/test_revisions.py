@@ -179,9 +179,12 @@ def test_unknown_names_say_where_to_look(src: FakeSource, rev: str) -> None:
     ("@20~5", "@20", 5, 1),
 ])
 def test_going_back_past_the_root(src: FakeSource, rev: str, base: str, back: int, ancestors: int) -> None:
-    """``~N`` past the root says how many ancestors there are and where to look."""
+    """``~N`` past the root says how many versions the history holds, which ``~N`` reach them, and where to
+    look."""
+    count = f"{ancestors + 1} version{'s' if ancestors else ''}"
+    what = f"name {base}" if ancestors == 0 else f"name one of {base} to {base}~{ancestors}"
     assert one_line_error(src, rev) == (f"{rev!r} goes back {back} versions but {base!r} has only {ancestors} "
-                                        f"ancestors; see `ckptrepo log`")
+                                        f"ancestors ({count} in its history): {what}, or see `ckptrepo log`")
 
 
 def test_at_step_failures(src: FakeSource) -> None:

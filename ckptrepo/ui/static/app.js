@@ -6,6 +6,8 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const ROW_H = 20;                // px per line of the graph: only the lines in view are in the DOM
+  const HEAT_ROW = 12;             // px per heatmap row at least: room for its label, so every row has one
+  const HEAT_BELOW = 130;          // px under the heatmap's rows: its axis, legend, and the version panel's heading
   const BIG = 1e300;               // the server sends an infinity as the largest float
   const LANES = ["#0969da", "#1a7f37", "#cf222e", "#8250df", "#bf8700", "#1b7c83", "#e16f24", "#6e7781"];
   const VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58",
@@ -13,7 +15,7 @@
   const ABSENT = "#e6e8eb";
   const NO_FINITE = "#ff2d55";   // a tensor present with not one finite value: the server sends "nan"
 
-  const state = {info: null, rev: "HEAD", stat: null, pattern: "*", scale: "log", selected: null,
+  const state = {info: null, rev: "HEAD", stat: null, pattern: "*", scale: "log", nonfloat: false, selected: null,
                  graph: null, metrics: null, heatmap: null, charts: [], drawn: null, detailToken: 0};
 
   // ---- small helpers --------------------------------------------------------------------------------------
@@ -96,7 +98,7 @@
     box.append(el("div", {class: "error"}, err.message));
   }
 
-  // ---- the URL's hash: #v=<version>&rev=&stat=&pattern=&scale= --------------------------------------------
+  // ---- the URL's hash: #v=<version>&rev=&stat=&pattern=&scale=&nonfloat= ----------------------------------
   function hashParams() { return new URLSearchParams(location.hash.replace(/^#/, "")); }
 
   function writeHash(changes, addToHistory) {
@@ -311,7 +313,8 @@
     const longest = Math.max(...h.rows.map((r) => r.name.length));
     const labelW = Math.min(260, Math.max(60, longest * 6.2 + 10));
     const W = Math.max(300, box.clientWidth || 800), cellW = (W - labelW) / cols;
-    const cellH = Math.max(2, Math.min(16, Math.floor(560 / rows))), top = 6, axisH = 24, H = top + rows * cellH + axisH;
+    const cellH = Math.max(HEAT_ROW, Math.min(16, Math.floor(heatmapRoom() / rows))), top = 6, axisH = 24;
+    const H = top + rows * cellH + axisH;
     const {cells, range} = normalised(h.values, state.scale);
     let finiteCells = 0;
     for (const row of h.values) for (const v of row) if (v !== null) finiteCells++;
@@ -333,16 +336,22 @@
         ctx.fillRect(x0(c), top + r * cellH, Math.max(1, x0(c + 1) - x0(c)), cellH);
       }
     }
-    // row labels: every row when there is room, else every few
+    // row labels, one per row (the server folds rows so that they fit: see loadHeatmap), as text in the DOM;
+    // a long name keeps its end, which tells the tensors of a module apart
+    const chars = Math.floor((labelW - 8) / 6.2);
+    const labels = el("div", {class: "heat-labels", id: "heatmap-labels", "data-rows": rows});
+    labels.style.width = `${labelW}px`;
+    h.rows.forEach((row, r) => {
+      const name = row.name;
+      const label = el("div", {class: "heat-label", "data-row": r, title: name},
+                       name.length > chars ? "…" + name.slice(name.length - chars + 1) : name);
+      label.style.top = `${top + r * cellH}px`;
+      label.style.height = label.style.lineHeight = `${cellH}px`;
+      labels.append(label);
+    });
+    // x axis: steps, about every 90 px
     ctx.fillStyle = "#1d232a";
     ctx.font = "10px ui-monospace, DejaVu Sans Mono, monospace";
-    ctx.textBaseline = "middle";
-    const every = Math.ceil(11 / cellH), chars = Math.floor((labelW - 8) / 6.2);
-    for (let r = 0; r < rows; r += every) {
-      const name = h.rows[r].name;
-      ctx.fillText(name.length > chars ? "…" + name.slice(name.length - chars + 1) : name, 2, top + r * cellH + cellH / 2);
-    }
-    // x axis: steps, about every 90 px
     ctx.textBaseline = "top";
     const stride = Math.max(1, Math.ceil(90 / cellW));
     for (let c = 0; c < cols; c += stride) {
@@ -375,7 +384,13 @@
     });
     canvas.addEventListener("mouseleave", () => { tip.style.display = "none"; });
     canvas.addEventListener("click", (e) => { const p = at(e); if (p) select(h.versions[p[1]]); });
-    box.append(canvas, tip, legend(range));
+    box.append(canvas, labels, tip, legend(range));
+  }
+
+  // px the heatmap's rows may take so that the version panel's heading stays in the window below them
+  function heatmapRoom() {
+    const top = $("heatmap").getBoundingClientRect().top + window.scrollY;
+    return Math.max(12 * HEAT_ROW, window.innerHeight - top - HEAT_BELOW);
   }
 
   function legend(range) {
@@ -394,8 +409,18 @@
   }
 
   // ---- one version ----------------------------------------------------------------------------------------
+  // text that may wrap after each "." and "/" (a <wbr>, which a copy leaves out), so a tensor name breaks
+  // between its parts before it breaks inside one
+  function breakable(text) {
+    if (typeof text !== "string") return [text];
+    const out = [];
+    for (const part of text.split(/(?<=[./])/)) out.push(part, el("wbr"));
+    return out.slice(0, -1);
+  }
+
   function table(id, columns, rows, rowClass) {
-    // columns: [label, key, kind] with kind "num" or "name"; a click on a header sorts by it
+    // columns: [label, key, kind] with kind "num", "name" (text that wraps: the table fits its panel) or "tag"
+    // (short text kept on one line); a click on a header sorts by it
     const t = el("table", {class: "data", id, "data-rows": rows.length});
     const body = el("tbody");
     let order = null;
@@ -404,7 +429,8 @@
         const tr = el("tr", {class: rowClass ? rowClass(r) : null, "data-name": r.name || r.prefix});
         for (const [, key, kind] of columns) {
           const v = r[key];
-          tr.append(el("td", {class: kind}, kind === "num" ? fmt(v) : Array.isArray(v) ? v.join("x") || "()" : v));
+          tr.append(el("td", {class: kind}, ...(kind === "num" ? [fmt(v)] : Array.isArray(v) ? [v.join("x") || "()"]
+                                                  : kind === "name" ? breakable(v) : [v])));
         }
         return tr;
       }));
@@ -462,13 +488,13 @@
     const order = (t) => (t.relative === null ? -1 : t.relative);
     const rows = d.tensors.slice().sort((a, b) => order(b) - order(a));
     wrap.append(el("h3", {}, "Per tensor, largest relative change first"));
-    wrap.append(table("diff-table", [["tensor", "name", "name"], ["status", "status", "name"], ["||B-A||", "l2", "num"],
+    wrap.append(table("diff-table", [["tensor", "name", "name"], ["status", "status", "tag"], ["||B-A||", "l2", "num"],
                                      ["rel. change", "relative", "num"], ["max |B-A|", "max_abs", "num"],
                                      ["cosine", "cosine", "num"]], rows,
                       (t) => (t.status !== "changed" && t.status !== "unchanged" ? "bad" : null)));
     if (d.objects.length) {
       wrap.append(el("h3", {}, "Objects"),
-                  table("diff-objects", [["object", "path", "name"], ["status", "status", "name"], ["before", "a", "name"],
+                  table("diff-objects", [["object", "path", "name"], ["status", "status", "tag"], ["before", "a", "name"],
                                          ["after", "b", "name"]], d.objects));
     }
     return wrap;
@@ -484,7 +510,7 @@
     if (state.heatmap) renderHeatmap();
     const box = $("detail");
     const [info, diff] = await Promise.allSettled([api(`api/version/${encodeURIComponent(id)}`),
-                                                   api(`api/diff/${encodeURIComponent(id)}`)]);
+                                                   api(`api/diff/${encodeURIComponent(id)}${nonfloatQuery("?")}`)]);
     if (token !== state.detailToken) return;   // another version was chosen meanwhile
     box.className = "";
     if (info.status === "rejected") {
@@ -505,7 +531,7 @@
                                            el("code", {id: "checkout-command", class: "muted"}, command)));
     const tensors = info.value.tensors;
     box.append(el("h3", {}, `${tensors.length} tensors${info.value.stats ? "" : " (no statistics: the data is gone)"}`));
-    box.append(table("tensor-table", [["tensor", "name", "name"], ["dtype", "dtype", "name"], ["shape", "shape", "name"],
+    box.append(table("tensor-table", [["tensor", "name", "name"], ["dtype", "dtype", "tag"], ["shape", "shape", "tag"],
                                       ["norm", "norm", "num"], ["mean", "mean", "num"], ["std", "std", "num"],
                                       ["min", "min", "num"], ["max", "max", "num"], ["absmax", "absmax", "num"],
                                       ["NaN", "nan", "num"], ["Inf", "inf", "num"]], tensors,
@@ -542,9 +568,12 @@
   async function loadHeatmap() {
     const box = $("heatmap");
     const cols = Math.max(20, Math.min(400, Math.floor(((box.clientWidth || 800) - 120) / 2)));
+    // as many rows as fit with a label each; more tensors fold into module prefixes on the server
+    const rows = Math.min(2000, Math.floor(heatmapRoom() / HEAT_ROW));
     try {
       state.heatmap = await api(`api/heatmap?rev=${encodeURIComponent(state.rev)}&stat=${encodeURIComponent(state.stat)}` +
-                                `&pattern=${encodeURIComponent(state.pattern)}&max_versions=${cols}`);
+                                `&pattern=${encodeURIComponent(state.pattern)}&max_versions=${cols}&max_rows=${rows}` +
+                                nonfloatQuery("&"));
       renderHeatmap();
     } catch (e) { state.heatmap = null; failed(box, e); throw e; }
   }
@@ -555,11 +584,16 @@
     state.stat = p.get("stat") || state.stat || (state.info && state.info.stats.includes("absmax") ? "absmax" : "norm");
     state.pattern = p.get("pattern") || state.pattern;
     state.scale = p.get("scale") || state.scale;
+    state.nonfloat = p.get("nonfloat") === "1";
     $("rev").value = state.rev;
     $("stat").value = state.stat;
     $("pattern").value = state.pattern;
     $("scale").value = state.scale;
+    $("nonfloat").checked = state.nonfloat;
   }
+
+  // non-float tensors and step counters are left out of the numbers unless asked for (docs/ui.md)
+  function nonfloatQuery(sep) { return state.nonfloat ? `${sep}nonfloat=1` : ""; }
 
   async function loadAll() {
     document.body.dataset.state = "loading";
@@ -577,7 +611,8 @@
     const stat = $("stat");
     stat.replaceChildren(...state.info.stats.map((s) => el("option", {value: s}, s)));
     readHashSettings();
-    const tasks = [loadGraph(), loadMetrics(), loadHeatmap()];
+    const metrics = loadMetrics();   // drawn first: the heatmap fits its rows in the height left below the curves
+    const tasks = [loadGraph(), metrics, metrics.catch(() => {}).then(loadHeatmap)];
     const v = hashParams().get("v");
     if (v) tasks.push(showDetail(v));
     const results = await Promise.allSettled(tasks);
@@ -590,14 +625,15 @@
 
   function onHashChange() {
     const p = hashParams();
-    const before = [state.rev, state.stat, state.pattern, state.scale];
+    const before = [state.rev, state.stat, state.pattern, state.scale, state.nonfloat];
     readHashSettings();
-    const after = [state.rev, state.stat, state.pattern, state.scale];
+    const after = [state.rev, state.stat, state.pattern, state.scale, state.nonfloat];
     if (before[0] !== after[0]) loadMetrics().catch(() => {});
-    if (before[0] !== after[0] || before[1] !== after[1] || before[2] !== after[2]) loadHeatmap().catch(() => {});
-    else if (before[3] !== after[3] && state.heatmap) renderHeatmap();
+    if (before[0] !== after[0] || before[1] !== after[1] || before[2] !== after[2] || before[4] !== after[4]) {
+      loadHeatmap().catch(() => {});
+    } else if (before[3] !== after[3] && state.heatmap) renderHeatmap();
     const v = p.get("v");
-    if (v && v !== state.selected) showDetail(v);
+    if (v && (v !== state.selected || before[4] !== after[4])) showDetail(v);
   }
 
   function moveSelection(delta) {
@@ -625,11 +661,15 @@
     });
     $("stat").addEventListener("change", () => $("heatmap-controls").requestSubmit());
     $("scale").addEventListener("change", () => { writeHash({scale: $("scale").value}, false); onHashChange(); });
+    $("nonfloat").addEventListener("change", () => { writeHash({nonfloat: $("nonfloat").checked ? "1" : null}, false); onHashChange(); });
     window.addEventListener("hashchange", onHashChange);
     let resize = null;
     window.addEventListener("resize", () => {
       clearTimeout(resize);
-      resize = setTimeout(() => { if (state.metrics) renderMetrics(); if (state.heatmap) renderHeatmap(); }, 150);
+      resize = setTimeout(() => {
+        if (state.metrics) renderMetrics();
+        if (state.heatmap) loadHeatmap().catch(() => {});   // another height folds the rows otherwise
+      }, 150);
     });
   }
 
