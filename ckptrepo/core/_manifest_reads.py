@@ -14,10 +14,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from ckptrepo.core._lru import LruCache
 from ckptrepo.core._manifest import VERSIONS_PREFIX, is_version_id, version_id_time
+from ckptrepo.core._schema_records import TensorStatsRecord
 from ckptrepo.core.schema import (
     Manifest,
     ManifestHeader,
-    TensorStatsRecord,
     decode_header,
     decode_header_and_stats,
     decode_manifest,

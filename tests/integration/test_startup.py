@@ -61,7 +61,7 @@ def test_import_ckptrepo_is_light_and_its_api_loads_on_first_use(tmp_path):
 
 
 def test_item_sizes_known_without_tensorstore_are_tensorstores():
-    from ckptrepo.core.schema import ZARR_DTYPES
+    from ckptrepo.core._schema_fields import ZARR_DTYPES
     from ckptrepo.storage._arrays import ITEMSIZES, numpy_dtype
     assert set(ITEMSIZES) == ZARR_DTYPES
     assert {d: numpy_dtype(d).itemsize for d in ZARR_DTYPES} == ITEMSIZES

@@ -19,7 +19,8 @@ import pytest
 import ckptrepo
 from ckptrepo.core._boxes import intersect
 from ckptrepo.core._manifest import VERSIONS_PREFIX, seal, unseal
-from ckptrepo.core.schema import decode_header, decode_manifest, encode_manifest, overlapping_pieces
+from ckptrepo.core._schema_fields import overlapping_pieces
+from ckptrepo.core.schema import decode_header, decode_manifest, encode_manifest
 from ckptrepo.errors import CorruptionError
 from tests.helpers import run
 
