@@ -53,7 +53,6 @@ from ckptrepo.errors import (
 )
 from ckptrepo.loading._digest_check import DigestFeed, check_read, check_reads, check_rows
 from ckptrepo.state._providers import TORCH_DTYPES
-from ckptrepo.storage import _arrays
 from ckptrepo.storage import _localread as localread
 from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
 from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, foreign_chunk_error, read_table
@@ -219,8 +218,7 @@ class Engine:
         h = self._handles.get(run.array)
         if h is None:
             try:
-                # through the module: a test stands in for storage going away at this very call
-                h = self._handles[run.array] = _arrays.open_array(self.store, self.arrays[run.array])
+                h = self._handles[run.array] = open_array(self.store, self.arrays[run.array])
             except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
                 reason = first_line(err)
                 if is_storage_failure(reason):

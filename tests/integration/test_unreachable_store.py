@@ -13,6 +13,7 @@ import torch
 from helpers import run
 
 import ckptrepo
+import ckptrepo.loading._engine
 import ckptrepo.maintenance._fsck
 import ckptrepo.storage._arrays
 from ckptrepo.errors import CorruptionError, StorageError
@@ -137,7 +138,8 @@ class VanishingS3:
             self.stop()
             return handle
 
-        self.monkeypatch.setattr(ckptrepo.storage._arrays, "open_array", open_then_stop)
+        # where it is called: the load engine and fsck each hold the name
+        self.monkeypatch.setattr(ckptrepo.loading._engine, "open_array", open_then_stop)
         self.monkeypatch.setattr(ckptrepo.maintenance._fsck, "open_array", open_then_stop)
 
 

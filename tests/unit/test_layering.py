@@ -9,17 +9,19 @@ run and do not count; imports inside functions do.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import ckptrepo
 
 PACKAGE = Path(ckptrepo.__file__).parent
 
-# Bottom to top. errors and faults are shared by every layer; arguments (the argument checks) builds on errors
-# alone, so every layer can use it; rules re-exports parallel.rules for users.
-LAYERS = ("errors", "faults", "arguments", "storage", "core", "state", "parallel", "rules", "loading", "maintenance",
-          "remotes", "saving", "tools", "repository", "__init__", "integrations", "dcp", "ui", "cli", "testing")
-BASE = {"errors", "faults"}   # importable from anywhere, and import nothing of the package themselves
+# Bottom to top. errors, faults and _lazy (the facades' lazy exports) are shared by every layer; arguments (the
+# argument checks) builds on errors alone, so every layer can use it; rules re-exports parallel.rules for users.
+LAYERS = ("errors", "faults", "_lazy", "arguments", "storage", "core", "state", "parallel", "rules", "loading",
+          "maintenance", "remotes", "saving", "tools", "repository", "__init__", "integrations", "dcp", "ui", "cli",
+          "testing")
+BASE = {"errors", "faults", "_lazy"}   # importable from anywhere, and import nothing of the package themselves
 
 
 def _layer(module: str) -> str:
@@ -46,9 +48,24 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+@functools.cache
+def _lazy_exports(package: str) -> dict[str, str]:
+    """name -> module of a facade's lazy table (``_LAZY = {module: (names, ...)}`` in its ``__init__``)."""
+    init = PACKAGE.parent / Path(*package.split(".")) / "__init__.py"
+    if package == "ckptrepo" or not init.exists():
+        return {}
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+            table = ast.literal_eval(node.value)
+            if all(isinstance(names, tuple) for names in table.values()):
+                return {name: module for module, names in table.items() for name in names}
+    return {}
+
+
 def _imports(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, module) of every ckptrepo import that runs, ``from X import y`` naming ``X.y`` where that is a
-    module (``from ckptrepo import faults``) and ``X`` otherwise."""
+    module (``from ckptrepo import faults``), the module a facade's lazy table serves ``y`` from, and ``X``
+    otherwise."""
     found: list[tuple[int, str]] = []
 
     def visit(node: ast.AST) -> None:
@@ -64,7 +81,8 @@ def _imports(tree: ast.AST) -> list[tuple[int, str]]:
                 sub = f"{node.module}.{a.name}"
                 is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or \
                     (PACKAGE.parent / Path(*sub.split("."))).is_dir()
-                found.append((node.lineno, sub if is_module else node.module))
+                lazy = _lazy_exports(node.module)
+                found.append((node.lineno, sub if is_module else lazy.get(a.name, node.module)))
         for child in ast.iter_child_nodes(node):
             visit(child)
     visit(tree)
