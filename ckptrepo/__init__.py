@@ -31,11 +31,11 @@ from ckptrepo.errors import (
 
 if TYPE_CHECKING:
     from ckptrepo import rules
-    from ckptrepo.core._manifest import Version
-    from ckptrepo.maintenance._gc import RetentionPolicy
+    from ckptrepo.core import Version
+    from ckptrepo.maintenance import RetentionPolicy
     from ckptrepo.parallel.layout import ParallelLayout
     from ckptrepo.repository import Repository, VersionDetails, clone, init, load, open
-    from ckptrepo.saving._options import LocalTier, SnapshotterOptions
+    from ckptrepo.saving import LocalTier, SnapshotterOptions
 
 __version__ = "0.1.0"
 
@@ -43,11 +43,11 @@ __version__ = "0.1.0"
 # modules it runs, not torch, numpy or TensorStore (tests/integration/test_startup.py holds it to that).
 _LAZY = {
     "rules": ("ckptrepo.rules", None),
-    "Version": ("ckptrepo.core._manifest", "Version"),
-    "RetentionPolicy": ("ckptrepo.maintenance._gc", "RetentionPolicy"),
+    "Version": ("ckptrepo.core", "Version"),
+    "RetentionPolicy": ("ckptrepo.maintenance", "RetentionPolicy"),
     "ParallelLayout": ("ckptrepo.parallel.layout", "ParallelLayout"),
-    "SnapshotterOptions": ("ckptrepo.saving._options", "SnapshotterOptions"),
-    "LocalTier": ("ckptrepo.saving._options", "LocalTier"),
+    "SnapshotterOptions": ("ckptrepo.saving", "SnapshotterOptions"),
+    "LocalTier": ("ckptrepo.saving", "LocalTier"),
     **{name: ("ckptrepo.repository", name)
        for name in ("Repository", "VersionDetails", "clone", "init", "load", "open")},
 }

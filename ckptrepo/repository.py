@@ -30,17 +30,24 @@ from ckptrepo.arguments import (
     repo_url,
     shown,
 )
-from ckptrepo.core._create import create_store
-from ckptrepo.core._gcpause import collection_paused
-from ckptrepo.core._history import every_ref_target, first_parent_headers, log_versions, metric_rows
-from ckptrepo.core._manifest import (
+from ckptrepo.core import (
     COMPRESSION_SETTING,
+    Plumbing,
     Version,
+    add_remote,
+    check_remote_name,
+    collection_paused,
+    create_store,
+    every_ref_target,
+    first_parent_headers,
+    log_versions,
+    metric_rows,
+    remotes,
+    remove_remote,
+    tracking_refs,
     update_config,
+    version_durability,
 )
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import add_remote, check_remote_name, remotes, remove_remote, tracking_refs
-from ckptrepo.core._whereabouts import version_durability
 from ckptrepo.core.schema import ManifestHeader, version_from_manifest
 from ckptrepo.errors import (
     CkptRepoError,
@@ -48,29 +55,19 @@ from ckptrepo.errors import (
     RevisionError,
     SnapshotFailedError,
 )
-from ckptrepo.loading._targets import check_into, load_device
-from ckptrepo.remotes._remote import REPOSITORY_ID
-from ckptrepo.state._skeleton import plain_values, short_text
-from ckptrepo.storage import Store, open_store
-from ckptrepo.storage._arrays import check_compression, itemsize
+from ckptrepo.loading import check_into, load_device
+from ckptrepo.remotes import REPOSITORY_ID
+from ckptrepo.state import plain_values, short_text
+from ckptrepo.storage import Store, check_compression, itemsize, open_store
 
 if TYPE_CHECKING:
 
-    from ckptrepo.loading._engine import ReadStats
-    from ckptrepo.maintenance._fsck import FsckReport
-    from ckptrepo.maintenance._gc import GcReport, RetentionPolicy
-    from ckptrepo.maintenance._usage import DiskUsage
+    from ckptrepo.loading import ReadStats
+    from ckptrepo.maintenance import DiskUsage, FsckReport, GcReport, RetentionPolicy
     from ckptrepo.parallel.layout import ParallelLayout
-    from ckptrepo.remotes._evict import EvictReport
-    from ckptrepo.remotes._sync import SyncResult
-    from ckptrepo.remotes._transfer import Progress
-    from ckptrepo.saving._capture import Snapshotter
-    from ckptrepo.saving._options import SnapshotterOptions
-    from ckptrepo.tools._bisect import BisectResult
-    from ckptrepo.tools._inspect import VersionDiff
-    from ckptrepo.tools._recorded import TensorStats
-    from ckptrepo.tools._status import RepoStatus
-    from ckptrepo.tools._trajectory import StatMatrix, TrajectoryPoint
+    from ckptrepo.remotes import EvictReport, Progress, SyncResult
+    from ckptrepo.saving import Snapshotter, SnapshotterOptions
+    from ckptrepo.tools import BisectResult, RepoStatus, StatMatrix, TensorStats, TrajectoryPoint, VersionDiff
 
 DEFAULT_BRANCH = "main"
 
@@ -113,7 +110,7 @@ def clone(url: str | os.PathLike[str], directory: str | os.PathLike[str], depth:
     on demand (only the ranges a load needs); ``depth``: data copied for the newest ``depth`` versions of each
     branch, the rest read lazily. Every version loads either way. A damaged source is refused before anything
     is written; a clone killed midway is finished by the same call again (ckptrepo/remotes/_clone.py)."""
-    from ckptrepo.remotes._clone import clone as clone_into
+    from ckptrepo.remotes import clone as clone_into
     if depth is not None:
         _whole(depth, "depth", least=1)
     local = clone_into(repo_url(url), repo_url(directory), DEFAULT_BRANCH, depth=depth, lazy=lazy, remote=remote,
@@ -192,7 +189,7 @@ class Repository:
         DetachedHeadError on a detached HEAD and ConflictError if another writer
         moved the branch meanwhile (then nothing is committed).
         """
-        from ckptrepo.saving._capture import Snapshotter
+        from ckptrepo.saving import Snapshotter
         _layout(parallel_layout)
         with Snapshotter(self._plumbing, host_memory=self.host_memory, record_failures=False,
                          parallel_layout=parallel_layout) as snap:   # dedup compares with the parent version
@@ -240,8 +237,7 @@ class Repository:
         :class:`ckptrepo.LocalTier`), in place of the keywords: a value to build once and pass to several
         snapshotters, checked when it is made.
         """
-        from ckptrepo.saving._capture import Snapshotter
-        from ckptrepo.saving._options import SnapshotterOptions
+        from ckptrepo.saving import Snapshotter, SnapshotterOptions
         keywords = dict(host_memory=host_memory or None, pin_memory=pin_memory, parallel_layout=parallel_layout,
                         group=group, commit_timeout_s=commit_timeout_s, dedup=dedup, retention=retention,
                         max_in_flight=max_in_flight, push_to=push_to, local_keep_last=local_keep_last,
@@ -271,7 +267,7 @@ class Repository:
         """
         import torch
 
-        from ckptrepo.loading._version_load import load_version
+        from ckptrepo.loading import load_version
         check_rev(rev)
         check_into(into)
         _layout(parallel_layout)
@@ -341,7 +337,7 @@ class Repository:
         pruned), arrays other versions still use stay, and a load of it then says it was pruned. Refused for a
         version a tag, a branch tip, HEAD or a remote-tracking ref names (untag it first). Returns the bytes
         freed. What a framework's "delete this checkpoint" maps to, where the version sits inside a history."""
-        from ckptrepo.maintenance._gc import prune_version
+        from ckptrepo.maintenance import prune_version
         return prune_version(self._plumbing, self.resolve(rev))
 
     def delete_branch(self, name: str, force: bool = False) -> str:
@@ -397,7 +393,7 @@ class Repository:
         Only the tensors ``pattern`` matches are read, on every core, in bounded memory; see
         ckptrepo.tools._inspect.
         """
-        from ckptrepo.tools._inspect import diff_versions
+        from ckptrepo.tools import diff_versions
         check_rev(a)
         if b is None:
             v = self.version(a)
@@ -417,7 +413,7 @@ class Repository:
 
         Answered from the statistics the version recorded at capture, without reading its data; a version
         written without them is read (streamed)."""
-        from ckptrepo.tools._recorded import recorded_tensor_stats
+        from ckptrepo.tools import recorded_tensor_stats
         check_rev(rev)
         check_pattern(pattern)
         check_callback(on_bytes, "on_bytes")
@@ -425,7 +421,7 @@ class Repository:
         recorded = recorded_tensor_stats(self._plumbing, vid, pattern)
         if recorded is not None:
             return recorded
-        from ckptrepo.tools._inspect import tensor_stats
+        from ckptrepo.tools import tensor_stats
         return tensor_stats(self._plumbing, vid, pattern, on_bytes)
 
     def trajectory(self, pattern: str, metric: str = "norm", rev: str = "HEAD", since: int | None = None,
@@ -433,7 +429,7 @@ class Repository:
         """A statistic (``METRICS`` of tools/_trajectory.py: norm, mean, std, min, max, absmax, nan, inf, delta,
         relative-change) of tensors matching ``pattern`` over the first-parent history of ``rev``, oldest first;
         non-float tensors and step counters only with ``include_nonfloat``."""
-        from ckptrepo.tools._trajectory import trajectory
+        from ckptrepo.tools import trajectory
         check_pattern(pattern, required=True)
         check_rev(rev)
         _whole(since, "since")
@@ -448,7 +444,7 @@ class Repository:
         tensors x versions matrix; ``max_versions`` samples the history evenly (the newest kept) and reads only
         the sampled versions; non-float tensors and step counters only with ``include_nonfloat``. See
         ckptrepo.tools._trajectory.StatMatrix."""
-        from ckptrepo.tools._trajectory import stat_matrix
+        from ckptrepo.tools import stat_matrix
         check_pattern(pattern)
         check_rev(rev)
         _whole(since, "since")
@@ -464,7 +460,7 @@ class Repository:
     def metrics_to_tensorboard(self, log_dir: str | os.PathLike[str], rev: str = "HEAD") -> int:
         """Write the metrics and capture statistics along the first-parent history of ``rev`` as TensorBoard scalars
         to the folder ``log_dir``, outside the repository; returns how many. Needs ``ckptrepo[tensorboard]``."""
-        from ckptrepo.tools._tensorboard import write_scalars
+        from ckptrepo.tools import write_scalars
         check_path(log_dir, "TensorBoard log directory")
         root = self._plumbing.store.capabilities.local_root
         return write_scalars(log_dir, lambda: first_parent_headers(self._plumbing, self.resolve(rev)), root)
@@ -482,7 +478,7 @@ class Repository:
         Answered from headers and capture-time statistics by a linear scan, which finds the exact first match
         of any condition; a binary search would need a condition that stays true once true (see _bisect).
         """
-        from ckptrepo.tools._bisect import bisect
+        from ckptrepo.tools import bisect
         check_rev(rev)
         check_pattern(tensor)
         _flag(nonfinite, "nonfinite")
@@ -502,7 +498,7 @@ class Repository:
         ``keep_best=N, best_metric="loss", best_mode="min"`` also keeps the N
         versions with the lowest loss (the metrics given to ``snapshot``).
         """
-        from ckptrepo.maintenance._gc import DEFAULT_GRACE_S, collect
+        from ckptrepo.maintenance import DEFAULT_GRACE_S, collect
         return collect(self._plumbing, keep_last, keep_every, keep_tagged, keep_branch_heads,
                        DEFAULT_GRACE_S if grace_period_s is None else grace_period_s, dry_run,
                        keep_best=keep_best, best_metric=best_metric, best_mode=best_mode)
@@ -510,7 +506,7 @@ class Repository:
     def fsck(self, on_bytes: Callable[[int], None] | None = None,
              on_total: Callable[[int], None] | None = None) -> FsckReport:
         """Read every object and verify every checksum and reference."""
-        from ckptrepo.maintenance._fsck import fsck
+        from ckptrepo.maintenance import fsck
         check_callback(on_bytes, "on_bytes")
         check_callback(on_total, "on_total")
         return fsck(self._plumbing, on_bytes=on_bytes, on_total=on_total)
@@ -526,7 +522,7 @@ class Repository:
     def du(self) -> DiskUsage:
         """Per reachable version (newest first) the bytes only it references and those it shares, and the total
         stored with each array counted once."""
-        from ckptrepo.maintenance._usage import disk_usage
+        from ckptrepo.maintenance import disk_usage
         return disk_usage(self._plumbing, self.log(all=True))
 
     def export(self, rev: str, out: str | os.PathLike[str], format: str = "torch",  # noqa: A002
@@ -534,7 +530,7 @@ class Repository:
         """Write the full, unsharded state of ``rev`` as ``format`` (torch, safetensors, dcp or hf) to ``out``
         (outside the repository; an existing export there is replaced only with ``force``). ``hf``: the model
         under the state's ``model`` as an HF model folder, in files of at most ``max_shard_size`` ("5GB")."""
-        from ckptrepo.tools._exchange import export_target, write_export
+        from ckptrepo.tools import export_target, write_export
         check_path(out, "export's output")
         # refused before the version is resolved and loaded
         path = export_target(out, format, force=force, repo_root=self._plumbing.store.capabilities.local_root,
@@ -551,7 +547,7 @@ class Repository:
         Pickles (torch files that need more than the restricted unpickler, DCP
         metadata) can run code, so they are refused unless ``trust`` is set.
         """
-        from ckptrepo.tools._exchange import read_checkpoint, state_step
+        from ckptrepo.tools import read_checkpoint, state_step
         check_path(path, "checkpoint to import")
         state, source = read_checkpoint(path, trust)
         step = state_step(state) if step is None else step   # the step the state holds, unless told otherwise
@@ -578,14 +574,14 @@ class Repository:
              progress: "Progress | None" = None) -> "SyncResult":
         """Copy what ``branches`` (default: the current one) and ``tags`` reach to ``remote`` and move its refs
         there, as a fast-forward only (PushRejectedError otherwise: fetch first). See ckptrepo.remotes._sync."""
-        from ckptrepo.remotes._sync import push
+        from ckptrepo.remotes import push
         return push(self._plumbing, check_remote_name(remote), branches, tags or (), progress)
 
     def evict(self, remote: str = "origin", keep_last: int = 1, branch: str | None = None) -> "EvictReport":
         """Delete here the tensor data of ``branch``'s versions (default: the current one) beyond its newest
         ``keep_last`` that ``remote`` holds (as pushed or fetched); they still load, diff and fsck, reading from
         the remote. Never a version the remote lacks, nor an array a kept version points into (dedup)."""
-        from ckptrepo.remotes._evict import evict
+        from ckptrepo.remotes import evict
         if branch is not None:
             check_ref_type(branch, "branch")
         return evict(self._plumbing, check_remote_name(remote), keep_last, branch)
@@ -593,12 +589,12 @@ class Repository:
     def fetch(self, remote: str = "origin", lazy: bool = False, progress: "Progress | None" = None) -> "SyncResult":
         """Copy the versions ``remote``'s branches and tags reach that are not here (``lazy``: manifests only,
         tensor data read from the remote when loaded), and record where its branches are (``REMOTE/BRANCH``)."""
-        from ckptrepo.remotes._sync import fetch
+        from ckptrepo.remotes import fetch
         return fetch(self._plumbing, check_remote_name(remote), lazy=lazy, progress=progress)
 
     def pull(self, remote: str = "origin", lazy: bool = False, progress: "Progress | None" = None) -> "SyncResult":
         """Fetch ``remote``, then fast-forward the current branch to its branch of the same name."""
-        from ckptrepo.remotes._sync import pull
+        from ckptrepo.remotes import pull
         return pull(self._plumbing, check_remote_name(remote), lazy=lazy, progress=progress)
 
     # --- porcelain for the CLI (issue 40) ---
@@ -621,13 +617,13 @@ class Repository:
     def status(self) -> "RepoStatus":
         """Where HEAD is, the snapshots in flight or abandoned, and the failed ones (``ckptrepo status``);
         damage to HEAD is reported in it, not raised."""
-        from ckptrepo.tools._status import repo_status
+        from ckptrepo.tools import repo_status
         return repo_status(self._plumbing)
 
     def revision_names(self, incomplete: str = "") -> list[str]:
         """What a revision starting with ``incomplete`` may be (shell completion): HEAD, branches, tags, and
         short ids once ``incomplete`` is a hex prefix long enough to name one."""
-        from ckptrepo.tools._status import revision_names
+        from ckptrepo.tools import revision_names
         return revision_names(self._plumbing, incomplete)
 
     def tracking_refs(self) -> dict[str, str]:
@@ -639,7 +635,7 @@ class Repository:
         """Mark the versions whose manifest a gc collected while a ref came to name them lost, tag what may
         have preceded each and move a branch that names one back (``fsck --repair``); deletes nothing.
         One line per thing done; running it again does nothing more."""
-        from ckptrepo.maintenance._lost import repair_lost
+        from ckptrepo.maintenance import repair_lost
         return repair_lost(self._plumbing)
 
     @staticmethod
@@ -647,7 +643,7 @@ class Repository:
         """Rebuild a damaged or missing ``ckptrepo.json`` of the repository at ``url`` from what it holds
         (``fsck --repair-config``), one line per thing done; done on the store, as a repository whose config
         is damaged cannot be opened. An intact config is left as it is."""
-        from ckptrepo.core._config_repair import repair_config
+        from ckptrepo.core import repair_config
         return repair_config(open_store(repo_url(url)))
     # --- end porcelain for the CLI ---
 

@@ -32,7 +32,7 @@ from ckptrepo.errors import (
     UnsupportedValueError,
     first_line,
 )
-from ckptrepo.storage._crc import crc32c
+from ckptrepo.storage import crc32c
 
 if TYPE_CHECKING:
     from ckptrepo.storage.protocol import Store

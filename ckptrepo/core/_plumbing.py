@@ -31,12 +31,11 @@ from ckptrepo.core._refs import Refs, lost_head_branch
 from ckptrepo.core._remotes import evicted_remote, interrupted_clone, remote_url, tracking_tip
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, CorruptionError, NotARepositoryError, RevisionError, StorageError
-from ckptrepo.storage._store_check import needs_check, probe_conditional_writes, refusal, store_identity
-from ckptrepo.storage._tiered import TieredStore
+from ckptrepo.storage import TieredStore, needs_check, probe_conditional_writes, refusal, store_identity
 from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:   # the saving layer makes the cache; this handle only keeps it between snapshotters
-    from ckptrepo.saving._writer import PlanCache
+    from ckptrepo.saving import PlanCache
 
 # The config field that holds a passed store check (docs/format.md): which server, when. Only a pass is kept.
 STORE_CHECK_FIELD = "store_check"
@@ -161,8 +160,7 @@ class Plumbing:
         its config edited by hand, is read where it now points)."""
         url = remote_url(self.store, name)
         if name not in self._remote_stores or self._remote_stores[name].url != url:
-            from ckptrepo.storage._tensorstore import TensorStoreStore
-            from ckptrepo.storage._untrusted import untrusted
+            from ckptrepo.storage import TensorStoreStore, untrusted
             # a remote is not this user's: its links are never followed, its reads bounded before they download
             self._remote_stores[name] = untrusted(TensorStoreStore.open(url))
         return self._remote_stores[name]

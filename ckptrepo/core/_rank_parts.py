@@ -11,7 +11,7 @@ from ckptrepo.core._moments import Moments
 from ckptrepo.core._schema_fields import _digest, arrays_problem
 from ckptrepo.core._schema_records import Piece, Tree
 from ckptrepo.errors import CorruptionError
-from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage import ArrayInfo
 
 
 def _piece(p: dict[str, Any]) -> Piece:

@@ -28,7 +28,7 @@ from ckptrepo.core._manifest import (
     is_version_id,
 )
 from ckptrepo.errors import ConflictError, CorruptionError, RefError
-from ckptrepo.storage._localfs import LOCK_SUFFIX, remove_empty_parents
+from ckptrepo.storage import LOCK_SUFFIX, remove_empty_parents
 from ckptrepo.storage.protocol import NO_VALUE, Store
 
 _HEX_RE = re.compile(r"[0-9a-f]{4,32}")

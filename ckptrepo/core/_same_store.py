@@ -23,7 +23,7 @@ from typing import Any
 
 from ckptrepo.core._manifest import new_version_id
 from ckptrepo.errors import RemoteError, StorageError
-from ckptrepo.storage._tensorstore import kvstore_spec_from_url
+from ckptrepo.storage import kvstore_spec_from_url
 from ckptrepo.storage.protocol import Store
 
 PROBE_PREFIX = "pushes/"   # the push leases' prefix: an empty lease names no version (see the module docstring)

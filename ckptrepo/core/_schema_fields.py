@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptrepo.core._boxes import Box, intersect
 from ckptrepo.core._schema_records import LayoutRecord, Piece, RankRecord, TensorEntry, TensorStatsRecord
-from ckptrepo.storage._arrays import ArrayInfo, array_problem
+from ckptrepo.storage import ArrayInfo, array_problem
 
 
 class FieldError(ValueError):

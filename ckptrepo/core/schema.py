@@ -45,7 +45,7 @@ from ckptrepo.core._schema_records import (
     Tree,
 )
 from ckptrepo.errors import CorruptionError, UnsupportedValueError
-from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage import ArrayInfo
 from ckptrepo.storage.protocol import MAX_VALUE_BYTES
 
 # The top-level key order each writer produces: a single-process snapshot's manifest, and one merged from

@@ -24,8 +24,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import ckptrepo
-from ckptrepo.core._manifest import VERSIONS_PREFIX
-from ckptrepo.core._refs import LANDED_WALK, is_new_ref_name
+from ckptrepo.core import LANDED_WALK, VERSIONS_PREFIX, is_new_ref_name
 from ckptrepo.errors import (
     CheckpointNotFoundError,
     CkptRepoError,
@@ -51,8 +50,7 @@ from ckptrepo.integrations._pointer_files import (
 if TYPE_CHECKING:
     from ckptrepo.core.schema import ManifestHeader
     from ckptrepo.repository import Repository
-    from ckptrepo.saving._capture import Snapshotter
-    from ckptrepo.saving._snapshot_job import SnapshotHandle
+    from ckptrepo.saving import SnapshotHandle, Snapshotter
 
 log = logging.getLogger("ckptrepo")
 

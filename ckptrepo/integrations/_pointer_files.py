@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptrepo.arguments import is_whole
-from ckptrepo.core._manifest import is_version_id
-from ckptrepo.core._refs import is_new_ref_name
+from ckptrepo.core import is_new_ref_name, is_version_id
 from ckptrepo.errors import PointerError, StorageError, first_line
 from ckptrepo.integrations._atomic_file import replace_file, sync_file
 

@@ -55,9 +55,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import ckptrepo
-from ckptrepo.core._manifest import checked_meta, checked_step, new_version_id, plain_metrics
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import check_ref_name
+from ckptrepo.core import Plumbing, check_ref_name, checked_meta, checked_step, new_version_id, plain_metrics
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import (
     ArgumentError,
@@ -69,8 +67,8 @@ from ckptrepo.errors import (
     warn,
 )
 from ckptrepo.integrations._dcp_pickles import safe_bytes
-from ckptrepo.loading._engine import ReadStats
-from ckptrepo.saving._pieces import (
+from ckptrepo.loading import ReadStats
+from ckptrepo.saving import (
     BranchBase,
     GlobalChunk,
     RankWrite,
@@ -80,7 +78,7 @@ from ckptrepo.saving._pieces import (
     tensor_order,
     write_rank_chunks,
 )
-from ckptrepo.state._providers import (
+from ckptrepo.state import (
     DICT,
     LIST,
     NPGEN,

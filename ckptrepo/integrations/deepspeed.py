@@ -230,7 +230,7 @@ class CkptRepoCheckpointEngine:
             raise RevisionError(f"{path}: version {vid[:12]} of DeepSpeed tag {stub['tag']!r} is not in {self.url} "
                                 f"(its snapshot did not commit: the run stopped first?); load an earlier tag") \
                 from None
-        from ckptrepo.loading._entry import load_entry
+        from ckptrepo.loading import load_entry
         state = from_plain(load_entry(self.repo.plumbing, vid, stub["entry"]), f"{path}: {stub['entry']}")
         device = _device(map_location)
         return state if device is None else _to(state, device)
@@ -284,7 +284,7 @@ class CkptRepoCheckpointEngine:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return mine
-        from ckptrepo.parallel._distributed import all_gather
+        from ckptrepo.parallel import all_gather
         every = all_gather(mine)
         known = [s for s, _ in every if s is not None]
         return (max(known) if known else None), sum(n for _, n in every)
@@ -333,7 +333,7 @@ def checkout(url: str | os.PathLike[str], save_dir: str | os.PathLike[str], rev:
     For a machine that has the repository (a clone, a remote) but not the directory that saved it. ``tag``
     defaults to the DeepSpeed tag the version recorded. Returns the stub paths. Needs no DeepSpeed.
     """
-    from ckptrepo.loading._entry import entry_keys
+    from ckptrepo.loading import entry_keys
     from ckptrepo.repository import open as open_repo
     repo = open_repo(url)
     vid = repo.resolve(rev)

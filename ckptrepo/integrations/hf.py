@@ -34,11 +34,11 @@ import torch
 
 from ckptrepo.arguments import check_whole, is_number
 from ckptrepo.errors import ArgumentError, ExchangeError
-from ckptrepo.parallel._distributed import all_gather
+from ckptrepo.parallel import all_gather
 from ckptrepo.repository import Repository, init, repo_url
 from ckptrepo.repository import open as open_repo
-from ckptrepo.saving._capture import unwrapped_optimizer
-from ckptrepo.tools._hf_export import (
+from ckptrepo.saving import unwrapped_optimizer
+from ckptrepo.tools import (
     CONFIG_KEY,
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -49,8 +49,7 @@ from ckptrepo.tools._hf_export import (
 )
 
 if TYPE_CHECKING:
-    from ckptrepo.saving._capture import Snapshotter
-    from ckptrepo.saving._snapshot_job import SnapshotHandle
+    from ckptrepo.saving import SnapshotHandle, Snapshotter
 
 
 def rng_states(distributed: bool = False) -> dict[str, Any]:
@@ -263,14 +262,14 @@ def checkpoint_folder(repo: Repository | str | os.PathLike[str], rev: str = "HEA
     ``out``: the folder to write (new, or empty), the caller's to keep. Default: a new folder of this process
     in the temp directory, private to the user (mode 0700: it holds the optimizer and RNG states), removed
     when the process exits. Under DDP every rank calls it and writes its own."""
-    from ckptrepo.tools._exchange import _write_then_rename, export_target
+    from ckptrepo.tools import export_target, write_then_rename
     r = repo if isinstance(repo, Repository) else open_repo(repo_url(repo))
     vid = r.resolve(rev)
     if out is not None:
         path = export_target(out, "hf", repo_root=r.plumbing.store.capabilities.local_root)
         state = r.load(vid)
         try:
-            _write_then_rename(path, lambda tmp: save_trainer_checkpoint(state, tmp))
+            write_then_rename(path, lambda tmp: save_trainer_checkpoint(state, tmp))
         except ExchangeError as err:
             raise ExchangeError(f"version {vid[:12]}: {err}") from None
         return str(path)

@@ -35,7 +35,7 @@ from ckptrepo.integrations._pointer_files import file_exists, is_remote, path_ke
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-    from ckptrepo.saving._snapshot_job import SnapshotHandle
+    from ckptrepo.saving import SnapshotHandle
 
 
 def _device(map_location: Any) -> Any:
@@ -332,7 +332,7 @@ def _define() -> type[CheckpointIO]:
             self._resumed = self._saved = False
             self._queue.clear()
             self.files.close()
-            from ckptrepo.storage._localread import release_reader_threads
+            from ckptrepo.storage import release_reader_threads
             release_reader_threads()   # a resume's loads started them; Lightning expects no thread left
 
     CkptRepoIO.__module__ = __name__

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ckptrepo.core._manifest import new_version_id
+from ckptrepo.core import new_version_id
 from ckptrepo.errors import (
     CkptRepoError,
     MissingDependencyError,
@@ -41,9 +41,9 @@ from ckptrepo.errors import (
     first_line,
 )
 from ckptrepo.integrations._atomic_file import replace_file
-from ckptrepo.parallel._distributed import process_group_rank
+from ckptrepo.parallel import process_group_rank
 from ckptrepo.repository import open as open_repo
-from ckptrepo.saving._pieces import (
+from ckptrepo.saving import (
     GlobalChunk,
     commit_chunks,
     read_branch_base,
@@ -51,8 +51,7 @@ from ckptrepo.saving._pieces import (
     tensor_order,
     write_rank_chunks,
 )
-from ckptrepo.state._providers import TORCH_DTYPES, flatten, unflatten
-from ckptrepo.state._skeleton import DICT, NDARRAY, SCALAR, TENSOR, key_value
+from ckptrepo.state import DICT, NDARRAY, SCALAR, TENSOR, TORCH_DTYPES, flatten, key_value, unflatten
 
 try:
     from megatron.core.dist_checkpointing.dict_utils import (  # type: ignore[import-untyped]

@@ -46,7 +46,7 @@ def manager_class() -> Any:
     )
 
     import ckptrepo
-    from ckptrepo.maintenance._gc import RetentionPolicy
+    from ckptrepo.maintenance import RetentionPolicy
 
     class CkptRepoCheckpointManager(BaseCheckpointManager):  # type: ignore[misc,valid-type,unused-ignore]
         """torchtitan's checkpointing as ckptrepo versions (see the module docstring)."""

@@ -16,7 +16,7 @@ import torch
 
 from ckptrepo.core.schema import TensorEntry
 from ckptrepo.errors import StateMismatchError
-from ckptrepo.state._providers import (
+from ckptrepo.state import (
     DICT,
     DTYPE_NAMES,
     LIST,
@@ -27,13 +27,13 @@ from ckptrepo.state._providers import (
     STATEFUL,
     TENSOR,
     TUPLE,
+    holds_tensors,
     is_stateful,
     overlap_error,
     overlapping_elements,
     own_containers,
     torch_viewable,
 )
-from ckptrepo.state._skeleton import holds_tensors
 
 Finalizer = Callable[[], Any]
 

@@ -24,17 +24,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ckptrepo.core._boxes import Box, slices, volume
+from ckptrepo.core import Box, slices, volume
 from ckptrepo.core.schema import Manifest, TensorEntry
 from ckptrepo.loading._engine import Engine, Read, ReadStats
 from ckptrepo.loading._reader import read_tensors
 from ckptrepo.loading._reshard import VersionReader
-from ckptrepo.parallel._sharding import Piece
-from ckptrepo.state._providers import TORCH_DTYPES
-from ckptrepo.state._skeleton import BIGINT, NDARRAY, NPSCALAR, SCALAR
-from ckptrepo.state._wordsum import wordsum_digests
-from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.storage._piece_digest import WORDSUM, PieceHasher, checkable, mismatch_error
+from ckptrepo.parallel import Piece
+from ckptrepo.state import BIGINT, NDARRAY, NPSCALAR, SCALAR, TORCH_DTYPES, wordsum_digests
+from ckptrepo.storage import WORDSUM, ArrayInfo, PieceHasher, checkable, mismatch_error
 from ckptrepo.storage.protocol import Store
 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "DEVICE_TYPES", "Pipeline", "Transfer", "batches", "ndarray_leaves",

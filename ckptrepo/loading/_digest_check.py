@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckptrepo.storage._piece_digest import (
+from ckptrepo.storage import (
     U64,
     WORDSUM,
     PieceHasher,

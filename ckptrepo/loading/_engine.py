@@ -52,14 +52,22 @@ from ckptrepo.errors import (
     storage_failure,
 )
 from ckptrepo.loading._digest_check import DigestFeed, check_read, check_reads, check_rows
-from ckptrepo.state._providers import TORCH_DTYPES
-from ckptrepo.storage import _localread as localread
-from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
-from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, foreign_chunk_error, read_table
-from ckptrepo.storage._frames import FrameCheck
-from ckptrepo.storage._localread import DirectReader
-from ckptrepo.storage._piece_digest import checkable
-from ckptrepo.storage._tensorstore import local_bytes_read
+from ckptrepo.state import TORCH_DTYPES
+from ckptrepo.storage import (
+    ArrayInfo,
+    DirectReader,
+    FrameCheck,
+    StoredShards,
+    Unexpected,
+    bytes_read,
+    checkable,
+    chunk_crcs,
+    first_mismatch,
+    foreign_chunk_error,
+    local_bytes_read,
+    open_array,
+    read_table,
+)
 from ckptrepo.storage.protocol import Store
 
 RUN_BYTES = 8 << 20          # reads that follow each other are coalesced up to this; a bigger read stands alone
@@ -81,7 +89,7 @@ class ReadStats:
 def kvstore_bytes_read() -> int:
     """Bytes this process has read from storage so far: every TensorStore kvstore driver's own counter
     (file, s3, gcs, memory) plus the direct local-file paths' (tensor data, small objects)."""
-    total = localread.bytes_read() + local_bytes_read()
+    total = bytes_read() + local_bytes_read()
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
         if m["name"].endswith("/bytes_read"):
             total += sum(int(v.get("value", 0)) for v in m.get("values", []))
@@ -492,7 +500,7 @@ def _bytes_of(target: Any) -> np.ndarray | None:
 
 def _failed() -> Future:
     f: Future = Future()
-    f.set_exception(localread.Unexpected("the direct reader refused the run"))
+    f.set_exception(Unexpected("the direct reader refused the run"))
     return f
 
 

@@ -13,14 +13,13 @@ from typing import Any, Sequence
 
 import torch
 
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import Plumbing
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, StateMismatchError
 from ckptrepo.loading._layout_load import rank_tree, saved_world
 from ckptrepo.loading._reshard import read_pieces
-from ckptrepo.parallel._sharding import Piece
-from ckptrepo.state._providers import DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, unflatten
-from ckptrepo.state._skeleton import key_value
+from ckptrepo.parallel import Piece
+from ckptrepo.state import DICT, LIST, NDARRAY, ODICT, STATEFUL, TENSOR, TORCH_DTYPES, TUPLE, key_value, unflatten
 
 
 def entry_keys(manifest: Manifest) -> dict[Any, int]:

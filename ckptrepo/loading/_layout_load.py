@@ -28,18 +28,17 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ckptrepo.core._boxes import volume
+from ckptrepo.core import volume
 from ckptrepo.core.schema import Manifest, RankRecord
 from ckptrepo.errors import LayoutError, StateMismatchError, warn
 from ckptrepo.loading._binding import check_param_groups, fillable_array
 from ckptrepo.loading._device_load import read_pieces_to
 from ckptrepo.loading._engine import ReadStats
 from ckptrepo.loading._reader import read_tensors
-from ckptrepo.parallel._distributed import process_group_rank
-from ckptrepo.parallel._sharding import Sharder, rank_name, rank_path
+from ckptrepo.parallel import Sharder, process_group_rank, rank_name, rank_path
 from ckptrepo.parallel.layout import ParallelLayout, zero_partition
 from ckptrepo.parallel.rules import Fused, LocalParam, Rules
-from ckptrepo.state._providers import (
+from ckptrepo.state import (
     DICT,
     DTYPE_NAMES,
     LIST,
@@ -49,17 +48,18 @@ from ckptrepo.state._providers import (
     TENSOR,
     TORCH_DTYPES,
     TUPLE,
-    _key_str,
-    _path_str,
     flatten,
+    holds_tensors,
     is_dtensor,
     is_stateful,
+    key_str,
+    key_value,
     overlap_error,
     overlapping_elements,
     own_containers,
+    path_str,
     unflatten,
 )
-from ckptrepo.state._skeleton import holds_tensors, key_value
 from ckptrepo.storage.protocol import Store
 
 
@@ -440,7 +440,7 @@ def _check_arrays(obj: Any, path: tuple[Any, ...]) -> None:
     it crashed the process), strided or of another byte order (it filled a copy and left the array as it was)."""
     if isinstance(obj, np.ndarray):
         if fillable_array(obj) is None:
-            raise StateMismatchError(f"{_path_str(path)}: the numpy array in `into` cannot be filled in place "
+            raise StateMismatchError(f"{path_str(path)}: the numpy array in `into` cannot be filled in place "
                                      f"(read-only, not C-contiguous or not native byte order); pass a writable "
                                      f"contiguous array (np.array(a)), or load without into=")
     elif isinstance(obj, dict):
@@ -472,7 +472,7 @@ def _check_optimizers(node: Any, target: Any, path: tuple[Any, ...], version: st
 def _stateful_names(obj: Any, path: tuple[Any, ...]) -> list[str]:
     """The flattened names (``flatten``'s) of the modules and optimizers in ``obj``, outermost only."""
     if is_stateful(obj):
-        return ["/".join(k if type(k) is str else _key_str(k) for k in path)]
+        return ["/".join(k if type(k) is str else key_str(k) for k in path)]
     if isinstance(obj, dict):
         return [n for k, v in obj.items() for n in _stateful_names(v, path + (k,))]
     if isinstance(obj, (list, tuple)):
@@ -575,7 +575,7 @@ def _build(manifest: Manifest, tree: Any, leaf_names: Sequence[str], layout: Par
             out = {}
             for k, v in node[1]:
                 key = unflatten(k, lambda i, n: None)
-                out[key] = build(v, f"{path}/{_key_str(key)}" if path else _key_str(key))
+                out[key] = build(v, f"{path}/{key_str(key)}" if path else key_str(key))
             return out
         if tag in (LIST, TUPLE):
             items = [build(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node[1])]

@@ -14,8 +14,8 @@ import torch
 
 from ckptrepo.core.schema import TensorEntry
 from ckptrepo.loading._engine import Engine, Read
-from ckptrepo.state._providers import TORCH_DTYPES
-from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.state import TORCH_DTYPES
+from ckptrepo.storage import ArrayInfo
 from ckptrepo.storage.protocol import Store
 
 

@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptrepo.core._boxes import Box, intersect, row_major_strides, runs, slices, volume
+from ckptrepo.core import Box, intersect, row_major_strides, runs, slices, volume
 from ckptrepo.core.schema import Manifest
 from ckptrepo.core.schema import Piece as SavedPiece
 from ckptrepo.errors import CorruptionError
 from ckptrepo.loading._engine import Engine, Read, ReadStats
-from ckptrepo.parallel._sharding import Piece
-from ckptrepo.state._providers import TORCH_DTYPES
-from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.parallel import Piece
+from ckptrepo.state import TORCH_DTYPES
+from ckptrepo.storage import ArrayInfo
 from ckptrepo.storage.protocol import Store
 
 

@@ -40,7 +40,7 @@ def check_into(into: Any) -> None:
     import numpy as np
     import torch
 
-    from ckptrepo.state._providers import is_stateful
+    from ckptrepo.state import is_stateful
     if into is None or isinstance(into, (dict, list, tuple, torch.Tensor, np.ndarray, np.random.Generator)) \
             or is_stateful(into):
         return

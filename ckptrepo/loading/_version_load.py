@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._whereabouts import require_data_somewhere
+from ckptrepo.core import Plumbing, require_data_somewhere
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError
 from ckptrepo.loading._binding import Binder
 from ckptrepo.loading._layout_load import load_layout, needs_layout_load
-from ckptrepo.state._providers import malformed_skeleton, unflatten
+from ckptrepo.state import malformed_skeleton, unflatten
 
 if TYPE_CHECKING:
     from ckptrepo.loading._engine import ReadStats

@@ -13,12 +13,20 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ckptrepo.core._boxes import check_coverage, volume
-from ckptrepo.core._manifest import DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import Head, lost_head_branch
-from ckptrepo.core._remotes import evicted_ids, interrupted_clone, tracking_refs
-from ckptrepo.core._whereabouts import check_evicted
+from ckptrepo.core import (
+    DATA_PREFIX,
+    PRUNED_PREFIX,
+    VERSIONS_PREFIX,
+    Head,
+    Plumbing,
+    check_coverage,
+    check_evicted,
+    evicted_ids,
+    interrupted_clone,
+    lost_head_branch,
+    tracking_refs,
+    volume,
+)
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError, CorruptionError, first_line, is_storage_failure, some_names, storage_failure
 from ckptrepo.maintenance._fsck_digests import Checked, PieceDigests
@@ -32,9 +40,7 @@ from ckptrepo.maintenance._gc import (
     unshared_data,
 )
 from ckptrepo.maintenance._lost import describe_refs, find_lost, lost_line
-from ckptrepo.storage._arrays import ArrayInfo, StoredShards, open_array
-from ckptrepo.storage._chunktable import chunk_crcs, first_mismatch, read_table
-from ckptrepo.storage._frames import FrameCheck
+from ckptrepo.storage import ArrayInfo, FrameCheck, StoredShards, chunk_crcs, first_mismatch, open_array, read_table
 
 MISSING_SHARDS_NAMED = 5   # per array; more are counted in one line (a manifest can declare millions)
 

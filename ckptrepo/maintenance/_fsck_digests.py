@@ -10,10 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from ckptrepo.core._boxes import volume
+from ckptrepo.core import volume
 from ckptrepo.core.schema import Manifest
-from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.storage._piece_digest import PieceHasher, checkable, mismatch_text
+from ckptrepo.storage import ArrayInfo, PieceHasher, checkable, mismatch_text
 
 Checked = set[tuple[str, int, int, bytes]]   # (array, offset, elements, digest) of every piece hashed so far
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from ckptrepo.arguments import check_whole, is_number
-from ckptrepo.core._manifest import (
+from ckptrepo.core import (
     DATA_PREFIX,
     FAILURES_PREFIX,
     HEADS_PREFIX,
@@ -48,16 +48,22 @@ from ckptrepo.core._manifest import (
     PRUNING_STALE_S,
     STAGING_PREFIX,
     VERSIONS_PREFIX,
+    Head,
+    Plumbing,
+    children_first,
+    find_cycle,
     is_version_id,
+    leased_versions,
+    lost_head_branch,
+    missing_manifest,
     new_version_id,
+    parent_cycle_error,
+    replaced_refs,
     seal,
+    tracking_refs,
     unseal,
     version_id_time,
 )
-from ckptrepo.core._manifest_reads import children_first, find_cycle, missing_manifest, parent_cycle_error
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import Head, lost_head_branch, replaced_refs
-from ckptrepo.core._remotes import leased_versions, tracking_refs
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CorruptionError, RefError, RetentionError, StorageError
 
@@ -136,7 +142,7 @@ class VersionFacts:
 
     @classmethod
     def of(cls, manifest: Manifest) -> "VersionFacts":
-        from ckptrepo.storage._arrays import layout_bytes
+        from ckptrepo.storage import layout_bytes
         return cls(manifest.parents, manifest.step, manifest.time,
                    tuple((a.key, a.nbytes, layout_bytes(a)) for a in manifest.arrays.values()),
                    tuple({p.array for t in manifest.tensors for p in t.pieces}),
@@ -406,7 +412,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     doomed_arrays = {key: (nbytes, layout) for vid in report.pruned + report.collected + unfinished
                      for key, nbytes, layout in facts[vid].arrays
                      if key not in live_arrays and key.split("/")[1] not in leased_now}
-    from ckptrepo.storage._arrays import stored_bytes
+    from ckptrepo.storage import stored_bytes
     report.bytes_freed = sum(nbytes for nbytes, _ in doomed_arrays.values())
     stored = {key: stored_bytes(plumbing.store, key, layout) for key, (_, layout) in doomed_arrays.items()}
     report.stored_bytes_freed = sum(stored.values())
@@ -473,7 +479,7 @@ def _details(plumbing: Plumbing, report: GcReport, facts: dict[str, VersionFacts
     """The step, time and stored bytes of each version gc prunes or collects and of each leftover data set,
     oldest first. A version's bytes are those of its arrays that go and that no older one of them listed; a
     leftover's are what ``data/<id>/`` takes (on a local store; an object store is not asked, and says 0)."""
-    from ckptrepo.storage._arrays import stored_bytes
+    from ckptrepo.storage import stored_bytes
     out: dict[str, dict[str, Any]] = {}
     for vid in report.pruned + report.collected:
         out[vid] = {"step": facts[vid].step, "time": facts[vid].time, "stored_bytes": 0}

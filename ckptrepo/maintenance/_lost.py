@@ -22,18 +22,18 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ckptrepo.core._manifest import (
+from ckptrepo.core import (
     DATA_PREFIX,
     LOST_PREFIX,
     TAGS_PREFIX,
     VERSIONS_PREFIX,
+    Head,
+    Plumbing,
     version_id_time,
 )
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import Head
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import CkptRepoError
-from ckptrepo.storage._arrays import ZARR_JSON
+from ckptrepo.storage import ZARR_JSON
 
 LOST_TAG_PREFIX = "lost/"
 COLLECTED_WAIT_S = 120.0   # the longest a writer waits for a gc pass whose intent names its version
@@ -119,7 +119,7 @@ def repair_lost(plumbing: Plumbing) -> list[str]:
     """Mark every version the refs or their history name whose manifest is gone as lost, tag the versions
     that may have preceded it, and move a branch or detached HEAD that names it to the newest of them (module
     docstring); deletes nothing. Returns one line per thing done. Running it again does nothing more."""
-    from ckptrepo.core._remotes import tracking_refs
+    from ckptrepo.core import tracking_refs
     from ckptrepo.maintenance._gc import reachable_versions
 
     refs = plumbing.refs

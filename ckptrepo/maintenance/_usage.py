@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ckptrepo.core._manifest import Version
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import Plumbing, Version
 from ckptrepo.errors import CorruptionError
-from ckptrepo.state._skeleton import numel
-from ckptrepo.storage._arrays import ArrayInfo, itemsize, layout_bytes, stored_bytes
+from ckptrepo.state import numel
+from ckptrepo.storage import ArrayInfo, itemsize, layout_bytes, stored_bytes
 
 
 @dataclass(frozen=True)

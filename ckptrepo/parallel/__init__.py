@@ -2,4 +2,35 @@
 replica fingerprints, and the distributed two-phase commit.
 """
 
-__all__: list[str] = []
+from typing import TYPE_CHECKING
+
+from ckptrepo._lazy import lazy_exports
+
+# Facade: the names other layers import from this package, read from their modules when asked for (PEP 562)
+# so that importing the package stays cheap. Its TYPE_CHECKING imports and _LAZY name the same (test_facades.py).
+if TYPE_CHECKING:
+    from ckptrepo.parallel._distributed import (
+        GroupHealth,
+        Staging,
+        all_gather,
+        assign_writers,
+        merge_rank_manifests,
+        merge_tensor_table,
+        process_group_rank,
+    )
+    from ckptrepo.parallel._replicas import check_replicas, fingerprints
+    from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blocks, rank_name, rank_path
+
+_LAZY = {
+    "ckptrepo.parallel._distributed": ("GroupHealth", "Staging", "all_gather", "assign_writers", "merge_rank_manifests",
+                                       "merge_tensor_table", "process_group_rank"),
+    "ckptrepo.parallel._replicas": ("check_replicas", "fingerprints"),
+    "ckptrepo.parallel._sharding": ("Piece", "ShardedState", "Sharder", "column_blocks", "rank_name", "rank_path"),
+}
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+
+__all__ = ["GroupHealth", "Piece", "ShardedState", "Sharder", "Staging", "all_gather", "assign_writers",
+           "check_replicas", "column_blocks", "fingerprints", "merge_rank_manifests", "merge_tensor_table",
+           "process_group_rank", "rank_name", "rank_path"]
+# End of facade.

@@ -28,9 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from ckptrepo.core._boxes import Box, check_coverage, volume
-from ckptrepo.core._manifest import DATA_PREFIX, STAGING_PREFIX, seal, unseal
-from ckptrepo.core._moments import Moments
+from ckptrepo.core import DATA_PREFIX, STAGING_PREFIX, Box, Moments, check_coverage, seal, unseal, volume
 from ckptrepo.core.schema import (
     MERGED_ORDER,
     LayoutRecord,
@@ -46,7 +44,7 @@ from ckptrepo.core.schema import (
     encode_rank_part,
 )
 from ckptrepo.errors import LayoutError, SnapshotFailedError
-from ckptrepo.state._providers import (
+from ckptrepo.state import (
     DICT,
     LIST,
     NDARRAY,
@@ -56,10 +54,10 @@ from ckptrepo.state._providers import (
     TENSOR,
     TORCH_DTYPES,
     TUPLE,
-    _key_str,
+    key_str,
     unflatten,
 )
-from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.storage import ArrayInfo
 from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:
@@ -314,7 +312,7 @@ def full_tree(tree: Any, leaf_names: Sequence[str], tensors: Sequence[TensorEntr
         if tag in (DICT, ODICT):
             out = []
             for k, v in node[1]:
-                key = _key_str(unflatten(k, lambda i, n: None))
+                key = key_str(unflatten(k, lambda i, n: None))
                 out.append([k, walk(v, f"{path}/{key}" if path else key)])
             return [tag, out]
         if tag in (LIST, TUPLE):

@@ -27,12 +27,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ckptrepo.core._boxes import Box, flat_boxes, intersect, slices, volume
+from ckptrepo.core import Box, flat_boxes, intersect, slices, volume
 from ckptrepo.errors import LayoutError, StateMismatchError
 from ckptrepo.parallel._replicas import PLACEMENT, RULES
 from ckptrepo.parallel.layout import ParallelLayout, zero_partition
 from ckptrepo.parallel.rules import Region, Replicated, Rules, Spec, global_shape, local_shape, regions
-from ckptrepo.state._providers import DTYPE_NAMES, TensorRecord, is_dtensor
+from ckptrepo.state import DTYPE_NAMES, TensorRecord, is_dtensor
 
 
 @dataclass

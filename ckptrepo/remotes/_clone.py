@@ -12,11 +12,21 @@ import time
 import uuid
 from typing import Any
 
-from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, decode_config, encode_config, update_config
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import init_head
-from ckptrepo.core._remotes import CLONING_SETTING, add_remote, check_remote_name, remotes, tracking_tip
-from ckptrepo.core._same_store import check_not_itself
+from ckptrepo.core import (
+    CLONING_SETTING,
+    CONFIG_KEY,
+    CONFIG_MAX_BYTES,
+    Plumbing,
+    add_remote,
+    check_not_itself,
+    check_remote_name,
+    decode_config,
+    encode_config,
+    init_head,
+    remotes,
+    tracking_tip,
+    update_config,
+)
 from ckptrepo.errors import CkptRepoError, RepositoryExistsError, first_line
 from ckptrepo.remotes._remote import REPOSITORY_ID, open_source, sound_history
 from ckptrepo.remotes._sync import fetch

@@ -31,11 +31,16 @@ from typing import Iterable
 
 from ckptrepo import faults
 from ckptrepo.arguments import check_whole
-from ckptrepo.core._manifest import DATA_PREFIX
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import evicted_ids, mark_evicted, remote_url, tracking_tip
-from ckptrepo.core._same_store import refuse_if_same_store
-from ckptrepo.core._whereabouts import gone_there
+from ckptrepo.core import (
+    DATA_PREFIX,
+    Plumbing,
+    evicted_ids,
+    gone_there,
+    mark_evicted,
+    refuse_if_same_store,
+    remote_url,
+    tracking_tip,
+)
 from ckptrepo.errors import RefError
 from ckptrepo.remotes._remote import version_ids
 from ckptrepo.storage.protocol import Store

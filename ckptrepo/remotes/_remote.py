@@ -6,16 +6,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from ckptrepo.core._manifest import CONFIG_KEY, CONFIG_MAX_BYTES, VERSIONS_PREFIX, encode_config, is_version_id
-from ckptrepo.core._manifest_reads import find_cycle
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import Head, init_head
-from ckptrepo.core._remotes import evicted_remote, remote_url
-from ckptrepo.core._same_store import check_not_itself, refuse_if_same_store
+from ckptrepo.core import (
+    CONFIG_KEY,
+    CONFIG_MAX_BYTES,
+    VERSIONS_PREFIX,
+    Head,
+    Plumbing,
+    check_not_itself,
+    encode_config,
+    evicted_remote,
+    find_cycle,
+    init_head,
+    is_version_id,
+    refuse_if_same_store,
+    remote_url,
+)
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import NotARepositoryError, RemoteError, StorageError, first_line
-from ckptrepo.storage import open_store
-from ckptrepo.storage._untrusted import untrusted
+from ckptrepo.storage import open_store, untrusted
 from ckptrepo.storage.protocol import Store
 
 REPOSITORY_ID = "id"   # ckptrepo.json: the identity a repository shares with its clones and pushes

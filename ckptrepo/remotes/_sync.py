@@ -22,10 +22,10 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import PRUNED_PREFIX
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import (
+from ckptrepo.core import (
+    PRUNED_PREFIX,
     REMOTE_REFS_PREFIX,
+    Plumbing,
     PushLease,
     clear_push_failure,
     mark_evicted,

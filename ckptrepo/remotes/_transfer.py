@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import PRUNED_PREFIX, VERSIONS_PREFIX
+from ckptrepo.core import PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core.schema import Manifest, decode_manifest
 from ckptrepo.errors import CorruptionError
-from ckptrepo.storage._arrays import INDEX_ENTRY_BYTES, ZARR_JSON, ZARR_JSON_MAX_BYTES, ArrayInfo
-from ckptrepo.storage._untrusted import ProbedStore, refuse_past
+from ckptrepo.storage import INDEX_ENTRY_BYTES, ZARR_JSON, ZARR_JSON_MAX_BYTES, ArrayInfo, ProbedStore, refuse_past
 from ckptrepo.storage.protocol import Store
 
 # Objects copied at once: enough to keep an object store's pipe full, few enough that the shards held in
@@ -150,7 +149,7 @@ def array_objects(src: Store, info: ArrayInfo) -> list[tuple[str, int]] | None:
     shards ``c/<i>`` for ``i`` within the declared geometry (a shard of nothing but fill values is not stored).
     None when ``zarr.json`` is absent. Any other key in the folder is no part of the array and is never read: a
     remote cannot make a copy move what no manifest names."""
-    from ckptrepo.storage._chunktable import table_key  # numpy: not for the history commands that import this
+    from ckptrepo.storage import table_key  # numpy: not for the history commands that import this
     held = set(src.list(f"{info.key}/"))
     if f"{info.key}/{ZARR_JSON}" not in held:
         return None

@@ -36,15 +36,14 @@ from typing import Any, Callable
 
 import torch
 
-from ckptrepo.core._manifest import checked_message, checked_meta, checked_step, plain_metrics
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import Plumbing, checked_message, checked_meta, checked_step, plain_metrics
 from ckptrepo.errors import (
     ArgumentError,
     CkptRepoError,
     ConflictError,
     SnapshotFailedError,
 )
-from ckptrepo.parallel._distributed import process_group_rank
+from ckptrepo.parallel import process_group_rank
 from ckptrepo.saving._capture_stage import CaptureStage
 from ckptrepo.saving._commit import Committer
 from ckptrepo.saving._commit_stage import CommitStage
@@ -59,9 +58,8 @@ from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotS
 from ckptrepo.saving._trackers import tracker_meta
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import LIVE_ALIGN, PlanCache, StagingPool
-from ckptrepo.state._providers import flatten, is_dtensor
-from ckptrepo.storage._arrays import INNER_BYTES, SHARD_BYTES, itemsize
-from ckptrepo.storage._localwrite import DirectWriter
+from ckptrepo.state import flatten, is_dtensor
+from ckptrepo.storage import INNER_BYTES, SHARD_BYTES, DirectWriter, itemsize
 
 log = logging.getLogger("ckptrepo")
 

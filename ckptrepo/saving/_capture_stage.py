@@ -26,15 +26,14 @@ import numpy as np
 import torch
 
 from ckptrepo import faults
-from ckptrepo.parallel._replicas import fingerprints
+from ckptrepo.parallel import fingerprints
 from ckptrepo.saving._device_copies import DeviceCopies
 from ckptrepo.saving._gil import quick_gil_handoffs
 from ckptrepo.saving._snapshot_job import SnapshotHandle
 from ckptrepo.saving._waiting import interrupts_deferred
 from ckptrepo.saving._writer import FEED_CHUNKS, Segment, StagingPool, WritePlan, feed_live, fill_live, fill_segment
-from ckptrepo.state._providers import TensorRecord
-from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.storage._localwrite import LiveShard
+from ckptrepo.state import TensorRecord
+from ckptrepo.storage import ArrayInfo, LiveShard
 
 # what the stage hands the flush stage per segment: (job, segment, buffer, view or None, CUDA event or None)
 Emit = Callable[[tuple[Any, Segment, torch.Tensor, Any, Any]], None]

@@ -17,9 +17,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ckptrepo import faults
-from ckptrepo.core._manifest import DATA_PREFIX, FAILURES_PREFIX, FORMAT_VERSION, VERSIONS_PREFIX, Version, seal
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import Head, lost_head_branch
+from ckptrepo.core import (
+    DATA_PREFIX,
+    FAILURES_PREFIX,
+    FORMAT_VERSION,
+    VERSIONS_PREFIX,
+    Head,
+    Plumbing,
+    Version,
+    lost_head_branch,
+    seal,
+)
 from ckptrepo.core.schema import (
     SINGLE_PROCESS_LAYOUT,
     Manifest,
@@ -40,17 +48,15 @@ from ckptrepo.errors import (
     SnapshotFailedError,
     first_line,
 )
-from ckptrepo.maintenance._lost import collected_while_committing, own_arrays, undo_collected_commit
-from ckptrepo.parallel._distributed import GroupHealth, Staging, merge_rank_manifests
-from ckptrepo.parallel._replicas import check_replicas
+from ckptrepo.maintenance import collected_while_committing, own_arrays, undo_collected_commit
+from ckptrepo.parallel import GroupHealth, Staging, check_replicas, merge_rank_manifests
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._dedup import DedupIndex, StoredTensor
 from ckptrepo.saving._snapshot_job import SnapshotJob
 from ckptrepo.saving._tensor_stats import piece_moments, stats_record
 from ckptrepo.saving._writer import WritePlan
-from ckptrepo.state._providers import TensorRecord
-from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.storage._chunktable import write_table
+from ckptrepo.state import TensorRecord
+from ckptrepo.storage import ArrayInfo, write_table
 
 log = logging.getLogger("ckptrepo")
 

@@ -16,12 +16,10 @@ from typing import Any, Callable, Protocol
 
 from ckptrepo import faults
 from ckptrepo.arguments import check_flag
-from ckptrepo.core._manifest import Version, version_id_time
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._refs import check_ref_name
+from ckptrepo.core import Plumbing, Version, check_ref_name, version_id_time
 from ckptrepo.errors import ArgumentError, CkptRepoError, RefError, SnapshotFailedError, first_line
-from ckptrepo.maintenance._gc import RetentionPolicy, VersionFacts
-from ckptrepo.parallel._distributed import GroupHealth
+from ckptrepo.maintenance import RetentionPolicy, VersionFacts
+from ckptrepo.parallel import GroupHealth
 from ckptrepo.saving._pusher import BackgroundPusher
 from ckptrepo.saving._snapshot_job import SnapshotHandle
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import xxhash
 
-from ckptrepo.state._wordsum import GROUP_BYTES, wordsum_digests
-from ckptrepo.storage._piece_digest import WORDSUM, XXH3
+from ckptrepo.state import GROUP_BYTES, wordsum_digests
+from ckptrepo.storage import WORDSUM, XXH3
 
 
 def xxh3_digest(t: torch.Tensor) -> bytes:

@@ -25,8 +25,8 @@ from ckptrepo.core.schema import STAT_COLUMNS, Manifest
 from ckptrepo.errors import StorageError
 from ckptrepo.saving._content_hash import WORDSUM, digest_as, wordsum_digests
 from ckptrepo.saving._tensor_stats import DeviceStats, HostStats
-from ckptrepo.state._providers import TensorRecord
-from ckptrepo.storage._arrays import ArrayInfo
+from ckptrepo.state import TensorRecord
+from ckptrepo.storage import ArrayInfo
 from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:
@@ -196,7 +196,7 @@ class DedupIndex:
                                    f"and the next snapshot")
         if not announced:
             return
-        from ckptrepo.maintenance._gc import pruning_arrays
+        from ckptrepo.maintenance import pruning_arrays
         doomed = set(reused) & pruning_arrays(store, time.time())
         if doomed:
             self.stored = {}

@@ -28,8 +28,8 @@ import torch
 
 from ckptrepo.saving._tensor_stats import DEVICE_BLOCK
 from ckptrepo.saving._writer import Segment, WritePlan, copy_flat_range
-from ckptrepo.state._providers import TORCH_DTYPES
-from ckptrepo.storage._arrays import itemsize, numpy_dtype
+from ckptrepo.state import TORCH_DTYPES
+from ckptrepo.storage import itemsize, numpy_dtype
 
 __all__ = ["DeviceCopies", "StatRows", "segment_stats"]
 

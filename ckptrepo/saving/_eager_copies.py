@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from ckptrepo.saving._writer import LIVE_ALIGN, aligned_empty, written_from_memory
-from ckptrepo.state._providers import TensorRecord, is_stateful
-from ckptrepo.storage._arrays import INNER_BYTES
+from ckptrepo.state import TensorRecord, is_stateful
+from ckptrepo.storage import INNER_BYTES
 
 EAGER_COPY_BYTES = 64 << 10   # tensors this small are copied at snapshot(): see the Snapshotter contract
 # with an optimizer attached, tensors it does not own are copied up to this size: the parameters are known, so

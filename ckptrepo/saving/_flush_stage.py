@@ -17,9 +17,7 @@ import torch
 from ckptrepo import faults
 from ckptrepo.errors import CkptRepoError, StorageError, first_line
 from ckptrepo.saving._writer import Segment, StagingPool
-from ckptrepo.storage._arrays import ArrayInfo, create_array
-from ckptrepo.storage._chunktable import chunk_crcs
-from ckptrepo.storage._localwrite import DirectWriter, LiveShard
+from ckptrepo.storage import ArrayInfo, DirectWriter, LiveShard, chunk_crcs, create_array
 from ckptrepo.storage.protocol import Store
 
 

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptrepo.arguments import check_flag, check_whole, cut
-from ckptrepo.core._manifest import COMPRESSION_SETTING, CONFIG_KEY
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import COMPRESSION_SETTING, CONFIG_KEY, Plumbing
 from ckptrepo.errors import ArgumentError, FormatVersionError, LayoutError, RetentionError
-from ckptrepo.maintenance._gc import RetentionPolicy
+from ckptrepo.maintenance import RetentionPolicy
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._host_memory import parse_size
-from ckptrepo.storage._arrays import COMPRESSIONS, check_compression
+from ckptrepo.storage import COMPRESSIONS, check_compression
 
 ON_FULL = ("wait", "skip")
 

@@ -23,9 +23,7 @@ import numpy as np
 import torch
 
 from ckptrepo import faults
-from ckptrepo.core._boxes import volume
-from ckptrepo.core._manifest import Version
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import Plumbing, Version, volume
 from ckptrepo.core.schema import (
     SINGLE_PROCESS_LAYOUT,
     Manifest,
@@ -36,16 +34,13 @@ from ckptrepo.errors import (
     LayoutError,
     UnsupportedValueError,
 )
-from ckptrepo.loading._engine import ReadStats
-from ckptrepo.loading._reshard import read_pieces
-from ckptrepo.parallel._distributed import merge_tensor_table
-from ckptrepo.parallel._sharding import Piece as TargetPiece
+from ckptrepo.loading import ReadStats, read_pieces
+from ckptrepo.parallel import Piece as TargetPiece
+from ckptrepo.parallel import merge_tensor_table
 from ckptrepo.saving._commit import BranchBase, publish_version, refuse_new_root, version_header
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
-from ckptrepo.state._providers import DTYPE_NAMES, TensorRecord
-from ckptrepo.storage._arrays import ArrayInfo, create_array, itemsize
-from ckptrepo.storage._chunktable import chunk_crcs, write_table
-from ckptrepo.storage._localwrite import DirectWriter
+from ckptrepo.state import DTYPE_NAMES, TensorRecord
+from ckptrepo.storage import ArrayInfo, DirectWriter, chunk_crcs, create_array, itemsize, write_table
 from ckptrepo.storage.protocol import Store
 
 __all__ = ["BranchBase", "ChunkRecord", "GlobalChunk", "RankWrite", "commit_chunks", "read_branch_base",

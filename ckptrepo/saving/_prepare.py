@@ -14,18 +14,16 @@ import numpy as np
 import torch
 import xxhash
 
-from ckptrepo.core._boxes import volume
-from ckptrepo.core._manifest import DATA_PREFIX, new_version_id
+from ckptrepo.core import DATA_PREFIX, new_version_id, volume
 from ckptrepo.errors import LayoutError, SnapshotFailedError, first_line
-from ckptrepo.parallel._distributed import GroupHealth, all_gather, assign_writers
-from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blocks
+from ckptrepo.parallel import GroupHealth, Piece, ShardedState, Sharder, all_gather, assign_writers, column_blocks
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._dedup import DedupIndex, dedup_key, piece_id
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob
 from ckptrepo.saving._tensor_stats import stat_feeds
 from ckptrepo.saving._writer import PlanCache, live_residues
-from ckptrepo.state._providers import TensorRecord, is_dtensor
-from ckptrepo.storage._arrays import INNER_BYTES, ArrayInfo
+from ckptrepo.state import TensorRecord, is_dtensor
+from ckptrepo.storage import INNER_BYTES, ArrayInfo
 
 
 class Planner:

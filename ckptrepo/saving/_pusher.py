@@ -23,10 +23,15 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from ckptrepo.core._manifest import checked_step, new_version_id
-from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import record_push_failure, remote_url
-from ckptrepo.core._same_store import check_not_itself, refuse_if_same_store
+from ckptrepo.core import (
+    Plumbing,
+    check_not_itself,
+    checked_step,
+    new_version_id,
+    record_push_failure,
+    refuse_if_same_store,
+    remote_url,
+)
 from ckptrepo.errors import (
     ArgumentError,
     BackpressureWarning,
@@ -36,8 +41,7 @@ from ckptrepo.errors import (
     first_line,
     warn,
 )
-from ckptrepo.remotes._evict import evict
-from ckptrepo.remotes._sync import push
+from ckptrepo.remotes import evict, push
 from ckptrepo.saving._options import LocalTier, default_local_max_bytes
 from ckptrepo.saving._snapshot_job import SnapshotHandle
 from ckptrepo.storage import open_store

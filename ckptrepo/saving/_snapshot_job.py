@@ -14,14 +14,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ckptrepo.core._manifest import Version
+from ckptrepo.core import Version
 from ckptrepo.errors import ArgumentError
 from ckptrepo.saving._content_hash import hasher_digest
 from ckptrepo.saving._dedup import DedupKey, PieceId, StoredTensor
 from ckptrepo.saving._writer import WritePlan
-from ckptrepo.state._providers import TensorRecord
-from ckptrepo.storage._arrays import ArrayInfo
-from ckptrepo.storage._localwrite import LiveShard
+from ckptrepo.state import TensorRecord
+from ckptrepo.storage import ArrayInfo, LiveShard
 
 log = logging.getLogger("ckptrepo")
 

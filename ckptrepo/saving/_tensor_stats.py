@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ckptrepo.core._moments import Moments
+from ckptrepo.core import Moments
 from ckptrepo.core.schema import STAT_COLUMNS, TensorStatsRecord
-from ckptrepo.storage._arrays import numpy_dtype
+from ckptrepo.storage import numpy_dtype
 
 CHUNK_ELEMS = 1 << 16   # 256 KiB of float32: the chunk and its temporaries stay in L2
 DEVICE_BLOCK = 1 << 22  # 4M elements: a CUDA block's float32 and float64 temporaries stay under 50 MB

@@ -15,10 +15,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ckptrepo.core._lru import LruCache
-from ckptrepo.state._providers import TORCH_DTYPES, TensorRecord
-from ckptrepo.storage._arrays import choose_geometry, itemsize, numpy_dtype
-from ckptrepo.storage._localwrite import DIRECT_ALIGN, LiveShard
+from ckptrepo.core import LruCache
+from ckptrepo.state import TORCH_DTYPES, TensorRecord
+from ckptrepo.storage import DIRECT_ALIGN, LiveShard, choose_geometry, itemsize, numpy_dtype
 
 
 @dataclass(frozen=True)

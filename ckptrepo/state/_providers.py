@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ckptrepo.core._manifest import msgpack_int
+from ckptrepo.core import msgpack_int
 from ckptrepo.errors import CkptRepoError, CorruptionError, StateMismatchError, UnsupportedValueError, first_line
 from ckptrepo.state._skeleton import (  # noqa: F401
     BIGINT,
@@ -105,7 +105,7 @@ def _check_tensor_type(t: torch.Tensor, path: tuple[Any, ...]) -> None:
     without what the subclass adds (a scale, a tag), silently."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return
-    where = _path_str(path)   # only here: formatting every tensor's path would add up in snapshot() of a big state
+    where = path_str(path)   # only here: formatting every tensor's path would add up in snapshot() of a big state
     if torch.nn.parameter.is_lazy(t):
         raise UnsupportedValueError(f"{where}: an uninitialised lazy parameter or buffer has no shape or data yet; "
                                     f"run one forward pass (or module.initialize_parameters()) before saving")
@@ -147,11 +147,11 @@ def torch_viewable(arr: np.ndarray) -> np.ndarray:
     return arr if canonical.char == arr.dtype.char else arr.view(canonical)
 
 
-def _key_str(key: Any) -> str:
+def key_str(key: Any) -> str:
     return key if isinstance(key, str) else repr(key)
 
 
-def _path_str(path: tuple[Any, ...]) -> str:
+def path_str(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{k!r}]" for k in path)
 
 
@@ -163,19 +163,19 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
     def add_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> int:
         _check_tensor_type(t, path)
         if t.is_nested:   # a strided-layout nested tensor too, which has no sizes to read
-            raise UnsupportedValueError(f"{_path_str(path)}: nested tensors are not supported; save their "
+            raise UnsupportedValueError(f"{path_str(path)}: nested tensors are not supported; save their "
                                         f"components (t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
         if t.layout != torch.strided:
-            raise UnsupportedValueError(f"{_path_str(path)}: {t.layout} tensors are not supported; "
+            raise UnsupportedValueError(f"{path_str(path)}: {t.layout} tensors are not supported; "
                                         f"convert with .to_dense()")
         if t.is_quantized:
-            raise UnsupportedValueError(f"{_path_str(path)}: quantized tensors cannot be saved")
+            raise UnsupportedValueError(f"{path_str(path)}: quantized tensors cannot be saved")
         if t.device.type == "meta":   # flattened to save, and to load into (a layout load's `into`)
-            raise UnsupportedValueError(f"{_path_str(path)}: a meta tensor holds no data, to save or to load into; "
+            raise UnsupportedValueError(f"{path_str(path)}: a meta tensor holds no data, to save or to load into; "
                                         f"materialise the model first (module.to_empty(device=...))")
         if t.dtype not in DTYPE_NAMES:
-            raise UnsupportedValueError(f"{_path_str(path)}: dtype {t.dtype} is not supported")
-        name = "/".join([k if type(k) is str else _key_str(k) for k in path]) or "<root>"
+            raise UnsupportedValueError(f"{path_str(path)}: dtype {t.dtype} is not supported")
+        name = "/".join([k if type(k) is str else key_str(k) for k in path]) or "<root>"
         base, n = name, 1
         while name in names:
             n += 1
@@ -191,19 +191,19 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             return [TUPLE, [key_node(k, path) for k in key]]
         if key is None or (isinstance(key, (str, bool, int, float, bytes)) and not isinstance(key, np.generic)):
             return walk(key, path)   # (np.float64 subclasses float, but a numpy scalar key is refused like np.int64)
-        raise UnsupportedValueError(f"{_path_str(path)}: dict key {key!r} of type {type(key).__name__} "
+        raise UnsupportedValueError(f"{path_str(path)}: dict key {key!r} of type {type(key).__name__} "
                                     f"is not supported")
 
     def walk(obj: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(obj, np.generic):  # before float/int: np.float64 subclasses float
             if obj.dtype.kind not in "biufc":
-                raise UnsupportedValueError(f"{_path_str(path)}: numpy scalar of dtype {obj.dtype} is not supported")
+                raise UnsupportedValueError(f"{path_str(path)}: numpy scalar of dtype {obj.dtype} is not supported")
             return [NPSCALAR, obj.dtype.str, obj.tobytes()]
         if isinstance(obj, str):
             try:
                 obj.encode("utf-8")
             except UnicodeEncodeError as err:   # a lone surrogate: msgpack could not write the manifest
-                raise UnsupportedValueError(f"{_path_str(path)}: text with a character UTF-8 cannot encode "
+                raise UnsupportedValueError(f"{path_str(path)}: text with a character UTF-8 cannot encode "
                                             f"({err.reason}, at {err.start}); store it as bytes "
                                             f"(s.encode('utf-8', 'surrogatepass'))") from None
             return [SCALAR, obj]
@@ -216,11 +216,11 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             return [TENSOR, add_tensor(obj, path)]
         if isinstance(obj, np.ndarray):
             if type(obj) is not np.ndarray and not isinstance(obj, np.memmap):
-                raise UnsupportedValueError(f"{_path_str(path)}: a {type(obj).__module__}.{type(obj).__qualname__} "
+                raise UnsupportedValueError(f"{path_str(path)}: a {type(obj).__module__}.{type(obj).__qualname__} "
                                             f"(an ndarray subclass) would load as a plain array, without what the "
                                             f"subclass adds (a mask); save its parts as plain arrays")
             if obj.dtype.kind not in "biufc":
-                raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported")
+                raise UnsupportedValueError(f"{path_str(path)}: numpy dtype {obj.dtype} is not supported")
             if not obj.dtype.isnative:   # big-endian data: its values, in this machine's byte order
                 obj = obj.astype(obj.dtype.newbyteorder("="))
             obj = torch_viewable(obj)
@@ -229,7 +229,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
                 try:   # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d)
                     t = torch.from_numpy(np.require(obj, requirements="C"))
                 except TypeError:   # float128 and other types torch has no dtype for
-                    raise UnsupportedValueError(f"{_path_str(path)}: numpy dtype {obj.dtype} is not supported") \
+                    raise UnsupportedValueError(f"{path_str(path)}: numpy dtype {obj.dtype} is not supported") \
                         from None
             return [NDARRAY, add_tensor(t, path)]
         if _is_numpy_generator(obj):
@@ -239,12 +239,12 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             return node if seed is None else node + [walk(seed, path)]
         if isinstance(obj, torch.dtype):
             if obj not in DTYPE_NAMES:
-                raise UnsupportedValueError(f"{_path_str(path)}: dtype {obj} is not supported")
+                raise UnsupportedValueError(f"{path_str(path)}: dtype {obj} is not supported")
             return [DTYPE, DTYPE_NAMES[obj]]
         if isinstance(obj, torch.Size):
             return [SIZE, list(obj)]
         if isinstance(obj, (dict, list, tuple)) and len(path) >= MAX_DEPTH:
-            raise UnsupportedValueError(f"{_path_str(path[:6])}...: containers nested more than {MAX_DEPTH} deep (or "
+            raise UnsupportedValueError(f"{path_str(path[:6])}...: containers nested more than {MAX_DEPTH} deep (or "
                                         f"one that holds itself); flatten the structure, e.g. with joined keys")
         if isinstance(obj, dict):
             tag = ODICT if isinstance(obj, collections.OrderedDict) else DICT  # other dict subclasses load as dict
@@ -255,7 +255,7 @@ def flatten(state: Any) -> tuple[Any, list[TensorRecord]]:
             cls = f"{type(obj).__module__}.{type(obj).__qualname__}"
             return [STATEFUL, cls, walk(obj.state_dict(), path)]
         raise UnsupportedValueError(
-            f"{_path_str(path)}: values of type {type(obj).__module__}.{type(obj).__qualname__} cannot be saved "
+            f"{path_str(path)}: values of type {type(obj).__module__}.{type(obj).__qualname__} cannot be saved "
             f"without pickle; store tensors, numpy arrays, plain Python data, "
             f"or an object with state_dict()/load_state_dict()")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from ckptrepo.arguments import short_text as short_text  # how show and diff print a plain value
-from ckptrepo.core._boxes import volume as numel  # elements of a tensor of a given shape (1 for a zero-dim tensor)
+from ckptrepo.core import volume as numel  # elements of a tensor of a given shape (1 for a zero-dim tensor)
 from ckptrepo.errors import UnsupportedValueError
 
 # Skeleton tags (the first element of every node).

@@ -10,12 +10,12 @@ from typing import Sequence
 
 import torch
 
-from ckptrepo.storage._piece_digest import M1 as _M1
-from ckptrepo.storage._piece_digest import M2 as _M2
-from ckptrepo.storage._piece_digest import M3 as _M3
-from ckptrepo.storage._piece_digest import POS as _POS
-from ckptrepo.storage._piece_digest import U64 as _U64
-from ckptrepo.storage._piece_digest import finish_wordsum
+from ckptrepo.storage import M1 as _M1
+from ckptrepo.storage import M2 as _M2
+from ckptrepo.storage import M3 as _M3
+from ckptrepo.storage import POS as _POS
+from ckptrepo.storage import U64 as _U64
+from ckptrepo.storage import finish_wordsum
 
 GROUP_BYTES = 64 << 20   # bytes of tensors hashed together: bounds the device temporaries (~5x this)
 _ALIGN = 16              # every tensor's slot in a group starts here, so any dtype can be viewed there

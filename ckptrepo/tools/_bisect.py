@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ckptrepo.arguments import is_number
-from ckptrepo.core._history import metric_rows
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import Plumbing, metric_rows
 from ckptrepo.errors import ArgumentError
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ import torch
 
 from ckptrepo.arguments import is_whole
 from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line, os_error_line
-from ckptrepo.state._providers import flatten, unflatten
+from ckptrepo.state import flatten, unflatten
 from ckptrepo.tools._hf_export import (
     INDEX_FILE,
     is_model_folder,
@@ -88,16 +88,16 @@ def write_export(state: Any, vid: str, path: Path, format: str,  # noqa: A002
                             f"path") from None
     if format == "torch":
         plain = weights_only_state(state)
-        _write_then_rename(path, lambda tmp: torch.save(plain, tmp))
+        write_then_rename(path, lambda tmp: torch.save(plain, tmp))
     elif format == "safetensors":
-        _write_then_rename(path, lambda tmp: _save_safetensors(state, tmp, vid))
+        write_then_rename(path, lambda tmp: _save_safetensors(state, tmp, vid))
     elif format == "hf":
-        _write_then_rename(path, lambda tmp: save_model_folder(state, tmp, max_shard_size))
+        write_then_rename(path, lambda tmp: save_model_folder(state, tmp, max_shard_size))
     else:
-        _write_then_rename(path, lambda tmp: _save_dcp(state, tmp))
+        write_then_rename(path, lambda tmp: _save_dcp(state, tmp))
 
 
-def _write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
+def write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
     """``write`` a file or directory under a temporary name beside ``path``, renamed into place once complete;
     on failure the temporary is removed and the error says so. Written in place, a full disk would leave a
     truncated torch file, or a DCP checkpoint directory, at ``path``, which the next export would refuse to
@@ -263,7 +263,7 @@ def _save_dcp(state: Any, path: Path) -> None:
                             f"export with --format torch or safetensors")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.save(state, checkpoint_id=str(path), no_dist=True)   # its failures: see _write_then_rename
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)   # its failures: see write_then_rename
 
 
 def _dcp_cause(err: BaseException) -> str:

@@ -21,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ckptrepo.core._manifest import Version
-from ckptrepo.core._manifest_reads import children_first
+from ckptrepo.core import Version, children_first
 
 
 @dataclass(frozen=True)

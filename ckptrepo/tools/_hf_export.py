@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from ckptrepo.errors import ArgumentError, ExchangeError, first_line, some_names
-from ckptrepo.saving._host_memory import parse_size
+from ckptrepo.saving import parse_size
 
 MODEL_KEY = "model"
 CONFIG_KEY = "hf_config"

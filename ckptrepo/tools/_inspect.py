@@ -37,16 +37,12 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import numpy as np
 import torch
 
-from ckptrepo.core._boxes import flat_boxes, volume
-from ckptrepo.core._moments import merge_moments
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import Plumbing, flat_boxes, merge_moments, volume
 from ckptrepo.core.schema import Manifest, TensorEntry
-from ckptrepo.loading._engine import Engine, Read
-from ckptrepo.loading._reshard import VersionReader
-from ckptrepo.parallel._sharding import Piece
-from ckptrepo.state._providers import TORCH_DTYPES
-from ckptrepo.state._skeleton import plain_values, short_text
-from ckptrepo.storage._arrays import ArrayInfo, itemsize
+from ckptrepo.loading import Engine, Read, VersionReader
+from ckptrepo.parallel import Piece
+from ckptrepo.state import TORCH_DTYPES, plain_values, short_text
+from ckptrepo.storage import ArrayInfo, itemsize
 from ckptrepo.tools._numeric import is_numeric
 from ckptrepo.tools._recorded import TensorStats
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import Plumbing
 
 
 @dataclass

@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptrepo.core._manifest import is_version_id, version_id_time
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import Plumbing, is_version_id, version_id_time
 from ckptrepo.errors import CkptRepoError
-from ckptrepo.maintenance._gc import data_version_ids, staged_ids
+from ckptrepo.maintenance import data_version_ids, staged_ids
 from ckptrepo.tools._width import natural_key
 
 

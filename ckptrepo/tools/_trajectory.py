@@ -16,9 +16,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ckptrepo.core._manifest import VERSIONS_PREFIX
-from ckptrepo.core._manifest_reads import HEADER_BATCH, first_parents, missing_manifest
-from ckptrepo.core._plumbing import Plumbing
+from ckptrepo.core import HEADER_BATCH, VERSIONS_PREFIX, Plumbing, first_parents, missing_manifest
 from ckptrepo.core.schema import (
     STAT_COLUMNS,
     ManifestHeader,

@@ -19,7 +19,7 @@ from ckptrepo.errors import ArgumentError
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckptrepo.core._manifest import Version
+    from ckptrepo.core import Version
     from ckptrepo.repository import Repository
 
 BIG = 1.7976931348623157e308   # an infinity as JSON can carry it: the hottest colour, the top of a plot
@@ -46,7 +46,7 @@ def has_versions(repo: Repository, rev: str) -> bool:
 
 # ---- /api/info ------------------------------------------------------------------------------------------------
 def info(repo: Repository, rev: str) -> dict[str, Any]:
-    from ckptrepo.tools._trajectory import METRICS
+    from ckptrepo.tools import METRICS
     head = repo.plumbing.head_version()
     return {"url": repo.url, "rev": rev, "head": head, "branch": repo.current_branch(),
             "branches": repo.branches(), "tags": repo.tags(), "stats": list(METRICS)}
@@ -62,7 +62,7 @@ def _version_brief(v: Version) -> dict[str, Any]:
 def graph(repo: Repository, rev: str, all_refs: bool, limit: int) -> dict[str, Any]:
     """The rows of ``log --graph`` (``--all`` by default), newest first, at most ``limit`` versions: each row
     is the drawing on its left (``prefix``) and its version, or None for a line that only joins columns."""
-    from ckptrepo.tools._graph import graph as graph_rows
+    from ckptrepo.tools import graph as graph_rows
     versions = repo.log(rev, all=all_refs, limit=limit + 1) if all_refs or has_versions(repo, rev) else []
     truncated = len(versions) > limit
     rows = graph_rows(versions[:limit])
@@ -219,7 +219,7 @@ def heatmap(repo: Repository, rev: str, stat: str, pattern: str, max_versions: i
     tensors and step counters only with ``include_nonfloat`` (their bytes would set the colour scale)."""
     import numpy as np
 
-    from ckptrepo.tools._trajectory import METRICS
+    from ckptrepo.tools import METRICS
     if stat not in METRICS:
         raise ArgumentError(f"unknown stat {stat!r}; use one of {', '.join(METRICS)}")
     empty = {"rev": rev, "stat": stat, "pattern": pattern, "versions": [], "steps": [], "rows": [], "values": [],

@@ -5,6 +5,10 @@ maintenance < saving < tools < repository < the package's __init__ < integration
 module may import from its own layer and the ones below it, never above, so each layer can be read, tested and changed
 without the ones built on it. Imports made only for type checking (under ``if TYPE_CHECKING:``) are not
 run and do not count; imports inside functions do.
+
+Across packages a module imports what another package's facade (its ``__init__``) exports, never that package's
+``_private`` modules (type-checking imports included): the underscore says who may use a module. Top-level modules
+(repository, dcp, rules, errors, faults, the package's __init__) are packages of their own here.
 """
 from __future__ import annotations
 
@@ -48,6 +52,11 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.parent / Path(*dotted.split("."))
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
 @functools.cache
 def _lazy_exports(package: str) -> dict[str, str]:
     """name -> module of a facade's lazy table (``_LAZY = {module: (names, ...)}`` in its ``__init__``)."""
@@ -79,8 +88,7 @@ def _imports(tree: ast.AST) -> list[tuple[int, str]]:
                 and node.module.split(".")[0] == "ckptrepo":
             for a in node.names:
                 sub = f"{node.module}.{a.name}"
-                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or \
-                    (PACKAGE.parent / Path(*sub.split("."))).is_dir()
+                is_module = _is_module(sub)
                 lazy = _lazy_exports(node.module)
                 found.append((node.lineno, sub if is_module else lazy.get(a.name, node.module)))
         for child in ast.iter_child_nodes(node):
@@ -163,6 +171,47 @@ def test_no_import_cycles_inside_a_layer():
         module = _module_name(path)
         graph[module] = {m for _, m in _imports(ast.parse(path.read_text(), str(path))) if m != module}
     assert _cycles(graph) == []
+
+
+def _private_imports_in(tree: ast.AST, mine: str) -> list[tuple[int, str]]:
+    """(line, module) of each import, anywhere in ``tree``, of a private module of a package other than ``mine``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names
+                                     if _is_module(f"{node.module}.{a.name}")]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "ckptrepo" and len(parts) > 2 and parts[1] != mine \
+                    and any(p.startswith("_") for p in parts[2:]):
+                found.append((node.lineno, name))
+                break
+    return found
+
+
+def test_no_module_imports_another_packages_private_module():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: imports {name}; import it from its package's facade "
+             f"(from ckptrepo.{name.split('.')[1]} import ...), exporting it there if it is not yet"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for line, name in _private_imports_in(ast.parse(path.read_text(), str(path)),
+                                                   _layer(_module_name(path)))]
+    assert not found, f"{len(found)} imports of another package's private module:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_private_imports_across_packages():
+    """In functions and under TYPE_CHECKING too, and module objects; not inside the package, not the facade."""
+    source = ("from typing import TYPE_CHECKING\nfrom ckptrepo.core import Plumbing\n"
+              "from ckptrepo.saving._writer import PlanCache\nif TYPE_CHECKING:\n"
+              "    from ckptrepo.core._refs import Head\ndef f():\n    from ckptrepo.storage import _crc\n"
+              "    import ckptrepo.tools._plot as plot\n")
+    assert [m for _, m in _private_imports_in(ast.parse(source), "loading")] == \
+        ["ckptrepo.saving._writer", "ckptrepo.core._refs", "ckptrepo.storage._crc", "ckptrepo.tools._plot"]
+    assert [m for _, m in _private_imports_in(ast.parse(source), "saving")] == \
+        ["ckptrepo.core._refs", "ckptrepo.storage._crc", "ckptrepo.tools._plot"]
 
 
 def test_the_cycle_finder_finds_a_lazy_cycle():
