@@ -48,9 +48,9 @@ def s3_url(s3_endpoint):
 
 @pytest.fixture
 def s3_proxy(s3_endpoint, monkeypatch):
-    """A proxy in front of the moto server (tests/s3proxy.py), in ``"atomic"`` mode until a test sets another;
+    """A proxy in front of the moto server (tests/support/s3proxy.py), in ``"atomic"`` mode until a test sets another;
     AWS_ENDPOINT_URL points at it for the test, so every store opened meanwhile goes through it."""
-    from s3proxy import S3Proxy
+    from support.s3proxy import S3Proxy
 
     proxy = S3Proxy(s3_endpoint, mode="atomic").start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run
+from support.helpers import run
 
 import ckptrepo
 from ckptrepo.tools._graph import graph as graph_rows
