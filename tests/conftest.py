@@ -1,9 +1,11 @@
 """Shared fixtures: repositories on every backend, including S3 through moto's server on 127.0.0.1."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -93,11 +95,30 @@ def repo(tmp_path) -> ckptrepo.Repository:
 
 
 DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
+DISTRIBUTED_TIMEOUT = 480   # seconds per test under tests/distributed/; the others get pyproject.toml's `timeout`
 
 
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist turns the xdist_group marks into its loadgroup node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/distributed/ starts processes (gloo ranks, torchrun) and takes most of the suite's
-    time: it is marked ``slow`` so that ``-m "not slow"`` gives a quick run."""
+    time: it is marked ``slow`` so that ``-m "not slow"`` gives a quick run; one xdist group, so that under
+    ``-n`` these tests run one at a time (each already fills the cores with its ranks) beside the rest; and a
+    longer timeout than the rest, which a test's own ``timeout`` mark overrides."""
     for item in items:
         if item.path.is_relative_to(DISTRIBUTED):
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("distributed"))
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(DISTRIBUTED_TIMEOUT))
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_processes() -> Iterator[None]:
+    """Kill the worker processes a test leaves running: a test failed by its timeout stops before it joins
+    them, and a live non-daemon child would hold the interpreter's exit (and so CI) until it ends."""
+    before = set(multiprocessing.active_children())
+    yield
+    for proc in multiprocessing.active_children():
+        if proc not in before:
+            proc.kill()
+            proc.join(30)
