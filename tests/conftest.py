@@ -1,11 +1,12 @@
-"""Shared fixtures: repositories on every backend, including S3 through moto's server on 127.0.0.1."""
+"""Shared fixtures: repositories on every backend, including S3 through moto's server on 127.0.0.1; the suite's
+time limits, and what pytest-xdist's workers need to run tests as one process does."""
 from __future__ import annotations
 
 import multiprocessing
 import os
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -95,7 +96,7 @@ def repo(tmp_path) -> ckptrepo.Repository:
 
 
 DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
-DISTRIBUTED_TIMEOUT = 480   # seconds per test under tests/distributed/; the others get pyproject.toml's `timeout`
+DISTRIBUTED_TIMEOUT = 600   # seconds per test under tests/distributed/; the others get pyproject.toml's `timeout`
 
 
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist turns the xdist_group marks into its loadgroup node ids
@@ -122,3 +123,32 @@ def _no_stray_processes() -> Iterator[None]:
         if proc not in before:
             proc.kill()
             proc.join(30)
+
+
+TERMINAL_VARIABLES = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's controller: hand each worker the terminal variables as ``os.environ`` has them here.
+    Importing readline (pdb does) writes COLUMNS and LINES into the C environment, which workers inherit,
+    and not into ``os.environ``: a worker would cut the CLI's output to 80 columns where one process does
+    not."""
+    node.workerinput["terminal_env"] = {name: os.environ.get(name) for name in TERMINAL_VARIABLES}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker: the controller's terminal variables, and torch's intra-op threads cut to
+    this worker's share of the cores (OpenMP threads of several workers spinning on the same cores slow
+    every one of them down)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    for name, value in workerinput["terminal_env"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workerinput["workercount"])))
