@@ -99,18 +99,39 @@ DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
 DISTRIBUTED_TIMEOUT = 600   # seconds per test under tests/distributed/; the others get pyproject.toml's `timeout`
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist turns the xdist_group marks into its loadgroup node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/distributed/ starts processes (gloo ranks, torchrun) and takes most of the suite's
-    time: it is marked ``slow`` so that ``-m "not slow"`` gives a quick run; one xdist group, so that under
-    ``-n`` these tests run one at a time (each already fills the cores with its ranks) beside the rest; and a
-    longer timeout than the rest, which a test's own ``timeout`` mark overrides."""
+    time: it is marked ``slow`` so that ``-m "not slow"`` gives a quick run, and gets a longer timeout than the
+    rest, which a test's own ``timeout`` mark overrides."""
     for item in items:
         if item.path.is_relative_to(DISTRIBUTED):
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group("distributed"))
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(DISTRIBUTED_TIMEOUT))
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work a pytest-xdist worker takes whole: tests/distributed/ as one (each of its tests fills
+    the cores with its ranks, so they run one at a time, beside the rest), else a test's file (its module
+    fixtures are built once; the damage matrix runs every case the session collected in its first test)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/distributed" if path.startswith("tests/distributed/") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n``, units of work by ``xdist_scope``, handed out in collection order (tests/distributed/,
+    the longest, first) rather than largest count first."""
+    if config.getvalue("dist") != "load":   # what `-n` alone gives; another `--dist` is the caller's choice
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return ScopeScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """The test suite's own settings (pyproject.toml, tests/conftest.py): a hung test fails alone and the run goes
 on; a test stuck where the timeout's signal cannot reach it ends the process instead of hanging CI; the
-multi-process tests get their longer timeout and their xdist group."""
+multi-process tests get their longer timeout and run as one unit of work under pytest-xdist."""
 from __future__ import annotations
 
 import os
@@ -42,21 +42,27 @@ def test_a_test_the_signal_cannot_reach_ends_the_process(tmp_path: Path) -> None
     assert "Timeout (0:00:02)!" in done.stderr and "test_stuck" in done.stderr, done.stderr
 
 
-def test_the_distributed_tests_get_their_timeout_and_group(tmp_path: Path) -> None:
+def test_the_distributed_tests_get_their_timeout(tmp_path: Path) -> None:
     (tmp_path / "show_marks.py").write_text(
         "def pytest_collection_finish(session):\n"
         "    for item in session.items:\n"
-        "        timeout, group = item.get_closest_marker('timeout'), item.get_closest_marker('xdist_group')\n"
-        "        print('MARKS', item.name, timeout.args[0], group.args[0], flush=True)\n")
+        "        print('TIMEOUT', item.name, item.get_closest_marker('timeout').args[0], flush=True)\n")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-                           "-p", "show_marks", "-n", "0", "tests/distributed/test_torchrun.py"], cwd=ROOT,
+                           "-p", "show_marks", "tests/distributed/test_torchrun.py"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path),
                                                                             os.environ.get("PYTHONPATH", "")])},
                           capture_output=True, text=True, timeout=120)
-    marks = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("MARKS")]
-    assert marks, done.stdout + done.stderr
+    timeouts = [line.split()[2] for line in done.stdout.splitlines() if line.startswith("TIMEOUT")]
     from conftest import DISTRIBUTED_TIMEOUT
-    assert all(timeout == str(DISTRIBUTED_TIMEOUT) and group == "distributed" for _, timeout, group in marks)
+    assert timeouts and set(timeouts) == {str(DISTRIBUTED_TIMEOUT)}, done.stdout + done.stderr
+
+
+def test_xdist_hands_out_the_distributed_tests_as_one_unit_and_the_others_by_file() -> None:
+    from conftest import xdist_scope
+    assert xdist_scope("tests/distributed/test_dcp.py::test_a") == xdist_scope("tests/distributed/test_fsdp2.py::b")
+    assert xdist_scope("tests/unit/test_x.py::test_a[1]") == xdist_scope("tests/unit/test_x.py::C::test_b")
+    assert xdist_scope("tests/unit/test_x.py::test_a") != xdist_scope("tests/unit/test_y.py::test_a")
+    assert xdist_scope("tests/unit/test_x.py::test_a") != xdist_scope("tests/distributed/test_x.py::test_a")
 
 
 def test_the_project_settings_are_the_ones_tested(pytestconfig: pytest.Config) -> None:
