@@ -114,8 +114,8 @@ def xdist_scope(nodeid: str) -> str:
     """The unit of work a pytest-xdist worker takes whole: tests/distributed/ as one (each of its tests fills
     the cores with its ranks, so they run one at a time, beside the rest), else a test's file (its module
     fixtures are built once; the damage matrix runs every case the session collected in its first test)."""
-    path = nodeid.split("::", 1)[0]
-    return "tests/distributed" if path.startswith("tests/distributed/") else path
+    path = nodeid.split("::", 1)[0]   # relative to the rootdir, which need not be the repository's root
+    return "tests/distributed" if "distributed" in path.split("/")[:-1] else path
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -165,7 +165,7 @@ def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None:
         return
-    for name, value in workerinput["terminal_env"].items():
+    for name, value in workerinput.get("terminal_env", {}).items():
         if value is None:
             os.environ.pop(name, None)
         else:
