@@ -1,9 +1,12 @@
-"""Shared fixtures: repositories on every backend, including S3 through moto's server on 127.0.0.1."""
+"""Shared fixtures: repositories on every backend, including S3 through moto's server on 127.0.0.1; the suite's
+time limits, and what pytest-xdist's workers need to run tests as one process does."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import uuid
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -48,9 +51,9 @@ def s3_url(s3_endpoint):
 
 @pytest.fixture
 def s3_proxy(s3_endpoint, monkeypatch):
-    """A proxy in front of the moto server (tests/s3proxy.py), in ``"atomic"`` mode until a test sets another;
+    """A proxy in front of the moto server (tests/support/s3proxy.py), in ``"atomic"`` mode until a test sets another;
     AWS_ENDPOINT_URL points at it for the test, so every store opened meanwhile goes through it."""
-    from s3proxy import S3Proxy
+    from support.s3proxy import S3Proxy
 
     proxy = S3Proxy(s3_endpoint, mode="atomic").start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
@@ -93,11 +96,80 @@ def repo(tmp_path) -> ckptrepo.Repository:
 
 
 DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
+DISTRIBUTED_TIMEOUT = 600   # seconds per test under tests/distributed/; the others get pyproject.toml's `timeout`
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/distributed/ starts processes (gloo ranks, torchrun) and takes most of the suite's
-    time: it is marked ``slow`` so that ``-m "not slow"`` gives a quick run."""
+    time: it is marked ``slow`` so that ``-m "not slow"`` gives a quick run, and gets a longer timeout than the
+    rest, which a test's own ``timeout`` mark overrides."""
     for item in items:
         if item.path.is_relative_to(DISTRIBUTED):
             item.add_marker(pytest.mark.slow)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(DISTRIBUTED_TIMEOUT))
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work a pytest-xdist worker takes whole: tests/distributed/ as one (each of its tests fills
+    the cores with its ranks, so they run one at a time, beside the rest), else a test's file (its module
+    fixtures are built once; the damage matrix runs every case the session collected in its first test)."""
+    path = nodeid.split("::", 1)[0]   # relative to the rootdir, which need not be the repository's root
+    return "tests/distributed" if "distributed" in path.split("/")[:-1] else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n``, units of work by ``xdist_scope``, handed out in collection order (tests/distributed/,
+    the longest, first) rather than largest count first."""
+    if config.getvalue("dist") != "load":   # what `-n` alone gives; another `--dist` is the caller's choice
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return ScopeScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_processes() -> Iterator[None]:
+    """Kill the worker processes a test leaves running: a test failed by its timeout stops before it joins
+    them, and a live non-daemon child would hold the interpreter's exit (and so CI) until it ends."""
+    before = set(multiprocessing.active_children())
+    yield
+    for proc in multiprocessing.active_children():
+        if proc not in before:
+            proc.kill()
+            proc.join(30)
+
+
+TERMINAL_VARIABLES = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's controller: hand each worker the terminal variables as ``os.environ`` has them here.
+    Importing readline (pdb does) writes COLUMNS and LINES into the C environment, which workers inherit,
+    and not into ``os.environ``: a worker would cut the CLI's output to 80 columns where one process does
+    not."""
+    node.workerinput["terminal_env"] = {name: os.environ.get(name) for name in TERMINAL_VARIABLES}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker: the controller's terminal variables, and torch's intra-op threads cut to
+    this worker's share of the cores (OpenMP threads of several workers spinning on the same cores slow
+    every one of them down)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    for name, value in workerinput.get("terminal_env", {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workerinput["workercount"])))

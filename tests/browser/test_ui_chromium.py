@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import subprocess
-import threading
 import time
 from html.parser import HTMLParser
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.helpers import ui_serving
 
 import ckptrepo
 from ckptrepo.tools._numeric import is_numeric
@@ -75,11 +75,8 @@ def page(tmp_path_factory):
     ckptrepo.open(url).tag("best", "main~2")
     _train(url, "--steps", "10", "--resume", "@4")
     repo = ckptrepo.open(url)
-    server = make_server(repo, 0, "HEAD")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield repo, server
-    server.shutdown()
-    server.server_close()
+    with ui_serving(lambda: make_server(repo, 0, "HEAD")) as server:
+        yield repo, server
 
 
 def _chromium(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:

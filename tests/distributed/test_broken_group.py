@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _ckpt_workers import mp_context
-from helpers import assert_bit_exact, reap
-from megatron_ref import _worker
+from support.ckpt_workers import mp_context
+from support.helpers import assert_bit_exact, reap
+from support.megatron_ref import _worker
 
 import ckptrepo
 from ckptrepo import faults

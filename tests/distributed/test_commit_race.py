@@ -11,9 +11,9 @@ import os
 import threading
 import time
 
-from _ckpt_workers import mp_context
-from _race_workers import BARRIER_TIMEOUT, distributed_racer, race_state
-from megatron_ref import launch
+from support.ckpt_workers import mp_context
+from support.megatron_ref import launch
+from support.race_workers import BARRIER_TIMEOUT, distributed_racer, race_state
 
 import ckptrepo
 from ckptrepo import faults

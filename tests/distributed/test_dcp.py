@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
-from _dcp_workers import dcp_save_worker, load_worker, reload_worker, save_worker
-from _dtensor_workers import run_ranks
-from helpers import assert_bit_exact
+from support.dcp_workers import dcp_save_worker, load_worker, reload_worker, save_worker
+from support.dtensor_workers import run_ranks
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 

@@ -1,9 +1,9 @@
 """Dedup per rank on gloo: each rank's unchanged pieces point at the bytes stored before, across a restart."""
 from __future__ import annotations
 
-from _dedup_workers import ranks_snapshot, result
-from _dtensor_workers import run_ranks
-from helpers import assert_bit_exact
+from support.dedup_workers import ranks_snapshot, result
+from support.dtensor_workers import run_ranks
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from _ckpt_workers import mp_context
-from _deepspeed_workers import worker
-from _dtensor_workers import free_port
+from support.ckpt_workers import mp_context
+from support.deepspeed_workers import worker
+from support.dtensor_workers import free_port
 
 import ckptrepo
 from ckptrepo.errors import CorruptionError, RevisionError, StateMismatchError, UnsupportedValueError

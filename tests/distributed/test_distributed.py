@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _ckpt_workers import mp_context
-from _dist_workers import resume, snapshot_and_die, snapshot_disagreeing, train_and_snapshot, with_rules
-from helpers import assert_bit_exact
-from megatron_ref import GPTConfig, _worker, assemble, launch
+from support.ckpt_workers import mp_context
+from support.dist_workers import resume, snapshot_and_die, snapshot_disagreeing, train_and_snapshot, with_rules
+from support.helpers import assert_bit_exact
+from support.megatron_ref import GPTConfig, _worker, assemble, launch
 
 import ckptrepo
 from ckptrepo.loading._engine import ReadStats, kvstore_bytes_read
@@ -222,7 +222,7 @@ def test_a_tensor_parallel_shard_the_rules_take_for_a_replica_is_refused_not_hal
     of it, only one copy was written and the version loaded half a weight, silently. The ranks' fingerprints
     of their copies now disagree at the commit: no version, and every rank is told which tensor and why.
     Under ZeRO-3 the weight sits in each rank's flat partition: fingerprinted there too (it was not)."""
-    from _dist_workers import snapshot_without_the_split_rule
+    from support.dist_workers import snapshot_without_the_split_rule
     url = str(tmp_path / "repo")
     ckptrepo.init(url)
     results = launch(ParallelLayout(tp=2), snapshot_without_the_split_rule, url, zero)
@@ -270,7 +270,7 @@ def test_per_rank_state_only_a_dropped_saved_rank_holds_is_warned_about_not_misn
     """A loss scaler on the last of two pipeline stages, loaded into one process: no rank of that load takes
     saved rank 1's per-rank state, so the scaler is not loaded. The warning said it "comes from saved rank 0"
     (which has none), and an unsharded load said nothing."""
-    from _dist_workers import snapshot_with_a_last_stage_scaler
+    from support.dist_workers import snapshot_with_a_last_stage_scaler
     url = str(tmp_path / "repo")
     ckptrepo.init(url)
     launch(ParallelLayout(pp=2), snapshot_with_a_last_stage_scaler, url)
@@ -297,7 +297,7 @@ def test_an_unsharded_load_on_a_rank_past_0_warns_that_it_gets_rank_0s_per_rank_
     """Every rank of a process group loading without a layout gets the full tensors and saved rank 0's
     per-rank state (documented); rank 1 got rank 0's seed without a word, so a resumed job ran every rank
     on one random stream. Rank 0 loads its own: no warning there."""
-    from _dist_workers import unsharded_load_on_every_rank
+    from support.dist_workers import unsharded_load_on_every_rank
     url = str(tmp_path / "repo")
     ckptrepo.init(url)
     got = launch(ParallelLayout(tp=2), unsharded_load_on_every_rank, url)
@@ -318,7 +318,7 @@ def test_the_coverage_check_refuses_pieces_outside_the_tensor() -> None:
 def test_a_version_of_uneven_pipeline_stages_loads_unsharded_and_under_another_stage_count(tmp_path) -> None:
     """Saved rules carry the saving layout's stage sizes; an unsharded load (one stage) and a load under
     another stage count without rules fall back to the even split instead of refusing the saved sizes."""
-    from _dist_workers import snapshot_uneven_stages, uneven_stage_state
+    from support.dist_workers import snapshot_uneven_stages, uneven_stage_state
     url = str(tmp_path / "repo")
     ckptrepo.init(url)
     launch(ParallelLayout(pp=2), snapshot_uneven_stages, url, [1, 3])
@@ -336,7 +336,7 @@ def test_a_version_of_uneven_pipeline_stages_loads_unsharded_and_under_another_s
 def test_one_name_held_by_two_pipeline_stages_is_refused_not_kept_once(tmp_path) -> None:
     """Layers named without the rules' layer prefix map every stage's layer i to one global name; the merge
     took them for replicas and kept one copy: half the model was gone, and the version loaded and passed fsck."""
-    from _dist_workers import snapshot_unprefixed_layers
+    from support.dist_workers import snapshot_unprefixed_layers
     url = str(tmp_path / "repo")
     ckptrepo.init(url)
     results = launch(ParallelLayout(pp=2), snapshot_unprefixed_layers, url)

@@ -15,8 +15,8 @@ import json
 
 import pytest
 import torch
-from _dtensor_workers import load_worker, run_ranks, save_worker, tensors
-from helpers import assert_bit_exact
+from support.dtensor_workers import load_worker, run_ranks, save_worker, tensors
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 
@@ -145,7 +145,7 @@ def test_a_replicated_dtensor_whose_copies_drifted_is_refused_not_half_lost(tmp_
     """A Replicate() DTensor was saved from one rank: when the ranks' copies differ (a sequence-parallel norm
     whose gradients nobody all-reduced), the others were lost without a word. The copies' fingerprints now
     disagree at the commit: no version appears, and every rank is told which tensor and what to do."""
-    from _dtensor_workers import drifted_replica_worker
+    from support.dtensor_workers import drifted_replica_worker
     url = str(tmp_path / "repo")
     ckptrepo.init(url)
     run_ranks(drifted_replica_worker, SAVE_WORLD, url, str(tmp_path))

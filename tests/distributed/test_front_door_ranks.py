@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _front_workers import CFG, save_then_fill_without_layout
-from megatron_ref import init_full_params, launch, shard_full
+from support.front_workers import CFG, save_then_fill_without_layout
+from support.megatron_ref import init_full_params, launch, shard_full
 
 import ckptrepo
 from ckptrepo.errors import StateMismatchError

@@ -12,9 +12,9 @@ import json
 
 import pytest
 import torch
-from _dtensor_workers import run_ranks
-from _fsdp2_workers import load_worker, save_worker
-from helpers import assert_bit_exact
+from support.dtensor_workers import run_ranks
+from support.fsdp2_workers import load_worker, save_worker
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 

@@ -16,8 +16,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
+from support.helpers import assert_bit_exact  # noqa: E402
+
 import ckptrepo  # noqa: E402
-from tests.helpers import assert_bit_exact  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -33,7 +34,7 @@ def torchrun(*args: str) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "tests" / "_hf_ddp_run.py"), *args]
+           "--master_port", str(free_port()), str(ROOT / "tests" / "support" / "hf_ddp_run.py"), *args]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 

@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("lightning.pytorch")
 
+from support.helpers import assert_bit_exact  # noqa: E402
+
 import ckptrepo  # noqa: E402
 from ckptrepo.integrations._checkpoint_files import read_pointer  # noqa: E402
-from tests.helpers import assert_bit_exact  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +26,8 @@ def test_ddp_fit_saves_from_rank_zero_alone(tmp_path, strategy):
     url, ckpt_dir = str(tmp_path / "repo"), str(tmp_path / "ckpts")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests._lightning_ddp_run", strategy, url, ckpt_dir,
-                           str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "lightning_ddp_run.py"), strategy, url,
+                           ckpt_dir, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     repo = ckptrepo.open(url)
     versions = repo.log()

@@ -4,7 +4,7 @@ Two gloo ranks save a hand-built sharded state dict (split one way, a replicated
 axis, per-rank objects, common values) and a tensor-parallel (TP=2) GPTModel through
 ``CkptRepoSaveStrategy``, then load the hand-built one back split another way; one process loads both
 (whole, through Megatron's load_plain_tensors, cast to float64, and into a TP=1 GPTModel) and saves the
-GPT again. See tests/_megatron_workers.py.
+GPT again. See tests/support/megatron_workers.py.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
     # found, not imported: megatron-core takes seconds of CPU to import, which only the workers need
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
-from _dtensor_workers import free_port, run_ranks  # noqa: E402
-from _megatron_workers import COMMON, GLOBALS, HAND_DIR, megatron_worker  # noqa: E402
-from helpers import assert_bit_exact  # noqa: E402
+from support.dtensor_workers import free_port, run_ranks  # noqa: E402
+from support.helpers import assert_bit_exact  # noqa: E402
+from support.megatron_workers import COMMON, GLOBALS, HAND_DIR, megatron_worker  # noqa: E402
 
 import ckptrepo  # noqa: E402
 

@@ -12,6 +12,7 @@ from typing import Iterator
 
 import pytest
 import torch
+from support.helpers import ui_serving
 
 import ckptrepo
 from ckptrepo.ui import UIServer, make_server
@@ -35,12 +36,8 @@ def repo_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def server(repo_url: str) -> Iterator[UIServer]:
-    s = make_server(ckptrepo.open(repo_url), 0, "HEAD")
-    t = threading.Thread(target=s.serve_forever, daemon=True)
-    t.start()
-    yield s
-    s.shutdown()
-    s.server_close()
+    with ui_serving(lambda: make_server(ckptrepo.open(repo_url), 0, "HEAD")) as s:
+        yield s
 
 
 def _get(server: UIServer, path: str, **headers: str) -> tuple[int, dict]:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_bit_exact
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 from ckptrepo import faults

@@ -75,7 +75,7 @@ def test_into_with_wrong_shapes_changes_nothing(repo):
 
 def test_into_with_another_dtype_is_refused_on_the_layout_path_too(repo):
     """The piece-wise load cast silently, float32 into int32 truncating, where the plain load refuses."""
-    from _dist_workers import SPLIT_RULES
+    from support.dist_workers import SPLIT_RULES
     state = {"col.weight": torch.randn(8, 4), "row.weight": torch.randn(4, 8), "norm.weight": torch.randn(4)}
     repo.snapshot({"model": state}, step=1, parallel_layout=ckptrepo.ParallelLayout(rules=SPLIT_RULES))
     lay = ckptrepo.ParallelLayout(tp=2, rules=SPLIT_RULES)
@@ -245,7 +245,7 @@ def test_an_unavailable_or_bogus_device_is_refused_before_any_read(repo, path, m
 def test_rules_with_another_layer_count_than_the_model_are_refused(repo):
     """Loading with num_layers below the saved model's dropped its last layers without a word; above it, layers
     went to the wrong pipeline stages. Saving with too few layers in the rules is refused too."""
-    from megatron_ref import GPTConfig, init_full_params, shard_full
+    from support.megatron_ref import GPTConfig, init_full_params, shard_full
 
     from ckptrepo.errors import LayoutError
     from ckptrepo.rules import megatron_gpt
@@ -270,7 +270,7 @@ def test_rules_with_another_layer_count_than_the_model_are_refused(repo):
 def test_a_multi_rank_layout_needs_a_rank_that_is_an_int(repo):
     """Without rank= and without a process group of the layout's size, a load silently gave rank 0's slice
     (or this process's rank of a smaller group), leaving the rest of the layout unloaded."""
-    from _dist_workers import SPLIT_RULES
+    from support.dist_workers import SPLIT_RULES
 
     from ckptrepo.errors import LayoutError
     state = {"col.weight": torch.randn(8, 4), "row.weight": torch.randn(4, 8), "norm.weight": torch.randn(4)}

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import run
+from support.helpers import run
 
 import ckptrepo
 from ckptrepo.errors import ArgumentError

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.helpers import run
 
 import ckptrepo
 from ckptrepo.cli.main import TENSOR_METRICS
@@ -14,7 +15,6 @@ from ckptrepo.core.schema import STAT_COLUMNS
 from ckptrepo.errors import ArgumentError
 from ckptrepo.saving._tensor_stats import DeviceStats, HostStats
 from ckptrepo.tools._trajectory import METRICS
-from tests.helpers import run
 
 
 def _reference(t: torch.Tensor) -> dict[str, float]:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run
+from support.helpers import run
 
 import ckptrepo
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run
+from support.helpers import run
 
 import ckptrepo
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run
+from support.helpers import run
 
 import ckptrepo
 from ckptrepo.core._manifest import FAILURES_PREFIX, seal

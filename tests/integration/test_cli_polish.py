@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run
+from support.helpers import run
 
 import ckptrepo
 from ckptrepo.core._manifest import new_version_id

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bit_exact, count_manifest_reads, run
+from support.helpers import assert_bit_exact, count_manifest_reads, run
 
 import ckptrepo
 

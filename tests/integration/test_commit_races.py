@@ -2,7 +2,7 @@
 
 moto's conditional PUT checks and then writes without a lock, so racing writers can both win on moto
 alone; AWS S3 promises that they cannot. The races run against moto behind the proxy that serialises
-writes per key (tests/s3proxy.py, ``"atomic"``), which is what AWS promises. Writers are threads, each with
+writes per key (tests/support/s3proxy.py, ``"atomic"``), which is what AWS promises. Writers are threads, each with
 a handle of its own, lined up by a barrier in the ``after_manifest`` fault hook so that every round's
 compare-and-swaps go out together; the same repository and threads serve every round. Against the proxy
 that strips the conditions (with the store check's verdict planted), the same race loses versions: the

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from _dist_workers import SPLIT_RULES
-from helpers import assert_bit_exact, run
+from support.dist_workers import SPLIT_RULES
+from support.helpers import assert_bit_exact, run
 
 import ckptrepo
 from ckptrepo.errors import ArgumentError, CorruptionError

@@ -11,8 +11,8 @@ from __future__ import annotations
 import queue
 
 import pytest
-from _ckpt_workers import BARRIER_TIMEOUT, assert_same, make_state, mp_context, race_writer, tag_racer
-from helpers import reap
+from support.ckpt_workers import BARRIER_TIMEOUT, assert_same, make_state, mp_context, race_writer, tag_racer
+from support.helpers import reap
 
 import ckptrepo
 

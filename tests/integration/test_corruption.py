@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
+from support.ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
 
 import ckptrepo
 from ckptrepo.errors import CorruptionError, StateMismatchError
@@ -152,7 +152,7 @@ def test_a_resharding_load_names_the_damaged_object_and_its_tensors(tmp_path, da
     """The piece-wise path (a version saved with a layout, loaded into a tensor-parallel rank) reports damage
     with the same one-line error as whole-tensor loads, whether its direct reader or TensorStore meets it,
     and only that: the reader's tasks cancelled after the failure printed a traceback each to stderr."""
-    from _dist_workers import SPLIT_RULES, split_state
+    from support.dist_workers import SPLIT_RULES, split_state
 
     from ckptrepo.parallel.layout import ParallelLayout
 

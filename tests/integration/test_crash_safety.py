@@ -15,7 +15,7 @@ import signal
 import time
 
 import pytest
-from _ckpt_workers import assert_same, crash_writer, loop_writer, make_state, mp_context, run_to_death
+from support.ckpt_workers import assert_same, crash_writer, loop_writer, make_state, mp_context, run_to_death
 
 import ckptrepo
 

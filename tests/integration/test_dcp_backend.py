@@ -10,7 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bit_exact
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 from ckptrepo.errors import NotARepositoryError, RefError, RevisionError, UnsupportedValueError

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-from _dedup_workers import LoRALinear
-from helpers import assert_bit_exact
+from support.dedup_workers import LoRALinear
+from support.helpers import assert_bit_exact
 
 from ckptrepo import faults
 from ckptrepo.errors import SnapshotFailedError

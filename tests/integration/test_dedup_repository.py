@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dedup_workers import changed_bytes, lora, result, resume_and_snapshot, run_alone, train_step
-from helpers import assert_bit_exact
+from support.dedup_workers import changed_bytes, lora, result, resume_and_snapshot, run_alone, train_step
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 from ckptrepo.parallel.layout import ParallelLayout

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bit_exact
+from support.helpers import assert_bit_exact
 
 from ckptrepo.loading import _device_load
 from ckptrepo.loading._device_load import Pipeline, Transfer, batches, split_box

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_bit_exact, run
 from safetensors.torch import load_file
+from support.helpers import assert_bit_exact, run
 
 from ckptrepo.errors import ExchangeError, TrustRequiredError
 

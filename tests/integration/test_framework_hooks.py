@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from support.helpers import assert_bit_exact, run
 
 import ckptrepo
 from ckptrepo.errors import ArgumentError, CorruptionError, RefError, RevisionError, UnsupportedValueError
-from tests.helpers import assert_bit_exact, run
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

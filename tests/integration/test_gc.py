@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bit_exact, count_manifest_reads
+from support.helpers import assert_bit_exact, count_manifest_reads
 
 import ckptrepo
 from ckptrepo import faults

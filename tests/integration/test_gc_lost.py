@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bit_exact, run
+from support.helpers import assert_bit_exact, run
 
 import ckptrepo
 from ckptrepo import faults

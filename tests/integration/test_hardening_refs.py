@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from helpers import outcome_within, run
+from support.helpers import outcome_within, run
 
 import ckptrepo
 from ckptrepo.core._manifest import seal, unseal

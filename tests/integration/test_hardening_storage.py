@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from helpers import outcome_within, run
+from support.helpers import outcome_within, run
 
 import ckptrepo
 from ckptrepo.core._manifest import seal, unseal
@@ -334,7 +334,7 @@ def test_fsck_does_not_allocate_a_declared_16_gib_shard_index(tmp_path):
 def test_a_load_still_reads_arrays_whose_shards_are_larger_than_their_floor(tmp_path):
     """The stored-size check is a floor: chunks written from memory sit in aligned slots, so a real shard is
     often larger than its chunks and index; a multi-shard array loads as before."""
-    from _ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
+    from support.ckpt_workers import SMALL_HOST_MEMORY, assert_same, make_state
     path = tmp_path / "repo"
     repo = ckptrepo.init(str(path))
     with repo.snapshotter(host_memory=SMALL_HOST_MEMORY) as snap:

@@ -12,7 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from helpers import assert_bit_exact, run  # noqa: E402
+from support.helpers import assert_bit_exact, run  # noqa: E402
 
 from ckptrepo.errors import ArgumentError, ExchangeError  # noqa: E402
 from ckptrepo.integrations.hf import CkptRepoCallback, checkpoint_folder  # noqa: E402

@@ -297,7 +297,7 @@ def test_a_pattern_reads_only_the_tensors_it_matches_and_shared_bytes_once(repo)
 
 
 def test_diff_without_b_is_against_the_first_parent(repo, tmp_path):
-    from helpers import run
+    from support.helpers import run
     g = torch.Generator().manual_seed(5)
     repo.snapshot({"w": torch.randn(100, generator=g)}, step=1)
     repo.snapshot({"w": torch.randn(100, generator=g)}, step=2)
@@ -323,7 +323,7 @@ def test_tensors_saved_as_several_pieces_are_read_range_by_range(repo, monkeypat
     from ckptrepo.rules import Rules, Split
     monkeypatch.setattr(inspect, "CHUNK_BYTES", 3_000_000)   # ranges that start and end inside rows and blocks
     g = torch.Generator().manual_seed(7)
-    a = {"model": {"row.weight": torch.randn(256, 8192, generator=g)}}   # as tests/_dist_workers.split_state
+    a = {"model": {"row.weight": torch.randn(256, 8192, generator=g)}}   # as tests/support/dist_workers.split_state
     b = {"model": {"row.weight": a["model"]["row.weight"] * 1.5}}
     layout = ParallelLayout(rules=Rules([("row.weight", Split(1))]))
     repo.snapshot(a, step=1, parallel_layout=layout)

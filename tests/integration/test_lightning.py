@@ -418,7 +418,7 @@ def test_a_repeated_file_name_takes_a_new_version_suffix_as_with_lightnings_file
 
 
 def test_killed_a_few_steps_after_a_save_the_newest_checkpoint_loads(tmp_path: Path) -> None:
-    """SIGKILL 4 optimizer steps after a save (tests/_lightning_ddp_run.py, ``kill``): nothing is flushed or
+    """SIGKILL 4 optimizer steps after a save (tests/support/lightning_ddp_run.py, ``kill``): nothing is flushed or
     closed, and the newest checkpoint ModelCheckpoint wrote must load, with the step it was saved at, as
     Lightning's own torch.save file would."""
     import subprocess
@@ -426,8 +426,9 @@ def test_killed_a_few_steps_after_a_save_the_newest_checkpoint_loads(tmp_path: P
     root = Path(__file__).resolve().parents[2]
     url, ck = tmp_path / "repo", tmp_path / "ck"
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests._lightning_ddp_run", "kill", str(url), str(ck), str(tmp_path)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    script = root / "tests" / "support" / "lightning_ddp_run.py"
+    done = subprocess.run([sys.executable, str(script), "kill", str(url), str(ck), str(tmp_path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == -9, done.stderr[-3000:]
     names = sorted(os.listdir(ck))
     assert names == ["epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt", "epoch=1-step=15.ckpt"], names

@@ -10,8 +10,8 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from _ckpt_workers import crash_writer, make_state, mp_context
-from helpers import assert_bit_exact
+from support.ckpt_workers import crash_writer, make_state, mp_context
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 from ckptrepo import faults

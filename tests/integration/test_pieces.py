@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bit_exact
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 from ckptrepo.errors import ConflictError, LayoutError

@@ -105,7 +105,7 @@ repo = ckptrepo.init(url)
     "megatron-ranks": """
 import torch.distributed as dist
 sys.path.insert(0, TESTS)
-from megatron_ref import GPTConfig, init_full_params, shard_full
+from support.megatron_ref import GPTConfig, init_full_params, shard_full
 from ckptrepo.parallel.layout import ParallelLayout
 dist.init_process_group("gloo")
 cfg = GPTConfig(vocab_size=50257, layers=8, hidden=8, heads=2, make_vocab_size_divisible_by=128)
@@ -114,7 +114,7 @@ repo = ckptrepo.init(url, exist_ok=True)
 """,
     "megatron-version": """
 sys.path.insert(0, TESTS)
-from megatron_ref import GPTConfig, init_full_params, shard_full
+from support.megatron_ref import GPTConfig, init_full_params, shard_full
 from ckptrepo.parallel.layout import ParallelLayout
 cfg = GPTConfig(vocab_size=50257, layers=8, hidden=8, heads=2, make_vocab_size_divisible_by=128)
 rules = ckptrepo.rules.megatron_gpt(num_layers=8, vocab_size=50257)
@@ -165,7 +165,7 @@ config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "pa
     "megatron": """
 import torch.distributed as dist
 sys.path.insert(0, TESTS)
-from _megatron_workers import gpt_model
+from support.megatron_workers import gpt_model
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
 dist.init_process_group("gloo", rank=0, world_size=1)
 model = gpt_model(tp=1, seed=0)
@@ -257,7 +257,7 @@ def _documented_megatron_names() -> dict[str, str]:
 
 
 def test_the_documented_megatron_names_are_the_rules_names() -> None:
-    from megatron_ref import FIRST_STAGE_PARAMS, LAST_STAGE_PARAMS, LAYER_PARAMS
+    from support.megatron_ref import FIRST_STAGE_PARAMS, LAST_STAGE_PARAMS, LAYER_PARAMS
 
     from ckptrepo.rules import Fused, Replicated, Split, VocabSplit
     documented = _documented_megatron_names()

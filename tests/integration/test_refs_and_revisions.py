@@ -146,7 +146,7 @@ def test_a_config_of_json_that_is_not_an_object_is_named_as_damaged(tmp_path, te
 def test_log_of_a_long_history_reads_only_the_headers_it_lists(repo, monkeypatch):
     """`log -n N` stops after N versions, as `git log -n` does, and history walks never build a manifest's
     tensor table or tree: a run that snapshots every step has thousands of versions with big manifests."""
-    from helpers import count_manifest_reads
+    from support.helpers import count_manifest_reads
 
     import ckptrepo.core.schema
     state = {f"layer{i}": torch.zeros(3) for i in range(50)}
@@ -174,7 +174,7 @@ def test_whole_history_passes_on_s3_read_manifests_in_batches(s3_url, monkeypatc
     the manifests they are about to need together, not one request per version, and still get them all right."""
     import collections
 
-    from helpers import count_manifest_reads
+    from support.helpers import count_manifest_reads
     repo = ckptrepo.init(s3_url)
     ids = [repo.snapshot({"w": torch.full((4,), float(s))}, step=s).id for s in range(70)]
     calls: collections.Counter = collections.Counter()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bit_exact
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 from ckptrepo.core._remotes import EVICTED_PREFIX

@@ -24,10 +24,10 @@ from typing import Callable
 
 import pytest
 import torch
-from helpers import assert_bit_exact
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 from ckptrepo import DetachedHeadError, RefError, RetentionError, RevisionError

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist_workers import SPLIT_RULES, snapshot_split_state, split_state
-from megatron_ref import launch
+from support.dist_workers import SPLIT_RULES, snapshot_split_state, split_state
+from support.megatron_ref import launch
 
 import ckptrepo
 from ckptrepo.loading._engine import ReadStats, kvstore_bytes_read

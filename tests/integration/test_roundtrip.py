@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bit_exact
+from support.helpers import assert_bit_exact
 
 import ckptrepo
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import count_manifest_reads, run
+from support.helpers import count_manifest_reads, run
 
 import ckptrepo
 

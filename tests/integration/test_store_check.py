@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from helpers import run
-from s3proxy import Request, S3Proxy
+from support.helpers import run
+from support.s3proxy import Request, S3Proxy
 
 import ckptrepo
 from ckptrepo.core._manifest import CONFIG_KEY, update_config

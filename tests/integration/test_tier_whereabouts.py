@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _ckpt_workers import make_state
-from helpers import assert_bit_exact, run
+from support.ckpt_workers import make_state
+from support.helpers import assert_bit_exact, run
 
 import ckptrepo
 from ckptrepo.core._manifest import update_config

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _ckpt_workers import make_state, run_to_death
-from _tier_workers import push_crash_writer
-from helpers import assert_bit_exact, run
+from support.ckpt_workers import make_state, run_to_death
+from support.helpers import assert_bit_exact, run
+from support.tier_workers import push_crash_writer
 
 import ckptrepo
 from ckptrepo import faults

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.helpers import run
 
 import ckptrepo
 from ckptrepo.saving._trackers import tracker_meta
-from tests.helpers import run
 
 
 def _snapshots(repo: ckptrepo.Repository, losses: list[float]) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run
+from support.helpers import run, ui_serving
 
 import ckptrepo
 from ckptrepo.tools._graph import graph as graph_rows
@@ -54,12 +54,8 @@ def repo_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(repo_url):
-    s = make_server(ckptrepo.open(repo_url), 0, "HEAD")
-    t = threading.Thread(target=s.serve_forever, daemon=True)
-    t.start()
-    yield s
-    s.shutdown()
-    s.server_close()
+    with ui_serving(lambda: make_server(ckptrepo.open(repo_url), 0, "HEAD")) as s:
+        yield s
 
 
 def _get(server, path: str, **headers: str) -> tuple[int, dict, dict]:

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import torch
-from helpers import run
+from support.helpers import run
 
 import ckptrepo
 import ckptrepo.loading._engine
@@ -164,7 +164,7 @@ def _assert_a_storage_failure(err: BaseException) -> None:
 @pytest.mark.parametrize("stop_before", ["open", "read"])
 def test_a_load_whose_endpoint_goes_away_is_a_storage_error_not_corruption(vanishing_s3, path, stop_before):
     """Both read paths must say the store failed, naming nothing as damaged."""
-    from _dist_workers import SPLIT_RULES, split_state
+    from support.dist_workers import SPLIT_RULES, split_state
 
     from ckptrepo.parallel.layout import ParallelLayout
 

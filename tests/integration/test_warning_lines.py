@@ -21,7 +21,7 @@ def _no_hooks():
 
 
 def test_a_load_into_another_layout_warns_at_the_callers_line(tmp_path: Path) -> None:
-    from megatron_ref import GPTConfig, init_full_params, shard_full
+    from support.megatron_ref import GPTConfig, init_full_params, shard_full
 
     from ckptrepo.rules import megatron_gpt
     repo = ckptrepo.init(str(tmp_path / "r"))

@@ -54,7 +54,7 @@ def test_loads_leave_no_reference_cycles(tmp_path) -> None:
     """Whatever a load allocates is freed by reference counting when it returns: nothing for the cyclic collector,
     whose full collections walk every object of a process with torch and a model loaded. (unflatten's recursive
     nested function was a cycle per call: ~1000 objects per resharding load of the benchmark state.)"""
-    from _dist_workers import SPLIT_RULES, split_state
+    from support.dist_workers import SPLIT_RULES, split_state
 
     from ckptrepo.parallel.layout import ParallelLayout
 

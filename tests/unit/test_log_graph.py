@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run
+from support.helpers import run
 
 from ckptrepo.core._manifest import Version
 from ckptrepo.tools._graph import graph

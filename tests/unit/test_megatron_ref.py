@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_bit_exact
-from megatron_ref import (
+from support.helpers import assert_bit_exact
+from support.megatron_ref import (
     GPTConfig,
     assemble,
     assert_params_close,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from support.helpers import run
 
 import ckptrepo
 from ckptrepo.core._boxes import intersect
@@ -22,7 +23,6 @@ from ckptrepo.core._manifest import VERSIONS_PREFIX, seal, unseal
 from ckptrepo.core._schema_fields import overlapping_pieces
 from ckptrepo.core.schema import decode_header, decode_manifest, encode_manifest
 from ckptrepo.errors import CorruptionError
-from tests.helpers import run
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "format1_repo"
 SINGLE = "028c213327b6ff3e2a7e01a21a329661"   # a single-process version (main's second-newest)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # the builders of tests/integration/test_hf.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: the builders of integration/test_hf.py
 
 import transformers  # noqa: E402
 from integration.test_hf import BATCH, STEPS, Losses, dataset, tiny_model  # noqa: E402

@@ -8,7 +8,7 @@ import io
 import os
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -149,3 +149,22 @@ def reap(procs: list[Any], wait_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+@contextlib.contextmanager
+def ui_serving(make: Callable[[], Any]) -> Iterator[Any]:
+    """The web page's server that ``make()`` builds, serving from a thread until the block ends; then shut down
+    and closed, and its threads joined: one still answering a request would outlive the test, and a later
+    test in this process (under pytest-xdist, of another file too) that counts the page's threads would count
+    it."""
+    earlier = set(threading.enumerate())
+    server = make()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        for thread in set(threading.enumerate()) - earlier:
+            if thread.name.startswith("ckptrepo-ui"):
+                thread.join(30)

@@ -24,8 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from _ckpt_workers import mp_context
 from torch import nn
+
+from support.ckpt_workers import mp_context
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """Worker bodies for tests/distributed/test_dcp.py: FSDP2 state through ``dcp.save`` / ``dcp.load`` over a repository.
 
-The model is tests/_fsdp2_workers.py's (an MLP with ``fully_shard`` on every Linear and the root, Adam after
+The model is tests/support/fsdp2_workers.py's (an MLP with ``fully_shard`` on every Linear and the root, Adam after
 one step: 33 rows split 17+16 over 2 ranks, 11+11+11 over 3). Results go to ``out_dir``: ``full-<tag>.pt``
 (rank 0: every tensor whole, gathered with ``full_tensor()``), ``warn-<tag>.json`` (rank 0: the warnings a
 load gave), ``error-<tag>-<r>.txt`` (a worker's traceback).
@@ -12,8 +12,9 @@ import warnings
 from typing import Any
 
 import torch
-from _dtensor_workers import _guarded, _init, _write_json, full
-from _fsdp2_workers import build
+
+from support.dtensor_workers import _guarded, _init, _write_json, full
+from support.fsdp2_workers import build
 
 
 def _state(model: Any, opt: Any) -> dict[str, Any]:

@@ -1,9 +1,9 @@
-"""Worker bodies of the local-tier tests (run in forkserver children, see _ckpt_workers.mp_context)."""
+"""Worker bodies of the local-tier tests (run in forkserver children, see ckpt_workers.mp_context)."""
 from __future__ import annotations
 
 import os
 
-from _ckpt_workers import _kill_self, make_state
+from support.ckpt_workers import _kill_self, make_state
 
 
 def push_crash_writer(local: str, remote: str, point: str) -> None:

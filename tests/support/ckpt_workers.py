@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from helpers import assert_bit_exact as assert_same  # noqa: F401 - re-exported for the tests
+
+from support.helpers import assert_bit_exact as assert_same  # noqa: F401 - re-exported for the tests
 
 # Shards are 64 MiB by default, and the shard size follows the snapshotter's staging
 # memory (half of ``host_memory``, at least one inner chunk). Workers give every
@@ -57,9 +58,9 @@ def mp_context() -> Any:
         if _ctx is None:
             ctx = multiprocessing.get_context("forkserver")
             # one forkserver serves every multi-process test: preload what all their workers import
-            ctx.set_forkserver_preload(["ckptrepo", "ckptrepo.saving._capture", "ckptrepo.faults", "_ckpt_workers",
-                                        "_dtensor_workers", "_dist_workers", "torch.distributed.tensor.parallel",
-                                        "torch.distributed.checkpoint.state_dict"])
+            ctx.set_forkserver_preload(["ckptrepo", "ckptrepo.saving._capture", "ckptrepo.faults",
+                                        "support.ckpt_workers", "support.dtensor_workers", "support.dist_workers",
+                                        "torch.distributed.tensor.parallel", "torch.distributed.checkpoint.state_dict"])
             _ctx = ctx
     return _ctx
 

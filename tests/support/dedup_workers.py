@@ -115,7 +115,7 @@ def ranks_snapshot(rank: int, world: int, port: int, url: str, steps: list[int],
 
 def run_alone(target: Any, *args: Any, timeout: float = 120.0) -> None:
     """``target(*args)`` in a fresh process (a restart); raise with its traceback if it fails."""
-    from _ckpt_workers import mp_context
+    from support.ckpt_workers import mp_context
     p = mp_context().Process(target=target, args=args)
     p.start()
     p.join(timeout)

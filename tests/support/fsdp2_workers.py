@@ -14,8 +14,9 @@ import os
 from typing import Any
 
 import torch
-from _dtensor_workers import _guarded, _init, _write_json, full
 from torch import nn
+
+from support.dtensor_workers import _guarded, _init, _write_json, full
 
 D_IN, D_HID, D_OUT = 16, 33, 5
 CONTINUE_STEPS = 3

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _ckpt_workers import mp_context
 
 from ckptrepo.parallel.layout import ParallelLayout, stage_layers, zero_partition
+from support.ckpt_workers import mp_context
 
 LR = 1e-2
 BETAS = (0.9, 0.95)

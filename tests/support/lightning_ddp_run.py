@@ -1,7 +1,7 @@
 """Lightning fits with ``CkptRepoIO`` in a process of their own; run as a script by tests/distributed/
 test_lightning_ddp.py and tests/integration/test_lightning.py:
 
-    python -m tests._lightning_ddp_run STRATEGY URL CKPT_DIR OUT
+    python tests/support/lightning_ddp_run.py STRATEGY URL CKPT_DIR OUT
 
 ``ddp_fork`` / ``ddp_spawn``: a 2-process DDP fit on the CPU (gloo); rank 0 writes the final weights to
 ``OUT/final.pt`` so that the test can compare them with the last checkpoint's. ``kill``: one process that

@@ -5,10 +5,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron_ref import GPTConfig, init_full_params, shard_full
 
 import ckptrepo
 from ckptrepo.parallel.layout import ParallelLayout
+from support.megatron_ref import GPTConfig, init_full_params, shard_full
 
 CFG = GPTConfig(vocab_size=250, layers=2, hidden=8, heads=2, make_vocab_size_divisible_by=128)
 

@@ -23,7 +23,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from _dtensor_workers import _guarded, _write_json
+
+from support.dtensor_workers import _guarded, _write_json
 
 ROWS, COLS, WHOLE = "rows", "cols", "whole"
 HAND_DIR, GPT_DIR = "hand/iter_0000007", "gpt"

@@ -9,12 +9,12 @@ import os
 from typing import Any
 
 import torch
-from megatron_ref import GPTConfig, Trainer, global_shapes, init_full_params, shard_full
 
 import ckptrepo
 from ckptrepo import faults
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.rules import Replicated, Rules, Split, megatron_gpt
+from support.megatron_ref import GPTConfig, Trainer, global_shapes, init_full_params, shard_full
 
 
 def with_rules(cfg: GPTConfig, layout: ParallelLayout) -> ParallelLayout:
