@@ -223,6 +223,9 @@ class CheckpointFiles:
         try:
             write_pointer(path, pointer, sync=False)
         except Exception as err:   # an OSError, or a remote file system's own error
+            with self._lock:   # the save in flight keeps the path: its pointer is still the one there
+                if replaces is not None and self._successors.get(replaces) == handle.id:
+                    del self._successors[replaces]
             handle.add_done_callback(lambda h: self._finish(path, done, h.id))
             raise StorageError(f"cannot write checkpoint file {path}: {first_line(err)}; its version "
                                f"{handle.id[:12]} is saved all the same (tag {tag}): load it by its id") from None

@@ -18,7 +18,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import ckptrepo  # noqa: E402
 from ckptrepo import faults  # noqa: E402
-from ckptrepo.errors import RevisionError, SnapshotFailedError, UnsupportedValueError  # noqa: E402
+from ckptrepo.errors import RevisionError, SnapshotFailedError, StorageError, UnsupportedValueError  # noqa: E402
 from ckptrepo.integrations._checkpoint_files import CheckpointFiles, read_pointer  # noqa: E402
 from ckptrepo.integrations.lightning import CkptRepoIO  # noqa: E402
 
@@ -220,6 +220,40 @@ def test_pointer_names_the_pending_version_once_save_returns(tmp_path: Path) -> 
     assert (tmp_path / "ck" / "c.ckpt").read_bytes() == before
     faults.clear()
     assert torch.equal(files.load(tmp_path / "ck" / "c.ckpt")["w"], torch.zeros(4))
+    files.close()
+
+
+def test_a_save_whose_pointer_cannot_be_written_leaves_the_one_in_flight_in_charge(tmp_path: Path) -> None:
+    """c.ckpt committed (P), saved again (A, in flight), then once more where the pointer cannot be written
+    (B): B's error says so, and when A fails the path gets P back, as if B had never been asked for."""
+    files = CheckpointFiles(tmp_path / "repo")
+    path = tmp_path / "ck" / "c.ckpt"
+    files.save({"w": torch.zeros(4)}, path, step=1)
+    files.wait()
+    before = path.read_bytes()
+    held, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def hold_then_fail(name: str) -> None:
+        calls.append(name)
+        if len(calls) == 1:   # A: held until B has been tried, then its commit fails
+            held.set()
+            release.wait(10)
+            raise OSError("disk on fire")
+    faults.set_hook("after_data", hold_then_fail)
+    files.save({"w": torch.ones(4)}, path, step=2)
+    assert held.wait(10)
+    # this thread's next pointer write finds a folder where its temporary file goes
+    blocker = Path(f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
+    blocker.mkdir()
+    with pytest.raises(StorageError, match="cannot write checkpoint file"):
+        files.save({"w": torch.full((4,), 2.0)}, path, step=3, wait_captured=False)
+    blocker.rmdir()
+    release.set()
+    with pytest.raises(SnapshotFailedError, match="disk on fire"):
+        files.wait()
+    faults.clear()
+    assert path.read_bytes() == before
     files.close()
 
 
