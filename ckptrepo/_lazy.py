@@ -4,7 +4,7 @@ A subpackage's ``__init__`` names what other layers import from it in a table, m
 imported from its module when asked for. So ``from ckptrepo.core import X`` costs what importing the module that
 holds X costs, and importing the package alone costs nothing: ``ckptrepo log`` stays free of torch and numpy.
 Each lookup reads the module's attribute afresh, as an import from the module itself would: an import inside a
-function sees the module's current value (a test that patches ``_device_load.read_tensors_to`` reaches
+function sees the module's current value (a test that patches ``_version_load.load_version`` reaches
 ``Repository.load``). A base module, like errors and faults: it imports nothing of the package.
 """
 from __future__ import annotations
