@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -11,6 +12,11 @@ from typing import Any, Iterator
 import pytest
 
 import ckptrepo
+
+# A run started in the background (`pytest &`, nohup) inherits SIGINT ignored, and Python then installs no
+# KeyboardInterrupt handler, nor do the processes the tests start. The tests of Ctrl-C need what a terminal gives.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
