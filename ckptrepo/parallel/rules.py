@@ -176,8 +176,9 @@ def global_shape(spec: Spec, local: Sequence[int], tp: int, what: str = "tensor"
         # rows are then the global rows, and the padding a tensor-parallel load adds is zeros either way
         unpadded = tp == 1 and shape[d] == spec.size
         if shape[d] * tp != spec.padded(tp) and not unpadded:
-            hint = (f"; an unsharded load returns it unpadded: pad it with zero rows to {spec.padded(tp)} "
-                    f"before this snapshot" if shape[d] * tp == spec.size else "; check the rules")
+            hint = (f"; each rank holds {spec.padded(tp) // tp} rows: the vocabulary padded with zero rows to "
+                    f"{spec.padded(tp)}, split over tp={tp} ranks" if shape[d] * tp == spec.size
+                    else "; check the rules")
             raise LayoutError(f"{what}: {shape[d]} local rows x tp={tp} is not the padded vocabulary "
                               f"{spec.padded(tp)} (size {spec.size}, multiple {spec.multiple}){hint}")
         shape[d] = spec.size

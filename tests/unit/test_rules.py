@@ -147,13 +147,13 @@ def test_vocab_split_regions_of_padding_only_ranks() -> None:
 
 def test_vocab_split_errors_say_what_is_wrong() -> None:
     """A saved row count other than the vocabulary size, and a local tensor that is not padded, are refused;
-    an unpadded local tensor (a full, unsharded load fed back in) gets the hint to pad it."""
+    a local tensor split from the unpadded vocabulary gets the hint of the padded row count per rank."""
     spec = VocabSplit(10, 4)
     with pytest.raises(LayoutError, match=r"^emb: 12 rows saved but the rules say the vocabulary has 10$"):
         local_shape(spec, (12, 2), 2, "emb")
     with pytest.raises(LayoutError, match=r"^emb: 5 local rows x tp=2 is not the padded vocabulary 16 "
-                                          r"\(size 10, multiple 4\); an unsharded load returns it unpadded: "
-                                          r"pad it with zero rows to 16 before this snapshot$"):
+                                          r"\(size 10, multiple 4\); each rank holds 8 rows: the vocabulary "
+                                          r"padded with zero rows to 16, split over tp=2 ranks$"):
         global_shape(spec, (5, 2), 2, "emb")
     with pytest.raises(LayoutError, match=r"^emb: 7 local rows x tp=2 is not the padded vocabulary 16 .*; "
                                           r"check the rules$"):
