@@ -28,6 +28,7 @@ from ckptrepo.arguments import (
     check_rev,
     check_whole,
     repo_url,
+    short_text,
     shown,
 )
 from ckptrepo.core import (
@@ -57,7 +58,7 @@ from ckptrepo.errors import (
 )
 from ckptrepo.loading import check_into, load_device
 from ckptrepo.remotes import REPOSITORY_ID
-from ckptrepo.state import plain_values, short_text
+from ckptrepo.state import plain_values
 from ckptrepo.storage import Store, check_compression, itemsize, open_store
 
 if TYPE_CHECKING:
@@ -648,4 +649,4 @@ class Repository:
     # --- end porcelain for the CLI ---
 
 
-__all__ = ["DEFAULT_BRANCH", "Repository", "VersionDetails", "clone", "init", "load", "load_device", "open"]
+__all__ = ["DEFAULT_BRANCH", "Repository", "VersionDetails", "clone", "init", "load", "open"]

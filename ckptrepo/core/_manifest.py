@@ -18,10 +18,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import msgpack
 
-# the header values' checks live with the other argument checks; the save paths import them from here too
-from ckptrepo.arguments import checked_message as checked_message
-from ckptrepo.arguments import checked_meta as checked_meta
-from ckptrepo.arguments import checked_step as checked_step
 from ckptrepo.arguments import utf8_text
 from ckptrepo.errors import (
     ArgumentError,

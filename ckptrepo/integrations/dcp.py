@@ -55,7 +55,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import ckptrepo
-from ckptrepo.core import Plumbing, check_ref_name, checked_meta, checked_step, new_version_id, plain_metrics
+from ckptrepo.arguments import checked_meta, checked_step
+from ckptrepo.core import Plumbing, check_ref_name, new_version_id, plain_metrics
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import (
     ArgumentError,

@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from ckptrepo.core import Plumbing, checked_message, checked_meta, checked_step, plain_metrics
+from ckptrepo.arguments import checked_message, checked_meta, checked_step
+from ckptrepo.core import Plumbing, plain_metrics
 from ckptrepo.errors import (
     ArgumentError,
     CkptRepoError,

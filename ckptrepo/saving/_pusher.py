@@ -23,10 +23,10 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from ckptrepo.arguments import checked_step
 from ckptrepo.core import (
     Plumbing,
     check_not_itself,
-    checked_step,
     new_version_id,
     record_push_failure,
     refuse_if_same_store,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         torch_viewable,
         unflatten,
     )
-    from ckptrepo.state._skeleton import BIGINT, NPSCALAR, holds_tensors, key_value, numel, plain_values, short_text
+    from ckptrepo.state._skeleton import BIGINT, NPSCALAR, holds_tensors, key_value, numel, plain_values
     from ckptrepo.state._wordsum import GROUP_BYTES, wordsum_digests
 
 _LAZY = {
@@ -41,8 +41,7 @@ _LAZY = {
                                   "TENSOR", "TORCH_DTYPES", "TUPLE", "TensorRecord", "flatten", "is_dtensor",
                                   "is_stateful", "key_str", "malformed_skeleton", "overlap_error",
                                   "overlapping_elements", "own_containers", "path_str", "torch_viewable", "unflatten"),
-    "ckptrepo.state._skeleton": ("BIGINT", "NPSCALAR", "holds_tensors", "key_value", "numel", "plain_values",
-                                 "short_text"),
+    "ckptrepo.state._skeleton": ("BIGINT", "NPSCALAR", "holds_tensors", "key_value", "numel", "plain_values"),
     "ckptrepo.state._wordsum": ("GROUP_BYTES", "wordsum_digests"),
 }
 if not TYPE_CHECKING:
@@ -51,6 +50,6 @@ if not TYPE_CHECKING:
 __all__ = ["BIGINT", "DICT", "DTYPE_NAMES", "GROUP_BYTES", "LIST", "NDARRAY", "NPGEN", "NPSCALAR", "ODICT", "SCALAR",
            "STATEFUL", "TENSOR", "TORCH_DTYPES", "TUPLE", "TensorRecord", "flatten", "holds_tensors", "is_dtensor",
            "is_stateful", "key_str", "key_value", "malformed_skeleton", "numel", "overlap_error",
-           "overlapping_elements", "own_containers", "path_str", "plain_values", "short_text", "torch_viewable",
+           "overlapping_elements", "own_containers", "path_str", "plain_values", "torch_viewable",
            "unflatten", "wordsum_digests"]
 # End of facade.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from ckptrepo.arguments import short_text as short_text  # how show and diff print a plain value
 from ckptrepo.core import volume as numel  # elements of a tensor of a given shape (1 for a zero-dim tensor)
 from ckptrepo.errors import UnsupportedValueError
 
@@ -96,4 +95,4 @@ class Shown(str):
 
 __all__ = ["BIGINT", "DICT", "DTYPE", "LIST", "NDARRAY", "NPGEN", "NPSCALAR", "ODICT", "SCALAR", "SIZE", "STATEFUL",
            "Shown", "TENSOR", "TUPLE", "bigint_text", "bigint_value", "holds_tensors", "key_value", "numel",
-           "plain_values", "short_text"]
+           "plain_values"]

@@ -37,11 +37,12 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import numpy as np
 import torch
 
+from ckptrepo.arguments import short_text
 from ckptrepo.core import Plumbing, flat_boxes, merge_moments, volume
 from ckptrepo.core.schema import Manifest, TensorEntry
 from ckptrepo.loading import Engine, Read, VersionReader
 from ckptrepo.parallel import Piece
-from ckptrepo.state import TORCH_DTYPES, plain_values, short_text
+from ckptrepo.state import TORCH_DTYPES, plain_values
 from ckptrepo.storage import ArrayInfo, itemsize
 from ckptrepo.tools._numeric import is_numeric
 from ckptrepo.tools._recorded import TensorStats
