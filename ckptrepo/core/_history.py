@@ -29,16 +29,21 @@ def header_unless_lost(walk: Callable[[str], ManifestHeader], plumbing: Plumbing
         raise
 
 
-def every_ref_target(plumbing: Plumbing) -> list[str]:
-    """What ``log --all`` starts from: every branch, tag, remote-tracking ref (as git's ``--all``) and a
-    detached HEAD. A damaged ref is left out, as git's "ignoring broken ref" (fsck names it; gc stops at it)."""
+def every_ref_target(plumbing: Plumbing, strict: bool = False) -> list[str]:
+    """The versions every branch, tag, detached HEAD and remote-tracking ref point at: what ``log --all``
+    starts from (as git's ``--all``), and what gc and fsck reach from (as in git, what was last pushed or
+    fetched stays until its tracking ref moves, even after its local branch is deleted).
+
+    Not ``strict`` (log), a damaged branch or tag is left out, as git's "ignoring broken ref", and a HEAD
+    whose branch is damaged or lost raises. ``strict`` (gc, fsck), a damaged branch or tag raises: gc must not
+    collect what it might point at; HEAD counts by the version it names, its branch's damage being the
+    branch read's to raise."""
     refs = plumbing.refs
-    starts = list(refs.branches(strict=False).values()) + list(refs.tags(strict=False).values())
-    starts += tracking_refs(plumbing.store).values()
-    head = plumbing.head_version()
+    starts = list(refs.branches(strict=strict).values()) + list(refs.tags(strict=strict).values())
+    head = refs.head().version if strict else plumbing.head_version()
     if head:
         starts.append(head)
-    return starts
+    return starts + list(tracking_refs(plumbing.store).values())
 
 
 def in_steps(step: int | None, since: int | None, until: int | None) -> bool:

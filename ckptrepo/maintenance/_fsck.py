@@ -21,6 +21,7 @@ from ckptrepo.core import (
     Plumbing,
     check_coverage,
     check_evicted,
+    every_ref_target,
     evicted_ids,
     interrupted_clone,
     lost_head_branch,
@@ -36,7 +37,6 @@ from ckptrepo.maintenance._gc import (
     marked_ref_damage,
     marked_refs,
     reachable_versions,
-    ref_targets,
     unshared_data,
 )
 from ckptrepo.maintenance._lost import describe_refs, find_lost, lost_line
@@ -75,7 +75,7 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
     # a writer may commit while fsck runs: the refs read before the listing reach every listed ancestor, and
     # those read after it name versions the listing may lack, which are read before being called missing
     try:
-        starts = ref_targets(plumbing)
+        starts = every_ref_target(plumbing, strict=True)
     except CkptRepoError:   # a damaged ref: _check_refs names it, and reaches through the others
         starts = []
     manifests: dict[str, Manifest] = {}

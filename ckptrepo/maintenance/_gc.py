@@ -51,6 +51,7 @@ from ckptrepo.core import (
     Head,
     Plumbing,
     children_first,
+    every_ref_target,
     find_cycle,
     is_version_id,
     leased_versions,
@@ -174,13 +175,6 @@ def data_version_ids(plumbing: Plumbing) -> set[str]:
     Finder ``.DS_Store``) is no version."""
     return {vid for k in plumbing.store.list(DATA_PREFIX) for vid in [k[len(DATA_PREFIX):].split("/", 1)[0]]
             if is_version_id(vid)}
-
-
-def ref_targets(plumbing: Plumbing) -> list[str]:
-    """The versions the branches, the tags, a detached HEAD and the remote-tracking refs point at (as in git, what
-    was last pushed or fetched stays until the tracking ref moves, even after its local branch is deleted)."""
-    return _targets(plumbing.refs.branches(), plumbing.refs.tags(), plumbing.refs.head()) + \
-        list(tracking_refs(plumbing.store).values())
 
 
 def _targets(branches: Mapping[str, str], tags: Mapping[str, str], head: Head) -> list[str]:
@@ -329,7 +323,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     branches = plumbing.refs.branches()
     tags = plumbing.refs.tags()
     head = plumbing.refs.head()
-    tracking = tracking_refs(plumbing.store)   # what a remote holds: kept here like a branch (see ref_targets)
+    tracking = tracking_refs(plumbing.store)   # what a remote holds: kept here like a branch (see every_ref_target)
     facts = _facts(plumbing, {} if known is None else known)
     already_pruned = plumbing.pruned_ids()
     damage = graph_damage(plumbing, {vid: f.parents for vid, f in facts.items()}, head)
@@ -505,7 +499,7 @@ def committed_meanwhile(plumbing: Plumbing, candidates: Collection[str],
     if not candidates:
         return []
     seen: set[str] = set()
-    stack = ref_targets(plumbing)
+    stack = every_ref_target(plumbing, strict=True)
     while stack:
         vid = stack.pop()
         if vid in seen:
