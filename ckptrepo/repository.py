@@ -463,7 +463,7 @@ class Repository:
         to the folder ``log_dir``, outside the repository; returns how many. Needs ``ckptrepo[tensorboard]``."""
         from ckptrepo.tools import write_scalars
         check_path(log_dir, "TensorBoard log directory")
-        root = self._plumbing.store.capabilities.local_root
+        root = self.local_root
         return write_scalars(log_dir, lambda: first_parent_headers(self._plumbing, self.resolve(rev)), root)
 
     def bisect(self, when: str | None = None, metric: str | None = None, tensor: str | None = None,
@@ -534,7 +534,7 @@ class Repository:
         from ckptrepo.tools import export_target, write_export
         check_path(out, "export's output")
         # refused before the version is resolved and loaded
-        path = export_target(out, format, force=force, repo_root=self._plumbing.store.capabilities.local_root,
+        path = export_target(out, format, force=force, repo_root=self.local_root,
                              max_shard_size=max_shard_size)
         vid = self.resolve(rev)
         write_export(self.load(vid), vid, path, format, max_shard_size)

@@ -266,7 +266,7 @@ def checkpoint_folder(repo: Repository | str | os.PathLike[str], rev: str = "HEA
     r = repo if isinstance(repo, Repository) else open_repo(repo_url(repo))
     vid = r.resolve(rev)
     if out is not None:
-        path = export_target(out, "hf", repo_root=r.plumbing.store.capabilities.local_root)
+        path = export_target(out, "hf", repo_root=r.local_root)
         state = r.load(vid)
         try:
             write_then_rename(path, lambda tmp: save_trainer_checkpoint(state, tmp))

@@ -41,13 +41,13 @@ def finite(value: Any) -> Any:
 
 def has_versions(repo: Repository, rev: str) -> bool:
     """False only for HEAD of a repository (or orphan branch) with no versions yet: the page shows it empty."""
-    return not (rev == "HEAD" and repo.plumbing.head_version() is None)
+    return not (rev == "HEAD" and repo.head_version() is None)
 
 
 # ---- /api/info ------------------------------------------------------------------------------------------------
 def info(repo: Repository, rev: str) -> dict[str, Any]:
     from ckptrepo.tools import METRICS
-    head = repo.plumbing.head_version()
+    head = repo.head_version()
     return {"url": repo.url, "rev": rev, "head": head, "branch": repo.current_branch(),
             "branches": repo.branches(), "tags": repo.tags(), "stats": list(METRICS)}
 
