@@ -139,7 +139,7 @@ class Plumbing:
     def require_data(self, vid: str, manifest: Manifest) -> None:
         """Refuse, in one line, to read the tensors of a version gc pruned (its history stays, its data is gone):
         every reader (load, diff, stats) says so instead of failing on the first missing object."""
-        if any(t.pieces for t in manifest.tensors) and self.store.exists(PRUNED_PREFIX + vid):
+        if any(t.pieces for t in manifest.tensors) and self.is_pruned(vid):
             raise RevisionError(f"version {vid[:12]} (step {manifest.step}) was pruned by gc: its tensor data is "
                                 f"deleted; pick a kept version from `ckptrepo log`")
 
@@ -197,6 +197,10 @@ class Plumbing:
     def pruned_ids(self) -> set[str]:
         """Versions whose data gc deleted (their markers); here, so that ``log`` need not load gc to ask."""
         return {k[len(PRUNED_PREFIX):] for k in self.store.list(PRUNED_PREFIX)}
+
+    def is_pruned(self, vid: str) -> bool:
+        """Whether gc deleted ``vid``'s data (its marker exists): one lookup, where ``pruned_ids`` lists them all."""
+        return self.store.exists(PRUNED_PREFIX + vid)
 
     def lost_ids(self) -> set[str]:
         """Versions ``fsck --repair`` marked lost (maintenance/_lost.py); here, so that gc and fsck share it."""
@@ -272,4 +276,4 @@ class _WalkingSource:
         return self._walk(vid).step
 
     def is_pruned(self, vid: str) -> bool:
-        return self._plumbing.store.exists(PRUNED_PREFIX + vid)
+        return self._plumbing.is_pruned(vid)

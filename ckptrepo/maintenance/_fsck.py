@@ -15,7 +15,6 @@ import numpy as np
 
 from ckptrepo.core import (
     DATA_PREFIX,
-    PRUNED_PREFIX,
     VERSIONS_PREFIX,
     Head,
     Plumbing,
@@ -111,7 +110,7 @@ def fsck(plumbing: Plumbing, on_bytes: Callable[[int], None] | None = None,
         if vid not in pruned:
             before = len(report.errors)
             _check_version_data(plumbing, vid, m, report, on_bytes, evicted, digests_checked)
-            if len(report.errors) > before and plumbing.store.exists(PRUNED_PREFIX + vid):
+            if len(report.errors) > before and plumbing.is_pruned(vid):
                 del report.errors[before:]   # pruned by a gc running meanwhile: its data was deleted on purpose
 
     elsewhere = sorted((evicted & set(manifests)) - pruned)
