@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ckptrepo.core._config_repair import repair_config
     from ckptrepo.core._create import create_store
     from ckptrepo.core._gcpause import collection_paused
-    from ckptrepo.core._history import every_ref_target, first_parent_headers, log_versions, metric_rows
+    from ckptrepo.core._history import every_ref_target, first_parent_headers, in_steps, log_versions, metric_rows
     from ckptrepo.core._lru import LruCache
     from ckptrepo.core._manifest import (
         COMPRESSION_SETTING,
@@ -91,7 +91,8 @@ _LAZY = {
     "ckptrepo.core._config_repair": ("repair_config",),
     "ckptrepo.core._create": ("create_store",),
     "ckptrepo.core._gcpause": ("collection_paused",),
-    "ckptrepo.core._history": ("every_ref_target", "first_parent_headers", "log_versions", "metric_rows"),
+    "ckptrepo.core._history": ("every_ref_target", "first_parent_headers", "in_steps", "log_versions",
+                               "metric_rows"),
     "ckptrepo.core._lru": ("LruCache",),
     "ckptrepo.core._manifest": ("COMPRESSION_SETTING", "CONFIG_KEY", "CONFIG_MAX_BYTES", "DATA_PREFIX",
                                 "FAILURES_PREFIX", "FORMAT_VERSION", "HEADS_PREFIX", "LOST_PREFIX", "PRUNED_PREFIX",
@@ -120,11 +121,11 @@ __all__ = ["Box", "CLONING_SETTING", "COMPRESSION_SETTING", "CONFIG_KEY", "CONFI
            "LruCache", "Moments", "PRUNED_PREFIX", "PRUNING_PREFIX", "PRUNING_STALE_S", "Plumbing", "PushLease",
            "REMOTE_REFS_PREFIX", "STAGING_PREFIX", "TAGS_PREFIX", "VERSIONS_PREFIX", "Version", "add_remote",
            "check_coverage", "check_evicted", "check_not_itself", "check_ref_name", "check_remote_name",
-           "children_first", "clear_push_failure",
-           "collection_paused", "create_store", "decode_config", "encode_config", "every_ref_target", "evicted_ids",
-           "evicted_remote", "find_cycle", "first_parent_headers", "first_parents", "flat_boxes", "gone_there",
-           "init_head", "interrupted_clone", "intersect", "is_new_ref_name", "is_version_id", "leased_versions",
-           "log_versions", "lost_head_branch", "mark_evicted", "merge_moments", "metric_rows", "missing_manifest",
+           "children_first", "clear_push_failure", "collection_paused", "create_store", "decode_config",
+           "encode_config", "every_ref_target", "evicted_ids", "evicted_remote", "find_cycle", "first_parent_headers",
+           "first_parents", "flat_boxes", "gone_there", "in_steps", "init_head", "interrupted_clone", "intersect",
+           "is_new_ref_name", "is_version_id", "leased_versions", "log_versions", "lost_head_branch", "mark_evicted",
+           "merge_moments", "metric_rows", "missing_manifest",
            "msgpack_int", "new_version_id", "parent_cycle_error", "plain_metrics", "record_push_failure",
            "refuse_if_same_store", "remote_url", "remotes", "remove_remote", "repair_config", "replaced_refs",
            "require_data_somewhere", "row_major_strides", "runs", "seal", "set_tracking_ref", "slices", "tracking_refs",

@@ -46,11 +46,13 @@ def every_ref_target(plumbing: Plumbing, strict: bool = False) -> list[str]:
     return starts + list(tracking_refs(plumbing.store).values())
 
 
-def in_steps(step: int | None, since: int | None, until: int | None) -> bool:
-    """Whether a version's ``step`` lies in [since, until] (inclusive; no bound: every version, stepless too)."""
-    if since is None and until is None:
-        return True
-    return step is not None and (since is None or step >= since) and (until is None or step <= until)
+def in_steps(step: int | None, since: int | None, until: int | None, keep_stepless: bool = False) -> bool:
+    """Whether a version's ``step`` lies in [since, until] (inclusive; no bound: every version, stepless too).
+    A version with no step is out of a bounded range, as ``log --since`` lists only versions it can place, unless
+    ``keep_stepless``: ``trajectory`` and ``bisect`` keep it, the history they follow running through it."""
+    if step is None:
+        return keep_stepless or (since is None and until is None)
+    return (since is None or step >= since) and (until is None or step <= until)
 
 
 def log_headers(plumbing: Plumbing, starts: Sequence[str], limit: int | None = None, since: int | None = None,

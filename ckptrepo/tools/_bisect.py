@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ckptrepo.arguments import is_number
-from ckptrepo.core import Plumbing, metric_rows
+from ckptrepo.core import Plumbing, in_steps, metric_rows
 from ckptrepo.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -230,7 +230,8 @@ def bisect(plumbing: Plumbing, when: str | None, metric: str | None, tensor: str
         if metric not in recorded:
             raise ArgumentError(f"no version in the history of {rev} records metric {metric!r}; recorded: "
                                 f"{', '.join(recorded) or 'none'}")
-        return first_metric_match([r for r in rows if in_range(r["step"], since, until)], metric, cond)
+        rows = [r for r in rows if in_steps(r["step"], since, until, keep_stepless=True)]
+        return first_metric_match(rows, metric, cond)
     if cond.kind == "nan":
         raise ArgumentError("'is nan' is for metrics: a tensor statistic is NaN where the tensor is absent; "
                             "find NaN elements with nonfinite=True (--nonfinite)")
@@ -252,11 +253,5 @@ def _matrix(plumbing: Plumbing, pattern: str, stat: str, rev: str, since: int | 
     return m
 
 
-def in_range(step: int | None, since: int | None, until: int | None) -> bool:
-    """Whether a version at ``step`` lies in [since, until], as ``trajectory`` reads the range (a version with no
-    step is kept)."""
-    return step is None or ((since is None or step >= since) and (until is None or step <= until))
-
-
 __all__ = ["ACCEPTED", "BisectResult", "Condition", "bisect", "first_metric_match", "first_nonfinite",
-           "first_tensor_match", "in_range", "parse_condition"]
+           "first_tensor_match", "parse_condition"]

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ckptrepo.core import HEADER_BATCH, VERSIONS_PREFIX, Plumbing, first_parents, missing_manifest
+from ckptrepo.core import HEADER_BATCH, VERSIONS_PREFIX, Plumbing, first_parents, in_steps, missing_manifest
 from ckptrepo.core.schema import (
     STAT_COLUMNS,
     ManifestHeader,
@@ -110,10 +110,6 @@ def walk(plumbing: Plumbing, rev: str,
     return first_parents(plumbing.resolve(rev), visit)
 
 
-def _in_range(step: int | None, since: int | None, until: int | None) -> bool:
-    return (since is None or step is None or step >= since) and (until is None or step is None or step <= until)
-
-
 def sample(n: int, most: int | None) -> list[int]:
     """Up to ``most`` indices of ``range(n)``, evenly spread, the last always among them."""
     if most is None or n <= most:
@@ -162,7 +158,7 @@ def stat_matrix(plumbing: Plumbing, pattern: str | None, stat: str = "norm", rev
     # (version, step, first parent, the record's answer or None), newest first
     chain: list[tuple[str, int | None, str | None, dict[str, float] | None]] = []
     for vid, h, record in walk(plumbing, rev, records=max_versions is None):
-        if vid in pruned or not _in_range(h.step, since, until):
+        if vid in pruned or not in_steps(h.step, since, until, keep_stepless=True):
             continue
         answer = _from_record(record, stat, matcher) if record is not None else None
         matched = matched or (record is not None and bool(matcher.rows(record.names)))
