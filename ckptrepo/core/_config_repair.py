@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
+from ckptrepo.arguments import is_number, is_whole
 from ckptrepo.core._manifest import (
     CONFIG_KEY,
     CONFIG_MAX_BYTES,
@@ -122,13 +123,13 @@ def _salvage(raw: bytes | None) -> dict[str, Any]:
         return {}
     kept = {k: v for k, v in cfg.items() if k not in ("format", "format_version", "default_branch", "created")}
     version = cfg.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= FORMAT_VERSION:
+    if _format_version(version):
         kept["format_version"] = version
     branch = cfg.get("default_branch")
     if isinstance(branch, str) and is_ref_name(branch):
         kept["default_branch"] = branch
     created = cfg.get("created")
-    if isinstance(created, (int, float)) and not isinstance(created, bool) and 0 < created < 1e11:
+    if is_number(created) and 0 < created < 1e11:
         kept["created"] = float(created)
     return kept
 
@@ -141,9 +142,14 @@ def _newest_format(store: Store, versions: list[tuple[float, str]]) -> int:
             found = unseal_header(raw, "newest manifest").get("format_version") if raw is not None else None
         except CorruptionError:
             found = None
-        if isinstance(found, int) and not isinstance(found, bool) and 1 <= found <= FORMAT_VERSION:
+        if _format_version(found):
             return found
     return FORMAT_VERSION
+
+
+def _format_version(v: Any) -> TypeGuard[int]:
+    """Whether ``v`` is a format version this release can record: a whole number from 1 to its own."""
+    return is_whole(v) and 1 <= v <= FORMAT_VERSION
 
 
 def _default_branch(head: bytes | None, branches: list[str]) -> tuple[str, str]:

@@ -37,3 +37,20 @@ def test_a_head_that_names_no_branch_is_not_recorded_as_one() -> None:
     repo = _repo_with_branches(b"ref: refs/heads/a..b")
     done = repair_config(repo.plumbing.store)
     assert "default branch 'main' (a branch of that name exists)" in done
+
+
+def test_salvage_keeps_only_a_known_format_version_and_a_plausible_creation_time() -> None:
+    """A bool is no format version nor time (Python counts True as 1); a version past this release's, or a
+    time that is no epoch second, is dropped with it."""
+    from ckptrepo.core._config_repair import _salvage
+    from ckptrepo.core._manifest import FORMAT_VERSION
+
+    def kept(**cfg: object) -> dict[str, object]:
+        return _salvage(json.dumps(cfg).encode())
+
+    assert kept(format_version=FORMAT_VERSION, created=1.7e9) == {"format_version": FORMAT_VERSION, "created": 1.7e9}
+    assert kept(format_version=1, created=2) == {"format_version": 1, "created": 2.0}
+    for bad in (True, 0, FORMAT_VERSION + 1, 1.0, "1"):
+        assert "format_version" not in kept(format_version=bad)
+    for bad_time in (True, 0, 1e12, "1"):
+        assert "created" not in kept(created=bad_time)
