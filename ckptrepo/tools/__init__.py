@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ckptrepo.tools._status import RepoStatus, Uncommitted, age, repo_status, revision_names
     from ckptrepo.tools._tensorboard import write_scalars
     from ckptrepo.tools._trajectory import METRICS, StatMatrix, TrajectoryPoint, stat_matrix, trajectory
-    from ckptrepo.tools._width import fit, fit_middle, keep_last, natural_key, table_lines, terminal_width
+    from ckptrepo.tools._width import fit, keep_last, natural_key, table_lines, terminal_width
 
 _LAZY = {
     "ckptrepo.tools._bisect": ("BisectResult", "bisect"),
@@ -49,14 +49,14 @@ _LAZY = {
     "ckptrepo.tools._status": ("RepoStatus", "Uncommitted", "age", "repo_status", "revision_names"),
     "ckptrepo.tools._tensorboard": ("write_scalars",),
     "ckptrepo.tools._trajectory": ("METRICS", "StatMatrix", "TrajectoryPoint", "stat_matrix", "trajectory"),
-    "ckptrepo.tools._width": ("fit", "fit_middle", "keep_last", "natural_key", "table_lines", "terminal_width"),
+    "ckptrepo.tools._width": ("fit", "keep_last", "natural_key", "table_lines", "terminal_width"),
 }
 if not TYPE_CHECKING:
     __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = ["BisectResult", "CONFIG_KEY", "GraphRow", "METRICS", "MODEL_KEY", "OPTIMIZER_KEY", "RNG_KEY", "RepoStatus",
            "SCHEDULER_KEY", "StatMatrix", "TRAINER_STATE_KEY", "TensorStats", "TrajectoryPoint", "Uncommitted",
-           "VersionDiff", "age", "bisect", "diff_stat", "diff_versions", "export_target", "fit", "fit_middle", "graph",
+           "VersionDiff", "age", "bisect", "diff_stat", "diff_versions", "export_target", "fit", "graph",
            "keep_last", "metric_series", "metrics_png", "natural_key", "output_file", "read_checkpoint",
            "recorded_tensor_stats", "repo_status", "require_matplotlib", "revision_names", "row_key",
            "save_trainer_checkpoint", "stat_matrix", "state_step", "table_lines", "tensor_stats", "terminal_width",
