@@ -8,7 +8,7 @@ run and do not count; imports inside functions do.
 
 Across packages a module imports what another package's facade (its ``__init__``) exports, never that package's
 ``_private`` modules (type-checking imports included): the underscore says who may use a module. Top-level modules
-(repository, dcp, rules, errors, faults, the package's __init__) are packages of their own here.
+(arguments, _lazy, repository, dcp, rules, errors, faults, the package's __init__) are packages of their own here.
 """
 from __future__ import annotations
 
