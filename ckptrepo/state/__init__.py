@@ -50,6 +50,6 @@ if not TYPE_CHECKING:
 __all__ = ["BIGINT", "DICT", "DTYPE_NAMES", "GROUP_BYTES", "LIST", "NDARRAY", "NPGEN", "NPSCALAR", "ODICT", "SCALAR",
            "STATEFUL", "TENSOR", "TORCH_DTYPES", "TUPLE", "TensorRecord", "flatten", "holds_tensors", "is_dtensor",
            "is_stateful", "key_str", "key_value", "malformed_skeleton", "numel", "overlap_error",
-           "overlapping_elements", "own_containers", "path_str", "plain_values", "torch_viewable",
-           "unflatten", "wordsum_digests"]
+           "overlapping_elements", "own_containers", "path_str", "plain_values", "torch_viewable", "unflatten",
+           "wordsum_digests"]
 # End of facade.

@@ -56,9 +56,9 @@ if not TYPE_CHECKING:
 
 __all__ = ["BisectResult", "CONFIG_KEY", "GraphRow", "METRICS", "MODEL_KEY", "OPTIMIZER_KEY", "RNG_KEY", "RepoStatus",
            "SCHEDULER_KEY", "StatMatrix", "TRAINER_STATE_KEY", "TensorStats", "TrajectoryPoint", "Uncommitted",
-           "VersionDiff", "age", "bisect", "diff_stat", "diff_versions", "export_target", "fit", "graph",
-           "keep_last", "metric_series", "metrics_png", "natural_key", "output_file", "read_checkpoint",
-           "recorded_tensor_stats", "repo_status", "require_matplotlib", "revision_names", "row_key",
-           "save_trainer_checkpoint", "stat_matrix", "state_step", "table_lines", "tensor_stats", "terminal_width",
-           "trajectory", "trajectory_png", "write_export", "write_scalars", "write_then_rename"]
+           "VersionDiff", "age", "bisect", "diff_stat", "diff_versions", "export_target", "fit", "graph", "keep_last",
+           "metric_series", "metrics_png", "natural_key", "output_file", "read_checkpoint", "recorded_tensor_stats",
+           "repo_status", "require_matplotlib", "revision_names", "row_key", "save_trainer_checkpoint", "stat_matrix",
+           "state_step", "table_lines", "tensor_stats", "terminal_width", "trajectory", "trajectory_png",
+           "write_export", "write_scalars", "write_then_rename"]
 # End of facade.
