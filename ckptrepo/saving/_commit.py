@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Callable
 
 from ckptrepo import faults
@@ -25,6 +26,7 @@ from ckptrepo.core import (
     Head,
     Plumbing,
     Version,
+    first_parent_chain,
     lost_head_branch,
     seal,
 )
@@ -145,11 +147,7 @@ class Committer:
     def _on_branch(self, vid: str, depth: int = 1000) -> bool:
         """Whether ``vid`` is on this snapshotter's branch: its tip or one of its last ``depth`` first parents."""
         tip = self.plumbing.refs.branch_tip(self.branch)
-        for _ in range(depth):
-            if tip is None or tip == vid:
-                return tip == vid
-            tip = self.plumbing.first_parent(tip)
-        return False
+        return vid in islice(first_parent_chain(tip, self.plumbing.first_parent), depth)
 
     def _publish_merged(self, job: SnapshotJob, ranks: list[RankPart]) -> Version:
         """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
