@@ -415,10 +415,7 @@ class Snapshotter:
             item = q.get()
             if item is None:
                 return then()
-            if isinstance(item, tuple):   # the flush stage's (job, segment, buffer, view, event)
-                is_due = run(*item)
-            else:
-                is_due = run(item)
+            is_due = run(item)
             del item
             if is_due:
                 due()

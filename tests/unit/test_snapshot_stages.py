@@ -168,7 +168,7 @@ def test_flush_writes_each_segment_durably_with_its_chunk_table_and_frees_its_bu
     pool, emitted = staged(job)
     stage = FlushStage(store, store.url, pool, None, tier=False)
     for item in emitted:
-        stage.run(*item)
+        stage.run(item)
     assert job.data_done.wait(30) and job.done == [None] * len(emitted) and job.first_write > 0
     for _job, seg, _buf, view, _event in emitted:
         assert np.array_equal(job.crcs[(seg.dtype, seg.start)], chunk_crcs(job.arrays[seg.dtype], view))
@@ -181,7 +181,7 @@ def test_flush_skips_the_writes_of_a_failed_job_and_still_accounts_them(store):
     pool, emitted = staged(job)
     job.error = RuntimeError("capture failed elsewhere")
     for item in emitted:
-        FlushStage(store, store.url, pool, None, tier=False).run(*item)
+        FlushStage(store, store.url, pool, None, tier=False).run(item)
     assert job.data_done.is_set() and job.done == [None] * len(emitted) and not job.crcs
 
 
