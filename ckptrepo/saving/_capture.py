@@ -229,7 +229,7 @@ class Snapshotter:
             if self.single_process:
                 refuse_spread_dtensors(records)
             keys, ids = self._jobs.keys(records, sharded)
-            self._bare_versions = copy_what_forward_may_change(state, records, self._step_owned(),
+            self._bare_versions = copy_what_forward_may_change(state, records, step_owned(self._optimizers),
                                                                 self._bare_versions)
             local = self._sharding.local_pieces(records) if sharded else None
         except Exception as err:
@@ -265,9 +265,6 @@ class Snapshotter:
                 self._wait_for_capture()
         self._hooks.append(optimizer.register_step_pre_hook(pre_step))
         self._optimizers.append(weakref.ref(optimizer))
-
-    def _step_owned(self) -> set[int]:
-        return step_owned(self._optimizers)
 
     def wait_captured(self) -> None:
         """Block until every snapshot taken so far is in staging memory: the state may be mutated again."""
