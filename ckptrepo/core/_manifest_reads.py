@@ -294,7 +294,8 @@ T = TypeVar("T")
 def first_parent_chain(vid: str | None, first_parent: Callable[[str], str | None]) -> Iterator[str]:
     """``vid`` and its first parents, newest first, each parent asked of ``first_parent`` only once the version
     before it was taken (a walk that stops early reads no further); a version met twice is a parent cycle, raised
-    as damage, where the walk would go round for ever. Every first-parent walk goes through here."""
+    as damage, where the walk would go round for ever. The history's readers (revisions, logs, trajectories) and
+    the bounded walks that look for one version (a commit that landed, a snapshot on its branch) go through here."""
     walked: list[str] = []
     seen: set[str] = set()
     while vid is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from itertools import islice
 from typing import Callable, Sequence
 
 from ckptrepo.core._manifest import (
@@ -27,6 +28,7 @@ from ckptrepo.core._manifest import (
     VERSIONS_PREFIX,
     is_version_id,
 )
+from ckptrepo.core._manifest_reads import first_parent_chain
 from ckptrepo.errors import ConflictError, CorruptionError, RefError
 from ckptrepo.storage import LOCK_SUFFIX, remove_empty_parents
 from ckptrepo.storage.protocol import NO_VALUE, Store
@@ -218,13 +220,11 @@ class Refs:
         gen = self._swap(key, version.encode(), expected)
         if gen is not None:
             return BranchMove(gen)
-        tip = self.branch_tip(name)
-        for _ in range(LANDED_WALK):
-            if tip is None or tip == base:
+        for v in islice(first_parent_chain(self.branch_tip(name), first_parent), LANDED_WALK):
+            if v == base:
                 return None
-            if tip == version:
+            if v == version:
                 return BranchMove(None)
-            tip = first_parent(tip)
         return None
 
     def _swap(self, key: str, value: bytes | None, expected: bytes) -> bytes | None:

@@ -21,10 +21,11 @@ import logging
 import os
 import re
 import threading
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import ckptrepo
-from ckptrepo.core import LANDED_WALK, VERSIONS_PREFIX, is_new_ref_name
+from ckptrepo.core import LANDED_WALK, VERSIONS_PREFIX, first_parent_chain, is_new_ref_name
 from ckptrepo.errors import (
     CheckpointNotFoundError,
     CkptRepoError,
@@ -115,15 +116,8 @@ def _is_committed(repo: Repository, vid: str, tag: str | None = None) -> bool:
     tips = set(repo.branches().values())
     if vid in tips or vid in set(repo.tags().values()):
         return True
-    for tip in tips:   # as far back as the committer looks for a version that landed
-        v: str | None = tip
-        for _ in range(LANDED_WALK):
-            if v is None:
-                break
-            if v == vid:
-                return True
-            v = repo.plumbing.first_parent(v)
-    return False
+    # as far back as the committer looks for a version that landed
+    return any(vid in islice(first_parent_chain(tip, repo.plumbing.first_parent), LANDED_WALK) for tip in tips)
 
 
 class CheckpointFiles:

@@ -260,6 +260,8 @@ def merge_tensor_table(parts: Sequence[TablePart]) -> tuple[tuple[TensorEntry, .
     declared: dict[str, tuple[str, tuple[int, ...], int]] = {}   # name -> (dtype, shape, the first rank listing it)
     pieces: dict[str, list[Piece]] = {}
     stage_of = {p.rank: (p.coords or {}).get("pp", 0) for p in parts}
+    # a snapshotter's parts (with coordinates) are cut by its layout's rules; a framework's save has none
+    same = "the same dtype and rules" if any(p.coords is not None for p in parts) else "the same dtype"
     for part in parts:
         for name, dtype, shape in part.names:
             seen_dtype, seen_shape, first = declared.setdefault(name, (dtype, shape, part.rank))
@@ -272,7 +274,7 @@ def merge_tensor_table(parts: Sequence[TablePart]) -> tuple[tuple[TensorEntry, .
             if (seen_dtype, seen_shape) != (dtype, shape):   # bytes of one dtype would load as another's
                 raise LayoutError(f"{name}: the ranks disagree about this tensor: rank {first} holds it as "
                                   f"{seen_dtype} {list(seen_shape)}, rank {part.rank} as {dtype} {list(shape)}; "
-                                  f"give every rank the same dtype and rules")
+                                  f"give every rank {same}")
     arrays: dict[str, ArrayInfo] = {}
     for part in parts:
         arrays.update(part.arrays)

@@ -230,7 +230,7 @@ class Snapshotter:
             if self.single_process:
                 refuse_spread_dtensors(records)
             keys, ids = self._jobs.keys(records, sharded)
-            self._bare_versions = copy_what_forward_may_change(state, records, self._step_owned(),
+            self._bare_versions = copy_what_forward_may_change(state, records, step_owned(self._optimizers),
                                                                 self._bare_versions)
             local = self._sharding.local_pieces(records) if sharded else None
         except Exception as err:
@@ -266,9 +266,6 @@ class Snapshotter:
                 self._wait_for_capture()
         self._hooks.append(optimizer.register_step_pre_hook(pre_step))
         self._optimizers.append(weakref.ref(optimizer))
-
-    def _step_owned(self) -> set[int]:
-        return step_owned(self._optimizers)
 
     def wait_captured(self) -> None:
         """Block until every snapshot taken so far is in staging memory: the state may be mutated again."""
@@ -373,7 +370,8 @@ class Snapshotter:
         """Start the capture, flush and commit threads, or whichever of them an interrupted start left unstarted."""
         if not self._threads:
             loops = {"capture": (self._capture_q, self._capturing.run, lambda: self._flush_q.put(None)),
-                     "flush": (self._flush_q, self._flushing.run), "commit": (self._commit_q, self._committing.run)}
+                     "flush": (self._flush_q, self._flushing.run),
+                     "commit": (self._commit_q, self._committing.run, lambda: None, self._committing.retain)}
             self._threads = [threading.Thread(target=self._loop, args=args, name=f"ckptrepo-{name}", daemon=True)
                              for name, args in loops.items()]
         for t in self._threads:
@@ -403,21 +401,22 @@ class Snapshotter:
         except CkptRepoError as err:
             log.error("ckptrepo: %s", err)
 
-    # The threads' loop: a stage's ``run`` on each item of its queue until None, then ``then()``. It lets go of
-    # its last item before it waits for the next (``del``): a job kept by a waiting thread would live on until
-    # the next snapshot, long enough for the cyclic GC to promote its thousands of objects (records, skeleton
-    # lists, tensor objects) to its oldest generation, which brings on full collections.
+    # The threads' loop: a stage's ``run`` on each item of its queue until None, then ``then()``; where ``run``
+    # returns True, ``due()`` after it (the commit stage's retention pass). It lets go of its last item before
+    # ``due()`` and before it waits for the next (``del``): a job kept by a waiting thread, or through a gc pass
+    # that reads many manifests, would live long enough for the cyclic GC to promote its thousands of objects
+    # (records, skeleton lists, tensor objects) to its oldest generation, which brings on full collections.
     @staticmethod
-    def _loop(q: queue.Queue, run: Callable[..., None], then: Callable[[], None] = lambda: None) -> None:
+    def _loop(q: queue.Queue, run: Callable[[Any], bool | None], then: Callable[[], None] = lambda: None,
+              due: Callable[[], None] = lambda: None) -> None:
         while True:
             item = q.get()
             if item is None:
                 return then()
-            if isinstance(item, tuple):   # the flush stage's (job, segment, buffer, view, event)
-                run(*item)
-            else:
-                run(item)
+            is_due = run(item)
             del item
+            if is_due:
+                due()
 
     def _plan_after_dedup(self, job: SnapshotJob) -> None:
         """The capture stage's plan of a job whose reusable tensors dedup has just decided on."""

@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Callable
 
 from ckptrepo import faults
@@ -25,6 +26,7 @@ from ckptrepo.core import (
     Head,
     Plumbing,
     Version,
+    first_parent_chain,
     lost_head_branch,
     seal,
 )
@@ -71,11 +73,7 @@ class Committer:
 
     def __init__(self, plumbing: Plumbing, layout: ParallelLayout | None, rank: int, world_size: int, sharded: bool,
                  commit_timeout_s: float) -> None:
-        plumbing.require_atomic_store()   # refused before any data is written, not at the first commit
-        head = plumbing.refs.head()
-        if head.branch is None:
-            raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
-                                    f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
+        base = read_branch_base(plumbing)
         self.plumbing = plumbing
         self.layout = layout
         self.rank, self.world_size = rank, world_size
@@ -83,11 +81,7 @@ class Committer:
         self.sharded = sharded
         self.commit_timeout_s = commit_timeout_s
         self.health = GroupHealth()   # shared by this snapshotter's commits: a broken group fails them all at once
-        self.branch = head.branch
-        self.orphan = head.orphan
-        self.tip, self.generation = plumbing.refs.branch_tip_with_generation(head.branch)
-        if self.tip is None:
-            refuse_new_root(plumbing, head.branch, head.orphan)
+        self.branch, self.orphan, self.tip, self.generation = base.branch, base.orphan, base.tip, base.generation
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
         # the snapshotter's dedup index (set by it once made: it compares with this committer's tip first)
         self.dedup: DedupIndex | None = None
@@ -145,11 +139,7 @@ class Committer:
     def _on_branch(self, vid: str, depth: int = 1000) -> bool:
         """Whether ``vid`` is on this snapshotter's branch: its tip or one of its last ``depth`` first parents."""
         tip = self.plumbing.refs.branch_tip(self.branch)
-        for _ in range(depth):
-            if tip is None or tip == vid:
-                return tip == vid
-            tip = self.plumbing.first_parent(tip)
-        return False
+        return vid in islice(first_parent_chain(tip, self.plumbing.first_parent), depth)
 
     def _publish_merged(self, job: SnapshotJob, ranks: list[RankPart]) -> Version:
         """Rank 0: merge and check every rank's part into the version manifest, then publish it."""
@@ -251,6 +241,23 @@ class BranchBase:
     tip: str | None
     generation: bytes
     orphan: bool
+
+
+def read_branch_base(plumbing: Plumbing, branch: str | None = None) -> BranchBase:
+    """The branch a new version goes on (``branch``, default HEAD's) and its tip now: what a committer, or
+    ``commit_chunks``, moves it from. Read it when the save starts, so that a branch moved during the save is a
+    conflict."""
+    plumbing.require_atomic_store()   # refused before any data is written, not at the first commit
+    head = plumbing.refs.head()
+    name = branch if branch is not None else head.branch
+    if name is None:
+        raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
+                                f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
+    tip, generation = plumbing.refs.branch_tip_with_generation(name)
+    orphan = head.orphan and head.branch == name
+    if tip is None and branch is None:
+        refuse_new_root(plumbing, name, orphan)
+    return BranchBase(name, tip, generation, orphan)
 
 
 def publish_version(plumbing: Plumbing, base: BranchBase, manifest: Manifest, moved_away: Callable[[str | None], str],

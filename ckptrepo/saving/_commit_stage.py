@@ -74,18 +74,21 @@ class CommitStage:
         self.retention_idle.set()
         self.gc_facts: dict[str, VersionFacts] = {}   # what retention passes learnt of the manifests
 
-    def run(self, job: CommitJob) -> None:
-        """Commit the job (or record its failure), then a retention pass if one is due."""
+    def run(self, job: CommitJob) -> bool:
+        """Commit the job (or record its failure); returns whether a retention pass is due, which the caller runs
+        with ``retain()`` once it has let go of the job."""
         try:
-            retain = self._in_turn(job)
+            return self._in_turn(job)
         except BaseException:  # noqa: BLE001 - this thread must outlive any job, or every later one hangs
             log.exception("ckptrepo: the commit thread failed on snapshot %s", job.vid[:12])
-            retain = False
-        if retain:
-            try:
-                self.apply_retention()
-            finally:
-                self.retention_idle.set()
+            return False
+
+    def retain(self) -> None:
+        """The retention pass ``run`` said is due; ``wait()`` waits for it through ``retention_idle``."""
+        try:
+            self.apply_retention()
+        finally:
+            self.retention_idle.set()
 
     def _in_turn(self, job: CommitJob) -> bool:
         """Commit the job once its data is durable (or record its failure); returns whether a retention pass is due."""

@@ -44,9 +44,11 @@ class FlushStage:
         # see the pool reuse it for another shard
         self.store_copies = not store.capabilities.keeps_written_buffers
 
-    def run(self, job: FlushJob, seg: Segment, buf: torch.Tensor, view: Any, event: Any) -> None:
-        """Start one segment's write (``view``: the filled part of ``buf``, or a ``LiveShard``; None: capture
-        gave up on it); ``event``: the CUDA copy it waits for first."""
+    def run(self, item: tuple[FlushJob, Segment, torch.Tensor, Any, Any]) -> None:
+        """Start the write of one segment the capture stage emitted, ``(job, seg, buf, view, event)``: ``view``
+        is the filled part of ``buf``, or a ``LiveShard`` (None: capture gave up on it); ``event`` the CUDA copy
+        it waits for first."""
+        job, seg, buf, view, event = item
         if job.error is not None or view is None:
             self.segment_over(view, buf)
             job.segment_done()

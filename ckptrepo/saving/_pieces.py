@@ -30,14 +30,13 @@ from ckptrepo.core.schema import (
     Piece,
 )
 from ckptrepo.errors import (
-    DetachedHeadError,
     LayoutError,
     UnsupportedValueError,
 )
 from ckptrepo.loading import ReadStats, read_pieces
 from ckptrepo.parallel import Piece as TargetPiece
 from ckptrepo.parallel import merge_tensor_table
-from ckptrepo.saving._commit import BranchBase, publish_version, refuse_new_root, version_header
+from ckptrepo.saving._commit import BranchBase, publish_version, read_branch_base, version_header
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
 from ckptrepo.state import DTYPE_NAMES, TensorRecord
 from ckptrepo.storage import ArrayInfo, DirectWriter, chunk_crcs, create_array, itemsize, write_table
@@ -170,22 +169,6 @@ def _write_segments(store: Store, plan: WritePlan, arrays: dict[str, ArrayInfo],
         parts = [c for seg, c in zip(plan.segments, crcs) if seg.dtype == dtype and c is not None]
         out.append((dtype, info, np.concatenate(parts)))
     return out
-
-
-def read_branch_base(plumbing: Plumbing, branch: str | None = None) -> BranchBase:
-    """The branch a new version goes on (``branch``, default HEAD's) and its tip now: what ``commit_chunks``
-    moves it from. Read it when the save starts, so that a branch moved during the save is a conflict."""
-    plumbing.require_atomic_store()
-    head = plumbing.refs.head()
-    name = branch if branch is not None else head.branch
-    if name is None:
-        raise DetachedHeadError(f"HEAD is detached at {str(head.version)[:12]}; create a branch there first: "
-                                f"repo.checkout(rev, branch=NAME) or `ckptrepo checkout REV -b NAME`")
-    tip, generation = plumbing.refs.branch_tip_with_generation(name)
-    orphan = head.orphan and head.branch == name
-    if tip is None and branch is None:
-        refuse_new_root(plumbing, name, orphan)
-    return BranchBase(name, tip, generation, orphan)
 
 
 def commit_chunks(plumbing: Plumbing, vid: str, writes: Sequence[RankWrite], tree: Any, world_size: int, *,

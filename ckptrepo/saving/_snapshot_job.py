@@ -2,7 +2,8 @@
 
 ``SnapshotHandle`` and ``SnapshotStats`` are what the training loop sees;
 ``SnapshotJob`` is what the capture, flush and commit threads share about
-the snapshot (saving/_capture.py runs them, saving/_commit.py commits the job).
+the snapshot (the stages they run: saving/_capture_stage.py, _flush_stage.py,
+_commit_stage.py; saving/_commit.py commits the job).
 """
 from __future__ import annotations
 
@@ -175,10 +176,10 @@ class SnapshotJob:
     chunk_crcs: dict[str, np.ndarray] = field(default_factory=dict)   # dtype -> its array's chunk table, as written
     handles: dict[str, Any] = field(default_factory=dict)
     remaining: int = 0
-    # written from the tensors' memory (a CPU state, a local store with O_DIRECT): see Snapshotter._capture
+    # written from the tensors' memory (a CPU state, a local store with O_DIRECT): see CaptureStage._capture
     live: bool = False
     live_shards: list[LiveShard] = field(default_factory=list)
-    feeding: list[Any] | None = None   # live shards whose hashes and statistics are still to feed (_capture._feed)
+    feeding: list[Any] | None = None   # live shards whose hashes and statistics are still to feed (CaptureStage.feed)
     holds: int = 1                  # the capture thread's, plus one per live shard not yet released
     staged: threading.Event = field(default_factory=threading.Event)   # the capture thread is done with the job
     error: BaseException | None = None

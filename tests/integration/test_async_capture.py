@@ -642,7 +642,7 @@ def test_frozen_weights_are_not_copied_at_snapshot_whether_module_or_bare(repo):
     (a `base.state_dict()` of 100 x 4 MiB held the loop 0.1-0.7 s a snapshot, review finding), it put the whole
     frozen model's bytes on the training thread. A module's parameters are never copied; a bare tensor is
     copied until a snapshot finds it unchanged since the previous one (address and version counter)."""
-    from ckptrepo.saving._eager_copies import copy_what_forward_may_change
+    from ckptrepo.saving._eager_copies import copy_what_forward_may_change, step_owned
     from ckptrepo.state._providers import flatten
     # statistics of 128 KiB: over EAGER_COPY_BYTES, so only the version rule tells them from frozen weights
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(32768), torch.nn.Linear(512, 8))
@@ -651,7 +651,7 @@ def test_frozen_weights_are_not_copied_at_snapshot_whether_module_or_bare(repo):
     opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
     with repo.snapshotter() as snap:
         snap.attach(opt)
-        owned = snap._step_owned()
+        owned = step_owned(snap._optimizers)   # what the attached optimizer leaves live
     last = {}
     for step in range(3):
         for state in ({"model": model}, {"bare": model.state_dict()}):

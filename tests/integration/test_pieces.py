@@ -7,6 +7,7 @@ import torch
 from support.helpers import assert_bit_exact
 
 import ckptrepo
+from ckptrepo.core._manifest import new_version_id
 from ckptrepo.errors import ConflictError, LayoutError
 from ckptrepo.loading._engine import kvstore_bytes_read
 from ckptrepo.saving._pieces import (
@@ -107,3 +108,16 @@ def test_a_branch_moved_during_the_save_is_a_conflict_and_gaps_are_refused(tmp_p
     only_rank0 = [write_rank_chunks(repo.plumbing, vid, 0, _rank_chunks(state, 0))]
     with pytest.raises(LayoutError, match="cover"):
         commit_chunks(repo.plumbing, vid, only_rank0, tree, 2, step=1, message="", metrics=None)
+
+
+def test_ranks_of_a_framework_save_that_disagree_about_a_dtype_are_refused_without_rules(tmp_path) -> None:
+    # a framework's save has no snapshotter rules: the advice names only what the ranks can change
+    repo = ckptrepo.init(str(tmp_path / "repo"))
+    vid = new_version_id()
+    w = torch.ones(4, 2)
+    writes = [write_rank_chunks(repo.plumbing, vid, 0, [GlobalChunk("model/w", (8, 2), (0, 0), w)]),
+              write_rank_chunks(repo.plumbing, vid, 1, [GlobalChunk("model/w", (8, 2), (4, 0), w.double())])]
+    with pytest.raises(LayoutError) as err:
+        tensor_order(writes)
+    assert str(err.value).endswith("model/w: the ranks disagree about this tensor: rank 0 holds it as float32 "
+                                   "[8, 2], rank 1 as float64 [8, 2]; give every rank the same dtype")

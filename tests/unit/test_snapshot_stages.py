@@ -4,8 +4,10 @@ staging pool and a real local store; no snapshotter, no threads of its own."""
 from __future__ import annotations
 
 import errno
+import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,7 @@ import ckptrepo
 from ckptrepo import faults
 from ckptrepo.errors import SnapshotFailedError, StorageError
 from ckptrepo.parallel._distributed import GroupHealth
+from ckptrepo.saving._capture import Snapshotter
 from ckptrepo.saving._capture_stage import CaptureStage
 from ckptrepo.saving._commit_stage import CommitStage
 from ckptrepo.saving._flush_stage import FlushStage, disk_full, storage_error
@@ -165,7 +168,7 @@ def test_flush_writes_each_segment_durably_with_its_chunk_table_and_frees_its_bu
     pool, emitted = staged(job)
     stage = FlushStage(store, store.url, pool, None, tier=False)
     for item in emitted:
-        stage.run(*item)
+        stage.run(item)
     assert job.data_done.wait(30) and job.done == [None] * len(emitted) and job.first_write > 0
     for _job, seg, _buf, view, _event in emitted:
         assert np.array_equal(job.crcs[(seg.dtype, seg.start)], chunk_crcs(job.arrays[seg.dtype], view))
@@ -178,7 +181,7 @@ def test_flush_skips_the_writes_of_a_failed_job_and_still_accounts_them(store):
     pool, emitted = staged(job)
     job.error = RuntimeError("capture failed elsewhere")
     for item in emitted:
-        FlushStage(store, store.url, pool, None, tier=False).run(*item)
+        FlushStage(store, store.url, pool, None, tier=False).run(item)
     assert job.data_done.is_set() and job.done == [None] * len(emitted) and not job.crcs
 
 
@@ -269,9 +272,33 @@ def test_retention_runs_every_so_many_commits_and_a_failing_pass_is_reported(tmp
             raise OSError("gc could not list")
     stage, finished, reported = commit_stage(tmp_path, FakeCommitter(),
                                              retention=BrokenPolicy(keep_last=1, every_commits=2))
-    stage.run(ready_job())
-    assert not reported
-    stage.run(ready_job())
+    assert not stage.run(ready_job())
+    assert stage.retention_idle.is_set() and not reported
+    assert stage.run(ready_job())   # due: the caller runs the pass once it has let go of the job
+    assert not stage.retention_idle.is_set()
+    stage.retain()
     assert stage.retention_idle.is_set()
     assert [str(r) for r in reported] == ["background retention (gc) failed: gc could not list; "
                                           "run `ckptrepo gc` by hand"]
+
+
+def test_the_commit_thread_lets_go_of_its_job_before_the_retention_pass(tmp_path):
+    # a job kept alive through a gc pass that reads many manifests is promoted by the cyclic GC, with its
+    # thousands of objects, to the oldest generation
+    alive_during_gc: list[bool] = []
+
+    class WatchingPolicy(ckptrepo.RetentionPolicy):
+        def apply(self, *args, **kwargs):
+            alive_during_gc.append(ref() is not None)
+
+    plumbing = ckptrepo.init(tmp_path / "r").plumbing
+    stage = CommitStage(plumbing, FakeCommitter(), 0, 1, lambda job: None, lambda err: None, lambda: [],
+                        retention=WatchingPolicy(keep_last=1, every_commits=1))
+    job = ready_job()
+    ref = weakref.ref(job)
+    q: queue.Queue = queue.Queue()
+    q.put(job)
+    q.put(None)
+    del job
+    Snapshotter._loop(q, stage.run, due=stage.retain)
+    assert alive_during_gc == [False] and stage.retention_idle.is_set()
