@@ -102,6 +102,34 @@ def test_log_into_a_pipe_its_reader_closes_exits_0_quietly(tmp_path):
     assert first.decode().startswith(repo.resolve("HEAD")[:12])
 
 
+def test_a_broken_pipe_that_is_not_stdouts_is_an_error(capsys, monkeypatch):
+    """Only stdout's reader leaving is a quiet exit 0: a command whose own pipe (a FIFO it writes) breaks
+    while stdout is fine fails with the error on stderr."""
+    import click
+
+    from ckptrepo.cli.main import cli, main
+
+    @click.command("write-to-a-closed-pipe")
+    def write_to_a_closed_pipe() -> None:
+        click.echo("started")
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            os.write(write, b"x")   # EPIPE: the pipe has no reader
+        finally:
+            os.close(write)
+    cli.add_command(write_to_a_closed_pipe)
+    monkeypatch.setattr(sys, "argv", ["ckptrepo", "write-to-a-closed-pipe"])
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main()
+    finally:
+        cli.commands.pop("write-to-a-closed-pipe")
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and captured.out == "started\n"
+    assert captured.err.startswith("ckptrepo: error:") and "Broken pipe" in captured.err, captured.err
+
+
 def test_gc_dry_run_lists_oldest_first_with_steps_and_real_sizes(history):
     url, repo = history
     head = repo.resolve("HEAD")
