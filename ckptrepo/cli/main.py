@@ -23,7 +23,6 @@ import ckptrepo
 from ckptrepo.cli import _errors as errors
 from ckptrepo.cli import _output as out
 from ckptrepo.cli import data, exchange, history, maintenance, refs, remotes, ui
-from ckptrepo.cli.data import TENSOR_METRICS
 from ckptrepo.errors import CkptRepoError
 
 
@@ -149,7 +148,7 @@ def _reader_left() -> None:
     sys.exit(0)
 
 
-__all__ = ["TENSOR_METRICS", "cli", "main"]
+__all__ = ["cli", "main"]
 
 if __name__ == "__main__":
     main()

@@ -106,9 +106,8 @@ def _print_doomed(r: Any) -> None:
     bytes it would free."""
     what = {**{v: "prune" for v in r.pruned}, **{v: "collect" for v in r.collected},
             **{v: "delete leftover data of" for v in r.orphan_data}}
-    order = list(r.details) + [v for v in what if v not in r.details]
-    for vid in order:
-        d, verb = r.details.get(vid, {}), what.get(vid, "finish pruning")
+    for vid, d in r.details.items():   # a dry run's: every version above, in time order
+        verb = what.get(vid, "finish pruning")
         when = "-" if d.get("time") is None else out.when(d["time"], seconds=False)
         out.echo_fit(f"would {verb} {vid[:12]}  {out.step_of(d.get('step')):<12}  {when:<16}  "
                      f"{out.size(d.get('stored_bytes', 0)):>10}".rstrip())
