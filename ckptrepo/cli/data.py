@@ -13,7 +13,7 @@ from ckptrepo.cli import _output as out
 from ckptrepo.cli._context import complete_revision, open_repo, output_path
 from ckptrepo.cli.history import print_objects, print_stat
 from ckptrepo.errors import ArgumentError, CkptRepoError, ExchangeError
-from ckptrepo.tools import keep_last, row_key
+from ckptrepo.tools import SORTS, keep_last, row_key
 
 _INCLUDE_NONFLOAT = click.option(
     "--include-nonfloat", is_flag=True,
@@ -31,7 +31,7 @@ _INCLUDE_NONFLOAT = click.option(
 @click.option("--stat", "summary", is_flag=True, help="One line per module prefix instead of per tensor.")
 @click.option("--depth", type=click.IntRange(min=1), default=2, show_default=True,
               help="Name components that make a prefix (--stat).")
-@click.option("--sort", "sort_by", type=click.Choice(["name", "relative", "l2"]), default="name", show_default=True,
+@click.option("--sort", "sort_by", type=click.Choice(SORTS), default="name", show_default=True,
               help="Order of the rows: by name (numbers inside names by value: layers.2 before layers.10), or "
                    "largest first by relative change ||B-A||/||A|| or by ||B-A||.")
 @click.option("--only-changed", is_flag=True, help="Hide unchanged tensors.")

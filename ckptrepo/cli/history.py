@@ -70,8 +70,9 @@ def log(ctx: click.Context, rev: str, all_: bool, max_count: int | None, since: 
         return
     if not versions and not failures:
         click.echo("no versions match --since/--until" if since is not None or until is not None else "no versions yet")
-    durable = bool(repo.remotes()) or any(v.remotes or (not v.local and not v.pruned) for v in versions)
-    tracking = _tracking_names(repo)
+    has_remotes = bool(repo.remotes())   # the config, read anyway: no listing of refs/remotes/ without one
+    durable = has_remotes or any(v.remotes or (not v.local and not v.pruned) for v in versions)
+    tracking = _tracking_names(repo) if has_remotes else {}
     for row in graph_rows(versions) if graph else [GraphRow("", v) for v in versions]:
         if row.version is None:   # a line that only connects columns
             out.echo_fit(row.prefix)
@@ -200,14 +201,15 @@ def show(ctx: click.Context, rev: str, with_stat: bool, as_json: bool) -> None:
         return
     width = out.width()
     click.echo(f"version {v.id}")
-    names = decorations(v, _tracking_names(repo).get(v.id, ()))
+    has_remotes = bool(repo.remotes())   # no listing of refs/remotes/ without one
+    names = decorations(v, _tracking_names(repo).get(v.id, ()) if has_remotes else ())
     if names:
         out.echo_fit(out.printable(f"refs    {', '.join(names)}"))
     out.echo_fit(f"parents {' '.join(v.parents) or '-'}")
     size = "pruned: gc deleted its data (the tensors below are what was saved)" if v.pruned else out.size(v.size)
     click.echo(f"step    {v.step if v.step is not None else '-'}\ntime    {out.when(v.time)}")
     out.echo_fit(f"size    {size}")
-    if repo.remotes() or v.remotes or not (v.local or v.pruned):
+    if has_remotes or v.remotes or not (v.local or v.pruned):
         out.echo_fit(out.printable(f"durable {out.durability(v)[1:-1]}"))
     if d.layout.get("world_size", 1) > 1:
         degrees = " ".join(f"{k}={d.layout[k]}" for k in ("tp", "pp", "dp", "zero") if k in d.layout)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import io
 import os
+import select
+import stat
 import sys
+from typing import NoReturn
 
 import click
 
@@ -20,7 +23,6 @@ import ckptrepo
 from ckptrepo.cli import _errors as errors
 from ckptrepo.cli import _output as out
 from ckptrepo.cli import data, exchange, history, maintenance, refs, remotes, ui
-from ckptrepo.cli.data import TENSOR_METRICS
 from ckptrepo.errors import CkptRepoError
 
 
@@ -29,12 +31,39 @@ class _ReaderLeft(Exception):
     it by to ``main``."""
 
 
+class _OtherPipe(Exception):
+    """A broken pipe that is not stdout's (a FIFO the command writes, a library's socket): carried past click's
+    EPIPE handling, which would exit quietly, to ``main``, which reports it as the error it is."""
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
-        except BrokenPipeError:
-            raise _ReaderLeft() from None
+        except BrokenPipeError as err:
+            if _stdout_gone():
+                raise _ReaderLeft() from None
+            raise _OtherPipe() from err
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout's reader has gone: flushing stdout fails with EPIPE or, nothing being left to flush,
+    stdout is a pipe that poll says has no reader."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError):
+        return False
+    try:
+        fd = sys.stdout.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):   # no descriptor, or no poll
+        return False
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -79,9 +108,10 @@ def main() -> None:
     try:
         # named, not guessed from how Python was started: completion reads _CKPTREPO_COMPLETE under any launcher
         cli.main(standalone_mode=False, prog_name="ckptrepo")
-        sys.stdout.flush()   # here, where a closed pipe is caught, not in the interpreter's exit
-    except (BrokenPipeError, _ReaderLeft):
+    except _ReaderLeft:
         _reader_left()
+    except _OtherPipe as e:
+        _fail(e.__cause__ or e)
     except click.exceptions.Abort:
         out.err_console().print("aborted")
         sys.exit(130)
@@ -91,10 +121,19 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback unless asked
-        if errors.debugging() and not isinstance(e, CkptRepoError):
-            raise
-        errors.report(e)
-        sys.exit(2)
+        _fail(e)
+    try:
+        sys.stdout.flush()   # here, where a closed pipe is caught, not in the interpreter's exit
+    except BrokenPipeError:
+        _reader_left()
+
+
+def _fail(err: BaseException) -> NoReturn:
+    """Report an error on one line and exit 2; an unexpected one shows its traceback with CKPTREPO_DEBUG."""
+    if errors.debugging() and not isinstance(err, CkptRepoError):
+        raise err
+    errors.report(err)
+    sys.exit(2)
 
 
 def _reader_left() -> None:
@@ -109,7 +148,7 @@ def _reader_left() -> None:
     sys.exit(0)
 
 
-__all__ = ["TENSOR_METRICS", "cli", "main"]
+__all__ = ["cli", "main"]
 
 if __name__ == "__main__":
     main()

@@ -101,15 +101,15 @@ def gc(ctx: click.Context, keep_last: int | None, keep_every: int | None, keep_b
 
 
 def _print_doomed(r: Any) -> None:
-    """``gc --dry-run``'s list: what would be pruned, collected or deleted as leftover data, oldest first, each
-    with its step, time and the stored bytes it would free."""
+    """``gc --dry-run``'s list: what would be pruned, collected or deleted as leftover data (or have its
+    pruning, cut short by a killed pass, finished), oldest first, each with its step, time and the stored
+    bytes it would free."""
     what = {**{v: "prune" for v in r.pruned}, **{v: "collect" for v in r.collected},
             **{v: "delete leftover data of" for v in r.orphan_data}}
-    order = list(r.details) + [v for v in what if v not in r.details]
-    for vid in order:
-        d = r.details.get(vid, {})
+    for vid, d in r.details.items():   # a dry run's: every version above, in time order
+        verb = what.get(vid, "finish pruning")
         when = "-" if d.get("time") is None else out.when(d["time"], seconds=False)
-        out.echo_fit(f"would {what[vid]} {vid[:12]}  {out.step_of(d.get('step')):<12}  {when:<16}  "
+        out.echo_fit(f"would {verb} {vid[:12]}  {out.step_of(d.get('step')):<12}  {when:<16}  "
                      f"{out.size(d.get('stored_bytes', 0)):>10}".rstrip())
 
 

@@ -64,10 +64,13 @@ log = logging.getLogger("ckptrepo")
 
 # ---- stubs: what DeepSpeed's glob and os.path.exists find ----------------------------------------------------------
 
-def write_stub(path: str, url: str, vid: str, tag: str, entry: str) -> None:
-    """Leave at ``path`` the stub of ``entry`` of version ``vid`` (replaced whole: a reader never sees half)."""
+def write_stub(path: str, url: str, vid: str, tag: str, entry: str, sync: bool = True) -> None:
+    """Leave at ``path`` the stub of ``entry`` of version ``vid`` (replaced whole: a reader never sees half).
+
+    ``sync=False`` skips the fsyncs: the training thread's placeholder stub, which the commit thread
+    rewrites durably once the version commits (decision 041: no fsync on the training thread)."""
     text = json.dumps({"format": STUB_FORMAT, "repository": url, "version": vid, "tag": tag, "entry": entry})
-    replace_file(path, text + "\n")
+    replace_file(path, text + "\n", sync=sync)
 
 
 def read_stub(path: str) -> dict[str, str]:
@@ -182,7 +185,7 @@ class CkptRepoCheckpointEngine:
         # the tag, intact until this one commits, so it is replaced only then
         for entry, path in paths.items():
             if not os.path.lexists(path):
-                write_stub(path, self.url, handle.id, tag, entry)
+                write_stub(path, self.url, handle.id, tag, entry, sync=False)
         stubs_written = threading.Event()
         handle.add_done_callback(lambda h: self._write_stubs(h, paths, tag, stubs_written))
         if self.wait:

@@ -83,8 +83,10 @@ class GcReport:
     bytes_freed: int = 0          # tensor bytes of the arrays deleted
     stored_bytes_freed: int = 0   # what they took in the store (chunk padding, checksums, indexes: see du)
     dry_run: bool = False
-    # each pruned, collected or leftover id -> its "step", "time" and the "stored_bytes" that go with it (an array
-    # shared by two of them counted with the older), so that a dry run can say what goes, in time order
+    # a dry run's list: each pruned, collected or leftover id (and each version whose pruning a pass cut short)
+    # -> its "step", "time" and the "stored_bytes" that go with it (an array shared by two of them counted with
+    # the older; together stored_bytes_freed), so that a dry run can say what goes, in time order. Empty
+    # otherwise: a pass that deletes may rescue a version it listed (committed meanwhile)
     details: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -409,10 +411,11 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     from ckptrepo.storage import stored_bytes
     report.bytes_freed = sum(nbytes for nbytes, _ in doomed_arrays.values())
     stored = {key: stored_bytes(plumbing.store, key, layout) for key, (_, layout) in doomed_arrays.items()}
-    report.stored_bytes_freed = sum(stored.values())
-    report.details = _details(plumbing, report, facts, stored)
-    report.stored_bytes_freed += sum(report.details[vid]["stored_bytes"] for vid in report.orphan_data)
-    if dry_run:
+    # a leftover's bytes are what data/<id>/ takes (on a local store; an object store is not asked, and says 0)
+    leftovers = {vid: stored_bytes(plumbing.store, f"{DATA_PREFIX}{vid}", 0) for vid in report.orphan_data}
+    report.stored_bytes_freed = sum(stored.values()) + sum(leftovers.values())
+    if dry_run:   # only a dry run lists: a pass that deletes may still rescue a listed version
+        report.details = _details(report, facts, stored, leftovers, unfinished)
         return report
 
     doomed = set(doomed_arrays)
@@ -440,7 +443,7 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
             if plumbing.store.exists(VERSIONS_PREFIX + vid):
                 report.orphan_data.remove(vid)
                 report.too_young.append(vid)
-                report.stored_bytes_freed -= report.details.pop(vid)["stored_bytes"]
+                report.stored_bytes_freed -= leftovers[vid]
                 rescued.append(vid)
                 continue
             plumbing.store.delete_prefix(f"{DATA_PREFIX}{vid}/")
@@ -468,18 +471,16 @@ def collect(plumbing: Plumbing, keep_last: int | None = None, keep_every: int | 
     return report
 
 
-def _details(plumbing: Plumbing, report: GcReport, facts: dict[str, VersionFacts],
-             stored: Mapping[str, int]) -> dict[str, dict[str, Any]]:
-    """The step, time and stored bytes of each version gc prunes or collects and of each leftover data set,
-    oldest first. A version's bytes are those of its arrays that go and that no older one of them listed; a
-    leftover's are what ``data/<id>/`` takes (on a local store; an object store is not asked, and says 0)."""
-    from ckptrepo.storage import stored_bytes
+def _details(report: GcReport, facts: dict[str, VersionFacts], stored: Mapping[str, int],
+             leftovers: Mapping[str, int], unfinished: list[str]) -> dict[str, dict[str, Any]]:
+    """The step, time and stored bytes of each version gc prunes or collects (or finishes pruning) and of
+    each leftover data set, oldest first, adding up to ``stored_bytes_freed``. A version's bytes are those of
+    its arrays that go and that no older one of them listed; a leftover's are ``leftovers``'."""
     out: dict[str, dict[str, Any]] = {}
-    for vid in report.pruned + report.collected:
+    for vid in report.pruned + report.collected + unfinished:
         out[vid] = {"step": facts[vid].step, "time": facts[vid].time, "stored_bytes": 0}
     for vid in report.orphan_data:
-        out[vid] = {"step": None, "time": version_id_time(vid),
-                    "stored_bytes": stored_bytes(plumbing.store, f"{DATA_PREFIX}{vid}", 0)}
+        out[vid] = {"step": None, "time": version_id_time(vid), "stored_bytes": leftovers[vid]}
     ordered = sorted(out, key=lambda v: (out[v]["time"] is None, out[v]["time"] or 0.0, v))
     counted: set[str] = set()
     for vid in ordered:

@@ -393,7 +393,8 @@ def megatron_gpt(num_layers: int, vocab_size: int, make_vocab_size_divisible_by:
                  stage_sizes: Sequence[int] | None = None, qkv_parts: Union[int, Sequence[int]] = 3,
                  optimizer_sections: Sequence[str] = ("optimizer/exp_avg", "optimizer/exp_avg_sq"),
                  param_shapes: ParamShapes | None = None) -> Rules:
-    """Rules for a Megatron-style GPT (the parameter names of ``tests/megatron_ref.py``).
+    """Rules for a Megatron-style GPT, whose parameter names the README's table under "Distributed: save under
+    one layout, load under any other" lists.
 
     ``embedding.word_embeddings.weight`` and ``head.weight`` are vocabulary
     parallel; ``attn.qkv`` is column parallel with fused q, k, v; ``mlp.fc1``

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ckptrepo.tools._paths import output_file
     from ckptrepo.tools._plot import metric_series, metrics_png, require_matplotlib, trajectory_png
     from ckptrepo.tools._recorded import TensorStats, recorded_tensor_stats
-    from ckptrepo.tools._stat import diff_stat, row_key
+    from ckptrepo.tools._stat import SORTS, diff_stat, row_key
     from ckptrepo.tools._status import RepoStatus, Uncommitted, age, repo_status, revision_names
     from ckptrepo.tools._tensorboard import write_scalars
     from ckptrepo.tools._trajectory import METRICS, StatMatrix, TrajectoryPoint, stat_matrix, trajectory
@@ -45,7 +45,7 @@ _LAZY = {
     "ckptrepo.tools._paths": ("output_file",),
     "ckptrepo.tools._plot": ("metric_series", "metrics_png", "require_matplotlib", "trajectory_png"),
     "ckptrepo.tools._recorded": ("TensorStats", "recorded_tensor_stats"),
-    "ckptrepo.tools._stat": ("diff_stat", "row_key"),
+    "ckptrepo.tools._stat": ("SORTS", "diff_stat", "row_key"),
     "ckptrepo.tools._status": ("RepoStatus", "Uncommitted", "age", "repo_status", "revision_names"),
     "ckptrepo.tools._tensorboard": ("write_scalars",),
     "ckptrepo.tools._trajectory": ("METRICS", "StatMatrix", "TrajectoryPoint", "stat_matrix", "trajectory"),
@@ -55,7 +55,7 @@ if not TYPE_CHECKING:
     __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = ["BisectResult", "CONFIG_KEY", "GraphRow", "METRICS", "MODEL_KEY", "OPTIMIZER_KEY", "RNG_KEY", "RepoStatus",
-           "SCHEDULER_KEY", "StatMatrix", "TRAINER_STATE_KEY", "TensorStats", "TrajectoryPoint", "Uncommitted",
+           "SCHEDULER_KEY", "SORTS", "StatMatrix", "TRAINER_STATE_KEY", "TensorStats", "TrajectoryPoint", "Uncommitted",
            "VersionDiff", "age", "bisect", "diff_stat", "diff_versions", "export_target", "fit", "graph", "keep_last",
            "metric_series", "metrics_png", "natural_key", "output_file", "read_checkpoint", "recorded_tensor_stats",
            "repo_status", "require_matplotlib", "revision_names", "row_key", "save_trainer_checkpoint", "stat_matrix",

@@ -101,7 +101,8 @@ def write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
     """``write`` a file or directory under a temporary name beside ``path``, renamed into place once complete;
     on failure the temporary is removed and the error says so. Written in place, a full disk would leave a
     truncated torch file, or a DCP checkpoint directory, at ``path``, which the next export would refuse to
-    overwrite."""
+    overwrite. What was written is made durable before the rename and the rename after it: a machine that
+    loses power finds the old ``path`` or the whole new one, never a name without its bytes."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
     def discard() -> None:
@@ -111,9 +112,11 @@ def write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
             tmp.unlink(missing_ok=True)
     try:
         write(tmp)
+        _sync_tree(tmp)
         if path.is_dir():         # an empty directory, or an export --force replaces (see _check_free)
             shutil.rmtree(path)
         os.replace(tmp, path)
+        _fsync(path.parent)       # the folder's entry: the rename itself
     except ExchangeError:         # refused before anything was written (a dtype safetensors lacks, ...)
         discard()
         raise
@@ -122,6 +125,26 @@ def write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         raise ExchangeError(f"could not write {path}: {_dcp_cause(err)}; nothing was left there") from None
+
+
+def _sync_tree(path: Path) -> None:
+    """fsync the file at ``path`` or, for a folder, every file in it and every folder's entries."""
+    if not path.is_dir():
+        _fsync(path)
+        return
+    for root, _, files in os.walk(path):
+        for name in files:
+            _fsync(Path(root, name))
+        _fsync(Path(root))
+
+
+def _fsync(path: Path) -> None:
+    """fsync the file or folder at ``path`` (a folder: the names in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_checkpoint(path: str | os.PathLike[str], trust: bool = False) -> tuple[Any, str]:

@@ -606,7 +606,7 @@ def diff_versions(plumbing: Plumbing, a: str, b: str, pattern: str | None = None
         result.tensors[row] = _tensor_diff(entry, _merged(partials.get(row), _merge_deltas, _Delta()))
     if not include_nonfloat:
         for row, t in enumerate(result.tensors):
-            entry = ta.get(t.name) or tb[t.name]
+            entry = tb.get(t.name) or ta[t.name]   # the newer side decides (decision 050)
             if not is_numeric(entry.name, entry.dtype, entry.numel):
                 result.tensors[row] = TensorDiff(t.name, t.status, t.dtype, t.shape, *(math.nan,) * 6, numeric=False)
     result.objects = _diff_objects(ma.tree, mb.tree)

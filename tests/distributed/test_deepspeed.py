@@ -248,3 +248,34 @@ def test_stubs_name_a_version_only_once_it_is_committed(tmp_path) -> None:
                                             r"is not in .*did not commit"):
         eng.load(fresh)
     eng.cleanup()
+
+
+def test_the_placeholder_stub_costs_the_training_thread_no_fsync(tmp_path, monkeypatch) -> None:
+    """Decision 041: the stub ``commit`` leaves for a new path is renamed without fsync on the training
+    thread; the commit thread rewrites it durably once the version commits."""
+    from ckptrepo import faults
+    from ckptrepo.integrations.deepspeed import CkptRepoCheckpointEngine, read_stub
+    eng = CkptRepoCheckpointEngine(tmp_path / "repo")
+    save_dir = str(tmp_path / "ckpt")
+    eng.create(_info("t1", save_dir))
+    eng.makedirs(os.path.join(save_dir, "t1"), exist_ok=True)
+    path = os.path.join(save_dir, "t1", "mp_rank_00_model_states.pt")
+    eng.save({"module": {"w": torch.ones(4)}, "global_steps": 1}, path)
+    training, real_fsync, on_training = threading.current_thread(), os.fsync, []
+
+    def fsync(fd: int) -> None:
+        if threading.current_thread() is training:
+            on_training.append(fd)
+        real_fsync(fd)
+    gate = threading.Event()
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        faults.set_hook("after_data", lambda _name: gate.wait(30))   # the commit thread waits
+        eng.commit(_info("t1", save_dir))
+        assert read_stub(path)["tag"] == "t1" and on_training == []
+    finally:
+        gate.set()
+        faults.clear()
+    eng.snapshotter().wait()
+    assert read_stub(path)["version"] == ckptrepo.open(tmp_path / "repo").tags()["t1"]
+    eng.cleanup()

@@ -10,7 +10,7 @@ import torch
 from support.helpers import run
 
 import ckptrepo
-from ckptrepo.cli.main import TENSOR_METRICS
+from ckptrepo.cli.data import TENSOR_METRICS
 from ckptrepo.core.schema import STAT_COLUMNS
 from ckptrepo.errors import ArgumentError
 from ckptrepo.saving._tensor_stats import DeviceStats, HostStats

@@ -41,6 +41,37 @@ def test_log_and_show_decorate_remote_tracking_refs_in_gits_order(history, tmp_p
     assert "refs    HEAD -> main, origin/main, tag: v1" in run("show", repo=url).stdout
 
 
+def test_log_and_show_list_no_tracking_refs_without_a_remote(tmp_path, monkeypatch):
+    """With no remote configured there are no tracking refs to decorate with: neither command lists
+    refs/remotes/ (a LIST request on an object store) beyond what the library's own call does."""
+    from click.testing import CliRunner
+
+    from ckptrepo.cli.main import cli
+    repo = ckptrepo.init(str(tmp_path / "repo"))
+    repo.snapshot({"w": torch.zeros(2)}, step=0)
+    listed: list[str] = []
+    store_type = type(repo.plumbing.store)
+    real_list = store_type.list
+
+    def recording_list(self, prefix="", *args, **kwargs):
+        listed.append(prefix)
+        return real_list(self, prefix, *args, **kwargs)
+    monkeypatch.setattr(store_type, "list", recording_list)
+
+    def tracking_listings() -> int:
+        found = sum(p.startswith("refs/remotes") for p in listed)
+        listed.clear()
+        return found
+    library = {"log": lambda: ckptrepo.open(repo.url).log(), "show": lambda: ckptrepo.open(repo.url).show("HEAD")}
+    for command in (["log"], ["log", "--oneline"], ["show"]):
+        listed.clear()
+        res = CliRunner().invoke(cli, ["--repo", repo.url, *command])
+        assert res.exit_code == 0, res.output
+        count = tracking_listings()
+        library[command[0]]()
+        assert count == tracking_listings(), command
+
+
 def test_log_oneline_marks_pruned_versions_as_the_long_form_does(history):
     url, repo = history
     pruned = repo.resolve("@10")
@@ -100,6 +131,34 @@ def test_log_into_a_pipe_its_reader_closes_exits_0_quietly(tmp_path):
     err = log.stderr.read().decode()
     assert log.wait(timeout=120) == 0 and err == "", err
     assert first.decode().startswith(repo.resolve("HEAD")[:12])
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_an_error(capsys, monkeypatch):
+    """Only stdout's reader leaving is a quiet exit 0: a command whose own pipe (a FIFO it writes) breaks
+    while stdout is fine fails with the error on stderr."""
+    import click
+
+    from ckptrepo.cli.main import cli, main
+
+    @click.command("write-to-a-closed-pipe")
+    def write_to_a_closed_pipe() -> None:
+        click.echo("started")
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            os.write(write, b"x")   # EPIPE: the pipe has no reader
+        finally:
+            os.close(write)
+    cli.add_command(write_to_a_closed_pipe)
+    monkeypatch.setattr(sys, "argv", ["ckptrepo", "write-to-a-closed-pipe"])
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main()
+    finally:
+        cli.commands.pop("write-to-a-closed-pipe")
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and captured.out == "started\n"
+    assert captured.err.startswith("ckptrepo: error:") and "Broken pipe" in captured.err, captured.err
 
 
 def test_gc_dry_run_lists_oldest_first_with_steps_and_real_sizes(history):

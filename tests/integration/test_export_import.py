@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 
 import pytest
 import torch
@@ -209,3 +210,24 @@ def test_a_directory_export_that_fails_midway_leaves_nothing_behind(repo, tmp_pa
     repo.export("HEAD", out, format=fmt)   # the retry is not blocked by leftovers
     repo.import_state(out, trust=True)
     assert torch.equal(repo.load("HEAD")["w"], repo.load("@1")["w"])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fsynced descriptor through /proc")
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_an_export_is_durable_before_and_after_its_rename(repo, tmp_path, monkeypatch, fmt):
+    """An export (and hf's checkpoint_folder, through the same write_then_rename) is a folder or file the user
+    keeps: each file written is fsynced before the rename, and the folder that holds it after."""
+    repo.snapshot({"w": torch.randn(1000)}, step=1)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "out" / ("model.pt" if fmt == "torch" else "st")
+    repo.export("HEAD", out, format=fmt)
+    names = {os.path.basename(p) for p in synced}   # a torch file is fsynced under its temporary name
+    written = {f".model.pt.{os.getpid()}.tmp"} if fmt == "torch" else {"model.safetensors", "objects.json"}
+    assert written <= names, synced
+    assert synced[-1] == str(out.parent), synced

@@ -371,3 +371,38 @@ def test_fsck_tells_an_interrupted_gc_from_a_pruned_version_whose_array_is_share
     report = repo.fsck()
     assert report.ok and not report.warnings, (report.errors, report.warnings)
     assert_bit_exact({"frozen": frozen, "x": torch.full((100,), 2.0)}, repo.load("HEAD"))
+
+
+def test_a_dry_runs_list_adds_up_to_what_it_would_free_and_a_real_pass_lists_nothing(tmp_path, monkeypatch):
+    """The list covers every byte of "would free": pruned versions, leftover data and versions a killed pass
+    marked but did not empty. Only a dry run lists: a pass that deletes may rescue a version it would list
+    (committed meanwhile), and ``gc --json`` must not show a kept version among what went."""
+    import os
+    import shutil
+
+    from ckptrepo.core import new_version_id
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    ids = [repo.snapshot({"w": torch.full((1000,), float(s))}, step=s).id for s in range(6)]
+
+    def killed(prefix):
+        raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(repo.plumbing.store, "delete_prefix", killed)
+    with pytest.raises(KeyboardInterrupt):
+        repo.gc(keep_last=3, grace_period_s=0)
+    monkeypatch.undo()
+    leftover = new_version_id()
+    shutil.copytree(tmp_path / "r" / "data" / ids[5], tmp_path / "r" / "data" / leftover)
+    repo = ckptrepo.open(str(tmp_path / "r"))
+    dry = repo.gc(keep_last=2, grace_period_s=0, dry_run=True)
+    assert dry.pruned == [ids[3]] and dry.orphan_data == [leftover]
+    assert set(dry.details) == {*ids[:4], leftover}
+    assert sum(d["stored_bytes"] for d in dry.details.values()) == dry.stored_bytes_freed > 4 * 4000
+    from click.testing import CliRunner
+
+    from ckptrepo.cli.main import cli
+    res = CliRunner().invoke(cli, ["--repo", repo.url, "gc", "--keep-last", "2", "--grace", "0", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert sum(line.startswith("would finish pruning") for line in res.output.splitlines()) == 3, res.output
+    done = repo.gc(keep_last=2, grace_period_s=0)
+    assert done.stored_bytes_freed == dry.stored_bytes_freed and done.details == {}
+    assert sorted(os.listdir(tmp_path / "r" / "data")) == sorted(ids[4:])

@@ -68,6 +68,17 @@ def test_diff_lists_them_without_numbers(repo):
         "rng.torch"]["l2"] > 1000
 
 
+def test_diff_judges_a_retyped_tensor_by_the_newer_dtype(tmp_path):
+    """Decision 050: the newest dtype decides; a tensor int in A and float in B is a value, one float in A
+    and int in B is not."""
+    repo = ckptrepo.init(str(tmp_path / "retyped"))
+    a = repo.snapshot({"x": torch.arange(4), "y": torch.ones(4)}, step=0).id
+    b = repo.snapshot({"x": torch.arange(4.0), "y": torch.ones(4, dtype=torch.int32)}, step=1).id
+    rows = {t.name: t for t in repo.diff(a, b).tensors}
+    assert rows["x"].status == rows["y"].status == "retyped"
+    assert rows["x"].numeric and not rows["y"].numeric
+
+
 def test_trajectory_and_stat_matrix_leave_them_out(repo):
     names = {p.name for p in repo.trajectory("*")}
     assert names == {"model/w", "model/b", "optim/state/0/exp_avg"}
