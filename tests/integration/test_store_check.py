@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from typing import Any, Callable
 
 import pytest
@@ -52,6 +53,17 @@ def _probes(proxy: S3Proxy) -> int:
 
 # ---- the store check ---------------------------------------------------------------------------------------
 
+def _race_for_real(proxy: S3Proxy) -> None:
+    """Hold each racing create's PUT until the other's has arrived, so both HEAD checks come first: a loaded
+    machine may otherwise run one racer to the end before the other starts, and the round is no race."""
+    both_sent = threading.Barrier(2, timeout=20)
+
+    def line_up(req: Request) -> None:
+        if req.method == "PUT" and f"{SCRATCH_PREFIX}race-" in req.path:
+            both_sent.wait()
+    proxy.before_forward = line_up
+
+
 def test_the_probe_names_each_condition_a_server_ignores(s3_proxy, s3_url) -> None:
     store = open_store(s3_url)
     s3_proxy.mode = "strip"
@@ -59,7 +71,9 @@ def test_the_probe_names_each_condition_a_server_ignores(s3_proxy, s3_url) -> No
     # conditions honoured on HEAD, TensorStore's check before its PUT, and ignored on the PUT: writes made
     # one at a time cannot tell, racing ones can
     s3_proxy.mode = "strip-writes"
+    _race_for_real(s3_proxy)
     assert probe_conditional_writes(store) == [RACING_CREATES]
+    s3_proxy.before_forward = None
     s3_proxy.mode = "atomic"
     assert probe_conditional_writes(store) == []
     assert store.list(SCRATCH_PREFIX) == []   # its scratch keys are gone either way
@@ -68,6 +82,7 @@ def test_the_probe_names_each_condition_a_server_ignores(s3_proxy, s3_url) -> No
 def test_a_server_that_ignores_conditions_only_on_writes_is_refused(strip_s3_url, s3_proxy) -> None:
     repo = ckptrepo.init(strip_s3_url)
     s3_proxy.mode = "strip-writes"
+    _race_for_real(s3_proxy)
     with pytest.raises(StorageError, match="racing create-only writes"):
         repo.snapshot(_state(0), step=0)
     assert repo.log() == [] and STORE_CHECK_FIELD not in _config(strip_s3_url)
