@@ -19,7 +19,7 @@ from typing import Any
 from ckptrepo.arguments import is_whole
 from ckptrepo.core import is_new_ref_name, is_version_id
 from ckptrepo.errors import PointerError, StorageError, first_line
-from ckptrepo.integrations._atomic_file import replace_file, sync_file
+from ckptrepo.storage import replace_file, sync_file
 
 POINTER_KIND = "ckptrepo-checkpoint"   # the "kind" of a pointer file: what tells it from a framework's own file
 POINTER_MAX_BYTES = 64 * 1024          # a pointer is a few hundred bytes; anything longer is not one

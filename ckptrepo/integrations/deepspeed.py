@@ -51,9 +51,9 @@ from ckptrepo.errors import (
     StorageError,
     first_line,
 )
-from ckptrepo.integrations._atomic_file import replace_file
 from ckptrepo.integrations._deepspeed_plain import TYPE_KEY, from_plain, to_plain
 from ckptrepo.repository import Repository, init, repo_url
+from ckptrepo.storage import replace_file
 
 ENGINE_NAME = "CkptRepoCheckpointEngine"
 STUB_FORMAT = "ckptrepo-deepspeed-stub/1"

@@ -40,7 +40,6 @@ from ckptrepo.errors import (
     UnsupportedValueError,
     first_line,
 )
-from ckptrepo.integrations._atomic_file import replace_file
 from ckptrepo.parallel import process_group_rank
 from ckptrepo.repository import open as open_repo
 from ckptrepo.saving import (
@@ -52,6 +51,7 @@ from ckptrepo.saving import (
     write_rank_chunks,
 )
 from ckptrepo.state import DICT, NDARRAY, SCALAR, TENSOR, TORCH_DTYPES, flatten, key_value, unflatten
+from ckptrepo.storage import replace_file
 
 try:
     from megatron.core.dist_checkpointing.dict_utils import (  # type: ignore[import-untyped]

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         open_array,
         stored_bytes,
     )
+    from ckptrepo.storage._atomic_file import fsync_path, replace_file, sync_file
     from ckptrepo.storage._chunktable import (
         chunk_crcs,
         first_mismatch,
@@ -72,6 +73,7 @@ _LAZY = {
                                  "StoredShards", "ZARR_JSON", "ZARR_JSON_MAX_BYTES", "array_problem",
                                  "check_compression", "choose_geometry", "create_array", "itemsize", "layout_bytes",
                                  "numpy_dtype", "open_array", "stored_bytes"),
+    "ckptrepo.storage._atomic_file": ("fsync_path", "replace_file", "sync_file"),
     "ckptrepo.storage._chunktable": ("chunk_crcs", "first_mismatch", "foreign_chunk_error", "read_table", "table_key",
                                      "write_table"),
     "ckptrepo.storage._crc": ("crc32c",),
@@ -95,10 +97,11 @@ __all__ = ["ArrayInfo", "COMPRESSIONS", "DIRECT_ALIGN", "DirectReader", "DirectW
            "TensorStoreStore", "TieredStore", "U64", "Unexpected", "WORDSUM", "XXH3", "ZARR_JSON",
            "ZARR_JSON_MAX_BYTES", "array_problem", "bytes_read", "check_compression", "checkable", "choose_geometry",
            "chunk_crcs", "crc32c", "create_array", "finish_wordsum", "first_mismatch", "foreign_chunk_error",
-           "itemsize", "kvstore_spec_from_url", "layout_bytes", "local_bytes_read", "mismatch_error", "mismatch_text",
-           "needs_check", "numpy_dtype", "open_array", "open_store", "piece_digest", "probe_conditional_writes",
-           "read_table", "refusal", "refuse_past", "release_reader_threads", "remove_empty_parents", "store_identity",
-           "stored_bytes", "table_key", "untrusted", "write_table"]
+           "fsync_path", "itemsize", "kvstore_spec_from_url", "layout_bytes", "local_bytes_read", "mismatch_error",
+           "mismatch_text", "needs_check", "numpy_dtype", "open_array", "open_store", "piece_digest",
+           "probe_conditional_writes", "read_table", "refusal", "refuse_past", "release_reader_threads",
+           "remove_empty_parents", "replace_file", "store_identity", "stored_bytes", "sync_file", "table_key",
+           "untrusted", "write_table"]
 # End of facade.
 
 

@@ -37,6 +37,7 @@ import torch
 from ckptrepo.arguments import is_whole
 from ckptrepo.errors import ExchangeError, TrustRequiredError, first_line, os_error_line
 from ckptrepo.state import flatten, unflatten
+from ckptrepo.storage import fsync_path
 from ckptrepo.tools._hf_export import (
     INDEX_FILE,
     is_model_folder,
@@ -116,7 +117,7 @@ def write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
         if path.is_dir():         # an empty directory, or an export --force replaces (see _check_free)
             shutil.rmtree(path)
         os.replace(tmp, path)
-        _fsync(path.parent)       # the folder's entry: the rename itself
+        fsync_path(path.parent)       # the folder's entry: the rename itself
     except ExchangeError:         # refused before anything was written (a dtype safetensors lacks, ...)
         discard()
         raise
@@ -130,21 +131,12 @@ def write_then_rename(path: Path, write: Callable[[Path], None]) -> None:
 def _sync_tree(path: Path) -> None:
     """fsync the file at ``path`` or, for a folder, every file in it and every folder's entries."""
     if not path.is_dir():
-        _fsync(path)
+        fsync_path(path)
         return
     for root, _, files in os.walk(path):
         for name in files:
-            _fsync(Path(root, name))
-        _fsync(Path(root))
-
-
-def _fsync(path: Path) -> None:
-    """fsync the file or folder at ``path`` (a folder: the names in it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_path(Path(root, name))
+        fsync_path(Path(root))
 
 
 def read_checkpoint(path: str | os.PathLike[str], trust: bool = False) -> tuple[Any, str]:

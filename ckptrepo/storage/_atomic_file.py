@@ -1,4 +1,5 @@
-"""Small files the adapters leave beside a framework's checkpoints (pointers, stubs, ``latest``), replaced whole.
+"""Files replaced whole, and fsync of what was written: the adapters' small files beside a framework's checkpoints
+(pointers, stubs, ``latest``) and the folders an export writes.
 
 Each is written under a temporary name in its own folder (the same file system, so the rename is atomic),
 made durable, renamed over its path, and the folder's entry made durable too: a reader, or a machine that
@@ -38,21 +39,22 @@ def replace_file(path: str | os.PathLike[str], data: str | bytes, sync: bool = T
 
 def sync_file(path: str | os.PathLike[str]) -> None:
     """fsync the file at ``path`` and its folder's entry."""
-    fd = os.open(os.fspath(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
     sync_folder(path)
 
 
 def sync_folder(path: str | os.PathLike[str]) -> None:
     """fsync the folder that holds ``path``: a rename or a new file there is durable only then."""
-    fd = os.open(os.path.dirname(os.path.abspath(os.fspath(path))), os.O_RDONLY)
+    fsync_path(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync the file or folder at ``path`` (a folder: the names in it)."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-__all__ = ["replace_file", "sync_file", "sync_folder"]
+__all__ = ["fsync_path", "replace_file", "sync_file", "sync_folder"]
