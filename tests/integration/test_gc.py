@@ -213,13 +213,9 @@ def test_diff_stats_and_trajectory_know_what_gc_pruned(repo):
     assert deltas == [(2, round(2 * 3 ** 0.5, 6)), (3, round(3 ** 0.5, 6))]
 
 
-@pytest.mark.parametrize("plain", [False, True], ids=["with rules", "plain"])
-def test_a_gc_killed_after_its_markers_is_finished_by_the_next_and_leaves_no_empty_folders(tmp_path, monkeypatch,
-                                                                                           plain):
-    """The markers are written before any delete; the next pass skipped versions already marked, so the data a
-    killed pass had not deleted yet stayed for good (and fsck found nothing to say). A plain gc (no rules: every
-    reachable version kept) left it too, unloadable; fsck now says so, and any pass finishes the deletes."""
-    import os
+def _six_versions_and_a_gc_killed_after_its_markers(tmp_path, monkeypatch) -> list[str]:
+    """A repository at tmp_path/r of six versions, and a gc (keep_last=3, no grace) killed after writing its
+    pruned markers, before any delete; the ids, oldest first."""
     repo = ckptrepo.init(str(tmp_path / "r"))
     ids = [repo.snapshot({"w": torch.full((1000,), float(s))}, step=s).id for s in range(6)]
 
@@ -229,6 +225,17 @@ def test_a_gc_killed_after_its_markers_is_finished_by_the_next_and_leaves_no_emp
     with pytest.raises(KeyboardInterrupt):
         repo.gc(keep_last=3, grace_period_s=0)
     monkeypatch.undo()
+    return ids
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["with rules", "plain"])
+def test_a_gc_killed_after_its_markers_is_finished_by_the_next_and_leaves_no_empty_folders(tmp_path, monkeypatch,
+                                                                                           plain):
+    """The markers are written before any delete; the next pass skipped versions already marked, so the data a
+    killed pass had not deleted yet stayed for good (and fsck found nothing to say). A plain gc (no rules: every
+    reachable version kept) left it too, unloadable; fsck now says so, and any pass finishes the deletes."""
+    import os
+    ids = _six_versions_and_a_gc_killed_after_its_markers(tmp_path, monkeypatch)
     assert sorted(os.listdir(tmp_path / "r" / "pruned")) == sorted(ids[:3])   # marked, no data deleted yet
     repo = ckptrepo.open(str(tmp_path / "r"))
     fsck = repo.fsck()
@@ -381,15 +388,7 @@ def test_a_dry_runs_list_adds_up_to_what_it_would_free_and_a_real_pass_lists_not
     import shutil
 
     from ckptrepo.core import new_version_id
-    repo = ckptrepo.init(str(tmp_path / "r"))
-    ids = [repo.snapshot({"w": torch.full((1000,), float(s))}, step=s).id for s in range(6)]
-
-    def killed(prefix):
-        raise KeyboardInterrupt("killed")
-    monkeypatch.setattr(repo.plumbing.store, "delete_prefix", killed)
-    with pytest.raises(KeyboardInterrupt):
-        repo.gc(keep_last=3, grace_period_s=0)
-    monkeypatch.undo()
+    ids = _six_versions_and_a_gc_killed_after_its_markers(tmp_path, monkeypatch)
     leftover = new_version_id()
     shutil.copytree(tmp_path / "r" / "data" / ids[5], tmp_path / "r" / "data" / leftover)
     repo = ckptrepo.open(str(tmp_path / "r"))
