@@ -18,19 +18,21 @@ if TYPE_CHECKING:
         merge_tensor_table,
         process_group_rank,
     )
+    from ckptrepo.parallel._kv import DeadlineError, GroupStore, ranks_text
     from ckptrepo.parallel._replicas import check_replicas, fingerprints
     from ckptrepo.parallel._sharding import Piece, ShardedState, Sharder, column_blocks, rank_name, rank_path
 
 _LAZY = {
     "ckptrepo.parallel._distributed": ("GroupHealth", "Staging", "all_gather", "assign_writers", "merge_rank_manifests",
                                        "merge_tensor_table", "process_group_rank"),
+    "ckptrepo.parallel._kv": ("DeadlineError", "GroupStore", "ranks_text"),
     "ckptrepo.parallel._replicas": ("check_replicas", "fingerprints"),
     "ckptrepo.parallel._sharding": ("Piece", "ShardedState", "Sharder", "column_blocks", "rank_name", "rank_path"),
 }
 if not TYPE_CHECKING:
     __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
-__all__ = ["GroupHealth", "Piece", "ShardedState", "Sharder", "Staging", "all_gather", "assign_writers",
-           "check_replicas", "column_blocks", "fingerprints", "merge_rank_manifests", "merge_tensor_table",
-           "process_group_rank", "rank_name", "rank_path"]
+__all__ = ["DeadlineError", "GroupHealth", "GroupStore", "Piece", "ShardedState", "Sharder", "Staging", "all_gather",
+           "assign_writers", "check_replicas", "column_blocks", "fingerprints", "merge_rank_manifests",
+           "merge_tensor_table", "process_group_rank", "rank_name", "rank_path", "ranks_text"]
 # End of facade.

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from ckptrepo.core import DATA_PREFIX, STAGING_PREFIX, Box, Moments, check_coverage, seal, unseal, volume
+from ckptrepo.core import DATA_PREFIX, Box, Moments, check_coverage, seal, unseal, volume
 from ckptrepo.core.schema import (
     MERGED_ORDER,
     LayoutRecord,
@@ -44,6 +43,7 @@ from ckptrepo.core.schema import (
     encode_rank_part,
 )
 from ckptrepo.errors import LayoutError, SnapshotFailedError
+from ckptrepo.parallel._kv import GroupStore, ranks_text
 from ckptrepo.state import (
     DICT,
     LIST,
@@ -58,12 +58,11 @@ from ckptrepo.state import (
     unflatten,
 )
 from ckptrepo.storage import ArrayInfo
-from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:
     from ckptrepo.parallel.layout import ParallelLayout
 
-POLL_S = 0.05
+_FAILED = 1 << 32   # added to the arrival counter by a rank that publishes a failure
 
 
 def process_group_rank() -> tuple[int, int]:
@@ -122,12 +121,32 @@ class GroupHealth:
     def __init__(self) -> None:
         self._cause: str | None = None
         self._lock = threading.Lock()
+        self._wakes: dict[int, Callable[[], None]] = {}
+        self._next = 0
 
     def mark_broken(self, cause: str) -> None:
-        """Record the first cause; later ones are consequences of it."""
+        """Record the first cause; later ones are consequences of it. A wait registered with ``waking`` is
+        woken, so that it fails now instead of at its deadline."""
         with self._lock:
             if self._cause is None:
                 self._cause = cause
+            wakes = list(self._wakes.values())
+        for wake in wakes:
+            try:
+                wake()
+            except Exception:  # noqa: BLE001 - the store may be what broke: the wait then ends at its deadline
+                pass
+
+    def waking(self, wake: Callable[[], None] | None, token: int | None = None) -> int:
+        """Register what wakes a wait in progress (the commit thread's, the training thread's) and return its
+        token; with None and the token, remove it."""
+        with self._lock:
+            if wake is None:
+                self._wakes.pop(token if token is not None else -1, None)
+                return -1
+            self._next += 1
+            self._wakes[self._next] = wake
+            return self._next
 
     def check(self) -> None:
         """Raise, with the first cause, if the group is known to be broken."""
@@ -138,50 +157,84 @@ class GroupHealth:
 
 
 class Staging:
-    """The commit handshake of one distributed version, through objects under ``staging/<id>/``."""
+    """The commit handshake of one distributed version, through the ranks' key-value store (parallel/_kv.py):
+    ``v/<id>/part/<rank>`` per rank, a counter whose last arrival opens ``v/<id>/open``, then rank 0's verdict
+    ``v/<id>/outcome`` (and, for the other nodes' repositories, the manifest ``v/<id>/manifest``)."""
 
-    def __init__(self, store: Store, vid: str, world_size: int, timeout_s: float,
+    def __init__(self, kv: GroupStore, vid: str, world_size: int, timeout_s: float,
                  health: GroupHealth | None = None) -> None:
-        self.store = store
+        self.kv = kv
         self.vid = vid
-        self.prefix = f"{STAGING_PREFIX}{vid}/"
+        self.prefix = f"v/{vid}/"
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.health = health if health is not None else GroupHealth()
 
+    def _part_key(self, rank: int) -> str:
+        return f"{self.prefix}part/{rank}"
+
     def publish_rank(self, part: RankPart | RankFailure) -> None:
-        self.store.put(f"{self.prefix}rank-{part.rank}", encode_rank_part(part))
+        """This rank's part (or failure): a failure opens the gate at once, so rank 0 need not wait for the
+        others to learn the snapshot failed."""
+        self.kv.set(self._part_key(part.rank), encode_rank_part(part))
+        failed = isinstance(part, RankFailure)
+        total = self.kv.add(f"{self.prefix}in", 1 + (_FAILED if failed else 0))
+        if failed or total % _FAILED == self.world_size:
+            self.kv.set(f"{self.prefix}open", b"1")
 
     def gather_ranks(self) -> list[RankPart]:
-        """Rank 0: wait for every rank manifest; raise on a rank's error, at the timeout, or as soon as the group
+        """Rank 0: wait for every rank's part; raise on a rank's error, at the timeout, or as soon as the group
         is known to be broken (rank 0 then publishes the abort, so the other ranks agree)."""
-        deadline = time.monotonic() + self.timeout_s
-        found: dict[int, RankPart] = {}
-        while True:
-            for key in self.store.list(f"{self.prefix}rank-"):
-                r = int(key.rsplit("-", 1)[1])
-                if r not in found:
-                    raw = self.store.get(key)
-                    if raw is not None:
-                        part = decode_rank_part(raw, key)
-                        if isinstance(part, RankFailure):
-                            raise SnapshotFailedError(f"rank {r} failed: {part.error}")
-                        found[r] = part
-            if len(found) == self.world_size:
-                return [found[r] for r in range(self.world_size)]
-            self.health.check()
-            if time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if r not in found]
-                self.health.mark_broken(f"rank(s) {missing} did not finish their part of snapshot {self.vid[:12]} "
-                                        f"within {self.timeout_s:.0f} s")
-                raise SnapshotFailedError(f"rank(s) {missing} did not finish their part within {self.timeout_s:.0f} s "
-                                          f"(a rank died or is stuck); nothing was committed")
-            time.sleep(POLL_S)
+        self.health.check()
+        keys = [self._part_key(r) for r in range(self.world_size)]
 
-    def publish_outcome(self, error: str | None) -> None:
-        self.store.put(f"{self.prefix}outcome", seal({"error": error}))
+        def missing() -> str:
+            late = [r for r in self.kv.absent(keys)]
+            self.health.mark_broken(f"{ranks_text(late)} did not finish their part of snapshot {self.vid[:12]} "
+                                    f"within {self.timeout_s:.0f} s")
+            return f"{ranks_text(late)} did not finish their part"
+        wake = self.health.waking(lambda: self.kv.set(f"{self.prefix}open", b"1"))
+        try:
+            self.kv.wait([f"{self.prefix}open"], self.timeout_s, missing,
+                         " (a rank died or is stuck); nothing was committed")
+        finally:
+            self.health.waking(None, wake)
+        self.health.check()
+        total = self.kv.add(f"{self.prefix}in", 0)
+        present = [r for r in range(self.world_size)] if total == self.world_size else \
+            [r for r, k in enumerate(keys) if self.kv.has(k)]
+        parts = [decode_rank_part(raw, f"rank {r}'s part") for r, raw in
+                 zip(present, self.kv.get_many([keys[r] for r in present]))]
+        failed = next((p for p in parts if isinstance(p, RankFailure)), None)
+        if failed is not None:
+            raise SnapshotFailedError(f"rank {failed.rank} failed: {failed.error}")
+        for k in keys:
+            self.kv.delete(k)
+        for k in ("in", "open"):
+            self.kv.delete(self.prefix + k)
+        return [p for p in parts if isinstance(p, RankPart)]
 
-    def wait_outcome(self, landed: Callable[[], bool]) -> None:
+    def publish_outcome(self, error: str | None, header: ManifestHeader | None = None,
+                        manifest: bytes | None = None) -> None:
+        """Rank 0's verdict, with the committed version's ``header`` (what the other ranks' handles report);
+        with ``manifest``, the encoded manifest the other nodes' leaders commit too."""
+        if manifest is not None:
+            self.kv.set(f"{self.prefix}manifest", manifest)
+        fields = None if header is None else {
+            "id": header.id, "parents": list(header.parents), "step": header.step, "time": header.time,
+            "message": header.message, "metrics": header.metrics, "size": header.size, "meta": header.meta}
+        self.kv.set(f"{self.prefix}outcome", seal({"error": error, "header": fields}))
+
+    def forget_outcome(self) -> None:
+        """Rank 0, once every rank has read the verdict (each has published its part of a later snapshot)."""
+        for k in ("outcome", "manifest"):
+            self.kv.delete(self.prefix + k)
+
+    def manifest(self) -> bytes:
+        """A node leader: the manifest rank 0 published with its verdict."""
+        return self.kv.get(f"{self.prefix}manifest")
+
+    def wait_outcome(self, landed: Callable[[], bool]) -> dict[str, Any] | None:
         """Other ranks: wait for rank 0's verdict; raise its error, or at the timeout unless ``landed()``
         says the version is on its branch (rank 0 died between moving the ref and publishing its verdict).
 
@@ -189,23 +242,21 @@ class Staging:
         version whose parts are all in, which this rank would then have reported as failed. A verdict missing
         at the timeout breaks the group, though: the snapshots behind this one fail at once."""
         grace = min(30.0, max(5.0, self.timeout_s))   # rank 0 waits timeout_s for the ranks, then merges
-        deadline = time.monotonic() + self.timeout_s + grace
         key = f"{self.prefix}outcome"
-        while True:
-            raw = self.store.get(key)
-            if raw is not None:
-                err = unseal(raw, key).get("error")
-                if err:
-                    raise SnapshotFailedError(err)
-                return
-            if time.monotonic() > deadline:
-                self.health.mark_broken(f"rank 0 gave no verdict on snapshot {self.vid[:12]} within "
-                                        f"{self.timeout_s + grace:.0f} s")
-                if landed():
-                    return
-                raise SnapshotFailedError(f"rank 0 did not commit or abort within {self.timeout_s + grace:.0f} s, "
-                                          f"and the version is not on the branch; it was not committed")
-            time.sleep(POLL_S)
+        try:
+            self.kv.wait([key], self.timeout_s + grace, lambda: "rank 0 gave no verdict")
+        except SnapshotFailedError:
+            self.health.mark_broken(f"rank 0 gave no verdict on snapshot {self.vid[:12]} within "
+                                    f"{self.timeout_s + grace:.0f} s")
+            if landed():
+                return None
+            raise SnapshotFailedError(f"rank 0 did not commit or abort within {self.timeout_s + grace:.0f} s, "
+                                      f"and the version is not on the branch; it was not committed") from None
+        outcome = unseal(self.kv.get(key), key)
+        if outcome.get("error"):
+            raise SnapshotFailedError(outcome["error"])
+        header: dict[str, Any] | None = outcome.get("header")
+        return header
 
 
 def merge_rank_manifests(ranks: Sequence[RankPart], layout: "ParallelLayout | None", world_size: int,

@@ -9,19 +9,20 @@ from ckptrepo._lazy import lazy_exports
 if TYPE_CHECKING:
     from ckptrepo.remotes._clone import clone
     from ckptrepo.remotes._evict import EvictReport, evict
-    from ckptrepo.remotes._remote import REPOSITORY_ID
+    from ckptrepo.remotes._remote import REPOSITORY_ID, open_remote
     from ckptrepo.remotes._sync import SyncResult, fetch, pull, push
-    from ckptrepo.remotes._transfer import Progress
+    from ckptrepo.remotes._transfer import Progress, VersionCopier
 
 _LAZY = {
     "ckptrepo.remotes._clone": ("clone",),
     "ckptrepo.remotes._evict": ("EvictReport", "evict"),
-    "ckptrepo.remotes._remote": ("REPOSITORY_ID",),
+    "ckptrepo.remotes._remote": ("REPOSITORY_ID", "open_remote"),
     "ckptrepo.remotes._sync": ("SyncResult", "fetch", "pull", "push"),
-    "ckptrepo.remotes._transfer": ("Progress",),
+    "ckptrepo.remotes._transfer": ("Progress", "VersionCopier"),
 }
 if not TYPE_CHECKING:
     __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
-__all__ = ["EvictReport", "Progress", "REPOSITORY_ID", "SyncResult", "clone", "evict", "fetch", "pull", "push"]
+__all__ = ["EvictReport", "Progress", "REPOSITORY_ID", "SyncResult", "VersionCopier", "clone", "evict", "fetch",
+           "open_remote", "pull", "push"]
 # End of facade.

@@ -79,14 +79,15 @@ class VersionCopier:
             return True
         return False
 
-    def copy_arrays(self, m: Manifest, src: Store | None = None) -> None:
+    def copy_arrays(self, m: Manifest, src: Store | None = None, keys: Iterable[str] | None = None) -> None:
         """Every array ``m`` points into that dst lacks, each completed by its ``zarr.json``; read from ``src``
         (default: the copier's), which for a version evicted here reads through to the remote holding it.
 
         Only the objects the manifest implies are copied (``array_objects``), each read no further than the
-        size its record allows: whatever else the source holds in an array's folder stays there."""
+        size its record allows: whatever else the source holds in an array's folder stays there. ``keys``:
+        only those of its arrays (a node-local tier's node pushes its own ranks')."""
         src = src or self.src
-        for key in sorted(m.arrays):
+        for key in sorted(m.arrays if keys is None else set(keys) & set(m.arrays)):
             if self._array_at_dst(key):
                 continue
             objects = array_objects(src, m.arrays[key])

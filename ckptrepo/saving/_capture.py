@@ -46,7 +46,7 @@ from ckptrepo.errors import (
 )
 from ckptrepo.parallel import process_group_rank
 from ckptrepo.saving._capture_stage import CaptureStage
-from ckptrepo.saving._commit import Committer
+from ckptrepo.saving._commit import Committer, read_branch_base
 from ckptrepo.saving._commit_stage import CommitStage
 from ckptrepo.saving._dedup import DedupIndex
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change, step_owned
@@ -54,8 +54,9 @@ from ckptrepo.saving._flush_stage import FlushStage
 from ckptrepo.saving._host_memory import default_host_memory
 from ckptrepo.saving._options import SnapshotterOptions, snapshot_compression
 from ckptrepo.saving._prepare import JobMaker, Planner, Sharding, refuse_spread_dtensors
-from ckptrepo.saving._pusher import skipped_handle, tier_pusher
+from ckptrepo.saving._pusher import check_tier, skipped_handle, tier_pusher
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
+from ckptrepo.saving._startup import Cluster, start_cluster
 from ckptrepo.saving._trackers import tracker_meta
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import LIVE_ALIGN, PlanCache, StagingPool
@@ -130,7 +131,11 @@ class Snapshotter:
         self.rank, self.world_size = (0, 1) if opts.single_process else process_group_rank()
         self.single_process = opts.single_process
         layout = self.layout = opts.parallel_layout
-        opts.check_world(self.world_size)
+        tier = opts.tier
+        # under torch.distributed the ranks meet first (saving/_startup.py): a setup error fails every rank now
+        self.cluster = self._start_cluster(plumbing, opts) if self.world_size > 1 else None
+        if self.cluster is None:
+            opts.check_world(self.world_size)
         self.retention = opts.retention
         self.distributed = self.world_size > 1
         # through the Sharder (global names, boxes, column blocks): every distributed snapshot, and a
@@ -142,11 +147,13 @@ class Snapshotter:
         self.record_failures = record_failures  # False when the caller waits and gets the error itself
         # reads HEAD: DetachedHeadError before anything starts
         self._committer = Committer(plumbing, layout, self.rank, self.world_size, self.sharded,
-                                    opts.commit_timeout_s)
+                                    opts.commit_timeout_s, self.cluster)
         # compares with the branch tip first, whoever wrote it, then with this snapshotter's last commit
         self._dedup = DedupIndex(self._committer.tip, plumbing.manifest, plumbing.store) if opts.dedup else None
         self._committer.dedup = self._dedup
-        self._sharding = Sharding(layout, self.rank, self.world_size, opts.group, self._committer.health)
+        self._sharding = Sharding(layout, self.rank, self.world_size,
+                                  None if self.cluster is None else self.cluster.kv, opts.commit_timeout_s,
+                                  self._committer.health)
         self.host_memory = opts.host_bytes or default_host_memory()
         shard = min(SHARD_BYTES, max(INNER_BYTES, self.host_memory // 2 // INNER_BYTES * INNER_BYTES))
         self.shard_bytes = shard
@@ -177,11 +184,11 @@ class Snapshotter:
             if s is not None:
                 s._close_at_exit()
         self._atexit = close_at_exit
-        tier = opts.tier
         self.push_to = None if tier is None else tier.push_to
         self.on_full = "wait" if tier is None else tier.on_full
         self._pusher = None if tier is None else tier_pusher(plumbing, tier, self._committer.branch, self.rank,
-                                                             self.world_size, self._report, self._reusable)
+                                                             self.world_size, self._report, self._reusable,
+                                                             self.cluster, opts.commit_timeout_s)
         # the stages, one per thread (see the module docstring)
         self._jobs = JobMaker(self._planner, self._sharding, self._dedup,
                               self._direct is not None and self._direct.direct_io, self.tensor_stats)
@@ -192,6 +199,20 @@ class Snapshotter:
                                        self._report, self._pending_ids, record_failures, self.retention,
                                        self._pusher)
         atexit.register(self._atexit)
+
+    def _start_cluster(self, plumbing: Plumbing, opts: SnapshotterOptions) -> Cluster:
+        """Meet the other ranks, with this rank's own setup error if it has one (every rank then raises)."""
+        failure: CkptRepoError | None = None
+        branch = None
+        try:
+            opts.check_world(self.world_size)
+            branch = read_branch_base(plumbing).branch
+            if opts.tier is not None:
+                check_tier(plumbing, opts.tier, self.world_size)
+        except CkptRepoError as err:
+            failure = err
+        return start_cluster(plumbing, self.rank, self.world_size, opts.parallel_layout, branch,
+                             None if opts.tier is None else opts.tier.push_to, opts.commit_timeout_s, failure)
 
     # ---- public API -------------------------------------------------------
     def snapshot(self, state: Any, step: int | None = None, message: str = "",
@@ -235,7 +256,7 @@ class Snapshotter:
             local = self._sharding.local_pieces(records) if sharded else None
         except Exception as err:
             if self.distributed:   # the other ranks are entering the collective: tell them, or they wait forever
-                self._sharding.exchange(None, err)
+                self._sharding.exchange(None, step, err)
             raise
         job = self._jobs.make(skeleton, records, local, keys, ids, t0, step, message, metrics, meta, tag, force_tag)
         handle, vid, records = job.handle, job.vid, job.records

@@ -28,6 +28,7 @@ from ckptrepo.core import (
     Version,
     first_parent_chain,
     lost_head_branch,
+    mark_evicted,
     seal,
 )
 from ckptrepo.core.schema import (
@@ -39,6 +40,7 @@ from ckptrepo.core.schema import (
     RankPart,
     TensorEntry,
     TensorStatsRecord,
+    decode_manifest,
     encode_manifest,
     version_from_manifest,
 )
@@ -55,6 +57,7 @@ from ckptrepo.parallel import GroupHealth, Staging, check_replicas, merge_rank_m
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._dedup import DedupIndex, StoredTensor
 from ckptrepo.saving._snapshot_job import SnapshotJob
+from ckptrepo.saving._startup import Cluster
 from ckptrepo.saving._tensor_stats import piece_moments, stats_record
 from ckptrepo.saving._writer import WritePlan
 from ckptrepo.state import TensorRecord
@@ -72,8 +75,12 @@ class Committer:
     """
 
     def __init__(self, plumbing: Plumbing, layout: ParallelLayout | None, rank: int, world_size: int, sharded: bool,
-                 commit_timeout_s: float) -> None:
+                 commit_timeout_s: float, cluster: Cluster | None = None) -> None:
         base = read_branch_base(plumbing)
+        # the commit thread's own connection to the ranks' store: its waits never hold up the training thread's
+        self.kv = cluster.kv.connection() if cluster is not None else None
+        self.cluster = cluster
+        self._answered: str | None = None   # rank 0: the last version whose verdict every rank will have read
         self.plumbing = plumbing
         self.layout = layout
         self.rank, self.world_size = rank, world_size
@@ -123,18 +130,57 @@ class Committer:
             moments=piece_moments(job))
         if not self.distributed:
             return self._publish_merged(job, [part])
-        staging = Staging(self.plumbing.store, job.vid, self.world_size, self.commit_timeout_s, self.health)
+        staging = self._staging(job.vid)
         staging.publish_rank(part)
         if self.rank != 0:
-            staging.wait_outcome(lambda: self._on_branch(job.vid))
-            return version_from_manifest(self.plumbing.manifest(job.vid), (self.branch,))
+            header = staging.wait_outcome(lambda: self._on_branch(job.vid))
+            if self.cluster is not None and self.cluster.multi_node and self.cluster.leader:
+                return self._follow(job, staging)
+            if header is None:   # rank 0 died after moving the ref: the version is read back from the branch
+                return version_from_manifest(self.plumbing.manifest(job.vid), (self.branch,))
+            return Version(id=header["id"], parents=tuple(header["parents"]), step=header["step"],
+                           time=header["time"], message=header["message"], metrics=dict(header["metrics"]),
+                           size=header["size"], refs=(self.branch,), meta=dict(header["meta"] or {}))
         try:
-            version = self._publish_merged(job, staging.gather_ranks())
+            parts = staging.gather_ranks()
+            if self._answered is not None:   # every rank has published this part: each read that verdict
+                self._staging(self._answered).forget_outcome()
+            version = self._publish_merged(job, parts)
         except BaseException as err:
             staging.publish_outcome(first_line(err))
             raise
-        staging.publish_outcome(None)
+        multi = self.cluster is not None and self.cluster.multi_node
+        manifest = self.plumbing.manifest(job.vid)
+        staging.publish_outcome(None, manifest, encode_manifest(manifest) if multi else None)
+        self._answered = job.vid
         return version
+
+    def _staging(self, vid: str) -> Staging:
+        assert self.kv is not None
+        return Staging(self.kv, vid, self.world_size, self.commit_timeout_s, self.health)
+
+    def _follow(self, job: SnapshotJob, staging: Staging) -> Version:
+        """The leader of another node than rank 0's: rank 0 committed the version; commit it on this node's
+        repository too (its data here is this node's ranks'; the rest is read from the remote), so that this
+        node's history is rank 0's."""
+        assert self.cluster is not None and self.cluster.remote is not None
+        manifest = decode_manifest(staging.manifest(), job.vid)
+        remote = self.cluster.remote
+
+        def moved_away(now: str | None) -> str:
+            self.conflict = (f"branch {self.branch!r} of this node moved to {str(now)[:12]} (another writer) "
+                             f"while rank 0 committed {job.vid[:12]}; this node commits nothing more to it")
+            return self.conflict
+
+        def moved(generation: bytes | None) -> None:
+            self.tip = job.vid
+            if generation is not None:
+                self.generation = generation
+
+        return publish_version(self.plumbing, BranchBase(self.branch, self.tip, self.generation, self.orphan),
+                               manifest, moved_away, before_ref=lambda m: mark_evicted(self.plumbing.store,
+                                                                                        m.id, remote),
+                               on_moved=moved, refuse_existing=False)
 
     def _on_branch(self, vid: str, depth: int = 1000) -> bool:
         """Whether ``vid`` is on this snapshotter's branch: its tip or one of its last ``depth`` first parents."""
@@ -186,9 +232,15 @@ class Committer:
             else:
                 self.conflict = message
 
+        def before_ref(m: Manifest) -> None:
+            self._recheck_reused(job, m)
+            if self.cluster is not None and self.cluster.multi_node:   # the other nodes' data: on the remote
+                assert self.cluster.remote is not None
+                mark_evicted(self.plumbing.store, m.id, self.cluster.remote)
+
         # a manifest already there is this commit's own (a retried put whose reply was lost): version ids are new
         return publish_version(self.plumbing, BranchBase(self.branch, parent, self.generation, self.orphan),
-                               manifest, moved_away, before_ref=lambda m: self._recheck_reused(job, m),
+                               manifest, moved_away, before_ref=before_ref,
                                on_moved=moved, on_undone=undone, refuse_existing=False)
 
     def _recheck_reused(self, job: SnapshotJob, manifest: Manifest) -> None:
@@ -202,7 +254,9 @@ class Committer:
 
     def publish_failure(self, job: SnapshotJob, err: BaseException) -> None:
         """Distributed: let the other ranks know at once (rank 0 aborts the version; the others stop waiting)."""
-        staging = Staging(self.plumbing.store, job.vid, self.world_size, self.commit_timeout_s)
+        if self.kv is None:
+            return
+        staging = Staging(self.kv, job.vid, self.world_size, self.commit_timeout_s)
         try:
             if self.rank == 0:
                 staging.publish_outcome(first_line(err))

@@ -10,13 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 import xxhash
 
 from ckptrepo.core import DATA_PREFIX, new_version_id, volume
 from ckptrepo.errors import LayoutError, SnapshotFailedError, first_line
-from ckptrepo.parallel import GroupHealth, Piece, ShardedState, Sharder, all_gather, assign_writers, column_blocks
+from ckptrepo.parallel import (
+    DeadlineError,
+    GroupHealth,
+    GroupStore,
+    Piece,
+    ShardedState,
+    Sharder,
+    assign_writers,
+    column_blocks,
+    ranks_text,
+)
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.saving._dedup import DedupIndex, dedup_key, piece_id
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob
@@ -84,7 +95,7 @@ class JobMaker:
         names: list[Any] = []
         boxes: list[Any] = []
         if local is not None:
-            vid, records, boxes, leaf_names, names = self.sharding.shard(records, local)
+            vid, records, boxes, leaf_names, names = self.sharding.shard(records, local, step)
             if self.dedup is not None:   # of this rank's pieces (views of the live tensors)
                 keys = [dedup_key(r) for r in records]
                 ids = [piece_id(r.name, box) for r, box in zip(records, boxes)]
@@ -106,49 +117,115 @@ class JobMaker:
 
 
 class Sharding:
-    """A sharded snapshot's pieces: this rank's part of each global tensor, and which rank writes each."""
+    """A sharded snapshot's pieces: this rank's part of each global tensor, and which rank writes each.
 
-    def __init__(self, layout: ParallelLayout | None, rank: int, world_size: int, group: Any,
-                 health: GroupHealth) -> None:
-        self.layout, self.rank, self.world_size, self.group = layout, rank, world_size, group
-        self.health = health   # the snapshotter's commits': a collective that fails marks it broken
+    Under torch.distributed every ``snapshot()`` meets the other ranks once, through the ranks' key-value
+    store (parallel/_kv.py): a constant number of requests per rank that agree on rank 0's version id, check
+    that the ranks snapshot the same step, and count the ranks whose pieces changed since their last
+    snapshot. The pieces themselves are exchanged only when one did (the first snapshot, a new structure or
+    layout), as DCP caches its save plan: the writer assignment depends on nothing else.
+    """
+
+    def __init__(self, layout: ParallelLayout | None, rank: int, world_size: int, kv: GroupStore | None,
+                 timeout_s: float, health: GroupHealth) -> None:
+        self.layout, self.rank, self.world_size = layout, rank, world_size
+        self.kv, self.timeout_s = kv, timeout_s
+        self.health = health   # the snapshotter's commits': a meeting that fails marks it broken
+        self.seq = 0
+        self._cached: tuple[bytes, list[bool]] | None = None   # (this rank's pieces' fingerprint, what it writes)
+        self.full_exchanges = 0
+        self._last_full: str | None = None   # the last meeting whose pieces were exchanged (rank 0 deletes them)
 
     def local_pieces(self, records: list[TensorRecord]) -> tuple[ShardedState, list[Piece]]:
-        """This rank's pieces of the global tensors (raises here, before the collective, for a state that does
+        """This rank's pieces of the global tensors (raises here, before the meeting, for a state that does
         not fit the layout)."""
         # without a layout (DTensor placements say what each rank holds) every rank is its own data-parallel slot
         layout = self.layout or ParallelLayout(dp=self.world_size)
         sharded = Sharder(layout, self.rank, self.rank).shard(records)
         return sharded, column_blocks(sharded.pieces)
 
-    def exchange(self, meta: list[tuple[str, Any, int]] | None, failure: Exception | None = None) -> list[Any]:
-        """The one collective of a distributed snapshot: every rank's (proposed version id, piece metadata),
-        or with ``failure`` this rank's error in place of its metadata."""
-        mine = (new_version_id(), meta) if failure is None else \
-            (None, f"{type(failure).__name__}: {first_line(failure)}")
+    def exchange(self, meta: list[tuple[str, Any, int]] | None, step: int | None,
+                 failure: Exception | None = None) -> tuple[str, list[bool]]:
+        """The one meeting of a distributed snapshot: (rank 0's version id, which of this rank's pieces it
+        writes). With ``failure``, this rank's error goes in place of its pieces and every rank raises."""
+        if self.kv is None:
+            return new_version_id(), assign_writers([meta or []])[0]
+        self.seq += 1
+        name = f"s/{self.seq}"
+        kv = self.kv
+        stamp = f"{step}".encode()
         try:
-            gathered = all_gather(mine, self.group) if self.world_size > 1 else [mine]
-        except Exception as err:   # gloo's "Connection closed by peer": a rank died
-            cause = f"the snapshot collective failed: {first_line(err)}"
-            self.health.mark_broken(cause)   # the snapshots in flight fail now, not at their timeouts
-            raise SnapshotFailedError(f"{cause}; a rank died or the process group is down: restart every rank and "
-                                      f"resume from the last committed version") from err
-        refused = [(r, g[1]) for r, g in enumerate(gathered) if g[0] is None]
-        if refused and failure is None:
-            r, why = refused[0]
-            raise SnapshotFailedError(f"rank {r} refused this snapshot ({why}); no version was written, "
-                                      f"fix the state on that rank")
-        return gathered
+            if self.rank == 0:
+                kv.set(f"{name}/vid", new_version_id().encode())
+            error = None if failure is None else f"{type(failure).__name__}: {first_line(failure)}"
+            other_step = kv.first(f"{name}/step", stamp) != stamp
+            mark = None if meta is None else xxhash.xxh3_128_digest(msgpack.packb(meta))
+            changed = self._cached is None or self._cached[0] != mark
+            wake = self.health.waking(lambda: kv.set(f"{name}/open", b"1"))
+            try:
+                changes, refused = kv.arrive(name, self.timeout_s, {"error": error, "step": step}, changed,
+                                             error is not None or other_step,
+                                             f"snapshot number {self.seq} of this snapshotter",
+                                             "; a rank died, or the ranks do not all call snapshot() the same "
+                                             "number of times")
+            finally:
+                self.health.waking(None, wake)
+            self.health.check()   # woken: the group broke meanwhile (a commit found a rank missing)
+            if refused:
+                if failure is not None:
+                    raise failure
+                every = kv.payloads(name)
+                why = next(((r, p["error"]) for r, p in enumerate(every) if p["error"]), None)
+                if why is not None:
+                    raise SnapshotFailedError(f"rank {why[0]} refused this snapshot ({why[1]}); no version was "
+                                              f"written, fix the state on that rank")
+                # the version would record rank 0's step for every rank's state
+                other = next(r for r, p in enumerate(every) if p["step"] != every[0]["step"])
+                raise SnapshotFailedError(f"the ranks disagree about the step: rank 0 snapshots step "
+                                          f"{every[0]['step']}, rank {other} step {every[other]['step']}; pass "
+                                          f"every rank the same step")
+            kv.forget(name, own_only=True)
+            if self.rank == 0 and self.seq > 1:   # every rank is past the previous meeting: it reached this one
+                self._forget(f"s/{self.seq - 1}")
+            if changes:
+                writes = self._full_exchange(name, meta or [])
+                self._cached = (mark or b"", writes)
+            assert self._cached is not None
+            return kv.get(f"{name}/vid").decode(), self._cached[1]
+        except SnapshotFailedError as err:
+            if isinstance(err, DeadlineError):   # a rank died or stopped snapshotting: the group is broken
+                self.health.mark_broken(first_line(err))
+            raise
 
-    def shard(self, records: list[TensorRecord], local: tuple[ShardedState, list[Piece]]) -> \
+    def _full_exchange(self, name: str, meta: list[tuple[str, Any, int]]) -> list[bool]:
+        """Every rank's pieces, and the writer assignment they give (the same on every rank)."""
+        kv = self.kv
+        assert kv is not None
+        self.full_exchanges += 1
+        self._last_full = name
+        kv.set(f"{name}/meta/{self.rank}", msgpack.packb(meta))
+        keys = [f"{name}/meta/{r}" for r in range(self.world_size)]
+        kv.wait(keys, self.timeout_s, lambda: f"{ranks_text(kv.absent(keys))} did not send their pieces")
+        metas = [msgpack.unpackb(raw) for raw in kv.get_many(keys)]
+        return assign_writers([[(n, (tuple(b[0]), tuple(b[1])), nb) for n, b, nb in m] for m in metas])[self.rank]
+
+    def _forget(self, name: str) -> None:
+        """Rank 0: the shared keys of a meeting every rank has left (each is at the next one)."""
+        assert self.kv is not None
+        for k in ("vid", "step", "n", "open"):
+            self.kv.delete(f"{name}/{k}")
+        for r in range(self.world_size) if self._last_full == name else ():
+            self.kv.delete(f"{name}/meta/{r}")
+
+    def shard(self, records: list[TensorRecord], local: tuple[ShardedState, list[Piece]], step: int | None) -> \
             tuple[str, list[TensorRecord], list[Any], list[str], list[list[Any]]]:
         """This rank's pieces, the agreed version id, and which pieces this rank writes: (version id, the
         records it writes, their boxes, the stored name of each state tensor, [name, dtype, global shape] of
         each tensor it holds)."""
         sharded, pieces = local
-        meta = [(p.name, p.box, volume(p.box[1]) * p.view.element_size()) for p in pieces]
-        gathered = self.exchange(meta)
-        writes = assign_writers([g[1] for g in gathered])[self.rank]
+        meta = [(p.name, [list(p.box[0]), list(p.box[1])], volume(p.box[1]) * p.view.element_size())
+                for p in pieces]
+        vid, writes = self.exchange(meta, step)
         mine = [p for p, w in zip(pieces, writes) if w]
         names: dict[str, list[Any]] = {}
         for p in pieces:
@@ -156,7 +233,7 @@ class Sharding:
         for rec, name, gshape in zip(records, sharded.leaf_names, sharded.gshapes):
             if rec.numel == 0 and gshape is not None:   # no pieces here: listed under its global name and shape
                 names.setdefault(name, [name, rec.dtype, list(gshape)])
-        return (gathered[0][0], [TensorRecord(p.name, p.view, p.dtype, p.box[1]) for p in mine],
+        return (vid, [TensorRecord(p.name, p.view, p.dtype, p.box[1]) for p in mine],
                 [[list(p.box[0]), list(p.box[1])] for p in mine], sharded.leaf_names, list(names.values()))
 
 

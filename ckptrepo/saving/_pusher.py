@@ -44,6 +44,7 @@ from ckptrepo.errors import (
 from ckptrepo.remotes import evict, push
 from ckptrepo.saving._options import LocalTier, default_local_max_bytes
 from ckptrepo.saving._snapshot_job import SnapshotHandle
+from ckptrepo.saving._startup import Cluster
 from ckptrepo.storage import open_store
 
 log = logging.getLogger("ckptrepo")
@@ -88,6 +89,7 @@ class BackgroundPusher:
         self.remote, self.branch = remote, branch
         self.keep_last, self.max_bytes = keep_last, max_bytes
         self._on_error, self._protect = on_error, protect
+        self.before_push: Callable[[Plumbing], None] | None = None
         self._cond = threading.Condition()
         # pushes asked for and the last one an attempt covered: a commit asks for one; an attempt covers
         # every ask made before it began
@@ -213,7 +215,7 @@ class BackgroundPusher:
 
     def _push_once(self) -> bool:
         try:
-            push(self.plumbing, self.remote, [self.branch])
+            self._send()
         except Exception as err:  # noqa: BLE001 - never kills the pusher; raised by the snapshotter's next call
             failure = RemoteError(f"background push of branch {self.branch!r} to {self.remote!r} failed: "
                                   f"{first_line(err)}; the versions are committed here, and the next snapshot "
@@ -228,6 +230,13 @@ class BackgroundPusher:
                 log.error("ckptrepo: could not record the failed push: %s", first_line(record_err))
             return False
         return True
+
+    def _send(self) -> None:
+        """One push: the branch's versions the remote lacks, then its ref (``before_push`` first: on node-local
+        tiers, the wait for the other nodes' arrays)."""
+        if self.before_push is not None:
+            self.before_push(self.plumbing)
+        push(self.plumbing, self.remote, [self.branch])
 
     def _evict(self) -> None:
         assert self.keep_last is not None
@@ -244,19 +253,32 @@ class BackgroundPusher:
         self._on_error(failure)
 
 
-def tier_pusher(plumbing: Plumbing, tier: LocalTier, branch: str, rank: int, world_size: int,
-                on_error: Callable[[CkptRepoError], None],
-                protect: Callable[[], Iterable[str]]) -> BackgroundPusher | None:
-    """A snapshotter's pusher for ``tier`` on ``branch``, once its remote is checked (``check_push_target``);
-    None on ranks other than 0: one pusher per version, on the rank that commits it."""
+def check_tier(plumbing: Plumbing, tier: LocalTier, world_size: int) -> None:
+    """What a snapshotter's tier needs, checked when it starts: a remote that is not this repository, and
+    ``on_full="wait"`` under torch.distributed."""
     check_push_target(plumbing, tier.push_to)   # an unknown remote, or this repository itself: one line
     if tier.on_full == "skip" and world_size > 1:
         raise ArgumentError("on_full='skip' needs a single process (every rank would have to skip the same "
                             "snapshot); use on_full='wait'")
+
+
+def tier_pusher(plumbing: Plumbing, tier: LocalTier, branch: str, rank: int, world_size: int,
+                on_error: Callable[[CkptRepoError], None], protect: Callable[[], Iterable[str]],
+                cluster: Cluster | None = None, timeout_s: float = 600.0) -> BackgroundPusher | None:
+    """A snapshotter's pusher for ``tier`` on ``branch``, once its remote is checked (``check_tier``, done by
+    the cluster's start under torch.distributed). One pusher per repository: rank 0's pushes the versions;
+    on node-local tiers, each other node's leader pushes its node's arrays (saving/_node_push.py); the other
+    ranks have none."""
+    if cluster is None:
+        check_tier(plumbing, tier, world_size)
+    max_bytes = tier.max_bytes_parsed or default_local_max_bytes(plumbing.store)
+    if cluster is not None and cluster.multi_node and cluster.leader:
+        from ckptrepo.saving._node_push import node_pusher  # it builds on this module's pusher
+        return node_pusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect, cluster,
+                           timeout_s)
     if rank != 0:
         return None
-    return BackgroundPusher(plumbing, tier.push_to, branch, tier.keep_last,
-                            tier.max_bytes_parsed or default_local_max_bytes(plumbing.store), on_error, protect)
+    return BackgroundPusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect)
 
 
 def skipped_handle(step: int | None, remote: str, t0: float) -> SnapshotHandle:
@@ -277,4 +299,4 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-__all__ = ["BackgroundPusher", "check_push_target", "skipped_handle", "tier_pusher"]
+__all__ = ["BackgroundPusher", "check_push_target", "check_tier", "skipped_handle", "tier_pusher"]

@@ -1,0 +1,119 @@
+"""Node-local tiers: each node pushes its own ranks' arrays, and rank 0 pushes the version once all are there.
+
+On a node-local tier (saving/_startup.py) a version's arrays are spread over the nodes' disks: each rank's
+are on its node. Each node's leader runs a ``NodePusher``: after every commit it copies to the remote its
+node's arrays of the versions the remote lacks, then tells rank 0 through the ranks' key-value store
+(``pushed/<node>/<version>``). Rank 0's pusher is the usual one (remotes/_sync.py), with a gate before each
+push: it waits, with a deadline, for every other node's arrays of the versions it pushes that the remote
+does not hold yet. Its push then finds them there and copies only its own, then the manifests, then moves
+the remote branch last: a version is remote-durable only once every rank's arrays and its manifest are
+there.
+
+Each node's pusher keeps its own account of what its disk holds unpushed (backpressure) and evicts its own
+arrays (``local_keep_last``) once the remote's branch, which it reads after each push, holds their version.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from ckptrepo.core import CONFIG_KEY, Plumbing, first_parent_chain, remote_url, set_tracking_ref, tracking_tip
+from ckptrepo.errors import CkptRepoError
+from ckptrepo.parallel import ranks_text
+from ckptrepo.remotes import VersionCopier, open_remote
+from ckptrepo.saving._pusher import BackgroundPusher
+from ckptrepo.saving._startup import Cluster
+from ckptrepo.storage import open_store
+
+REMOTE_READY = "remote-ready"   # rank 0 made the remote a repository: the nodes may write into it
+
+
+def pushed_key(node: int, vid: str) -> str:
+    return f"pushed/{node}/{vid}"
+
+
+def unpushed_versions(plumbing: Plumbing, remote: str, branch: str) -> list[str]:
+    """The versions of ``branch`` past what the remote was last known to hold, oldest first."""
+    on_remote = tracking_tip(plumbing.store, f"{remote}/{branch}")
+    out = []
+    for vid in first_parent_chain(plumbing.branch_tip(branch), plumbing.first_parent):
+        if vid == on_remote:
+            break
+        out.append(vid)
+    return out[::-1]
+
+
+def array_rank(key: str) -> int | None:
+    """The rank that wrote array ``data/<id>/<rank>/<dtype>``; None for another layout of key."""
+    parts = key.split("/")
+    return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else None
+
+
+class RemoteGate:
+    """Rank 0's wait, before each push, for the other nodes' arrays (see the module docstring)."""
+
+    def __init__(self, cluster: Cluster, remote: str, branch: str, timeout_s: float) -> None:
+        self.kv = cluster.kv.connection()   # the pusher thread's own: its waits hold up no other thread
+        self.cluster, self.remote, self.branch, self.timeout_s = cluster, remote, branch, timeout_s
+        self._ready = False
+
+    def __call__(self, plumbing: Plumbing) -> None:
+        there = open_remote(plumbing, self.remote, create_with_branch=self.branch)
+        if not self._ready:
+            self.kv.set(REMOTE_READY, b"1")
+            self._ready = True
+        for vid in unpushed_versions(plumbing, self.remote, self.branch):
+            nodes = set()
+            for key in plumbing.manifest(vid).arrays:
+                rank = array_rank(key)
+                node = self.cluster.node_of.get(rank) if rank is not None else None
+                if key.split("/")[1] == vid and node is not None and node != self.cluster.node \
+                        and not there.store.exists(f"{key}/zarr.json"):
+                    nodes.add(node)
+            for node in sorted(nodes):
+                late = (f"the node of {ranks_text(list(self.cluster.nodes[node]))} did not push its arrays of "
+                        f"version {vid[:12]}")
+                self.kv.wait([pushed_key(node, vid)], self.timeout_s, lambda: late)  # noqa: B023 - waited here
+                self.kv.delete(pushed_key(node, vid))
+
+
+class NodePusher(BackgroundPusher):
+    """The pusher of a node other than rank 0's: its own ranks' arrays only (see the module docstring)."""
+
+    def __init__(self, plumbing: Plumbing, remote: str, branch: str, keep_last: int | None, max_bytes: int | None,
+                 on_error: Callable[[CkptRepoError], None], protect: Callable[[], Iterable[str]],
+                 cluster: Cluster, timeout_s: float) -> None:
+        self.kv = cluster.kv.connection()
+        self.cluster, self.timeout_s = cluster, timeout_s
+        self.ranks = set(cluster.nodes[cluster.node])
+        super().__init__(plumbing, remote, branch, keep_last, max_bytes, on_error, protect)
+
+    def _send(self) -> None:
+        store = self.plumbing.store
+        dst = open_store(remote_url(store, self.remote))
+        if dst.get(CONFIG_KEY) is None:   # rank 0's first push makes it a repository: nothing goes in before
+            self.kv.wait([REMOTE_READY], self.timeout_s, lambda: "rank 0 did not make the remote a repository")
+        copier = VersionCopier(store, dst)
+        for vid in unpushed_versions(self.plumbing, self.remote, self.branch):
+            m = self.plumbing.manifest(vid)
+            mine = [k for k in m.arrays if k.split("/")[1] == vid and array_rank(k) in self.ranks
+                    and store.exists(f"{k}/zarr.json")]
+            copier.copy_arrays(m, keys=mine)
+            self.kv.set(pushed_key(self.cluster.node, vid), b"1")
+        there = Plumbing(dst)
+        tip = there.branch_tip(self.branch)
+        if tip is not None and store.exists(f"versions/{tip}"):   # what the remote holds, as far as rank 0 pushed
+            set_tracking_ref(store, self.remote, self.branch, tip)
+
+
+def node_pusher(plumbing: Plumbing, remote: str, branch: str, keep_last: int | None, max_bytes: int | None,
+                on_error: Callable[[CkptRepoError], None], protect: Callable[[], Iterable[str]], cluster: Cluster,
+                timeout_s: float) -> BackgroundPusher:
+    """A node leader's pusher on a node-local tier: rank 0's, gated on the other nodes; or a ``NodePusher``."""
+    if cluster.kv.rank == 0:
+        pusher = BackgroundPusher(plumbing, remote, branch, keep_last, max_bytes, on_error, protect)
+        pusher.before_push = RemoteGate(cluster, remote, branch, timeout_s)
+        return pusher
+    return NodePusher(plumbing, remote, branch, keep_last, max_bytes, on_error, protect, cluster, timeout_s)
+
+
+__all__ = ["NodePusher", "RemoteGate", "node_pusher", "unpushed_versions"]
