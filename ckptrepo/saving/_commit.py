@@ -155,6 +155,14 @@ class Committer:
         self._answered = job.vid
         return version
 
+    def _here(self, array: str) -> bool:
+        """Whether this repository holds ``array`` of a version it commits: on a node-local tier, only the
+        arrays of its node's ranks (``data/<id>/<rank>/<dtype>``)."""
+        if self.cluster is None or not self.cluster.multi_node:
+            return True
+        rank = array.split("/")[2] if array.count("/") == 3 else ""
+        return rank.isdigit() and self.cluster.node_of.get(int(rank)) == self.cluster.node
+
     def _staging(self, vid: str) -> Staging:
         assert self.kv is not None
         return Staging(self.kv, vid, self.world_size, self.commit_timeout_s, self.health)
@@ -180,7 +188,7 @@ class Committer:
         return publish_version(self.plumbing, BranchBase(self.branch, self.tip, self.generation, self.orphan),
                                manifest, moved_away, before_ref=lambda m: mark_evicted(self.plumbing.store,
                                                                                         m.id, remote),
-                               on_moved=moved, refuse_existing=False)
+                               on_moved=moved, refuse_existing=False, here=self._here)
 
     def _on_branch(self, vid: str, depth: int = 1000) -> bool:
         """Whether ``vid`` is on this snapshotter's branch: its tip or one of its last ``depth`` first parents."""
@@ -241,7 +249,7 @@ class Committer:
         # a manifest already there is this commit's own (a retried put whose reply was lost): version ids are new
         return publish_version(self.plumbing, BranchBase(self.branch, parent, self.generation, self.orphan),
                                manifest, moved_away, before_ref=before_ref,
-                               on_moved=moved, on_undone=undone, refuse_existing=False)
+                               on_moved=moved, on_undone=undone, refuse_existing=False, here=self._here)
 
     def _recheck_reused(self, job: SnapshotJob, manifest: Manifest) -> None:
         """Between the manifest and the ref: the reused arrays again, every rank's (those of the manifest that
@@ -318,7 +326,7 @@ def publish_version(plumbing: Plumbing, base: BranchBase, manifest: Manifest, mo
                     *, before_ref: Callable[[Manifest], None] | None = None,
                     on_moved: Callable[[bytes | None], None] | None = None,
                     on_undone: Callable[[str, bytes | None], None] | None = None,
-                    refuse_existing: bool = True) -> Version:
+                    refuse_existing: bool = True, here: Callable[[str], bool] | None = None) -> Version:
     """Commit ``manifest`` on ``base``: the manifest written create-only, then the branch moved from
     ``base.tip`` by compare-and-swap; the version exists once the ref moved. Every commit goes through here:
     a snapshotter's (``Committer``) and a framework-coordinated save's (saving/_pieces.py).
@@ -328,7 +336,8 @@ def publish_version(plumbing: Plumbing, base: BranchBase, manifest: Manifest, mo
     right after the ref moved (None: another writer already committed on top of it). A version whose data a
     concurrent gc deleted meanwhile is taken off the branch again (maintenance/_lost.py), ``on_undone(why,
     generation the branch has now or None)`` told, and SnapshotFailedError raised. ``refuse_existing``: a
-    manifest already there is a ConflictError (False: it is this commit's own, put again)."""
+    manifest already there is a ConflictError (False: it is this commit's own, put again). ``here``: which of
+    the version's own arrays this repository holds (a node-local tier's: its node's ranks'; default all)."""
     vid = manifest.id
     created = plumbing.store.put_if_absent(VERSIONS_PREFIX + vid, encode_manifest(manifest))
     if not created and refuse_existing:
@@ -343,7 +352,7 @@ def publish_version(plumbing: Plumbing, base: BranchBase, manifest: Manifest, mo
     if on_moved is not None:
         on_moved(moved.generation)
     faults.point("after_ref")
-    deleted = collected_while_committing(plumbing, vid, own_arrays(manifest))
+    deleted = collected_while_committing(plumbing, vid, [a for a in own_arrays(manifest) if here is None or here(a)])
     if deleted is not None:
         message, generation = undo_collected_commit(plumbing, base.branch, vid, base.tip, moved.generation, deleted)
         if on_undone is not None:
