@@ -19,6 +19,8 @@ Per rank count it measures, each the median of ``--repeat`` runs:
    ``loading/_layout_load.py`` up to its reads, the read spans of ``loading/_reshard.py`` and their runs.
 
     python benchmarks/scale.py [--ranks 8,64,256,1024] [--repeat 3] [--json out.json]
+
+``--ranks`` also takes 4096 (TP=8 PP=8 DP=64), which shows where the growth goes next.
 """
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ from ckptrepo.storage import SHARD_BYTES, ArrayInfo
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 80, 8192, 64, 8, 28672, 128256
 KV = HIDDEN // HEADS * KV_HEADS   # 1024: the width of k and v under grouped-query attention
 OPTIMIZER = ("optimizer/exp_avg", "optimizer/exp_avg_sq")
-DEGREES = {8: (8, 1, 1), 64: (8, 8, 1), 256: (8, 8, 4), 1024: (8, 8, 16)}   # ranks -> (tp, pp, dp)
+# ranks -> (tp, pp, dp); 4,096 (DP=64) on request only: it takes minutes and gigabytes
+DEGREES = {8: (8, 1, 1), 64: (8, 8, 1), 256: (8, 8, 4), 1024: (8, 8, 16), 4096: (8, 8, 64)}
 TARGET_TP, TARGET_PP = 4, 16
 STEP = 1000
 
@@ -457,7 +460,8 @@ def print_table(summary: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default="8,64,256,1024", help="comma-separated rank counts, of 8, 64, 256, 1024")
+    ap.add_argument("--ranks", default="8,64,256,1024",
+                    help="comma-separated rank counts, of 8, 64, 256, 1024 and 4096")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per figure (the median is shown)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
