@@ -7,14 +7,15 @@ TP=8 (8 ranks), TP=8 PP=8 (64), TP=8 PP=8 DP=4 (256) and TP=8 PP=8 DP=16 (1,024)
 no storage, no tensor memory: every tensor is one element expanded to its shape (stride 0), which the
 Sharder cuts like any other, and the load side builds its state on the meta device.
 
-Per rank count it measures, each the median of ``--repeat`` runs:
+Per rank count it measures, each the median CPU time of ``--repeat`` runs:
 
 1. ``assign_writers`` over every rank's piece metadata (every rank runs it at every snapshot), and the
    bytes of the ``all_gather_object`` payload a rank receives (the pickled metadata of every rank);
 2. the plan-cache check: xxh3-128 of one rank's own pickled piece metadata;
 3. rank 0's merge: ``check_replicas`` and ``merge_rank_manifests`` of every rank's ``RankPart``, built as
    the commit builds it (and the decoding of the staged parts rank 0 reads first);
-4. the manifest: its encoded size, ``decode_header`` (what ``log`` reads) and ``decode_manifest``;
+4. the manifest: its encoded size, ``decode_header`` (what ``log`` reads) and ``decode_manifest`` (with the
+   collector paused, as ``load`` runs it);
 5. one rank's load plan into TP=4 PP=16 (the same DP) from that manifest: the steps of
    ``loading/_layout_load.py`` up to its reads, the read spans of ``loading/_reshard.py`` and their runs.
 
