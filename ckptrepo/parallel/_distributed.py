@@ -1,25 +1,27 @@
-"""Distributed snapshots: who writes which replica, and the two-phase commit through the store.
+"""Distributed snapshots: who writes which replica, and the two-phase commit through the ranks' store.
 
-At ``snapshot()`` time (on the training thread, a collective every rank makes
-in the same order) the ranks exchange only metadata: rank 0's new version id
-and each rank's list of pieces. Every rank then computes the same writer
-assignment, so each data-parallel replica is written once in total, spread
-over its holders by size, with no further communication.
+At ``snapshot()`` time (on the training thread, a meeting every rank makes
+in the same order: saving/_prepare.py) the ranks agree on rank 0's new
+version id; their pieces are exchanged only when one changed. Every rank then
+computes the same writer assignment, so each data-parallel replica is written
+once in total, spread over its holders by size, with no further communication.
 
 The commit needs no collective at all, so background threads never touch the
-process group the training loop uses: each rank writes its data and then its
-*rank manifest* ``staging/<id>/rank-<r>`` (or one carrying its error); rank 0
-waits for all of them, checks that the pieces cover every tensor exactly once,
-writes the version manifest, moves the ref, and publishes the outcome in
-``staging/<id>/outcome``, which the other ranks wait for. A rank that dies
-never writes its rank manifest: rank 0 gives up after the commit timeout, so
-no version appears, and every rank gets the error.
+process group the training loop uses. It goes through the ranks' key-value
+store (torch.distributed's c10d store, parallel/_kv.py), never the object
+store: each rank writes its data and then sets its *rank part* (or one
+carrying its error); rank 0 waits for all of them, checks that the pieces
+cover every tensor exactly once, writes the version manifest, moves the ref,
+and sets its verdict, which the other ranks wait for. A rank that dies never
+sets its part: rank 0 gives up at the commit timeout, naming it, so no
+version appears, and every rank gets the error. What must survive a crash
+(data, manifest, ref) is in the repository; the handshake is not.
 
 A group that lost a rank stays broken: once one snapshot learns it (a rank
-missing at the timeout, rank 0's verdict missing, the snapshot's collective
-failing), the snapshotter's ``GroupHealth`` says so, and every snapshot still
-in flight fails at once with that cause instead of waiting out a timeout of
-its own.
+missing at the timeout, rank 0's verdict missing, a snapshot's meeting
+missing a rank), the snapshotter's ``GroupHealth`` says so, wakes the waits in
+progress, and every snapshot still in flight fails at once with that cause
+instead of waiting out a timeout of its own.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ different repositories, on different branches, pushing to different remotes, wit
 one whose own checks failed (a layout that does not fit the world size, a detached HEAD, an unknown remote).
 
 **Which ranks share a local store** is learnt from the stores themselves, never from host names (simulated
-nodes share one): each rank writes a probe object ``staging/probe-<nonce>/<rank>`` into its repository, and
+nodes share one): each rank writes a probe object ``staging/<nonce>/probe-<rank>`` into its repository, and
 lists the others' there. Ranks that see each other's probes share a store: a *node*, whose lowest rank is its
 leader. Without ``push_to`` every rank must see every other (one shared repository). With it, each node may
 have its own local repository in front of the same remote (docs/decisions/053-node-local-tiers.md).
@@ -19,7 +19,6 @@ committed but had not pushed reach a node that lacks them through the key-value 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +27,7 @@ from ckptrepo.core import (
     VERSIONS_PREFIX,
     Plumbing,
     first_parent_chain,
+    new_version_id,
     remote_url,
     tracking_tip,
     update_config,
@@ -39,7 +39,7 @@ from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.remotes import REPOSITORY_ID, fetch
 from ckptrepo.storage import open_store
 
-PROBE_PREFIX = "staging/probe-"
+PROBE_PREFIX = "staging/"   # + a version-like id (gc removes stale ones as an interrupted handshake's) + /probe-
 # versions rank 0 hands a node that lacks them at the start: those committed but not pushed, which the
 # local tier's backpressure keeps few; older ones are on the remote
 MAX_HANDED = 256
@@ -78,7 +78,7 @@ def start_cluster(plumbing: Plumbing, rank: int, world_size: int, layout: Parall
     local = plumbing.store.capabilities.local_root is not None
     mine = {"id": plumbing.config.get(REPOSITORY_ID), "url": plumbing.store.url, "branch": branch,
             "remote": remote_url(plumbing.store, remote) if remote is not None and failure is None else None,
-            "layout": _layout_text(layout), "local": local, "nonce": os.urandom(8).hex(),
+            "layout": _layout_text(layout), "local": local, "nonce": new_version_id(),
             "error": None if failure is None else f"{type(failure).__name__}: {first_line(failure)}"}
     kv.arrive("start", timeout_s, mine, False, failure is not None, "the start of their snapshotter (every rank "
               "must make one, in the same order)")
@@ -131,7 +131,7 @@ def _check_setup(every: list[dict[str, Any]], failure: CkptRepoError | None) -> 
 def _probe(plumbing: Plumbing, kv: GroupStore, every: list[dict[str, Any]],
            timeout_s: float) -> tuple[tuple[int, ...], ...]:
     """The ranks that share each local store, learnt from probe objects (see the module docstring)."""
-    prefix = f"{PROBE_PREFIX}{every[0]['nonce']}/"
+    prefix = f"{PROBE_PREFIX}{every[0]['nonce']}/probe-"
     key = f"{prefix}{kv.rank}"
     plumbing.store.put(key, b"")
     try:
