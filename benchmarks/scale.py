@@ -13,7 +13,8 @@ Per rank count it measures, each the median CPU time of ``--repeat`` runs:
    bytes of the ``all_gather_object`` payload a rank receives (the pickled metadata of every rank);
 2. the plan-cache check: xxh3-128 of one rank's own pickled piece metadata;
 3. rank 0's merge: ``check_replicas`` and ``merge_rank_manifests`` of every rank's ``RankPart``, built as
-   the commit builds it (and the decoding of the staged parts rank 0 reads first);
+   the commit builds it, and the decoding of the staged parts rank 0 reads first, both with the collector
+   paused as the commit runs them (and, for comparison, both with it on);
 4. the manifest: its encoded size, ``decode_header`` (what ``log`` reads) and ``decode_manifest`` (with the
    collector paused, as ``load`` runs it);
 5. one rank's load plan into TP=4 PP=16 (the same DP) from that manifest: the steps of
@@ -217,7 +218,8 @@ def rank_part(layout: ParallelLayout, vid: str, inp: RankInput, writes: Sequence
 
 
 def merge(parts: Sequence[RankPart], layout: ParallelLayout, vid: str) -> Manifest:
-    """Rank 0's merge, as ``Committer._publish_merged`` runs it: replicas checked, parts merged."""
+    """Rank 0's merge, as ``Committer._publish_merged`` runs it (with the collector paused): replicas checked,
+    parts merged."""
     check_replicas(parts)
     header = version_header(vid, None, STEP, "scale simulation", {"loss": 1.5})
     return merge_rank_manifests(parts, layout, layout.world_size, header)
@@ -289,7 +291,7 @@ class Timing:
 
 def timed(fn: Callable[[], Any], repeat: int, paused: bool = False) -> Timing:
     """``fn`` run ``repeat`` times; ``paused``: with the cyclic collector paused, as ``load`` runs its decode
-    and plan (core/_gcpause.py)."""
+    and plan and rank 0 its decoding and merge of the parts (core/_gcpause.py)."""
     cpus, walls, out = [], [], None
     for _ in range(repeat):
         out = None   # the last result is freed before the next run, as a process that repeats the call frees it
@@ -305,8 +307,9 @@ def measure(ranks: int, repeat: int = 3, layers: int = LAYERS, load_rank: int = 
             degrees: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """Every figure of one rank count (see the module docstring); ``layers`` shrinks the model for a test.
 
-    Rank 0's steps are timed once the simulation's per-rank inputs are freed, with the collector on as on
-    the commit thread: a process holding every rank's pieces would make each full collection walk them."""
+    Rank 0's steps are timed once the simulation's per-rank inputs are freed, with the collector on or
+    paused as on the commit thread: a process holding every rank's pieces would make each full collection
+    walk them."""
     layout = source_layout(ranks, layers, degrees)
     vid = new_version_id()
     figures, parts = every_rank(layout, vid, repeat, llama_rules(layers, with_shapes=True))
@@ -346,7 +349,7 @@ def every_rank(layout: ParallelLayout, vid: str, repeat: int, shaped: Rules) -> 
 
 
 def decode_parts(staged: Sequence[bytes]) -> list[RankPart]:
-    """The staged parts as rank 0 decodes them (``Staging.gather_ranks``)."""
+    """The staged parts as rank 0 decodes them (``Staging.gather_ranks``, which pauses the collector)."""
     out = []
     for blob in staged:
         part = decode_rank_part(blob, "rank part")
@@ -358,12 +361,12 @@ def decode_parts(staged: Sequence[bytes]) -> list[RankPart]:
 def rank0(parts: list[RankPart], staged: list[bytes], layout: ParallelLayout, vid: str, repeat: int,
           load_rank: int) -> dict[str, Any]:
     """Rank 0's merge and the manifest's figures, then one rank's load plan from the manifest."""
-    decoded_parts = timed(lambda: decode_parts(staged), repeat)
-    merged = timed(lambda: merge(parts, layout, vid), repeat)
-    paused = timed(lambda: merge(decode_parts(staged), layout, vid), repeat, paused=True)
+    decoded_parts = timed(lambda: decode_parts(staged), repeat, paused=True)
+    merged = timed(lambda: merge(parts, layout, vid), repeat, paused=True)
+    collecting = timed(lambda: merge(decode_parts(staged), layout, vid), repeat)
     manifest = merged.result
     coverage = {t.name: (t.shape, [p.box for p in t.pieces]) for t in manifest.tensors}
-    cover = timed(lambda: check_coverage(coverage), repeat)
+    cover = timed(lambda: check_coverage(coverage), repeat, paused=True)
     encode = timed(lambda: encode_manifest(manifest), repeat)
     blob = encode.result
     header = timed(lambda: decode_header(blob, vid), max(repeat, 5))
@@ -377,7 +380,7 @@ def rank0(parts: list[RankPart], staged: list[bytes], layout: ParallelLayout, vi
         "most_pieces_of_a_tensor": max(len(t.pieces) for t in manifest.tensors),
         "staged_parts_bytes": sum(len(b) for b in staged), "decode_parts_s": decoded_parts.cpu,
         "merge_s": merged.cpu, "merge_wall_s": merged.wall, "check_coverage_s": cover.cpu,
-        "decode_and_merge_paused_s": paused.cpu,
+        "decode_and_merge_collecting_s": collecting.cpu,
         "manifest_bytes": len(blob), "layout_bytes": len(msgpack.packb(lay.to_raw())),
         "unique_rank_trees": len(trees), "unique_rank_trees_bytes": sum(map(len, trees)),
         "encode_s": encode.cpu, "decode_header_s": header.cpu, "header_step": header.result.step,
@@ -416,10 +419,10 @@ ROWS: list[tuple[str, str, Callable[[float], str]]] = [
     ("1. `assign_writers` over every rank's metadata", "assign_writers_s", _ms),
     ("1. `all_gather_object` payload a rank receives", "gather_received_bytes", _mib),
     ("2. plan-cache check: xxh3-128 of a rank's own metadata", "plan_check_s", _ms),
-    ("3. rank 0 decodes the staged parts", "decode_parts_s", _ms),
-    ("3. rank 0 merge: `check_replicas` + `merge_rank_manifests`", "merge_s", _ms),
+    ("3. rank 0 decodes the staged parts (collector paused)", "decode_parts_s", _ms),
+    ("3. rank 0 merge: `check_replicas` + `merge_rank_manifests` (paused)", "merge_s", _ms),
     ("3. ... of which `check_coverage`", "check_coverage_s", _ms),
-    ("3. decode + merge, collector paused", "decode_and_merge_paused_s", _ms),
+    ("3. decode + merge with the collector on", "decode_and_merge_collecting_s", _ms),
     ("4. manifest size", "manifest_bytes", _mib),
     ("4. ... of which the layout (every rank's tree)", "layout_bytes", _mib),
     ("4. `encode_manifest`", "encode_s", _ms),

@@ -122,14 +122,61 @@ def check_coverage(tensors: dict[str, tuple[Sequence[int], list[Box]]]) -> None:
                 raise LayoutError(f"{name}: a saved piece {_fmt((offs, sizes))} lies outside the tensor's shape "
                                   f"{list(shape)}; the ranks disagree about the layout (check the rules)")
         total = sum(volume(b[1]) for b in boxes)
-        for i in range(len(boxes)):
-            for j in range(i + 1, len(boxes)):
-                if intersect(boxes[i], boxes[j]) is not None:
-                    raise LayoutError(f"{name}: saved pieces {_fmt(boxes[i])} and {_fmt(boxes[j])} overlap; "
-                                      f"the ranks disagree about the layout")
+        # the sweep (it indexes every dimension of every size) tells whether any two overlap, cheaply; the
+        # error names the first pair in the pieces' order, whichever pair the sweep met
+        swept = all(len(z) == len(shape) for _, z in boxes)
+        pair = _first_overlap(boxes) if not swept or overlapping_pieces(boxes) is not None else None
+        if pair is not None:
+            a, b = pair
+            raise LayoutError(f"{name}: saved pieces {_fmt(a)} and {_fmt(b)} overlap; "
+                              f"the ranks disagree about the layout")
         if total != volume(shape):
             raise LayoutError(f"{name}: the ranks' pieces cover {total} of its {volume(shape)} elements "
                               f"{list(shape)}; some rank did not save its part (check the rules and the layout)")
+
+
+def overlapping_pieces(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` (inside one tensor) that share an element, or None.
+
+    A table whose pieces overlap while their volumes add up to the tensor's leaves elements no piece holds,
+    which a load would return as uninitialised memory. A sweep along the dimension that tells the boxes apart
+    best (the one with the most distinct offsets): boxes are sorted by their start there, and each is compared
+    only with those still open at its start, which for the tilings the writers produce (slabs, column blocks,
+    ZeRO's row ranges) is one or two.
+    """
+    live = [b for b in boxes if all(b[1])]   # an empty box holds no element
+    if len(live) < 2:
+        return None
+    rank = len(live[0][0])
+    if rank == 0:
+        return live[0], live[1]   # both hold a scalar's one element
+    d = max(range(rank), key=lambda k: len({b[0][k] for b in live}))
+    live.sort(key=lambda b: b[0][d])
+    end = 0
+    for b in live:   # apart along that dimension, as a tiling mostly is: no two can share an element
+        if b[0][d] < end:
+            break
+        end = b[0][d] + b[1][d]
+    else:
+        return None
+    open_: list[Box] = []
+    for b in live:
+        start = b[0][d]
+        open_ = [a for a in open_ if a[0][d] + a[1][d] > start]
+        for a in open_:
+            if intersect(a, b) is not None:
+                return a, b
+        open_.append(b)
+    return None
+
+
+def _first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
+    """The first overlapping pair in the boxes' order: what the error names, whichever pair a sweep meets."""
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            if intersect(boxes[i], boxes[j]) is not None:
+                return boxes[i], boxes[j]
+    return None
 
 
 def _fmt(box: Box) -> str:

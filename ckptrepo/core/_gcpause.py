@@ -6,6 +6,8 @@ the survivors (the plan lives until the load ends) soon trigger a full one,
 which walks every object in the process: with torch imported that is a
 quarter of a million objects, so full collections take a large share of a
 small load's time and cause its outliers (docs/decisions/008-gc-pause.md).
+Rank 0's decoding and merging of a sharded snapshot's rank parts is such
+bulk work too.
 
 Reference counting still frees everything that is not in a cycle, and the
 collector runs again as soon as the outermost pause ends; the pause covers

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptrepo.core._boxes import Box, intersect
+from ckptrepo.core._boxes import Box, overlapping_pieces
 from ckptrepo.core._schema_records import LayoutRecord, Piece, RankRecord, TensorEntry, TensorStatsRecord
 from ckptrepo.storage import ArrayInfo, array_problem
 
@@ -253,41 +253,6 @@ def tensor_table(raw: Any) -> tuple[TensorEntry, ...]:
                 raise FieldError(f"tensor {t.name} is listed twice")
             seen.add(t.name)
     return table
-
-
-def overlapping_pieces(boxes: list[Box]) -> tuple[Box, Box] | None:
-    """Two of ``boxes`` (inside one tensor) that share an element, or None.
-
-    A table whose pieces overlap while their volumes add up to the tensor's leaves elements no piece holds,
-    which a load would return as uninitialised memory. A sweep along the dimension that tells the boxes apart
-    best (the one with the most distinct offsets): boxes are sorted by their start there, and each is compared
-    only with those still open at its start, which for the tilings the writers produce (slabs, column blocks,
-    ZeRO's row ranges) is one or two.
-    """
-    boxes = [b for b in boxes if all(b[1])]   # an empty box holds no element
-    if len(boxes) < 2:
-        return None
-    rank = len(boxes[0][0])
-    if rank == 0:
-        return boxes[0], boxes[1]   # both hold a scalar's one element
-    d = max(range(rank), key=lambda k: len({b[0][k] for b in boxes}))
-    boxes.sort(key=lambda b: b[0][d])
-    end = 0
-    for b in boxes:   # apart along that dimension, as a tiling mostly is: no two can share an element
-        if b[0][d] < end:
-            break
-        end = b[0][d] + b[1][d]
-    else:
-        return None
-    open_: list[Box] = []
-    for b in boxes:
-        start = b[0][d]
-        open_ = [a for a in open_ if a[0][d] + a[1][d] > start]
-        for a in open_:
-            if intersect(a, b) is not None:
-                return a, b
-        open_.append(b)
-    return None
 
 
 def _box_text(box: Box) -> str:

@@ -29,7 +29,7 @@ import math
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from ckptrepo.core import DATA_PREFIX, Box, Moments, check_coverage, seal, unseal, volume
+from ckptrepo.core import DATA_PREFIX, Box, Moments, check_coverage, collection_paused, seal, unseal, volume
 from ckptrepo.core.schema import (
     MERGED_ORDER,
     LayoutRecord,
@@ -205,8 +205,10 @@ class Staging:
         total = self.kv.add(f"{self.prefix}in", 0)
         present = [r for r in range(self.world_size)] if total == self.world_size else \
             [r for r, k in enumerate(keys) if self.kv.has(k)]
-        parts = [decode_rank_part(raw, f"rank {r}'s part") for r, raw in
-                 zip(present, self.kv.get_many([keys[r] for r in present]))]
+        raws = self.kv.get_many([keys[r] for r in present])
+        # a record per piece of every rank: with the collector on, they set off collections that walk them all
+        with collection_paused():
+            parts = [decode_rank_part(raw, f"rank {r}'s part") for r, raw in zip(present, raws)]
         failed = next((p for p in parts if isinstance(p, RankFailure)), None)
         if failed is not None:
             raise SnapshotFailedError(f"rank {failed.rank} failed: {failed.error}")

@@ -26,6 +26,7 @@ from ckptrepo.core import (
     Head,
     Plumbing,
     Version,
+    collection_paused,
     first_parent_chain,
     lost_head_branch,
     mark_evicted,
@@ -203,9 +204,13 @@ class Committer:
             raise SnapshotFailedError(f"the ranks disagree about the step: rank {self.rank} snapshots step "
                                       f"{job.handle.step}, rank {other} step {steps[other]}; pass every rank the "
                                       f"same step")
-        check_replicas(ranks)
-        header = version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.meta)
-        return self._publish(job, merge_rank_manifests(ranks, self.layout, self.world_size, header))
+        # one bounded call that builds the version's tables from every rank's parts: with the collector on,
+        # the objects it keeps set off collections that walk them (docs/decisions/008-gc-pause.md)
+        with collection_paused():
+            check_replicas(ranks)
+            header = version_header(job.vid, self.tip, job.handle.step, job.message, job.metrics, job.meta)
+            manifest = merge_rank_manifests(ranks, self.layout, self.world_size, header)
+        return self._publish(job, manifest)
 
     def _publish(self, job: SnapshotJob, manifest: Manifest) -> Version:
         """Write the manifest, then move the branch: the version exists once the ref moved."""

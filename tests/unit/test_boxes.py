@@ -7,6 +7,9 @@ is compared element by element with a numpy enumeration of the same set.
 """
 from __future__ import annotations
 
+import sys
+from typing import Any, Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,6 +17,7 @@ from hypothesis import strategies as st
 
 from ckptrepo.core._boxes import (
     Box,
+    _fmt,
     check_coverage,
     flat_boxes,
     intersect,
@@ -220,3 +224,90 @@ def test_check_coverage_a_stray_piece_cannot_make_up_for_a_missing_one() -> None
     """The element count alone would match here (12 + 12 = 24): the stray piece must still be refused."""
     with pytest.raises(LayoutError, match="outside"):
         check_coverage({"w": ((4, 6), [((0, 0), (2, 6)), ((4, 0), (2, 6))])})
+
+
+def all_pairs_coverage(tensors: dict[str, tuple[tuple[int, ...], list[Box]]]) -> None:
+    """The plain check ``check_coverage`` must agree with: every pair of pieces compared, in their order."""
+    for name, (shape, boxes) in tensors.items():
+        for offs, sizes in boxes:
+            if len(offs) != len(shape) or any(o < 0 or z < 0 or o + z > d for o, z, d in zip(offs, sizes, shape)):
+                raise LayoutError(f"{name}: a saved piece {_fmt((offs, sizes))} lies outside the tensor's shape "
+                                  f"{list(shape)}; the ranks disagree about the layout (check the rules)")
+        for i in range(len(boxes)):
+            for j in range(i + 1, len(boxes)):
+                if intersect(boxes[i], boxes[j]) is not None:
+                    raise LayoutError(f"{name}: saved pieces {_fmt(boxes[i])} and {_fmt(boxes[j])} overlap; "
+                                      f"the ranks disagree about the layout")
+        total = sum(volume(b[1]) for b in boxes)
+        if total != volume(shape):
+            raise LayoutError(f"{name}: the ranks' pieces cover {total} of its {volume(shape)} elements "
+                              f"{list(shape)}; some rank did not save its part (check the rules and the layout)")
+
+
+@st.composite
+def piece_sets(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Box]]:
+    """A shape and pieces of it: a tiling cut at random places (irregular, like a flat partition's boxes), then
+    pieces dropped, duplicated, grown, or drawn at random (in or beyond the shape), in a random order."""
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=3)))
+    boxes: list[Box] = [((0,) * len(shape), shape)]
+    for _ in range(draw(st.integers(0, 12))):
+        i = draw(st.integers(0, len(boxes) - 1))
+        offs, sizes = boxes[i]
+        cuttable = [d for d, s in enumerate(sizes) if s > 1]
+        if not cuttable:
+            continue
+        d = draw(st.sampled_from(cuttable))
+        at = draw(st.integers(1, sizes[d] - 1))
+        boxes[i:i + 1] = [(offs, sizes[:d] + (at,) + sizes[d + 1:]),
+                          (offs[:d] + (offs[d] + at,) + offs[d + 1:], sizes[:d] + (sizes[d] - at,) + sizes[d + 1:])]
+    for _ in range(draw(st.integers(0, 3))):
+        change = draw(st.sampled_from(["drop", "duplicate", "grow", "random"]))
+        if change == "random" or not boxes:
+            offs = tuple(draw(st.integers(0, d + 1)) for d in shape)
+            boxes.append((offs, tuple(draw(st.integers(0, d + 1 - o)) for o, d in zip(offs, shape))))
+            continue
+        i = draw(st.integers(0, len(boxes) - 1))
+        if change == "drop":
+            del boxes[i]
+        elif change == "duplicate":
+            boxes.append(boxes[i])
+        elif shape:
+            d = draw(st.integers(0, len(shape) - 1))
+            offs, sizes = boxes[i]
+            boxes[i] = (offs, sizes[:d] + (sizes[d] + 1,) + sizes[d + 1:])
+    return shape, draw(st.permutations(boxes))
+
+
+@FAST
+@given(piece_sets())
+def test_check_coverage_agrees_with_comparing_every_pair(case: tuple[tuple[int, ...], list[Box]]) -> None:
+    """The sweep finds exactly the problems the all-pairs check finds, and names the same pieces."""
+    shape, boxes = case
+
+    def verdict(check: Callable[[dict[str, tuple[tuple[int, ...], list[Box]]]], None]) -> str | None:
+        try:
+            check({"w": (shape, list(boxes))})
+        except LayoutError as err:
+            return str(err)
+        return None
+
+    assert verdict(check_coverage) == verdict(all_pairs_coverage)
+
+
+def test_check_coverage_compares_a_piece_only_with_its_neighbours() -> None:
+    """A tensor cut into 64 x 16 pieces: each piece meets the pieces of its own band of rows, not all 1,023
+    others, so a merge of many ranks' pieces stays cheap. The work is counted in calls of ``intersect``."""
+    boxes: list[Box] = [((r * 16, c * 16), (16, 16)) for c in range(16) for r in range(64)]
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code is intersect.__code__:
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        check_coverage({"w": ((1024, 256), boxes)})
+    finally:
+        sys.setprofile(None)
+    assert 0 < calls <= 16 * len(boxes) < len(boxes) * (len(boxes) - 1) // 2

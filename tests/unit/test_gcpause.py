@@ -1,7 +1,11 @@
 """The collector pause around loads: restored afterwards, even on error, and nested uses restore it once."""
 from __future__ import annotations
 
+import contextlib
 import gc
+import sys
+from types import FrameType
+from typing import Iterator
 
 import pytest
 import torch
@@ -80,3 +84,75 @@ def test_loads_leave_no_reference_cycles(tmp_path) -> None:
     assert garbage == [], garbage[:10]
     assert into["optim"]["step"] == 3 and torch.equal(into["model"]["row.weight"],
                                                       split_state(1)["row.weight"][:, 4096:])
+
+
+@contextlib.contextmanager
+def collections_inside(*functions: str) -> Iterator[tuple[list[str], list[int]]]:
+    """Collections set off every few allocations in the block: the names of ``functions`` running on any thread
+    at each one, and how many ran in all."""
+    inside: list[str] = []
+    ran = [0]
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase != "start":
+            return
+        ran[0] += 1
+        for frame in sys._current_frames().values():
+            f: FrameType | None = frame
+            while f is not None:
+                if f.f_code.co_name in functions:
+                    inside.append(f.f_code.co_name)
+                f = f.f_back
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(50, *threshold[1:])
+    gc.callbacks.append(on_collection)
+    try:
+        yield inside, ran
+    finally:
+        gc.callbacks.remove(on_collection)
+        gc.set_threshold(*threshold)
+
+
+def test_a_sharded_commit_merges_the_ranks_parts_with_the_collector_paused(tmp_path) -> None:
+    """Rank 0's merge builds the version's tables from every rank's parts in one bounded call: no collection
+    runs while it does (here the single process is rank 0), and the collector is on again afterwards."""
+    from support.dist_workers import SPLIT_RULES
+
+    from ckptrepo.parallel.layout import ParallelLayout
+
+    repo = ckptrepo.init(str(tmp_path / "r"))
+    state = {"model": {f"layers.{i}.norm.weight": torch.ones(4) for i in range(300)}, "step": 3}
+    with collections_inside("merge_rank_manifests", "check_replicas") as (inside, ran):
+        v = repo.snapshot(state, step=1, parallel_layout=ParallelLayout(rules=SPLIT_RULES))
+    assert ran[0] > 0 and inside == []
+    assert gc.isenabled()
+    assert torch.equal(repo.load(v.id)["model"]["layers.299.norm.weight"], torch.ones(4))
+
+
+def test_rank_0_decodes_the_staged_parts_with_the_collector_paused() -> None:
+    """``Staging.gather_ranks`` decodes every rank's part (a record per piece) with no collection running."""
+    from torch.distributed import HashStore
+
+    from ckptrepo.core.schema import Piece, RankPart
+    from ckptrepo.parallel._distributed import Staging
+    from ckptrepo.parallel._kv import GroupStore
+    from ckptrepo.storage import ArrayInfo
+
+    vid = "ab" * 16
+    kv = GroupStore(HashStore(), "t/", 0, 2)
+    staging = Staging(kv, vid, 2, timeout_s=30)
+    for rank in range(2):
+        info = ArrayInfo(f"data/{vid}/{rank}/float32", "float32", 300 * 8, 300 * 8, 300 * 8)
+        names = [f"model/w{i}" for i in range(300)]
+        staging.publish_rank(RankPart(
+            rank, 1, ["T", 0], (), tuple((n, "float32", (16,)) for n in names), {"tp": rank, "pp": 0, "dp": 0},
+            tuple((n, (Piece(((rank * 8,), (8,)), info.key, i * 8),)) for i, n in enumerate(names)),
+            {info.key: info}, ()))
+    with collections_inside("decode_rank_part") as (inside, ran):
+        parts = staging.gather_ranks()
+        gc.collect()   # one collection outside the decoding, so that the count shows the callback runs
+    assert ran[0] > 0 and inside == []
+    assert [p.rank for p in parts] == [0, 1] and len(parts[1].tensors) == 300
+    assert parts[1].tensors[299][1][0].box == ((8,), (8,))
+    assert gc.isenabled()
