@@ -229,10 +229,19 @@ class Staging:
             "message": header.message, "metrics": header.metrics, "size": header.size, "meta": header.meta}
         self.kv.set(f"{self.prefix}outcome", seal({"error": error, "header": fields}))
 
-    def forget_outcome(self) -> None:
+    def forget_outcome(self, nodes: int = 0) -> None:
         """Rank 0, once every rank has read the verdict (each has published its part of a later snapshot)."""
-        for k in ("outcome", "manifest"):
+        for k in ("outcome", "manifest", *(f"node{n}" for n in range(nodes))):
             self.kv.delete(self.prefix + k)
+
+    def followed(self, node: int) -> None:
+        """A node's leader has committed (or failed to commit) the version on its node's repository."""
+        self.kv.set(f"{self.prefix}node{node}", b"1")
+
+    def wait_followed(self, node: int) -> None:
+        """A rank of another node than rank 0's: wait for its leader's ``followed``."""
+        self.kv.wait([f"{self.prefix}node{node}"], self.timeout_s,
+                     lambda: f"this node's first rank did not record version {self.vid[:12]}")
 
     def manifest(self) -> bytes:
         """A node leader: the manifest rank 0 published with its verdict."""

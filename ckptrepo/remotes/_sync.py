@@ -79,14 +79,16 @@ class SyncResult:
 
 
 def push(local: Plumbing, remote: str, branches: Sequence[str] | None = None, tags: Sequence[str] = (),
-         progress: Progress | None = None) -> SyncResult:
-    """Push ``branches`` (default: the current one) and ``tags`` to ``remote`` (see the module docstring)."""
+         progress: Progress | None = None, at: dict[str, str] | None = None) -> SyncResult:
+    """Push ``branches`` (default: the current one) and ``tags`` to ``remote`` (see the module docstring).
+    ``at``: branch -> the version of it to push, instead of its tip (one checked before: a node-local tier's
+    rank 0 pushes what the other nodes' arrays were awaited for)."""
     if branches is None:
         current = local.refs.head().branch
         if current is None:
             raise RefError("HEAD is detached: name the branches to push (`ckptrepo push origin BRANCH`)")
         branches = [current]
-    tips = _targets(branches, local.branch_tip, "branch")
+    tips = {**_targets(branches, local.branch_tip, "branch"), **(at or {})}
     tag_tips = _targets(tags, local.tag_target, "tag")
     there = open_remote(local, remote, create_with_branch=next(iter(tips), None) or "main")
     there.require_atomic_store()   # before any copy: a server that would refuse the ref move gets no data

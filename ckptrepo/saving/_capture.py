@@ -52,9 +52,10 @@ from ckptrepo.saving._dedup import DedupIndex
 from ckptrepo.saving._eager_copies import copy_what_forward_may_change, step_owned
 from ckptrepo.saving._flush_stage import FlushStage
 from ckptrepo.saving._host_memory import default_host_memory
+from ckptrepo.saving._node_push import finish_leftover, tier_pusher
 from ckptrepo.saving._options import SnapshotterOptions, snapshot_compression
 from ckptrepo.saving._prepare import JobMaker, Planner, Sharding, refuse_spread_dtensors
-from ckptrepo.saving._pusher import check_tier, skipped_handle, tier_pusher
+from ckptrepo.saving._pusher import check_tier, skipped_handle
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from ckptrepo.saving._startup import Cluster, start_cluster
 from ckptrepo.saving._trackers import tracker_meta
@@ -189,6 +190,8 @@ class Snapshotter:
         self._pusher = None if tier is None else tier_pusher(plumbing, tier, self._committer.branch, self.rank,
                                                              self.world_size, self._report, self._reusable,
                                                              self.cluster, opts.commit_timeout_s)
+        if tier is not None and self.cluster is not None and self.cluster.multi_node:
+            finish_leftover(self.cluster, self._pusher, opts.commit_timeout_s)
         # the stages, one per thread (see the module docstring)
         self._jobs = JobMaker(self._planner, self._sharding, self._dedup,
                               self._direct is not None and self._direct.direct_io, self.tensor_stats)

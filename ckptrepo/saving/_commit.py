@@ -135,8 +135,14 @@ class Committer:
         staging.publish_rank(part)
         if self.rank != 0:
             header = staging.wait_outcome(lambda: self._on_branch(job.vid))
-            if self.cluster is not None and self.cluster.multi_node and self.cluster.leader:
-                return self._follow(job, staging)
+            cluster = self.cluster
+            if cluster is not None and cluster.multi_node and cluster.node != cluster.node_of[0]:
+                if cluster.leader:
+                    try:
+                        return self._follow(job, staging)
+                    finally:   # the node's other ranks wait for it: the version is on their branch, or failed
+                        staging.followed(cluster.node)
+                staging.wait_followed(cluster.node)   # so that after wait() this rank's branch names it
             if header is None:   # rank 0 died after moving the ref: the version is read back from the branch
                 return version_from_manifest(self.plumbing.manifest(job.vid), (self.branch,))
             return Version(id=header["id"], parents=tuple(header["parents"]), step=header["step"],
@@ -145,7 +151,7 @@ class Committer:
         try:
             parts = staging.gather_ranks()
             if self._answered is not None:   # every rank has published this part: each read that verdict
-                self._staging(self._answered).forget_outcome()
+                self._staging(self._answered).forget_outcome(len(self.cluster.nodes) if self.cluster else 0)
             version = self._publish_merged(job, parts)
         except BaseException as err:
             staging.publish_outcome(first_line(err))

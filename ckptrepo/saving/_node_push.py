@@ -17,10 +17,11 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from ckptrepo.core import CONFIG_KEY, Plumbing, first_parent_chain, remote_url, set_tracking_ref, tracking_tip
-from ckptrepo.errors import CkptRepoError
+from ckptrepo.errors import CkptRepoError, SnapshotFailedError
 from ckptrepo.parallel import ranks_text
 from ckptrepo.remotes import VersionCopier, open_remote
-from ckptrepo.saving._pusher import BackgroundPusher
+from ckptrepo.saving._options import LocalTier, default_local_max_bytes
+from ckptrepo.saving._pusher import BackgroundPusher, check_tier
 from ckptrepo.saving._startup import Cluster
 from ckptrepo.storage import open_store
 
@@ -31,11 +32,12 @@ def pushed_key(node: int, vid: str) -> str:
     return f"pushed/{node}/{vid}"
 
 
-def unpushed_versions(plumbing: Plumbing, remote: str, branch: str) -> list[str]:
-    """The versions of ``branch`` past what the remote was last known to hold, oldest first."""
+def unpushed_versions(plumbing: Plumbing, remote: str, branch: str, tip: str | None = None) -> list[str]:
+    """The versions of ``branch`` (from ``tip``, default its tip) past what the remote was last known to
+    hold, oldest first."""
     on_remote = tracking_tip(plumbing.store, f"{remote}/{branch}")
     out = []
-    for vid in first_parent_chain(plumbing.branch_tip(branch), plumbing.first_parent):
+    for vid in first_parent_chain(tip or plumbing.branch_tip(branch), plumbing.first_parent):
         if vid == on_remote:
             break
         out.append(vid)
@@ -56,12 +58,15 @@ class RemoteGate:
         self.cluster, self.remote, self.branch, self.timeout_s = cluster, remote, branch, timeout_s
         self._ready = False
 
-    def __call__(self, plumbing: Plumbing) -> None:
+    def __call__(self, plumbing: Plumbing) -> str | None:
+        """Wait for the other nodes' arrays of the branch's unpushed versions; return the tip they are of (the
+        push goes no further: a version committed meanwhile waits for the next one)."""
         there = open_remote(plumbing, self.remote, create_with_branch=self.branch)
         if not self._ready:
             self.kv.set(REMOTE_READY, b"1")
             self._ready = True
-        for vid in unpushed_versions(plumbing, self.remote, self.branch):
+        tip = plumbing.branch_tip(self.branch)
+        for vid in unpushed_versions(plumbing, self.remote, self.branch, tip):
             nodes = set()
             for key in plumbing.manifest(vid).arrays:
                 rank = array_rank(key)
@@ -74,6 +79,7 @@ class RemoteGate:
                         f"version {vid[:12]}")
                 self.kv.wait([pushed_key(node, vid)], self.timeout_s, lambda: late)  # noqa: B023 - waited here
                 self.kv.delete(pushed_key(node, vid))
+        return tip
 
 
 class NodePusher(BackgroundPusher):
@@ -88,6 +94,7 @@ class NodePusher(BackgroundPusher):
         super().__init__(plumbing, remote, branch, keep_last, max_bytes, on_error, protect)
 
     def _send(self) -> None:
+        """This node's arrays of the versions the remote lacks (see the module docstring)."""
         store = self.plumbing.store
         dst = open_store(remote_url(store, self.remote))
         if dst.get(CONFIG_KEY) is None:   # rank 0's first push makes it a repository: nothing goes in before
@@ -116,4 +123,39 @@ def node_pusher(plumbing: Plumbing, remote: str, branch: str, keep_last: int | N
     return NodePusher(plumbing, remote, branch, keep_last, max_bytes, on_error, protect, cluster, timeout_s)
 
 
-__all__ = ["NodePusher", "RemoteGate", "node_pusher", "unpushed_versions"]
+def finish_leftover(cluster: Cluster, pusher: BackgroundPusher | None, timeout_s: float) -> None:
+    """At the start of a node-local tier: every node pushes what the last run left, and rank 0 the versions,
+    before any rank loads (a rank's pieces may be on another node's disk, so on the remote or nowhere it can
+    read). A failure fails every rank's start: the remote must be reachable to resume."""
+    error = None
+    if pusher is not None:
+        pusher.wait()
+        error = pusher.last_error
+    _, refused = cluster.kv.arrive("leftover", timeout_s, {"error": error}, False, error is not None,
+                                   "the push of what the last run left")
+    if refused:
+        rank, why = next((r, p["error"]) for r, p in enumerate(cluster.kv.payloads("leftover")) if p["error"])
+        raise SnapshotFailedError(f"the versions the last run left unpushed could not be pushed (rank {rank}: "
+                                  f"{why}); the remote must be reachable to resume a node-local tier")
+    cluster.kv.forget("leftover", own_only=True)
+
+
+def tier_pusher(plumbing: Plumbing, tier: LocalTier, branch: str, rank: int, world_size: int,
+                on_error: Callable[[CkptRepoError], None], protect: Callable[[], Iterable[str]],
+                cluster: Cluster | None = None, timeout_s: float = 600.0) -> BackgroundPusher | None:
+    """A snapshotter's pusher for ``tier`` on ``branch``, once its remote is checked (``check_tier``, done by
+    the cluster's start under torch.distributed). One pusher per repository: rank 0's pushes the versions;
+    on node-local tiers, each other node's leader pushes its node's arrays (saving/_node_push.py); the other
+    ranks have none."""
+    if cluster is None:
+        check_tier(plumbing, tier, world_size)
+    max_bytes = tier.max_bytes_parsed or default_local_max_bytes(plumbing.store)
+    if cluster is not None and cluster.multi_node and cluster.leader:
+        return node_pusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect, cluster,
+                           timeout_s)
+    if rank != 0:
+        return None
+    return BackgroundPusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect)
+
+
+__all__ = ["NodePusher", "RemoteGate", "finish_leftover", "node_pusher", "tier_pusher", "unpushed_versions"]

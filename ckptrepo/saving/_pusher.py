@@ -42,9 +42,8 @@ from ckptrepo.errors import (
     warn,
 )
 from ckptrepo.remotes import evict, push
-from ckptrepo.saving._options import LocalTier, default_local_max_bytes
+from ckptrepo.saving._options import LocalTier
 from ckptrepo.saving._snapshot_job import SnapshotHandle
-from ckptrepo.saving._startup import Cluster
 from ckptrepo.storage import open_store
 
 log = logging.getLogger("ckptrepo")
@@ -89,7 +88,9 @@ class BackgroundPusher:
         self.remote, self.branch = remote, branch
         self.keep_last, self.max_bytes = keep_last, max_bytes
         self._on_error, self._protect = on_error, protect
-        self.before_push: Callable[[Plumbing], None] | None = None
+        # on node-local tiers: the wait for the other nodes' arrays, which says the branch's version it checked
+        self.before_push: Callable[[Plumbing], str | None] | None = None
+        self.last_error: str | None = None   # the last push's failure, None once one succeeds
         self._cond = threading.Condition()
         # pushes asked for and the last one an attempt covered: a commit asks for one; an attempt covers
         # every ask made before it began
@@ -200,6 +201,8 @@ class BackgroundPusher:
                     return
                 target = self._asked
             ok = self._push_once()
+            if ok:
+                self.last_error = None
             if ok and self.keep_last is not None:   # before the push counts as done: wait() covers it too
                 self._evict()
             with self._cond:
@@ -234,9 +237,8 @@ class BackgroundPusher:
     def _send(self) -> None:
         """One push: the branch's versions the remote lacks, then its ref (``before_push`` first: on node-local
         tiers, the wait for the other nodes' arrays)."""
-        if self.before_push is not None:
-            self.before_push(self.plumbing)
-        push(self.plumbing, self.remote, [self.branch])
+        at = None if self.before_push is None else self.before_push(self.plumbing)
+        push(self.plumbing, self.remote, [self.branch], at=None if at is None else {self.branch: at})
 
     def _evict(self) -> None:
         assert self.keep_last is not None
@@ -249,6 +251,7 @@ class BackgroundPusher:
             self._fail(failure)
 
     def _fail(self, failure: CkptRepoError) -> None:
+        self.last_error = first_line(failure)
         log.error("ckptrepo: %s", failure)
         self._on_error(failure)
 
@@ -260,25 +263,6 @@ def check_tier(plumbing: Plumbing, tier: LocalTier, world_size: int) -> None:
     if tier.on_full == "skip" and world_size > 1:
         raise ArgumentError("on_full='skip' needs a single process (every rank would have to skip the same "
                             "snapshot); use on_full='wait'")
-
-
-def tier_pusher(plumbing: Plumbing, tier: LocalTier, branch: str, rank: int, world_size: int,
-                on_error: Callable[[CkptRepoError], None], protect: Callable[[], Iterable[str]],
-                cluster: Cluster | None = None, timeout_s: float = 600.0) -> BackgroundPusher | None:
-    """A snapshotter's pusher for ``tier`` on ``branch``, once its remote is checked (``check_tier``, done by
-    the cluster's start under torch.distributed). One pusher per repository: rank 0's pushes the versions;
-    on node-local tiers, each other node's leader pushes its node's arrays (saving/_node_push.py); the other
-    ranks have none."""
-    if cluster is None:
-        check_tier(plumbing, tier, world_size)
-    max_bytes = tier.max_bytes_parsed or default_local_max_bytes(plumbing.store)
-    if cluster is not None and cluster.multi_node and cluster.leader:
-        from ckptrepo.saving._node_push import node_pusher  # it builds on this module's pusher
-        return node_pusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect, cluster,
-                           timeout_s)
-    if rank != 0:
-        return None
-    return BackgroundPusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect)
 
 
 def skipped_handle(step: int | None, remote: str, t0: float) -> SnapshotHandle:
@@ -299,4 +283,4 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-__all__ = ["BackgroundPusher", "check_push_target", "check_tier", "skipped_handle", "tier_pusher"]
+__all__ = ["BackgroundPusher", "check_push_target", "check_tier", "skipped_handle"]
