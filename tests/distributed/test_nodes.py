@@ -163,8 +163,8 @@ def assert_remote_holds(remote: Path, steps: list[int]) -> ckptrepo.Repository:
 
 def assert_loaded(reps: dict[int, dict[str, Any]], step: int) -> None:
     for r, rep in sorted(reps.items()):
-        assert rep.get("loaded_step") == step and rep["load_differences"] == [], (
-            f"rank {r} loaded step {rep.get('loaded_step')}: {rep.get('load_differences')}")
+        assert rep.get("loaded_step") == step and rep["load_error"] is None, (
+            f"rank {r} loaded step {rep.get('loaded_step')}: {rep.get('load_error')}")
 
 
 def _dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
@@ -239,6 +239,11 @@ def test_two_agents_sharing_one_directory_still_work(tmp_path):
     shared, _, remote = _dirs(tmp_path)
     ckptrepo.init(str(shared)).remote_add("origin", str(remote))   # one shared filesystem, set up once
     reps = run_job(tmp_path, [shared, shared], remote, "run1", "--steps", "1,2")
+    assert {r for r, rep in reps.items() if rep["node"] == str(shared)} == {0, 1, 2, 3}
     repo = assert_remote_holds(remote, [1, 2])
     assert ckptrepo.open(str(shared)).resolve("main") == repo.resolve("main")
-    assert {r for r, rep in reps.items() if rep["node"] == str(shared)} == {0, 1, 2, 3}
+
+    reps = run_job(tmp_path, [shared, shared], remote, "run2", "--load", "2", "--steps", "3")
+    assert_loaded(reps, 2)
+    repo = assert_remote_holds(remote, [1, 2, 3])
+    assert ckptrepo.open(str(shared)).resolve("main") == repo.resolve("main")

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ckptrepo.parallel.layout import ParallelLayout  # noqa: E402
 from ckptrepo.rules import Replicated, Rules, Split  # noqa: E402
+from support.helpers import assert_bit_exact  # noqa: E402
 
 RULES = Rules([("col.weight", Split(0)), ("row.weight", Split(1)), ("norm.weight", Replicated())])
 WORLD_SIZE = 4          # two nodes of two ranks
@@ -56,24 +57,6 @@ def rank_state(step: int, rank: int, world_size: int = WORLD_SIZE) -> dict[str, 
                       "row.weight": model["row.weight"].chunk(world_size, dim=1)[rank].clone(),
                       "norm.weight": model["norm.weight"].clone()},
             "step": step}
-
-
-def differences(got: Any, want: Any, path: str = "state") -> list[str]:
-    """Where ``got`` and ``want`` differ in structure, dtype, shape or bytes; empty when bit-exact."""
-    if isinstance(want, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            return [f"{path}: {type(got).__name__} is not a tensor"]
-        if got.dtype != want.dtype or got.shape != want.shape:
-            return [f"{path}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"]
-        same = torch.equal(got.contiguous().reshape(-1).view(torch.uint8),
-                           want.contiguous().reshape(-1).view(torch.uint8))
-        return [] if same else [f"{path}: bytes differ"]
-    if isinstance(want, dict):
-        if not isinstance(got, dict) or set(got) != set(want):
-            return [f"{path}: keys {sorted(got) if isinstance(got, dict) else type(got).__name__} "
-                    f"vs {sorted(want)}"]
-        return [d for k in want for d in differences(got[k], want[k], f"{path}.{k}")]
-    return [] if got == want and type(got) is type(want) else [f"{path}: {got!r} vs {want!r}"]
 
 
 def _kill_self(_point: str) -> None:
@@ -119,7 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.load is not None:
         loaded = repo.load("main", parallel_layout=lay)
         report["loaded_step"] = loaded.get("step") if isinstance(loaded, dict) else None
-        report["load_differences"] = differences(loaded, rank_state(args.load, rank, world_size))
+        try:
+            assert_bit_exact(loaded, rank_state(args.load, rank, world_size))
+            report["load_error"] = None
+        except AssertionError as err:
+            report["load_error"] = str(err)
     wait_after = set(_steps(args.wait_after))
     for step in _steps(args.steps):
         if step == args.kill_before:
