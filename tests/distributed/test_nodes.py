@@ -242,6 +242,19 @@ def test_a_restart_after_one_node_disk_was_wiped(tmp_path):
     assert data_ranks(node1)[step3] == on_node1
 
 
+def test_each_node_evicts_its_own_pushed_data_and_every_version_still_loads(tmp_path):
+    node0, node1, remote = _dirs(tmp_path)
+    reps = run_job(tmp_path, [node0, node1], remote, "run1", "--steps", "1,2,3,4", "--wait-after", "1,2,3",
+                   "--keep-last", "1")
+    repo = assert_remote_holds(remote, [1, 2, 3, 4])
+    newest = repo.log("main")[0].id
+    for node, ranks in ranks_by_node(reps).items():   # older versions' arrays left each node once pushed
+        assert data_ranks(Path(node)) == {newest: ranks}, (node, data_ranks(Path(node)))
+        here = ckptrepo.open(node)
+        for v in here.log("main"):   # what a node evicted, or never held, is read from the remote
+            assert_bit_exact(here.load(v.id), full_state(v.step))
+
+
 def test_two_agents_sharing_one_directory_still_work(tmp_path):
     shared, _, remote = _dirs(tmp_path)
     ckptrepo.init(str(shared)).remote_add("origin", str(remote))   # one shared filesystem, set up once

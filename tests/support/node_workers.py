@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load", type=int, default=None, help="first load main's tip, which must be this step")
     parser.add_argument("--steps", default="", help="the steps to snapshot, comma-separated")
     parser.add_argument("--wait-after", default="", help="steps after which every version must reach the remote")
+    parser.add_argument("--keep-last", type=int, default=None, help="local_keep_last: evict older data here")
     parser.add_argument("--kill-before", type=int, default=None,
                         help="before this step, SIGKILL this rank at its first push_after_array")
     args = parser.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     lay = layout(world_size)
     # the snapshotter first: its start-up makes every node's branch agree before anything is loaded
     snap = repo.snapshotter(push_to="origin", parallel_layout=lay, commit_timeout_s=COMMIT_TIMEOUT_S,
-                            host_memory=1 << 22)
+                            host_memory=1 << 22, local_keep_last=args.keep_last)
     if args.load is not None:
         loaded = repo.load("main", parallel_layout=lay)
         report["loaded_step"] = loaded.get("step") if isinstance(loaded, dict) else None
