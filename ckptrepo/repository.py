@@ -216,8 +216,11 @@ class Repository:
 
         ``host_memory`` bounds the staging pool ("8GiB"; default: ``repo.host_memory``
         if set, else a quarter of the available memory, at most 8 GiB). Under
-        torch.distributed every rank makes the same ``snapshot`` calls; the
-        layout's rules (or the DTensors' placements) name what each rank holds.
+        torch.distributed every rank makes its snapshotter and the same ``snapshot`` calls, in the same order; the
+        layout's rules (or the DTensors' placements) name what each rank holds. The ranks coordinate through the
+        default process group's key-value store (``group`` is accepted and not needed); ``commit_timeout_s`` is
+        the deadline of every wait between them. With ``push_to``, each node may have a repository of its own
+        on its local disk in front of one remote (README, "Running on a cluster").
         ``dedup``: a tensor whose bytes are unchanged since the parent version (whoever
         wrote it) is not written again; its piece points at the stored bytes.
         ``retention``: a :class:`ckptrepo.RetentionPolicy` applied in the
