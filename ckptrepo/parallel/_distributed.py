@@ -120,10 +120,13 @@ class GroupHealth:
     and answered, so its error fails only that snapshot, promptly.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, waker: GroupStore | None = None) -> None:
         self._cause: str | None = None
         self._lock = threading.Lock()
-        self._wakes: dict[int, Callable[[], None]] = {}
+        # a connection of its own: the thread that breaks the group is not the one blocked in the wait it wakes,
+        # and a store client serves one request at a time (parallel/_kv.py)
+        self._waker = waker
+        self._wakes: dict[int, str] = {}
         self._next = 0
 
     def mark_broken(self, cause: str) -> None:
@@ -133,21 +136,24 @@ class GroupHealth:
             if self._cause is None:
                 self._cause = cause
             wakes = list(self._wakes.values())
-        for wake in wakes:
+        waker = self._waker
+        if waker is None:
+            return
+        for key in wakes:
             try:
-                wake()
+                waker.set(key, b"1")
             except Exception:  # noqa: BLE001 - the store may be what broke: the wait then ends at its deadline
                 pass
 
-    def waking(self, wake: Callable[[], None] | None, token: int | None = None) -> int:
-        """Register what wakes a wait in progress (the commit thread's, the training thread's) and return its
-        token; with None and the token, remove it."""
+    def waking(self, key: str | None, token: int | None = None) -> int:
+        """Register the key whose setting ends a wait in progress (the commit thread's, the training thread's)
+        and return its token; with None and the token, remove it."""
         with self._lock:
-            if wake is None:
+            if key is None:
                 self._wakes.pop(token if token is not None else -1, None)
                 return -1
             self._next += 1
-            self._wakes[self._next] = wake
+            self._wakes[self._next] = key
             return self._next
 
     def check(self) -> None:
@@ -195,7 +201,7 @@ class Staging:
             self.health.mark_broken(f"{ranks_text(late)} did not finish their part of snapshot {self.vid[:12]} "
                                     f"within {self.timeout_s:.0f} s")
             return f"{ranks_text(late)} did not finish their part"
-        wake = self.health.waking(lambda: self.kv.set(f"{self.prefix}open", b"1"))
+        wake = self.health.waking(f"{self.prefix}open")
         try:
             self.kv.wait([f"{self.prefix}open"], self.timeout_s, missing,
                          " (a rank died or is stuck); nothing was committed")
@@ -238,10 +244,10 @@ class Staging:
         """A node's leader has committed (or failed to commit) the version on its node's repository."""
         self.kv.set(f"{self.prefix}node{node}", b"1")
 
-    def wait_followed(self, node: int) -> None:
+    def wait_followed(self, node: int, leader: int) -> None:
         """A rank of another node than rank 0's: wait for its leader's ``followed``."""
         self.kv.wait([f"{self.prefix}node{node}"], self.timeout_s,
-                     lambda: f"this node's first rank did not record version {self.vid[:12]}")
+                     lambda: f"this node's first rank ({leader}) did not record version {self.vid[:12]}")
 
     def manifest(self) -> bytes:
         """A node leader: the manifest rank 0 published with its verdict."""

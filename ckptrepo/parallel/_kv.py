@@ -123,6 +123,9 @@ class GroupStore:
             return f"{ranks_text(late)} did not reach {what}" if late else f"the ranks did not all reach {what}"
         self.wait([f"{name}/open"], timeout_s, missing, fix)
         total = self.add(f"{name}/n", 0)
+        if total & _MASK != self.world_size:   # opened by a rank that knows the group is broken: not all are here
+            raise DeadlineError(f"{missing()}: the process group is broken; restart every rank and resume from the "
+                                f"last committed version")
         return (total >> 20) & _MASK, total >> 40
 
     def payloads(self, name: str) -> list[dict[str, Any]]:

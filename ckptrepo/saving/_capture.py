@@ -373,9 +373,13 @@ class Snapshotter:
                 return
             first, rest = self._errors[0], len(self._errors) - 1
             self._errors.clear()
-        if rest:
-            raise SnapshotFailedError(f"{first} (and {rest} more failed snapshot(s); see `ckptrepo log --all`)") \
-                from first.__cause__
+        if rest:   # the first failure's kind (a failed push stays a RemoteError), with a count of the others
+            message = f"{first} (and {rest} more failed snapshot(s); see `ckptrepo log --all`)"
+            try:
+                summary: CkptRepoError = type(first)(message)
+            except TypeError:   # a kind made with other arguments
+                summary = SnapshotFailedError(message)
+            raise summary from first.__cause__
         raise first
 
     def _report(self, failure: CkptRepoError) -> None:

@@ -88,7 +88,8 @@ class Committer:
         self.distributed = world_size > 1
         self.sharded = sharded
         self.commit_timeout_s = commit_timeout_s
-        self.health = GroupHealth()   # shared by this snapshotter's commits: a broken group fails them all at once
+        # shared by this snapshotter's commits and meetings: a broken group fails them all at once
+        self.health = GroupHealth(cluster.kv.connection() if cluster is not None else None)
         self.branch, self.orphan, self.tip, self.generation = base.branch, base.orphan, base.tip, base.generation
         self.conflict: str | None = None   # set once another writer moved the branch under this snapshotter
         # the snapshotter's dedup index (set by it once made: it compares with this committer's tip first)
@@ -142,7 +143,8 @@ class Committer:
                         return self._follow(job, staging)
                     finally:   # the node's other ranks wait for it: the version is on their branch, or failed
                         staging.followed(cluster.node)
-                staging.wait_followed(cluster.node)   # so that after wait() this rank's branch names it
+                # so that after wait() this rank's branch names it
+                staging.wait_followed(cluster.node, cluster.nodes[cluster.node][0])
             if header is None:   # rank 0 died after moving the ref: the version is read back from the branch
                 return version_from_manifest(self.plumbing.manifest(job.vid), (self.branch,))
             return Version(id=header["id"], parents=tuple(header["parents"]), step=header["step"],

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from ckptrepo.core import CONFIG_KEY, Plumbing, first_parent_chain, remote_url, set_tracking_ref, tracking_tip
 from ckptrepo.errors import CkptRepoError, SnapshotFailedError
-from ckptrepo.parallel import ranks_text
+from ckptrepo.parallel import DeadlineError, ranks_text
 from ckptrepo.remotes import VersionCopier, open_remote
 from ckptrepo.saving._options import LocalTier, default_local_max_bytes
 from ckptrepo.saving._pusher import BackgroundPusher, check_tier
@@ -30,6 +30,11 @@ REMOTE_READY = "remote-ready"   # rank 0 made the remote a repository: the nodes
 
 def pushed_key(node: int, vid: str) -> str:
     return f"pushed/{node}/{vid}"
+
+
+def progress_key(node: int) -> str:
+    """A count of the objects ``node`` has uploaded: while it grows, rank 0 keeps waiting for the node."""
+    return f"progress/{node}"
 
 
 def unpushed_versions(plumbing: Plumbing, remote: str, branch: str, tip: str | None = None) -> list[str]:
@@ -75,11 +80,31 @@ class RemoteGate:
                         and not there.store.exists(f"{key}/zarr.json"):
                     nodes.add(node)
             for node in sorted(nodes):
-                late = (f"the node of {ranks_text(list(self.cluster.nodes[node]))} did not push its arrays of "
-                        f"version {vid[:12]}")
-                self.kv.wait([pushed_key(node, vid)], self.timeout_s, lambda: late)  # noqa: B023 - waited here
-                self.kv.delete(pushed_key(node, vid))
+                self._await_node(node, vid)
         return tip
+
+    def _await_node(self, node: int, vid: str) -> None:
+        """Wait for ``node``'s arrays of ``vid``: as long as its upload makes progress, each ``timeout_s`` of
+        silence at most (an upload may take longer than a commit)."""
+        ranks = ranks_text(list(self.cluster.nodes[node]))
+        seen = -1
+        while True:
+            try:
+                self.kv.wait([pushed_key(node, vid)], self.timeout_s,
+                             lambda: f"the node of {ranks} did not push its arrays of version {vid[:12]}")
+                break
+            except DeadlineError:
+                moved = self.kv.add(progress_key(node), 0)
+                if moved == seen:
+                    raise
+                seen = moved
+        word = self.kv.get(pushed_key(node, vid))
+        self.kv.delete(pushed_key(node, vid))
+        if word != b"1":   # the node lacks them: its disk was lost before they were pushed
+            raise SnapshotFailedError(f"version {vid[:12]} cannot reach the remote: the node of {ranks} no longer "
+                                      f"has its arrays ({word.decode(errors='replace')}); that version is lost. "
+                                      f"Resume from the remote's branch: on each node, `ckptrepo --repo DIR "
+                                      f"checkout origin/BRANCH -b BRANCH2`, or move the node directories aside")
 
 
 class NodePusher(BackgroundPusher):
@@ -99,13 +124,21 @@ class NodePusher(BackgroundPusher):
         dst = open_store(remote_url(store, self.remote))
         if dst.get(CONFIG_KEY) is None:   # rank 0's first push makes it a repository: nothing goes in before
             self.kv.wait([REMOTE_READY], self.timeout_s, lambda: "rank 0 did not make the remote a repository")
-        copier = VersionCopier(store, dst)
+        node = self.cluster.node
+        def uploaded(_done: int, _total: int) -> None:
+            self.kv.add(progress_key(node), 1)
+        copier = VersionCopier(store, dst, uploaded)
         for vid in unpushed_versions(self.plumbing, self.remote, self.branch):
             m = self.plumbing.manifest(vid)
-            mine = [k for k in m.arrays if k.split("/")[1] == vid and array_rank(k) in self.ranks
-                    and store.exists(f"{k}/zarr.json")]
+            ours = [k for k in m.arrays if k.split("/")[1] == vid and array_rank(k) in self.ranks]
+            mine = [k for k in ours if store.exists(f"{k}/zarr.json")]
+            lost = [k for k in ours if k not in mine and not dst.exists(f"{k}/zarr.json")]
+            if lost:   # rank 0 learns it at once, not at its deadline
+                self.kv.set(pushed_key(node, vid), f"missing {', '.join(lost[:3])}".encode())
+                raise SnapshotFailedError(f"this node lacks its arrays of version {vid[:12]} ({lost[0]}), and "
+                                          f"the remote does not hold them: that version is lost")
             copier.copy_arrays(m, keys=mine)
-            self.kv.set(pushed_key(self.cluster.node, vid), b"1")
+            self.kv.set(pushed_key(node, vid), b"1")
         there = Plumbing(dst)
         tip = there.branch_tip(self.branch)
         if tip is not None and store.exists(f"versions/{tip}"):   # what the remote holds, as far as rank 0 pushed
@@ -150,12 +183,17 @@ def tier_pusher(plumbing: Plumbing, tier: LocalTier, branch: str, rank: int, wor
     if cluster is None:
         check_tier(plumbing, tier, world_size)
     max_bytes = tier.max_bytes_parsed or default_local_max_bytes(plumbing.store)
+    pusher: BackgroundPusher | None
     if cluster is not None and cluster.multi_node and cluster.leader:
-        return node_pusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect, cluster,
-                           timeout_s)
-    if rank != 0:
+        pusher = node_pusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect,
+                             cluster, timeout_s)
+    elif rank == 0:
+        pusher = BackgroundPusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect)
+    else:
         return None
-    return BackgroundPusher(plumbing, tier.push_to, branch, tier.keep_last, max_bytes, on_error, protect)
+    if cluster is not None:   # the node's other ranks write about as much as its leader: the disk holds it all
+        pusher.ranks_here = len(cluster.nodes[cluster.node])
+    return pusher
 
 
 __all__ = ["NodePusher", "RemoteGate", "finish_leftover", "node_pusher", "tier_pusher", "unpushed_versions"]

@@ -161,7 +161,11 @@ class Sharding:
             other_step = kv.first(f"{name}/step", stamp) != stamp
             mark = None if meta is None else xxhash.xxh3_128_digest(msgpack.packb(meta))
             changed = self._cached is None or self._cached[0] != mark
-            wake = self.health.waking(lambda: kv.set(f"{name}/open", b"1"))
+            try:   # a group known broken here: every rank learns it at this meeting, not at its deadline
+                self.health.check()
+            except SnapshotFailedError as broken:
+                error = error or first_line(broken)
+            wake = self.health.waking(f"{name}/open")
             try:
                 changes, refused = kv.arrive(name, self.timeout_s, {"error": error, "step": step}, changed,
                                              error is not None or other_step,

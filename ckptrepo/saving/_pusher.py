@@ -91,6 +91,7 @@ class BackgroundPusher:
         # on node-local tiers: the wait for the other nodes' arrays, which says the branch's version it checked
         self.before_push: Callable[[Plumbing], str | None] | None = None
         self.last_error: str | None = None   # the last push's failure, None once one succeeds
+        self.ranks_here = 1   # ranks writing into this repository: the bytes it accounts are this rank's times that
         self._cond = threading.Condition()
         # pushes asked for and the last one an attempt covered: a commit asks for one; an attempt covers
         # every ask made before it began
@@ -107,13 +108,13 @@ class BackgroundPusher:
     def reserve(self, vid: str, nbytes: int) -> None:
         """A snapshot is in flight: its bytes count against ``max_bytes`` until pushed (or failed)."""
         with self._cond:
-            self._pending[vid] = nbytes
+            self._pending[vid] = nbytes * self.ranks_here
 
     def committed(self, vid: str, nbytes: int) -> None:
         """Version ``vid`` is committed here with ``nbytes`` of its own data: push it."""
         with self._cond:
             if vid in self._pending:
-                self._pending[vid] = nbytes
+                self._pending[vid] = nbytes * self.ranks_here
             self._asked += 1
             self._committed[vid] = self._asked
             self._cond.notify_all()
@@ -153,9 +154,10 @@ class BackgroundPusher:
             return True
 
     def admit(self, nbytes: int, step: int | None, on_full: str) -> bool:
-        """``make_room`` for a snapshot of ``nbytes`` at ``step``, with the ``BackpressureWarning`` that says
-        why it waits (``on_full="wait"``) or is skipped; called by ``Snapshotter.snapshot`` (the warning
-        names the line that called the snapshotter)."""
+        """``make_room`` for a snapshot of ``nbytes`` at ``step`` (this rank's: times ``ranks_here``), with the
+        ``BackpressureWarning`` that says why it waits (``on_full="wait"``) or is skipped; called by
+        ``Snapshotter.snapshot`` (the warning names the line that called the snapshotter)."""
+        nbytes *= self.ranks_here
         def warn_full(unpushed: int) -> None:
             assert self.max_bytes is not None
             what = "waits for the push" if on_full == "wait" else "is skipped"

@@ -20,13 +20,15 @@ committed but had not pushed reach a node that lacks them through the key-value 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar, cast
 
 from ckptrepo.core import (
     CONFIG_KEY,
     VERSIONS_PREFIX,
     Plumbing,
+    evicted_ids,
     first_parent_chain,
+    mark_evicted,
     new_version_id,
     remote_url,
     tracking_tip,
@@ -39,6 +41,7 @@ from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.remotes import REPOSITORY_ID, fetch
 from ckptrepo.storage import open_store
 
+T = TypeVar("T")
 PROBE_PREFIX = "staging/"   # + a version-like id (gc removes stale ones as an interrupted handshake's) + /probe-
 # versions rank 0 hands a node that lacks them at the start: those committed but not pushed, which the
 # local tier's backpressure keeps few; older ones are on the remote
@@ -98,7 +101,7 @@ def start_cluster(plumbing: Plumbing, rank: int, world_size: int, layout: Parall
         _agree_on_history(plumbing, cluster, branch, remote, timeout_s)
     # every rank has read every key of the meetings above once all reach this one: they may go
     kv.arrive("ready", timeout_s, {}, False, False, "the end of the snapshotter's start")
-    for name in ("start", "probed", "seen", "history"):
+    for name in ("start", "probed", "seen", "views", "took", "history"):
         kv.forget(name, own_only=rank != 0)
     return cluster
 
@@ -128,19 +131,38 @@ def _check_setup(every: list[dict[str, Any]], failure: CkptRepoError | None) -> 
                 f"and push_to one remote")
 
 
+def together(kv: GroupStore, name: str, timeout_s: float, what: str, step: Callable[[], T]) -> T:
+    """Run this rank's ``step`` of a start phase, then meet the others at ``name``: a rank whose step failed
+    (storage, a remote) fails every rank now, with its error, instead of leaving them to their deadline."""
+    result: Any = None
+    error = None
+    try:
+        result = step()
+    except CkptRepoError as err:
+        error = f"{type(err).__name__}: {first_line(err)}"
+    _, refused = kv.arrive(name, timeout_s, {"error": error}, False, error is not None, what)
+    if refused:
+        rank, why = next((r, p["error"]) for r, p in enumerate(kv.payloads(name)) if p["error"])
+        raise SnapshotFailedError(f"rank {rank} failed in {what} ({why}); fix it there and start again")
+    return cast(T, result)
+
+
 def _probe(plumbing: Plumbing, kv: GroupStore, every: list[dict[str, Any]],
            timeout_s: float) -> tuple[tuple[int, ...], ...]:
     """The ranks that share each local store, learnt from probe objects (see the module docstring)."""
     prefix = f"{PROBE_PREFIX}{every[0]['nonce']}/probe-"
     key = f"{prefix}{kv.rank}"
-    plumbing.store.put(key, b"")
     try:
-        kv.arrive("probed", timeout_s, {}, False, False, "the repository probe")
-        seen = sorted(int(k[len(prefix):]) for k in plumbing.store.list(prefix) if k[len(prefix):].isdigit())
-        kv.arrive("seen", timeout_s, {"seen": seen}, False, False, "the repository probe")
-        views = [tuple(p["seen"]) for p in kv.payloads("seen")]
+        together(kv, "probed", timeout_s, "the repository probe", lambda: plumbing.store.put(key, b""))
+        seen = together(kv, "seen", timeout_s, "the repository probe", lambda: sorted(
+            int(k[len(prefix):]) for k in plumbing.store.list(prefix) if k[len(prefix):].isdigit()))
+        kv.arrive("views", timeout_s, {"seen": seen}, False, False, "the repository probe")
+        views = [tuple(p["seen"]) for p in kv.payloads("views")]
     finally:
-        plumbing.store.delete(key)
+        try:
+            plumbing.store.delete(key)
+        except CkptRepoError:   # gc removes a probe left behind, as an interrupted handshake's
+            pass
     nodes = sorted(set(views))
     for r, view in enumerate(views):
         if r not in view or any(views[o] != view for o in view):
@@ -153,8 +175,9 @@ def _probe(plumbing: Plumbing, kv: GroupStore, every: list[dict[str, Any]],
 def _agree_on_history(plumbing: Plumbing, cluster: Cluster, branch: str, remote: str, timeout_s: float) -> None:
     """Make every node's ``branch`` name rank 0's tip (see the module docstring)."""
     kv = cluster.kv
-    if cluster.leader and plumbing.branch_tip(branch) is None:
-        _take_from_remote(plumbing, remote, branch)
+    together(kv, "took", timeout_s, "taking the remote's history into an empty node repository",
+             lambda: _take_from_remote(plumbing, remote, branch)
+             if cluster.leader and plumbing.branch_tip(branch) is None else None)
     if kv.rank == 0:
         tip = plumbing.branch_tip(branch)
         kv.set("history/tip", (tip or "").encode())
@@ -168,19 +191,34 @@ def _agree_on_history(plumbing: Plumbing, cluster: Cluster, branch: str, remote:
             kv.set(f"history/v{i}", vid.encode() + b"\n" + encode_manifest(plumbing.manifest(vid)))
         kv.set("history/count", str(len(handed)).encode())
     kv.wait(["history/count"], timeout_s, lambda: "rank 0 did not say where its branch is")
-    if cluster.leader and kv.rank != 0:
+
+    def follow_rank_0() -> None:
         tip = kv.get("history/tip").decode() or None
         count = int(kv.get("history/count"))
         for i in reversed(range(count)):   # parents first
             named, raw = kv.get(f"history/v{i}").split(b"\n", 1)
             m = decode_manifest(raw, named.decode())   # checked before it is written: sealed, and of that id
+            mark_evicted(plumbing.store, m.id, remote)   # the other nodes' arrays: read from the remote
             plumbing.store.put_if_absent(VERSIONS_PREFIX + m.id, encode_manifest(m))
+        _mark_unmarked(plumbing, tip, remote)
         _set_branch(plumbing, branch, tip, remote)
-    kv.arrive("history", timeout_s, {}, False, False, "the agreement on the branch")
+    together(kv, "history", timeout_s, "the agreement on the branch",
+             follow_rank_0 if cluster.leader and kv.rank != 0 else lambda: None)
     if kv.rank == 0:
         count = int(kv.get("history/count"))
         for k in ["history/tip", "history/count", *(f"history/v{i}" for i in range(count))]:
             kv.delete(k)
+
+
+def _mark_unmarked(plumbing: Plumbing, tip: str | None, remote: str) -> None:
+    """Mark the versions on ``tip``'s first-parent chain that a commit here recorded without its eviction
+    marker (interrupted between the two), newest first, down to one that has it: the other nodes' arrays of
+    each are read from the remote."""
+    marked = evicted_ids(plumbing.store)
+    for vid in first_parent_chain(tip, plumbing.first_parent) if tip else ():
+        if vid in marked or not plumbing.store.exists(VERSIONS_PREFIX + vid):
+            return
+        mark_evicted(plumbing.store, vid, remote)
 
 
 def _take_from_remote(plumbing: Plumbing, remote: str, branch: str) -> None:
