@@ -20,7 +20,8 @@ A. Requests per commit. The repository is ``s3://BUCKET/repo`` on moto's S3 serv
 B. Blocking per snapshot on a local-directory repository: ``--blocking-warmup`` snapshots, then
    ``--blocking-reps`` more, each after a barrier and followed by ``wait()``, of a state of ``--tensors``
    small tensors (metadata dominates). Reported: the median of ``handle.stats.blocking_s`` on rank 0 and on
-   the slowest rank, and the median wall time of the ``snapshot()`` call.
+   the slowest rank, the median wall time of the ``snapshot()`` call, and, as the yardstick of what one
+   small collective costs on this machine at this rank count, an ``all_gather_object`` of one integer.
 
 Each rank count runs under ``--timeout`` seconds; whatever is still running then is killed, and the row says
 so. Run it niced on a shared machine:
@@ -225,7 +226,7 @@ def blocking_worker(rank: int, world: int, port: int, url: str, warmup: int, rep
         import ckptrepo
         from ckptrepo.parallel.layout import ParallelLayout
         _join(rank, world, port)
-        state = _state(tensors, 64, rank)
+        state = _state(tensors, 64, 0)
         repo = ckptrepo.open(url)
         rows = []
         with repo.snapshotter(parallel_layout=ParallelLayout(dp=world), host_memory=64 << 20,
@@ -233,13 +234,17 @@ def blocking_worker(rank: int, world: int, port: int, url: str, warmup: int, rep
             for i in range(warmup + reps):
                 _bump(state)
                 dist.barrier()
+                t = time.perf_counter()   # the yardstick: one small collective on the same group
+                dist.all_gather_object([None] * world, i)
+                small = time.perf_counter() - t
+                dist.barrier()
                 t = time.perf_counter()
                 handle = snap.snapshot(state, step=i)
                 call = time.perf_counter() - t
                 snap.wait()
                 if i >= warmup:
                     rows.append({"blocking_s": handle.stats.blocking_s, "call_s": call,
-                                 "total_s": handle.stats.total_s})
+                                 "total_s": handle.stats.total_s, "collective_s": small})
         _write(out, f"blocking-{rank}.json", {"rows": rows})
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
@@ -335,6 +340,7 @@ def measure_blocking(ctx: Any, world: int, warmup: int, reps: int, tensors: int,
     return {"ranks": world, "tensors": tensors, "reps": reps, "rows": rows,
             "blocking_s_rank0": med[0], "blocking_s_slowest": max(med),
             "call_s_rank0": statistics.median(x["call_s"] for x in rows[0]),
+            "collective_s_rank0": statistics.median(x["collective_s"] for x in rows[0]),
             "commit_s_rank0": statistics.median(x["total_s"] for x in rows[0])}
 
 
@@ -363,7 +369,8 @@ def blocking_row(res: dict[str, Any]) -> list[str]:
     if "error" in res:
         return [str(res["ranks"]), f"failed: {res['error']}"]
     return [str(res["ranks"]), f"{res['blocking_s_rank0'] * 1e3:.1f}", f"{res['blocking_s_slowest'] * 1e3:.1f}",
-            f"{res['call_s_rank0'] * 1e3:.1f}", f"{res['commit_s_rank0']:.2f}"]
+            f"{res['call_s_rank0'] * 1e3:.1f}", f"{res['collective_s_rank0'] * 1e3:.1f}",
+            f"{res['commit_s_rank0']:.2f}"]
 
 
 def table(head: list[str], rows: list[list[str]]) -> str:
@@ -385,7 +392,8 @@ def print_tables(summary: dict[str, Any]) -> None:
         print(f"\nB. Blocking per snapshot, local directory (median of {c['blocking_reps']} after "
               f"{c['blocking_warmup']} warm-up; dp=N, {c['blocking_tensors']} tensors of 256 B)\n")
         print(table(["ranks", "blocking ms, rank 0", "blocking ms, slowest rank", "snapshot() call ms, rank 0",
-                     "commit s, rank 0"], [blocking_row(r) for r in summary["blocking"]]))
+                     "one small all_gather_object ms, rank 0", "commit s, rank 0"],
+                    [blocking_row(r) for r in summary["blocking"]]))
 
 
 def ranks_list(text: str) -> list[int]:
@@ -417,6 +425,8 @@ def main() -> int:
     summary: dict[str, Any] = {"config": {k: getattr(args, k) for k in (
         "commits", "tensors", "blocking_warmup", "blocking_reps", "blocking_tensors", "timeout")},
         "requests": [], "blocking": []}
+    import ckptrepo
+    summary["config"]["ckptrepo"] = os.path.dirname(os.path.abspath(ckptrepo.__file__))
     if args.ranks:
         server, moto = start_moto()
         os.environ["AWS_ENDPOINT_URL"] = moto   # the parent's own calls (init) go straight to moto
