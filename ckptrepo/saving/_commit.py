@@ -164,6 +164,21 @@ class Committer:
         self._answered = job.vid
         return version
 
+    def _moved(self, vid: str) -> Callable[[bytes | None], None]:
+        """What follows the move of this committer's branch onto ``vid``: its new tip and generation (None:
+        another writer already committed on top of it, so this committer commits nothing more)."""
+        def moved(generation: bytes | None) -> None:
+            self.tip = vid
+            if generation is not None:
+                self.generation = generation
+            else:   # committed, and another writer committed on top of it before this one read the branch back
+                self.conflict = (f"branch {self.branch!r} moved on past version {vid[:12]} (another writer "
+                                 f"committed on top of it), so this snapshotter commits nothing more to it: load "
+                                 f"the branch tip and snapshot with a new snapshotter, or give each writer a "
+                                 f"branch of its own")
+
+        return moved
+
     def _here(self, array: str) -> bool:
         """Whether this repository holds ``array`` of a version it commits: on a node-local tier, only the
         arrays of its node's ranks (``data/<id>/<rank>/<dtype>``)."""
@@ -189,15 +204,10 @@ class Committer:
                              f"while rank 0 committed {job.vid[:12]}; this node commits nothing more to it")
             return self.conflict
 
-        def moved(generation: bytes | None) -> None:
-            self.tip = job.vid
-            if generation is not None:
-                self.generation = generation
-
         return publish_version(self.plumbing, BranchBase(self.branch, self.tip, self.generation, self.orphan),
                                manifest, moved_away, before_ref=lambda m: mark_evicted(self.plumbing.store,
                                                                                         m.id, remote),
-                               on_moved=moved, refuse_existing=False, here=self._here)
+                               on_moved=self._moved(job.vid), refuse_existing=False, here=self._here)
 
     def _on_branch(self, vid: str, depth: int = 1000) -> bool:
         """Whether ``vid`` is on this snapshotter's branch: its tip or one of its last ``depth`` first parents."""
@@ -237,16 +247,6 @@ class Committer:
                              f"tip and snapshot with a new snapshotter, or give each writer a branch of its own")
             return self.conflict
 
-        def moved(generation: bytes | None) -> None:
-            self.tip = job.vid
-            if generation is not None:
-                self.generation = generation
-            else:   # committed, and another writer committed on top of it before this one read the branch back
-                self.conflict = (f"branch {self.branch!r} moved on past version {job.vid[:12]} (another writer "
-                                 f"committed on top of it), so this snapshotter commits nothing more to it: load "
-                                 f"the branch tip and snapshot with a new snapshotter, or give each writer a "
-                                 f"branch of its own")
-
         def undone(message: str, generation: bytes | None) -> None:
             if generation is not None:
                 self.tip, self.generation = parent, generation
@@ -262,7 +262,8 @@ class Committer:
         # a manifest already there is this commit's own (a retried put whose reply was lost): version ids are new
         return publish_version(self.plumbing, BranchBase(self.branch, parent, self.generation, self.orphan),
                                manifest, moved_away, before_ref=before_ref,
-                               on_moved=moved, on_undone=undone, refuse_existing=False, here=self._here)
+                               on_moved=self._moved(job.vid), on_undone=undone, refuse_existing=False,
+                               here=self._here)
 
     def _recheck_reused(self, job: SnapshotJob, manifest: Manifest) -> None:
         """Between the manifest and the ref: the reused arrays again, every rank's (those of the manifest that
