@@ -122,7 +122,7 @@ class NodePusher(BackgroundPusher):
         """This node's arrays of the versions the remote lacks (see the module docstring)."""
         store = self.plumbing.store
         dst = open_store(remote_url(store, self.remote))
-        if dst.get(CONFIG_KEY) is None:   # rank 0's first push makes it a repository: nothing goes in before
+        if not dst.exists(CONFIG_KEY):   # rank 0's first push makes it a repository: nothing goes in before
             self.kv.wait([REMOTE_READY], self.timeout_s, lambda: "rank 0 did not make the remote a repository")
         node = self.cluster.node
         def uploaded(_done: int, _total: int) -> None:

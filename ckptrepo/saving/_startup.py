@@ -39,7 +39,6 @@ from ckptrepo.errors import CkptRepoError, LayoutError, RefError, SnapshotFailed
 from ckptrepo.parallel import GroupStore, ranks_text
 from ckptrepo.parallel.layout import ParallelLayout
 from ckptrepo.remotes import REPOSITORY_ID, fetch
-from ckptrepo.storage import open_store
 
 T = TypeVar("T")
 PROBE_PREFIX = "staging/"   # + a version-like id (gc removes stale ones as an interrupted handshake's) + /probe-
@@ -224,10 +223,10 @@ def _mark_unmarked(plumbing: Plumbing, tip: str | None, remote: str) -> None:
 def _take_from_remote(plumbing: Plumbing, remote: str, branch: str) -> None:
     """An empty node repository: what the remote holds, lazily. It takes the remote's identity first (it holds
     no version of its own), so that the remote is not refused as another repository."""
-    url = remote_url(plumbing.store, remote)
-    if open_store(url).get(CONFIG_KEY) is None:
+    store = plumbing.remote_store(remote)   # untrusted: its reads bounded, its links not followed
+    if not store.exists(CONFIG_KEY):
         return   # nothing pushed yet: a new job
-    there = Plumbing(open_store(url))
+    there = Plumbing(store)
     theirs = there.config.get(REPOSITORY_ID)
     if theirs and not plumbing.all_version_ids() and plumbing.config.get(REPOSITORY_ID) != theirs:
         plumbing.config = update_config(plumbing.store, {REPOSITORY_ID: theirs})
