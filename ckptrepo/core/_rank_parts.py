@@ -1,6 +1,6 @@
-"""The per-rank staging objects of a distributed snapshot: ``RankPart`` (what a rank wrote) and
-``RankFailure`` (why it wrote nothing), sealed under ``staging/<id>/rank-<r>`` and merged by rank 0 into the
-version manifest (parallel/_distributed.py)."""
+"""The per-rank parts of a distributed snapshot: ``RankPart`` (what a rank wrote) and ``RankFailure`` (why it
+wrote nothing), sealed and set in the ranks' key-value store, and merged by rank 0 into the version manifest
+(parallel/_distributed.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +21,8 @@ def _piece(p: dict[str, Any]) -> Piece:
 
 @dataclass(frozen=True, slots=True)
 class RankPart:
-    """One rank's part of a distributed snapshot (parallel/_distributed.py): written to
-    ``staging/<id>/rank-<r>`` once its data is durable, merged by rank 0 into the version manifest."""
+    """One rank's part of a distributed snapshot (parallel/_distributed.py): set in the ranks' key-value store
+    once its data is durable, merged by rank 0 into the version manifest."""
 
     rank: int
     step: int | None

@@ -168,7 +168,8 @@ def reachable_versions(starts: Sequence[str], parents: Mapping[str, Sequence[str
 
 
 def staged_ids(plumbing: Plumbing) -> set[str]:
-    """The snapshots with objects under ``staging/`` (a distributed commit's parts and outcome)."""
+    """The ids with objects under ``staging/``: a distributed start's probes, or an earlier release's commit
+    handshake (parts and outcome)."""
     return {k[len(STAGING_PREFIX):].split("/", 1)[0] for k in plumbing.store.list(STAGING_PREFIX)}
 
 

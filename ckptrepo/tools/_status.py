@@ -1,8 +1,8 @@
 """What ``ckptrepo status`` reports, and the names shell completion offers for a revision.
 
 Status reads only small objects and listings: HEAD and its version's header,
-the failure records (``failures/``), and the ids of snapshots that have data or
-a distributed handshake (``data/``, ``staging/``) but no manifest yet. Such a
+the failure records (``failures/``), and the ids of snapshots that have data
+(``data/``; or an earlier release's handshake, ``staging/``) but no manifest yet. Such a
 snapshot is in flight (still being written or committed) or was abandoned by a
 process that died; gc deletes the abandoned ones once they are older than its
 grace period, so status says how old each one is.
@@ -13,10 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptrepo.core import Plumbing, is_version_id, version_id_time
+from ckptrepo.core import DATA_PREFIX, STAGING_PREFIX, Plumbing, is_version_id, version_id_time
 from ckptrepo.errors import CkptRepoError
 from ckptrepo.maintenance import data_version_ids, staged_ids
 from ckptrepo.tools._width import natural_key
+
+PROBE_NAME = "probe-"   # staging/<id>/probe-<rank>: a distributed snapshotter's start (saving/_startup.py)
 
 
 @dataclass
@@ -25,7 +27,7 @@ class Uncommitted:
 
     id: str
     started: float | None      # from the id; None if the id carries no time
-    distributed: bool          # its ranks are handing over their parts (staging/)
+    distributed: bool          # several ranks' arrays, or rank parts under staging/
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -68,11 +70,20 @@ def repo_status(plumbing: Plumbing) -> RepoStatus:
     failures = plumbing.failures()
     failed = {f.get("id") for f in failures}
     status.failures = failures
-    staged = staged_ids(plumbing)
-    pending = (data_version_ids(plumbing) | {v for v in staged if is_version_id(v)}) - versions - failed
-    status.uncommitted = sorted((Uncommitted(v, version_id_time(v), v in staged) for v in pending),
-                                key=lambda u: u.started or 0.0, reverse=True)
+    # a distributed start's probe objects are no snapshot: only rank parts (an earlier release's handshake) are
+    staged = {v for v in staged_ids(plumbing) if is_version_id(v) and any(
+        not k.rsplit("/", 1)[-1].startswith(PROBE_NAME) for k in plumbing.store.list(f"{STAGING_PREFIX}{v}/"))}
+    pending = (data_version_ids(plumbing) | staged) - versions - failed
+    status.uncommitted = sorted((Uncommitted(v, version_id_time(v), v in staged or _ranks_written(plumbing, v) > 1)
+                                 for v in pending), key=lambda u: u.started or 0.0, reverse=True)
     return status
+
+
+def _ranks_written(plumbing: Plumbing, vid: str) -> int:
+    """How many ranks' arrays snapshot ``vid`` has under ``data/<id>/<rank>/``: more than one is a distributed
+    snapshot's."""
+    prefix = f"{DATA_PREFIX}{vid}/"
+    return len({k[len(prefix):].split("/", 1)[0] for k in plumbing.store.list(prefix) if "/" in k[len(prefix):]})
 
 
 def age(t: float | None, now: float | None = None) -> str:

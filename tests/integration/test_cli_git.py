@@ -146,6 +146,20 @@ def test_without_columns_a_pipe_gets_whole_lines(history, monkeypatch):
 
 
 # ---- 4. verbs and flags ---------------------------------------------------------------------------------------
+def test_status_counts_ranks_arrays_and_ignores_a_starts_probes(history):
+    """A snapshot in flight whose data holds several ranks' arrays is a distributed one; a distributed start's
+    probe objects (staging/<id>/probe-<rank>) are no snapshot at all."""
+    url, repo = history
+    store = repo.plumbing.store
+    ranks, single, probe = "ef" * 10 + "0" * 12, "12" * 10 + "0" * 12, "34" * 10 + "0" * 12
+    for r in (0, 1):
+        store.put(f"data/{ranks}/{r}/float32/zarr.json", b"{}")
+    store.put(f"data/{single}/0/float32/zarr.json", b"{}")
+    store.put(f"staging/{probe}/probe-0", b"")
+    flying = {u.id: u.distributed for u in repo.status().uncommitted}
+    assert flying == {ranks: True, single: False}, flying
+
+
 def test_status_names_head_and_snapshots_in_flight_or_failed(history):
     url, repo = history
     p = run("status", repo=url)
