@@ -1,13 +1,14 @@
-"""Node-local tiers: each node pushes its own ranks' arrays, and rank 0 pushes the version once all are there.
+"""Node-local tiers: each node pushes the arrays its disk holds, and rank 0 pushes the version once all are there.
 
 On a node-local tier (saving/_startup.py) a version's arrays are spread over the nodes' disks: each rank's
-are on its node. Each node's leader runs a ``NodePusher``: after every commit it copies to the remote its
-node's arrays of the versions the remote lacks, then tells rank 0 through the ranks' key-value store
+are on its node. Each node's leader runs a ``NodePusher``: after every commit it copies to the remote the
+arrays its disk holds of the versions the remote lacks, then tells rank 0 through the ranks' key-value store
 (``pushed/<node>/<version>``). Rank 0's pusher is the usual one (remotes/_sync.py), with a gate before each
-push: it waits, with a deadline, for every other node's arrays of the versions it pushes that the remote
-does not hold yet. Its push then finds them there and copies only its own, then the manifests, then moves
-the remote branch last: a version is remote-durable only once every rank's arrays and its manifest are
-there.
+push: for a version with arrays neither here nor on the remote, it waits for every other node's word (as
+long as their uploads make progress), by where the arrays are rather than by which node their rank is on
+now, since a restart may place ranks on other nodes. Its push then finds them there and copies only its
+own, then the manifests, then moves the remote branch last: a version is remote-durable only once every
+rank's arrays and its manifest are there.
 
 Each node's pusher keeps its own account of what its disk holds unpushed (backpressure) and evicts its own
 arrays (``local_keep_last``) once the remote's branch, which it reads after each push, holds their version.
@@ -49,12 +50,6 @@ def unpushed_versions(plumbing: Plumbing, remote: str, branch: str, tip: str | N
     return out[::-1]
 
 
-def array_rank(key: str) -> int | None:
-    """The rank that wrote array ``data/<id>/<rank>/<dtype>``; None for another layout of key."""
-    parts = key.split("/")
-    return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else None
-
-
 class RemoteGate:
     """Rank 0's wait, before each push, for the other nodes' arrays (see the module docstring)."""
 
@@ -71,16 +66,26 @@ class RemoteGate:
             self.kv.set(REMOTE_READY, b"1")
             self._ready = True
         tip = plumbing.branch_tip(self.branch)
+        others = [n for n in range(len(self.cluster.nodes)) if n != self.cluster.node]
+
+        def held(key: str) -> bool:
+            return plumbing.store.exists(f"{key}/zarr.json") or there.store.exists(f"{key}/zarr.json")
         for vid in unpushed_versions(plumbing, self.remote, self.branch, tip):
-            nodes = set()
-            for key in plumbing.manifest(vid).arrays:
-                rank = array_rank(key)
-                node = self.cluster.node_of.get(rank) if rank is not None else None
-                if key.split("/")[1] == vid and node is not None and node != self.cluster.node \
-                        and not there.store.exists(f"{key}/zarr.json"):
-                    nodes.add(node)
-            for node in sorted(nodes):
+            # by where the arrays are, not by which node their rank is on now: a restart may place a rank elsewhere
+            missing = [k for k in plumbing.manifest(vid).arrays if k.split("/")[1] == vid and not held(k)]
+            if not missing:   # the nodes' words are not needed: they go, so the store does not grow with versions
+                for node in others:
+                    self.kv.delete(pushed_key(node, vid))
+                continue
+            for node in others:
                 self._await_node(node, vid)
+            lost = [k for k in missing if not there.store.exists(f"{k}/zarr.json")]
+            if lost:
+                raise SnapshotFailedError(
+                    f"version {vid[:12]} cannot reach the remote: no node holds its array {lost[0]} (a node's disk "
+                    f"was lost before it was pushed), so that version is lost. Resume from the remote's branch: "
+                    f"on each node, `ckptrepo --repo DIR checkout origin/BRANCH -b BRANCH2`, or move the node "
+                    f"directories aside")
         return tip
 
     def _await_node(self, node: int, vid: str) -> None:
@@ -98,13 +103,7 @@ class RemoteGate:
                 if moved == seen:
                     raise
                 seen = moved
-        word = self.kv.get(pushed_key(node, vid))
         self.kv.delete(pushed_key(node, vid))
-        if word != b"1":   # the node lacks them: its disk was lost before they were pushed
-            raise SnapshotFailedError(f"version {vid[:12]} cannot reach the remote: the node of {ranks} no longer "
-                                      f"has its arrays ({word.decode(errors='replace')}); that version is lost. "
-                                      f"Resume from the remote's branch: on each node, `ckptrepo --repo DIR "
-                                      f"checkout origin/BRANCH -b BRANCH2`, or move the node directories aside")
 
 
 class NodePusher(BackgroundPusher):
@@ -115,7 +114,6 @@ class NodePusher(BackgroundPusher):
                  cluster: Cluster, timeout_s: float) -> None:
         self.kv = cluster.kv.connection()
         self.cluster, self.timeout_s = cluster, timeout_s
-        self.ranks = set(cluster.nodes[cluster.node])
         super().__init__(plumbing, remote, branch, keep_last, max_bytes, on_error, protect)
 
     def _send(self) -> None:
@@ -130,14 +128,9 @@ class NodePusher(BackgroundPusher):
         copier = VersionCopier(store, dst, uploaded)
         for vid in unpushed_versions(self.plumbing, self.remote, self.branch):
             m = self.plumbing.manifest(vid)
-            ours = [k for k in m.arrays if k.split("/")[1] == vid and array_rank(k) in self.ranks]
-            mine = [k for k in ours if store.exists(f"{k}/zarr.json")]
-            lost = [k for k in ours if k not in mine and not dst.exists(f"{k}/zarr.json")]
-            if lost:   # rank 0 learns it at once, not at its deadline
-                self.kv.set(pushed_key(node, vid), f"missing {', '.join(lost[:3])}".encode())
-                raise SnapshotFailedError(f"this node lacks its arrays of version {vid[:12]} ({lost[0]}), and "
-                                          f"the remote does not hold them: that version is lost")
-            copier.copy_arrays(m, keys=mine)
+            # the arrays this disk holds, whichever rank wrote them (ranks may change nodes between runs)
+            copier.copy_arrays(m, keys=[k for k in m.arrays if k.split("/")[1] == vid
+                                        and store.exists(f"{k}/zarr.json")])
             self.kv.set(pushed_key(node, vid), b"1")
         there = Plumbing(dst)
         tip = there.branch_tip(self.branch)
