@@ -10,7 +10,8 @@ in git. Three kinds of record hold what this repository knows of them:
   pushed or fetched. Every ancestor of one is on that remote, which is what makes a version remote-durable;
 * eviction markers, ``evicted/<id>``: this version's own data (``data/<id>/``) may be partly or wholly absent
   here, and is read from the remote the marker names. Local retention after a push and lazy clones write
-  them; the marker goes first, the deletes after, so a crash between them leaves data that is merely
+  them, and so does a node-local tier for each version (``spread``: the other nodes' arrays are on their
+  disks until pushed); the marker goes first, the deletes after, so a crash between them leaves data that is merely
   duplicated;
 * push failure records, ``failures/push-<remote>/<branch>``: the last background push of that branch to that
   remote failed (a snapshotter's ``push_to``), so its newest versions are committed here but not there yet.
@@ -148,19 +149,27 @@ def set_tracking_ref(store: Store, remote: str, branch: str, vid: str) -> None:
     store.put(tracking_key(remote, branch), vid.encode())
 
 
-def evicted_remote(store: Store, vid: str) -> str | None:
-    """The remote holding version ``vid``'s data when its marker says it may be absent here; None otherwise."""
+def evicted_marker(store: Store, vid: str) -> tuple[str, bool] | None:
+    """Version ``vid``'s eviction marker: (the remote holding its data where it is absent here, whether it is a
+    node-local tier's version, spread over the nodes until pushed); None without one."""
     raw = store.get(EVICTED_PREFIX + vid, CONFIG_MAX_BYTES)
     if raw is None:
         return None
     try:
-        remote = json.loads(raw).get("remote")
+        d = json.loads(raw)
+        remote, spread = d.get("remote"), d.get("spread", False)
     except (ValueError, AttributeError):
-        remote = None
-    if not isinstance(remote, str):
+        remote, spread = None, False
+    if not isinstance(remote, str) or not isinstance(spread, bool):
         raise CorruptionError(f"{EVICTED_PREFIX}{vid} is damaged (no remote named); it should read "
                               f'{{"remote": "origin"}} with the remote that holds the data of version {vid[:12]}')
-    return remote
+    return remote, spread
+
+
+def evicted_remote(store: Store, vid: str) -> str | None:
+    """The remote holding version ``vid``'s data when its marker says it may be absent here; None otherwise."""
+    marker = evicted_marker(store, vid)
+    return None if marker is None else marker[0]
 
 
 def evicted_ids(store: Store) -> set[str]:
@@ -168,9 +177,11 @@ def evicted_ids(store: Store) -> set[str]:
     return {k[len(EVICTED_PREFIX):] for k in store.list(EVICTED_PREFIX)}
 
 
-def mark_evicted(store: Store, vid: str, remote: str) -> None:
-    """Say that version ``vid``'s data is read from ``remote`` where it is absent here (before deleting any)."""
-    store.put(EVICTED_PREFIX + vid, json.dumps({"remote": remote}).encode())
+def mark_evicted(store: Store, vid: str, remote: str, spread: bool = False) -> None:
+    """Say that version ``vid``'s data is read from ``remote`` where it is absent here (before deleting any).
+    ``spread``: a node-local tier's version, whose other nodes' arrays reach the remote when pushed: until
+    then it is not on the remote, and that is no damage."""
+    store.put(EVICTED_PREFIX + vid, json.dumps({"remote": remote, **({"spread": True} if spread else {})}).encode())
 
 
 def remote_holders(store: Store, shown: Sequence[ManifestHeader],

@@ -19,27 +19,35 @@ from typing import Callable, Iterable, Sequence
 
 from ckptrepo.core._manifest import CONFIG_KEY, DATA_PREFIX, PRUNED_PREFIX, VERSIONS_PREFIX
 from ckptrepo.core._plumbing import Plumbing
-from ckptrepo.core._remotes import EVICTED_PREFIX, evicted_remote, remote_holders, remotes
+from ckptrepo.core._remotes import EVICTED_PREFIX, evicted_marker, remote_holders, remotes
 from ckptrepo.core._same_store import location_spec, same_location
 from ckptrepo.core.schema import Manifest, ManifestHeader
 from ckptrepo.errors import CkptRepoError, RevisionError, first_line, some_names
 from ckptrepo.storage.protocol import Store
 
 Report = Callable[[str], None]
+NOT_THERE = "does not hold it"
 
 
-def _by_remote(plumbing: Plumbing, vids: Iterable[str]) -> dict[str, list[str]]:
+def _by_remote(plumbing: Plumbing, vids: Iterable[str], spread: set[str] | None = None) -> dict[str, list[str]]:
     """Remote name -> the versions of ``vids`` whose eviction marker names it (a damaged marker is left out:
-    fsck names it, loads refuse it)."""
+    fsck names it, loads refuse it); those of a node-local tier are added to ``spread``."""
     out: dict[str, list[str]] = {}
     for vid in vids:
         try:
-            remote = evicted_remote(plumbing.store, vid)
+            marker = evicted_marker(plumbing.store, vid)
         except CkptRepoError:
             continue
-        if remote is not None:
-            out.setdefault(remote, []).append(vid)
+        if marker is not None:
+            out.setdefault(marker[0], []).append(vid)
+            if marker[1] and spread is not None:
+                spread.add(vid)
     return out
+
+
+def _pending(spread: set[str], vid: str, why: str | None) -> bool:
+    """Whether a version the remote lacks is a node-local tier's not pushed yet: its data is on the nodes."""
+    return vid in spread and why == NOT_THERE
 
 
 def gone_there(there: Store, vid: str) -> str | None:
@@ -47,7 +55,7 @@ def gone_there(there: Store, vid: str) -> str | None:
     if there.exists(PRUNED_PREFIX + vid):
         return "pruned it (its gc or retention)"
     if not there.exists(VERSIONS_PREFIX + vid):
-        return "does not hold it"
+        return NOT_THERE
     return None
 
 
@@ -61,7 +69,8 @@ def data_gone(plumbing: Plumbing, vids: Iterable[str], local_only: bool) -> dict
     out: dict[str, tuple[str, str]] = {}
     if not known:
         return out
-    for remote, held in _by_remote(plumbing, vids).items():
+    spread: set[str] = set()
+    for remote, held in _by_remote(plumbing, vids, spread).items():
         if remote not in known:
             continue
         try:
@@ -76,7 +85,7 @@ def data_gone(plumbing: Plumbing, vids: Iterable[str], local_only: bool) -> dict
                 continue
             for vid in held:
                 why = gone_there(there, vid)
-                if why is not None:
+                if why is not None and not _pending(spread, vid, why):
                     out[vid] = (remote, why)
         except CkptRepoError:
             continue
@@ -122,7 +131,8 @@ def check_evicted(plumbing: Plumbing, vids: Sequence[str], manifests: dict[str, 
                   error: Report, warning: Report) -> None:
     """fsck of evicted versions ``vids`` against the remotes holding their data (see the module docstring)."""
     known = remotes(plumbing.store)
-    for remote, held in sorted(_by_remote(plumbing, vids).items()):
+    spread: set[str] = set()
+    for remote, held in sorted(_by_remote(plumbing, vids, spread).items()):
         held = [v for v in held if v in reachable]
         if not held:
             continue
@@ -139,14 +149,14 @@ def check_evicted(plumbing: Plumbing, vids: Sequence[str], manifests: dict[str, 
                           f"({url}), which is this repository itself")
             continue
         try:
-            _check_remote(plumbing, remote, url, held, manifests, error)
+            _check_remote(plumbing, remote, url, held, manifests, error, warning, spread)
         except CkptRepoError as err:
             warning(f"remote {remote!r} ({url}) could not be reached ({first_line(err)}): the data of "
                     f"{len(held)} evicted version(s) there is not checked ({names}); run fsck again when it answers")
 
 
 def _check_remote(plumbing: Plumbing, remote: str, url: str, held: list[str], manifests: dict[str, Manifest],
-                  error: Report) -> None:
+                  error: Report, warning: Report, spread: set[str]) -> None:
     there = plumbing.remote_store(remote)
     if not there.exists(CONFIG_KEY):
         there.list("")   # a bucket that does not exist says so here (a warning: unreachable)
@@ -157,6 +167,10 @@ def _check_remote(plumbing: Plumbing, remote: str, url: str, held: list[str], ma
     for vid in held:
         m = manifests[vid]
         why = gone_there(there, vid)
+        if _pending(spread, vid, why):
+            warning(f"version {vid[:12]} (step {m.step}) of a node-local tier is not on remote {remote!r} yet: "
+                    f"the other nodes' arrays are on their disks until pushed; what is not here is not checked")
+            continue
         if why is not None:
             error(f"version {vid[:12]} (step {m.step}): its data exists nowhere: evicted here, and remote "
                   f"{remote!r} {why}; unless another copy exists, record that here with `ckptrepo prune {vid[:12]}`")

@@ -206,7 +206,7 @@ class Committer:
 
         return publish_version(self.plumbing, BranchBase(self.branch, self.tip, self.generation, self.orphan),
                                manifest, moved_away, before_ref=lambda m: mark_evicted(self.plumbing.store,
-                                                                                        m.id, remote),
+                                                                                        m.id, remote, spread=True),
                                on_moved=self._moved(job.vid), refuse_existing=False, here=self._here)
 
     def _on_branch(self, vid: str, depth: int = 1000) -> bool:
@@ -257,7 +257,7 @@ class Committer:
             self._recheck_reused(job, m)
             if self.cluster is not None and self.cluster.multi_node:   # the other nodes' data: on the remote
                 assert self.cluster.remote is not None
-                mark_evicted(self.plumbing.store, m.id, self.cluster.remote)
+                mark_evicted(self.plumbing.store, m.id, self.cluster.remote, spread=True)
 
         # a manifest already there is this commit's own (a retried put whose reply was lost): version ids are new
         return publish_version(self.plumbing, BranchBase(self.branch, parent, self.generation, self.orphan),

@@ -197,7 +197,7 @@ def _agree_on_history(plumbing: Plumbing, cluster: Cluster, branch: str, remote:
         for i in reversed(range(count)):   # parents first
             named, raw = kv.get(f"history/v{i}").split(b"\n", 1)
             m = decode_manifest(raw, named.decode())   # checked before it is written: sealed, and of that id
-            mark_evicted(plumbing.store, m.id, remote)   # the other nodes' arrays: read from the remote
+            mark_evicted(plumbing.store, m.id, remote, spread=True)   # the other nodes' arrays: on the remote
             plumbing.store.put_if_absent(VERSIONS_PREFIX + m.id, encode_manifest(m))
         _mark_unmarked(plumbing, tip, remote)
         _set_branch(plumbing, branch, tip, remote)
@@ -217,7 +217,7 @@ def _mark_unmarked(plumbing: Plumbing, tip: str | None, remote: str) -> None:
     for vid in first_parent_chain(tip, plumbing.first_parent) if tip else ():
         if vid in marked or not plumbing.store.exists(VERSIONS_PREFIX + vid):
             return
-        mark_evicted(plumbing.store, vid, remote)
+        mark_evicted(plumbing.store, vid, remote, spread=True)
 
 
 def _take_from_remote(plumbing: Plumbing, remote: str, branch: str) -> None:

@@ -184,6 +184,8 @@ def test_two_nodes_with_their_own_disks_commit_push_and_load(tmp_path):
     for node in (node0, node1):   # each rank wrote its arrays on its own node's disk
         assert_holds_only(node, placed[str(node)])
         assert ckptrepo.open(str(node)).resolve("main") == tip
+        report = ckptrepo.open(str(node)).fsck()   # the other nodes' arrays: checked on the remote
+        assert report.ok, report.errors
     after_wait = {r: rep["main"] for r, rep in reps.items()}
     step3 = repo.log("main")[0].id
     for node in (node0, node1):   # the restart below finds each rank's step-3 arrays on its own disk
@@ -221,6 +223,10 @@ def test_a_node_killed_mid_push_then_both_restart(tmp_path):
     finally:
         for a in agents:
             a.kill()
+    for node in (node0, node1):   # step 3 is committed on the nodes, not on the remote yet: no damage
+        report = ckptrepo.open(str(node)).fsck()
+        assert report.ok, report.errors
+        assert any("not on remote 'origin' yet" in w for w in report.warnings), report.warnings
 
     reps = run_job(tmp_path, [node0, node1], remote, "run2", "--load", "3", "--steps", "4")
     assert_loaded(reps, 3)
