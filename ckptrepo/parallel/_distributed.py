@@ -237,8 +237,20 @@ class Staging:
 
     def forget_outcome(self, nodes: int = 0) -> None:
         """Rank 0, once every rank has read the verdict (each has published its part of a later snapshot)."""
-        for k in ("outcome", "manifest", *(f"node{n}" for n in range(nodes))):
+        for k in ("outcome", "manifest", "read", "all-read", *(f"node{n}" for n in range(nodes))):
             self.kv.delete(self.prefix + k)
+
+    def done_reading(self) -> None:
+        """A rank other than 0 has read all it needs of this commit from the store: rank 0, whose process may
+        serve the store (a launcher without torchrun's agent), may end once every rank has."""
+        if self.kv.add(f"{self.prefix}read", 1) == self.world_size - 1:
+            self.kv.set(f"{self.prefix}all-read", b"1")
+
+    def wait_readers(self) -> None:
+        """Rank 0, before its snapshotter closes: wait for every other rank's ``done_reading``."""
+        self.kv.wait([f"{self.prefix}all-read"], self.timeout_s,
+                     lambda: f"{self.world_size - 1 - self.kv.add(f'{self.prefix}read', 0)} rank(s) did not read "
+                             f"rank 0's verdict on {self.vid[:12]}")
 
     def followed(self, node: int) -> None:
         """A node's leader has committed (or failed to commit) the version on its node's repository."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
-from ckptrepo.errors import SnapshotFailedError
+from ckptrepo.errors import SnapshotFailedError, first_line
 
 # the counts an arrival adds to one counter key, packed so that one ``add`` carries them all
 _ARRIVED = 1
@@ -66,25 +66,34 @@ class GroupStore:
             store = self._store
         return GroupStore(store, self.prefix, self.rank, self.world_size)
 
-    # ---- plain operations ---------------------------------------------------------------
+    # ---- plain operations: a store that went away (its host process ended) is one SnapshotFailedError ------
+    def _call(self, what: str, op: Callable[[], Any]) -> Any:
+        try:
+            return op()
+        except Exception as err:  # noqa: BLE001 - DistNetworkError, DistStoreError: c10d's RuntimeErrors
+            raise SnapshotFailedError(f"the ranks' store failed ({what}: {first_line(err)}); a rank's process "
+                                      f"that served it may have ended: restart every rank and resume from the "
+                                      f"last committed version") from err
+
     def set(self, key: str, value: bytes) -> None:
-        self._store.set(self.prefix + key, value)
+        self._call(f"set {key}", lambda: self._store.set(self.prefix + key, value))
 
     def get(self, key: str) -> bytes:
-        return bytes(self._store.get(self.prefix + key))
+        return bytes(self._call(f"get {key}", lambda: self._store.get(self.prefix + key)))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
-        return [bytes(v) for v in self._store.multi_get([self.prefix + k for k in keys])]
+        return [bytes(v) for v in self._call(f"get {len(keys)} keys",
+                                             lambda: self._store.multi_get([self.prefix + k for k in keys]))]
 
     def add(self, key: str, n: int) -> int:
-        return int(self._store.add(self.prefix + key, n))
+        return int(self._call(f"add {key}", lambda: self._store.add(self.prefix + key, n)))
 
     def first(self, key: str, value: bytes) -> bytes:
         """``value`` if this is the first rank to set ``key``, else what the first one set."""
-        return bytes(self._store.compare_set(self.prefix + key, b"", value))
+        return bytes(self._call(f"set {key}", lambda: self._store.compare_set(self.prefix + key, b"", value)))
 
     def has(self, key: str) -> bool:
-        return bool(self._store.check([self.prefix + key]))
+        return bool(self._call(f"check {key}", lambda: self._store.check([self.prefix + key])))
 
     def delete(self, key: str) -> None:
         try:

@@ -323,6 +323,7 @@ class Snapshotter:
         self._shutdown()
         if self._pusher is not None:   # the last versions reach the remote before close returns
             self._pusher.close()
+        self._committer.wait_readers()
         self._raise_pending()
 
     def __enter__(self) -> "Snapshotter":

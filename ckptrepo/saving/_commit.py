@@ -82,6 +82,8 @@ class Committer:
         self.kv = cluster.kv.connection() if cluster is not None else None
         self.cluster = cluster
         self._answered: str | None = None   # rank 0: the last version whose verdict every rank will have read
+        self._last_verdict: str | None = None   # rank 0: the last verdict it published (what closing waits on)
+        self._read: str | None = None   # the other ranks: the last verdict they told rank 0 they had read
         self.plumbing = plumbing
         self.layout = layout
         self.rank, self.world_size = rank, world_size
@@ -135,21 +137,11 @@ class Committer:
         staging = self._staging(job.vid)
         staging.publish_rank(part)
         if self.rank != 0:
-            header = staging.wait_outcome(lambda: self._on_branch(job.vid))
-            cluster = self.cluster
-            if cluster is not None and cluster.multi_node and cluster.node != cluster.node_of[0]:
-                if cluster.leader:
-                    try:
-                        return self._follow(job, staging)
-                    finally:   # the node's other ranks wait for it: the version is on their branch, or failed
-                        staging.followed(cluster.node)
-                # so that after wait() this rank's branch names it
-                staging.wait_followed(cluster.node, cluster.nodes[cluster.node][0])
-            if header is None:   # rank 0 died after moving the ref: the version is read back from the branch
-                return version_from_manifest(self.plumbing.manifest(job.vid), (self.branch,))
-            return Version(id=header["id"], parents=tuple(header["parents"]), step=header["step"],
-                           time=header["time"], message=header["message"], metrics=dict(header["metrics"]),
-                           size=header["size"], refs=(self.branch,), meta=dict(header["meta"] or {}))
+            try:
+                return self._hear_verdict(job, staging)
+            finally:
+                staging.done_reading()
+                self._read = job.vid
         try:
             parts = staging.gather_ranks()
             if self._answered is not None:   # every rank has published this part: each read that verdict
@@ -157,11 +149,12 @@ class Committer:
             version = self._publish_merged(job, parts)
         except BaseException as err:
             staging.publish_outcome(first_line(err))
+            self._last_verdict = job.vid
             raise
         multi = self.cluster is not None and self.cluster.multi_node
         manifest = self.plumbing.manifest(job.vid)
         staging.publish_outcome(None, manifest, encode_manifest(manifest) if multi else None)
-        self._answered = job.vid
+        self._answered = self._last_verdict = job.vid
         return version
 
     def _moved(self, vid: str) -> Callable[[bytes | None], None]:
@@ -186,6 +179,37 @@ class Committer:
             return True
         rank = array.split("/")[2] if array.count("/") == 3 else ""
         return rank.isdigit() and self.cluster.node_of.get(int(rank)) == self.cluster.node
+
+    def _hear_verdict(self, job: SnapshotJob, staging: Staging) -> Version:
+        """A rank other than 0: rank 0's verdict, and on another node than its, the version on this node's
+        branch (its leader commits it there; the others wait for that)."""
+        header = staging.wait_outcome(lambda: self._on_branch(job.vid))
+        cluster = self.cluster
+        if cluster is not None and cluster.multi_node and cluster.node != cluster.node_of[0]:
+            if cluster.leader:
+                try:
+                    return self._follow(job, staging)
+                finally:   # the node's other ranks wait for it: the version is on their branch, or failed
+                    staging.followed(cluster.node)
+            # so that after wait() this rank's branch names it
+            staging.wait_followed(cluster.node, cluster.nodes[cluster.node][0])
+        if header is None:   # rank 0 died after moving the ref: the version is read back from the branch
+            return version_from_manifest(self.plumbing.manifest(job.vid), (self.branch,))
+        return Version(id=header["id"], parents=tuple(header["parents"]), step=header["step"],
+                       time=header["time"], message=header["message"], metrics=dict(header["metrics"]),
+                       size=header["size"], refs=(self.branch,), meta=dict(header["meta"] or {}))
+
+    def wait_readers(self) -> None:
+        """Rank 0, closing: every other rank has read its last verdict (rank 0's process may serve the ranks'
+        store, and its end would cut them off mid-read). Skipped once the group is known broken; a rank that
+        does not answer within the deadline is logged, not raised: its versions are committed or not already."""
+        if self.rank != 0 or self.kv is None or self._last_verdict is None:
+            return
+        try:
+            self.health.check()
+            self._staging(self._last_verdict).wait_readers()
+        except SnapshotFailedError as err:
+            log.warning("ckptrepo: closing without every rank's word: %s", first_line(err))
 
     def _staging(self, vid: str) -> Staging:
         assert self.kv is not None
@@ -282,8 +306,11 @@ class Committer:
         try:
             if self.rank == 0:
                 staging.publish_outcome(first_line(err))
+                self._last_verdict = job.vid
             else:
                 staging.publish_rank(RankFailure(self.rank, first_line(err)))
+                if self._read != job.vid:   # it will not read the verdict: rank 0 need not wait for it
+                    staging.done_reading()
         except CkptRepoError as publish_err:
             log.error("ckptrepo: could not publish the failure of %s: %s", job.vid[:12], publish_err)
 

@@ -143,9 +143,8 @@ def node_pusher(plumbing: Plumbing, remote: str, branch: str, keep_last: int | N
                 timeout_s: float) -> BackgroundPusher:
     """A node leader's pusher on a node-local tier: rank 0's, gated on the other nodes; or a ``NodePusher``."""
     if cluster.kv.rank == 0:
-        pusher = BackgroundPusher(plumbing, remote, branch, keep_last, max_bytes, on_error, protect)
-        pusher.before_push = RemoteGate(cluster, remote, branch, timeout_s)
-        return pusher
+        return BackgroundPusher(plumbing, remote, branch, keep_last, max_bytes, on_error, protect,
+                                RemoteGate(cluster, remote, branch, timeout_s))
     return NodePusher(plumbing, remote, branch, keep_last, max_bytes, on_error, protect, cluster, timeout_s)
 
 

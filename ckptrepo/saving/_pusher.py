@@ -81,7 +81,8 @@ class BackgroundPusher:
 
     def __init__(self, plumbing: Plumbing, remote: str, branch: str, keep_last: int | None,
                  max_bytes: int | None, on_error: Callable[[CkptRepoError], None],
-                 protect: Callable[[], Iterable[str]]) -> None:
+                 protect: Callable[[], Iterable[str]],
+                 before_push: Callable[[Plumbing], str | None] | None = None) -> None:
         # a handle of its own: this thread reads manifests and refs beside the commit thread, which keeps the
         # snapshotter's handle and its caches to itself
         self.plumbing = Plumbing(plumbing.store)
@@ -89,7 +90,8 @@ class BackgroundPusher:
         self.keep_last, self.max_bytes = keep_last, max_bytes
         self._on_error, self._protect = on_error, protect
         # on node-local tiers: the wait for the other nodes' arrays, which says the branch's version it checked
-        self.before_push: Callable[[Plumbing], str | None] | None = None
+        # (given here: the thread starts pushing at once, what an earlier run left)
+        self.before_push = before_push
         self.last_error: str | None = None   # the last push's failure, None once one succeeds
         self.ranks_here = 1   # ranks writing into this repository: the bytes it accounts are this rank's times that
         self._cond = threading.Condition()
