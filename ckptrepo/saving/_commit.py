@@ -84,6 +84,7 @@ class Committer:
         self._answered: str | None = None   # rank 0: the last version whose verdict every rank will have read
         self._last_verdict: str | None = None   # rank 0: the last verdict it published (what closing waits on)
         self._read: str | None = None   # the other ranks: the last verdict they told rank 0 they had read
+        self._published: Manifest | None = None   # the manifest of the last version this committer wrote
         self.plumbing = plumbing
         self.layout = layout
         self.rank, self.world_size = rank, world_size
@@ -152,7 +153,8 @@ class Committer:
             self._last_verdict = job.vid
             raise
         multi = self.cluster is not None and self.cluster.multi_node
-        manifest = self.plumbing.manifest(job.vid)
+        manifest = self._published   # as written: not read back and decoded again
+        assert manifest is not None
         staging.publish_outcome(None, manifest, encode_manifest(manifest) if multi else None)
         self._answered = self._last_verdict = job.vid
         return version
@@ -259,7 +261,7 @@ class Committer:
         if self.conflict is not None:
             raise ConflictError(f"version {job.vid[:12]} was not committed: {self.conflict}")
         job.handle.stats.total_s = time.perf_counter() - job.started  # up to the manifest; updated after the ref
-        manifest = manifest.with_stats(job.handle.stats.to_json())
+        manifest = self._published = manifest.with_stats(job.handle.stats.to_json())
         parent = self.tip
         base = f"version {parent[:12]}" if parent else "an empty branch"
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from ckptrepo.core import CONFIG_KEY, Plumbing, first_parent_chain, remote_url, set_tracking_ref, tracking_tip
+from ckptrepo.core import CONFIG_KEY, Plumbing, remote_url, set_tracking_ref
 from ckptrepo.errors import CkptRepoError, SnapshotFailedError
 from ckptrepo.parallel import DeadlineError, ranks_text
 from ckptrepo.remotes import VersionCopier, open_remote
 from ckptrepo.saving._options import LocalTier, default_local_max_bytes
 from ckptrepo.saving._pusher import BackgroundPusher, check_tier
-from ckptrepo.saving._startup import Cluster
+from ckptrepo.saving._startup import Cluster, unpushed_versions
 from ckptrepo.storage import open_store
 
 REMOTE_READY = "remote-ready"   # rank 0 made the remote a repository: the nodes may write into it
@@ -36,18 +36,6 @@ def pushed_key(node: int, vid: str) -> str:
 def progress_key(node: int) -> str:
     """A count of the objects ``node`` has uploaded: while it grows, rank 0 keeps waiting for the node."""
     return f"progress/{node}"
-
-
-def unpushed_versions(plumbing: Plumbing, remote: str, branch: str, tip: str | None = None) -> list[str]:
-    """The versions of ``branch`` (from ``tip``, default its tip) past what the remote was last known to
-    hold, oldest first."""
-    on_remote = tracking_tip(plumbing.store, f"{remote}/{branch}")
-    out = []
-    for vid in first_parent_chain(tip or plumbing.branch_tip(branch), plumbing.first_parent):
-        if vid == on_remote:
-            break
-        out.append(vid)
-    return out[::-1]
 
 
 class RemoteGate:
@@ -188,4 +176,4 @@ def tier_pusher(plumbing: Plumbing, tier: LocalTier, branch: str, rank: int, wor
     return pusher
 
 
-__all__ = ["NodePusher", "RemoteGate", "finish_leftover", "node_pusher", "tier_pusher", "unpushed_versions"]
+__all__ = ["NodePusher", "RemoteGate", "finish_leftover", "node_pusher", "tier_pusher"]

@@ -34,7 +34,7 @@ from ckptrepo.core import (
     tracking_tip,
     update_config,
 )
-from ckptrepo.core.schema import decode_manifest, encode_manifest
+from ckptrepo.core.schema import decode_manifest
 from ckptrepo.errors import CkptRepoError, LayoutError, RefError, SnapshotFailedError, first_line
 from ckptrepo.parallel import GroupStore, ranks_text
 from ckptrepo.parallel.layout import ParallelLayout
@@ -180,25 +180,24 @@ def _agree_on_history(plumbing: Plumbing, cluster: Cluster, branch: str, remote:
     if kv.rank == 0:
         tip = plumbing.branch_tip(branch)
         kv.set("history/tip", (tip or "").encode())
-        on_remote = tracking_tip(plumbing.store, f"{remote}/{branch}")
-        handed: list[str] = []
-        for vid in first_parent_chain(tip, plumbing.first_parent) if tip else ():
-            if vid == on_remote or len(handed) >= MAX_HANDED:
-                break
-            handed.append(vid)
+        handed = unpushed_versions(plumbing, remote, branch, tip)[-MAX_HANDED:]   # oldest first: parents first
         for i, vid in enumerate(handed):
-            kv.set(f"history/v{i}", vid.encode() + b"\n" + encode_manifest(plumbing.manifest(vid)))
+            raw = plumbing.store.get(VERSIONS_PREFIX + vid)   # sealed as stored: each node checks it
+            if raw is None:
+                raise SnapshotFailedError(f"version {vid[:12]} on rank 0's branch has no manifest; run `ckptrepo "
+                                          f"fsck` on rank 0's repository")
+            kv.set(f"history/v{i}", vid.encode() + b"\n" + raw)
         kv.set("history/count", str(len(handed)).encode())
     kv.wait(["history/count"], timeout_s, lambda: "rank 0 did not say where its branch is")
 
     def follow_rank_0() -> None:
         tip = kv.get("history/tip").decode() or None
         count = int(kv.get("history/count"))
-        for i in reversed(range(count)):   # parents first
+        for i in range(count):
             named, raw = kv.get(f"history/v{i}").split(b"\n", 1)
             m = decode_manifest(raw, named.decode())   # checked before it is written: sealed, and of that id
             mark_evicted(plumbing.store, m.id, remote, spread=True)   # the other nodes' arrays: on the remote
-            plumbing.store.put_if_absent(VERSIONS_PREFIX + m.id, encode_manifest(m))
+            plumbing.store.put_if_absent(VERSIONS_PREFIX + m.id, raw)
         _mark_unmarked(plumbing, tip, remote)
         _set_branch(plumbing, branch, tip, remote)
     together(kv, "history", timeout_s, "the agreement on the branch",
@@ -207,6 +206,18 @@ def _agree_on_history(plumbing: Plumbing, cluster: Cluster, branch: str, remote:
         count = int(kv.get("history/count"))
         for k in ["history/tip", "history/count", *(f"history/v{i}" for i in range(count))]:
             kv.delete(k)
+
+
+def unpushed_versions(plumbing: Plumbing, remote: str, branch: str, tip: str | None = None) -> list[str]:
+    """The versions of ``branch`` (from ``tip``, default its tip) past what the remote was last known to
+    hold (its remote-tracking ref), oldest first."""
+    on_remote = tracking_tip(plumbing.store, f"{remote}/{branch}")
+    out = []
+    for vid in first_parent_chain(tip or plumbing.branch_tip(branch), plumbing.first_parent):
+        if vid == on_remote:
+            break
+        out.append(vid)
+    return out[::-1]
 
 
 def _mark_unmarked(plumbing: Plumbing, tip: str | None, remote: str) -> None:
@@ -255,4 +266,4 @@ def _set_branch(plumbing: Plumbing, branch: str, tip: str | None, remote: str) -
         raise CkptRepoError(f"branch {branch!r} moved while this node took rank 0's tip; start again")
 
 
-__all__ = ["Cluster", "start_cluster"]
+__all__ = ["Cluster", "start_cluster", "unpushed_versions"]
