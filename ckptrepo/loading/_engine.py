@@ -32,16 +32,15 @@ store failed us.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
-import tensorstore as ts
-import torch
 
 from ckptrepo.errors import (
     CorruptionError,
@@ -52,7 +51,6 @@ from ckptrepo.errors import (
     storage_failure,
 )
 from ckptrepo.loading._digest_check import DigestFeed, check_read, check_reads, check_rows
-from ckptrepo.state import TORCH_DTYPES
 from ckptrepo.storage import (
     ArrayInfo,
     DirectReader,
@@ -69,6 +67,10 @@ from ckptrepo.storage import (
     read_table,
 )
 from ckptrepo.storage.protocol import Store
+
+if TYPE_CHECKING:   # imported where used: a plan of numpy reads from local files needs neither (diff, stats)
+    import tensorstore as ts
+    import torch
 
 RUN_BYTES = 8 << 20          # reads that follow each other are coalesced up to this; a bigger read stands alone
 INFLIGHT_BYTES = 512 << 20   # runs in flight at once: bounds TensorStore's result buffers and the scratch
@@ -89,6 +91,7 @@ class ReadStats:
 def kvstore_bytes_read() -> int:
     """Bytes this process has read from storage so far: every TensorStore kvstore driver's own counter
     (file, s3, gcs, memory) plus the direct local-file paths' (tensor data, small objects)."""
+    import tensorstore as ts
     total = bytes_read() + local_bytes_read()
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
         if m["name"].endswith("/bytes_read"):
@@ -137,9 +140,15 @@ class Read:
         """The direct reader filled :meth:`direct_target`'s memory (on the thread that executes the plan)."""
 
     def fill(self, src: torch.Tensor) -> None:
-        """Take the elements from ``src`` (1-D, the array's dtype, element ``start`` first): TensorStore's
-        result, or the scratch a direct read filled (then on a reader thread: no other read shares its bytes)."""
+        """Take the elements from ``src`` (1-D, the array's dtype, element ``start`` first; what
+        :meth:`elements` makes of the bytes): TensorStore's result, or the scratch a direct read filled (then on
+        a reader thread: no other read shares its bytes)."""
         raise NotImplementedError
+
+    def elements(self, raw: np.ndarray, dtype: str) -> Any:
+        """The read's stored bytes ``raw`` (numpy uint8) as :meth:`fill` takes them: a tensor of ``dtype``. A read
+        that fills numpy memory returns ``raw`` itself, so that its plans import no torch."""
+        return _tensor_of(raw, dtype)
 
 
 @dataclass
@@ -300,8 +309,7 @@ class _Execution:
         table = self.engine.table(run.array)
         try:
             dests = [r.direct_target(info) for r in run.reads]
-            scratch = [torch.empty(r.numel, dtype=TORCH_DTYPES[info.dtype]) if d is None else None
-                       for r, d in zip(run.reads, dests)]
+            scratch = [_empty_tensor(r.numel, info.dtype) if d is None else None for r, d in zip(run.reads, dests)]
         except (MemoryError, RuntimeError) as err:
             if isinstance(err, RuntimeError) and "allocate" not in str(err):
                 raise
@@ -339,6 +347,7 @@ class _Execution:
         return _DirectRead(_when_all(futs + filled + checks, _nothing))
 
     def _submit_ts(self, run: _Run) -> _BoundRead | list[Any]:
+        import tensorstore as ts
         if self.batch is None:
             self.batch = ts.Batch()
         h = self.engine.handle(run)
@@ -381,11 +390,11 @@ class _Execution:
             bad = first_mismatch(futs.table, first, chunk_crcs(info, raw))
             if bad is not None:
                 raise foreign_chunk_error(info, first + bad, _names(run.reads))
-            elems = torch.from_numpy(raw).view(TORCH_DTYPES[info.dtype])
             item = info.itemsize
             for r in run.reads:
-                check_read(r, raw[(r.start - futs.start) * item:(r.stop - futs.start) * item])
-                r.fill(elems[r.start - futs.start:r.stop - futs.start])
+                mine = raw[(r.start - futs.start) * item:(r.stop - futs.start) * item]
+                check_read(r, mine)
+                r.fill(r.elements(mine, info.dtype))
         elif not isinstance(futs, _DirectRead):
             self._submit_batch()
             for r, f in zip(run.reads, futs):
@@ -394,7 +403,7 @@ class _Execution:
                 except Exception as err:  # noqa: BLE001 - TensorStore raises ValueError and friends
                     raise _read_error(self.engine.store, info, run, err) from err
                 check_read(r, data.view(np.uint8))
-                r.fill(torch.from_numpy(data.view(np.uint8)).view(TORCH_DTYPES[info.dtype]))
+                r.fill(r.elements(data.view(np.uint8), info.dtype))
         if self.on_bytes is not None:
             self.on_bytes(nbytes)
         return nbytes
@@ -493,9 +502,27 @@ def _nothing() -> None:
 def _bytes_of(target: Any) -> np.ndarray | None:
     """A direct read's destination (a contiguous tensor or numpy bytes) as flat numpy bytes; None for a row
     target, whose bytes are not in one place."""
-    if isinstance(target, torch.Tensor):
+    if isinstance(target, np.ndarray):
+        return target.reshape(-1).view(np.uint8)
+    torch = sys.modules.get("torch")   # a tensor exists only once torch is imported: no import for numpy plans
+    if torch is not None and isinstance(target, torch.Tensor):
         return target.reshape(-1).view(torch.uint8).numpy()
-    return target.reshape(-1).view(np.uint8) if isinstance(target, np.ndarray) else None
+    return None
+
+
+def _tensor_of(raw: np.ndarray, dtype: str) -> torch.Tensor:
+    """Stored bytes as a 1-D tensor of ``dtype`` sharing their memory."""
+    import torch
+
+    from ckptrepo.state import TORCH_DTYPES
+    return torch.from_numpy(raw).view(TORCH_DTYPES[dtype])
+
+
+def _empty_tensor(numel: int, dtype: str) -> torch.Tensor:
+    import torch
+
+    from ckptrepo.state import TORCH_DTYPES
+    return torch.empty(numel, dtype=TORCH_DTYPES[dtype])
 
 
 def _failed() -> Future:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from ckptrepo.storage._arrays import (
     INDEX_ENTRY_BYTES,
@@ -34,6 +34,9 @@ from ckptrepo.storage._crc import crc32c
 from ckptrepo.storage._localfs import ByteCounter, open_regular, read_regular
 from ckptrepo.storage._vectored import transfer_all
 from ckptrepo.storage.protocol import Store, StoreCapabilities
+
+if TYPE_CHECKING:   # numpy destinations need no torch (diff and stats read without it)
+    import torch
 
 
 def _usable_cpus() -> int:
@@ -390,7 +393,10 @@ def _thread_scratch(nbytes: int) -> np.ndarray:
 
 def _target_buffer(target: Any) -> Any:
     """A contiguous tensor's bytes as a flat numpy view; a row target (see ``_read_chunks``) as it is."""
-    return target.reshape(-1).view(torch.uint8).numpy() if isinstance(target, torch.Tensor) else target
+    torch = sys.modules.get("torch")   # a tensor exists only once torch is imported
+    if torch is not None and isinstance(target, torch.Tensor):
+        return target.reshape(-1).view(torch.uint8).numpy()
+    return target
 
 
 def _scratch(nbytes: int) -> np.ndarray:

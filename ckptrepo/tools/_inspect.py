@@ -13,7 +13,11 @@ on which thread finished first. Memory is the workers' buffers: a few
 
 Why threads and numpy: the reads (``preadv`` and crc32c) and numpy's loops let go
 of the GIL, and a numpy call stays on the thread that makes it, where a torch op
-would start an OpenMP team in each worker on top of the reader threads.
+would start an OpenMP team in each worker on top of the reader threads. Numpy
+also keeps torch out of the process: the reads fill numpy buffers, bfloat16 and
+the float8 formats are widened by their bits, and only a tensor saved as several
+pieces (read through the resharding reader) imports torch, so a data command
+starts in the time of its own work (docs/decisions/058).
 
 Accuracy: every block is reduced in float64. float32, bfloat16 and float16
 values cannot overflow or underflow float64 when squared, so their sums of
@@ -32,19 +36,22 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
-import torch
 
 from ckptrepo.arguments import short_text
 from ckptrepo.core import Plumbing, flat_boxes, merge_moments, volume
 from ckptrepo.core.schema import Manifest, TensorEntry
-from ckptrepo.loading import Engine, Read, VersionReader
-from ckptrepo.parallel import Piece
-from ckptrepo.state import TORCH_DTYPES, plain_values
+from ckptrepo.loading import Engine, Read
+from ckptrepo.state import plain_values
 from ckptrepo.storage import ArrayInfo, itemsize
+from ckptrepo.tools._float8 import widen_float8
 from ckptrepo.tools._numeric import is_numeric
+
+if TYPE_CHECKING:   # imported where a tensor is built: a tensor saved as several pieces
+    from ckptrepo.loading import VersionReader
+    from ckptrepo.parallel import Piece
 from ckptrepo.tools._recorded import TensorStats
 
 CHUNK_BYTES = 8 << 20     # stored bytes of one version that a job reads (a diff job reads as much of each side)
@@ -274,10 +281,9 @@ def _blocks(raw: np.ndarray, dtype: str, side: int = 0) -> Iterator[np.ndarray]:
         for s in range(0, vals.size, BLOCK_ELEMS):
             block = vals[s:s + BLOCK_ELEMS]
             yield block if block.dtype == wide else block.astype(wide)   # the reductions never write their input
-    else:   # float8 formats and the like, which numpy lacks: torch converts them
-        t = torch.from_numpy(raw).view(TORCH_DTYPES[dtype])
-        for s in range(0, t.numel(), BLOCK_ELEMS):
-            yield t[s:s + BLOCK_ELEMS].to(torch.float64).numpy()
+    else:   # the float8 formats, which numpy lacks: widened by a table of their values (exact in float64)
+        for s in range(0, raw.size, BLOCK_ELEMS):
+            yield widen_float8(raw[s:s + BLOCK_ELEMS], dtype)
 
 
 def _words(raw: np.ndarray, itemsize: int) -> np.ndarray:
@@ -303,8 +309,11 @@ class _Into(Read):
     def direct_target(self, info: ArrayInfo) -> np.ndarray:
         return self.dest
 
-    def fill(self, src: torch.Tensor) -> None:
-        np.copyto(self.dest, src.view(torch.uint8).numpy())
+    def elements(self, raw: np.ndarray, dtype: str) -> np.ndarray:
+        return raw   # the bytes, as numpy: no tensor, so no torch
+
+    def fill(self, src: Any) -> None:
+        np.copyto(self.dest, src)
 
 
 class _Side:
@@ -326,6 +335,7 @@ class _Side:
                 vid = p.array.split("/")[1]
                 self.arrays[p.array] = self.plumbing.manifest(vid).arrays[p.array]
         if len(entry.pieces) > 1 and self._pieces is None:
+            from ckptrepo.loading import VersionReader
             self._pieces = VersionReader(self.store, dataclasses.replace(self.manifest, arrays=self.arrays))
 
     def read(self, segments: list[tuple[TensorEntry, int, int, np.ndarray]]) -> None:
@@ -339,6 +349,10 @@ class _Side:
                 off = pieces[0].offset
                 plan.append(_Into(pieces[0].array, off + start, off + stop, dest, entry.name))
             else:  # saved by several ranks: the range is a few boxes, each filled from the pieces it meets
+                import torch
+
+                from ckptrepo.parallel import Piece
+                from ckptrepo.state import TORCH_DTYPES
                 t = torch.from_numpy(dest).view(TORCH_DTYPES[entry.dtype])
                 targets += [Piece(entry.name, entry.dtype, entry.shape, box,
                                   t[f - start:f - start + volume(box[1])].view(box[1]))

@@ -273,6 +273,20 @@ def test_diff_of_every_dtype_matches_a_float64_reference(repo, monkeypatch, chun
                 assert getattr(t, key) == pytest.approx(want, rel=1e-11, abs=1e-12), (name, key)
 
 
+def test_diff_and_stats_through_tensorstore_equal_the_direct_reads(repo, monkeypatch):
+    """The fallback path hands the jobs numpy bytes as the direct reader does: the very same numbers."""
+    from ckptrepo.loading import _engine
+    repo.snapshot(_varied_state(0), step=1)
+    repo.snapshot(_varied_state(1), step=2)
+
+    def numbers():
+        return ([t.to_json() for t in repo.diff("@1", "@2", include_nonfloat=True).tensors],
+                [s.to_json() for s in inspect.tensor_stats(repo.plumbing, "@2")])
+    direct = numbers()
+    monkeypatch.setattr(_engine, "DIRECT_READS", False)
+    assert numbers() == direct and len(direct[1]) == 10
+
+
 def test_a_pattern_reads_only_the_tensors_it_matches_and_shared_bytes_once(repo):
     """on_bytes counts what is read: the matched tensors' bytes of both versions, and a tensor that both
     versions hold as the same stored bytes (dedup) once."""

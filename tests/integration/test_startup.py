@@ -1,7 +1,9 @@
 """Start-up: ``ckptrepo log`` on a local repository loads neither torch, numpy, TensorStore nor rich, and a short
-log reads the headers it lists, not the history. Asserted on what is imported, not on a time."""
+log reads the headers it lists, not the history; ``diff``, ``show --stat``, ``log -p`` and ``stats``, which read
+tensor data, load neither torch nor TensorStore. Asserted on what is imported, not on a time."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +45,52 @@ def test_log_imports_neither_torch_numpy_tensorstore_nor_rich(history, tmp_path)
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
     for args in (["log", "--oneline", "--all"], ["metrics", "--json"], ["show", "best", "--json"]):
         assert not _imported(["--repo", history, *args], str(tmp_path)) & set(HEAVY), args
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Versions of float32, bfloat16, float16, float8 and integer tensors; the newest one without capture-time
+    statistics, so that ``stats`` reads its data."""
+    url = str(tmp_path_factory.mktemp("startup-data") / "repo")
+    repo = ckptrepo.init(url)
+    g = torch.Generator().manual_seed(0)
+    w = {"layers.0.w": torch.randn(64, 64, generator=g), "half": torch.randn(300, generator=g),
+         "f16": torch.randn(40, generator=g), "e4m3": torch.randn(50, generator=g),
+         "e5m2": torch.randn(50, generator=g)}
+    kinds = {"half": torch.bfloat16, "f16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    for step in range(3):
+        state = {k: (v * 1.5 ** step).to(kinds.get(k, torch.float32)) for k, v in w.items()}
+        with repo.snapshotter(tensor_stats=step < 2) as snap:
+            snap.snapshot(dict(state, count=torch.arange(10), lr=0.1 / (step + 1)), step=step)
+    return url
+
+
+@pytest.mark.parametrize("args", [["diff", "HEAD~1", "HEAD"], ["diff", "HEAD", "--stat", "--json"],
+                                  ["show", "--stat", "HEAD"], ["log", "-p"], ["log", "-p", "--json"],
+                                  ["stats", "HEAD"], ["stats", "HEAD", "--json"]],
+                         ids=lambda a: " ".join(a))
+def test_data_commands_import_neither_torch_nor_tensorstore(data, tmp_path, args):
+    """They read the data into numpy buffers (bfloat16 and float8 widened by their bits): no tensor is built."""
+    imported = _imported(["--repo", data, *args], str(tmp_path))
+    assert "numpy" in imported
+    assert not imported & {"torch", "tensorstore"}, sorted(imported & {"torch", "tensorstore"})
+
+
+def test_data_commands_print_what_the_api_computes(data):
+    """The same numbers as in a process that has torch (this one): the stats read from data, the diff."""
+    repo = ckptrepo.open(data)
+    assert repo.plumbing.manifest(repo.resolve("HEAD")).tensor_stats is None   # read from the data
+    p = subprocess.run([sys.executable, "-m", "ckptrepo.cli", "--repo", data, "stats", "HEAD", "--json"],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout) == [r.to_json() for r in repo.stats("HEAD")]
+    p = subprocess.run([sys.executable, "-m", "ckptrepo.cli", "--repo", data, "diff", "HEAD~1", "HEAD", "--json",
+                        "--include-nonfloat"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    printed, want = json.loads(p.stdout), repo.diff("HEAD~1", "HEAD", include_nonfloat=True).to_json()
+    by_name = {t["name"]: t for t in want["tensors"]}
+    assert {t["name"]: t for t in printed["tensors"]} == by_name and len(by_name) == 6
+    assert printed["objects"] == want["objects"] and [o["path"] for o in want["objects"]] == ["lr"]
 
 
 def test_import_ckptrepo_is_light_and_its_api_loads_on_first_use(tmp_path):
