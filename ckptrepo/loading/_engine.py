@@ -37,7 +37,7 @@ import threading
 from collections import deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
@@ -510,19 +510,21 @@ def _bytes_of(target: Any) -> np.ndarray | None:
     return None
 
 
+@lru_cache(maxsize=None)
+def _torch_dtype(dtype: str) -> torch.dtype:
+    from ckptrepo.state import TORCH_DTYPES
+    return TORCH_DTYPES[dtype]
+
+
 def _tensor_of(raw: np.ndarray, dtype: str) -> torch.Tensor:
     """Stored bytes as a 1-D tensor of ``dtype`` sharing their memory."""
     import torch
-
-    from ckptrepo.state import TORCH_DTYPES
-    return torch.from_numpy(raw).view(TORCH_DTYPES[dtype])
+    return torch.from_numpy(raw).view(_torch_dtype(dtype))
 
 
 def _empty_tensor(numel: int, dtype: str) -> torch.Tensor:
     import torch
-
-    from ckptrepo.state import TORCH_DTYPES
-    return torch.empty(numel, dtype=TORCH_DTYPES[dtype])
+    return torch.empty(numel, dtype=_torch_dtype(dtype))
 
 
 def _failed() -> Future:
