@@ -287,6 +287,40 @@ def test_diff_and_stats_through_tensorstore_equal_the_direct_reads(repo, monkeyp
     assert numbers() == direct and len(direct[1]) == 10
 
 
+def _commit_as_two_ranks(repo, w: torch.Tensor, step: int) -> None:
+    """``model/w`` as two pieces, rows [0, 170) from "rank" 0 and the rest from "rank" 1 (saving/_pieces.py)."""
+    from ckptrepo.core._manifest import new_version_id
+    from ckptrepo.saving._pieces import GlobalChunk, commit_chunks, read_branch_base, tensor_order, write_rank_chunks
+    from ckptrepo.state._providers import flatten
+    base, vid = read_branch_base(repo.plumbing), new_version_id()
+    chunks = {0: [GlobalChunk("model/w", tuple(w.shape), (0, 0), w[:170])],
+              1: [GlobalChunk("model/w", tuple(w.shape), (170, 0), w[170:])]}
+    writes = [write_rank_chunks(repo.plumbing, vid, r, chunks[r], None) for r in (1, 0)]
+    tree, _ = flatten({"model": {n.split("/")[1]: torch.empty(0) for n in tensor_order(writes)}})
+    commit_chunks(repo.plumbing, vid, writes, tree, 2, step=step, message="", metrics={}, base=base)
+
+
+@pytest.mark.parametrize("chunk", [8 << 20, 10_000])   # one job, or jobs that cut across the pieces' boundary
+def test_diff_and_stats_of_a_tensor_saved_as_pieces_match_a_float64_reference(repo, monkeypatch, chunk):
+    """Such a tensor is read through the resharding reader (the path that builds a tensor view)."""
+    monkeypatch.setattr(inspect, "CHUNK_BYTES", chunk)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(600, 64, generator=g)
+    b = a + 0.01 * torch.randn(600, 64, generator=g)
+    _commit_as_two_ranks(repo, a, 1)
+    _commit_as_two_ranks(repo, b, 2)
+    assert len(repo.plumbing.manifest(repo.resolve("@2")).tensors[0].pieces) == 2
+    stats = inspect.tensor_stats(repo.plumbing, "@2")[0]
+    ref = _reference_stats(b)
+    for key in ("norm", "mean", "std", "min", "max", "absmax"):
+        assert getattr(stats, key) == pytest.approx(ref[key], rel=1e-11, abs=1e-12), key
+    t = repo.diff("@1", "@2").tensors[0]
+    ref = _reference_diff(a, b)
+    assert t.status == "changed"
+    for key in ("l2", "max_abs", "norm_a", "norm_b", "cosine"):
+        assert getattr(t, key) == pytest.approx(ref[key], rel=1e-11, abs=1e-12), key
+
+
 def test_a_pattern_reads_only_the_tensors_it_matches_and_shared_bytes_once(repo):
     """on_bytes counts what is read: the matched tensors' bytes of both versions, and a tensor that both
     versions hold as the same stored bytes (dedup) once."""
