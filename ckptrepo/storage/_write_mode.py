@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 
 PROBE_EVERY = 16
-PAGE_CACHE_MARGIN = 1.5   # how much faster the page cache must write to be used
+PAGE_CACHE_MARGIN = 2.0   # how much faster the page cache must write to be used
 _WEIGHT = 0.5   # of the newest measurement in a mode's running rate
 
 
