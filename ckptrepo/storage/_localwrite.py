@@ -434,7 +434,7 @@ class DirectWriter:
         self.threads = max(1, threads)
         self.direct_io = DIRECT_IO and hasattr(os, "O_DIRECT")   # cleared at the first refusal
         self.block = 512   # write_live's chunk alignment: the device's logical block size (4096 once 512 is refused)
-        self.modes = WriteModes()   # O_DIRECT or the page cache, whichever this disk writes faster
+        self.modes = WriteModes()   # O_DIRECT, or the page cache where this disk writes far faster through it
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._dirs: set[str] = set()
