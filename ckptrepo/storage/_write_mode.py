@@ -9,7 +9,7 @@ every ``PROBE_EVERY`` objects in case the device's behaviour changed.
 
 The two rates are not weighed evenly: the page cache's costs a copy of every byte on a CPU the training
 loop shares, which its rate does not show, and on a device where both modes write about as fast that
-copy is what a save is short of (docs/decisions/055-the-write-rate.md). So O_DIRECT is kept unless the
+copy is CPU the loop loses for nothing (docs/decisions/055-the-write-rate.md). So O_DIRECT is kept unless the
 page cache wrote ``PAGE_CACHE_MARGIN`` times faster. A mode's trial is one object at a time: the writer's
 threads pick at once, and without that rule all of them would try the untried mode together.
 """
