@@ -4,6 +4,10 @@ Builds a deterministic GPT-like training state (fp32 parameters, AdamW exp_avg /
 exp_avg_sq and step tensors, a bf16 EMA copy of the weights: hundreds of tensors,
 random content) of about ``--size-gb`` GB and measures, best of ``--repeat``:
 
+* ``dd``: the same number of bytes written by the ``dd`` tool (``/dev/zero``, ``--dd-bs`` blocks) to a file in
+  the same directory, once with ``oflag=direct`` and once buffered with ``conv=fsync`` (each followed by an fsync of
+  the directory, deleted after): the disk's durable write rate as the system's own tool gets it, which the
+  "save / dd" column compares every save with (the better of the two, per run; these rows have no load);
 * disk ceiling: one file of the same size written with 64 MiB writes + fsync, and read back
   sequentially with 64 MiB reads into a reused buffer (the ceiling the ratios use); also
   "disk -> fresh memory": the same read into newly allocated buffers, what any load that
@@ -34,6 +38,7 @@ import gc
 import mmap
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -222,6 +227,7 @@ class Method:
     name = ""
     key = ""
     note = ""
+    loads = True   # False: a write-only reference (the dd rows)
 
     def save(self, state: Any, target: str) -> None: ...
     def load(self, target: str, template: Any) -> Any: ...
@@ -259,6 +265,34 @@ class Disk(Method):
         buf = memoryview(bytearray(IO_CHUNK))
         read_blob(os.path.join(target, "blob"), lambda: buf, self.nbytes)
         return None
+
+
+class DD(Method):
+    """The ``dd`` tool writing the state's size durably: the reference a save's rate is compared with."""
+
+    loads = False
+
+    def __init__(self, nbytes: int, block: str, direct: bool) -> None:
+        self.block = block
+        self.bs = _parse_size(block)
+        self.count = max(1, round(nbytes / self.bs))
+        self.flag = "oflag=direct" if direct else "conv=fsync"
+        self.key = "dd-direct" if direct else "dd-fsync"
+        self.name = "dd, O_DIRECT" if direct else "dd, buffered + fsync"
+        self.note = (f"dd if=/dev/zero bs={block} count={self.count} {self.flag}, then fsync of the directory "
+                     f"({self.count * self.bs / GB:.3f} GB)")
+
+    def save(self, state: Any, target: str) -> None:
+        os.makedirs(target)
+        subprocess.run(["dd", "if=/dev/zero", f"of={os.path.join(target, 'dd')}", f"bs={self.block}",
+                        f"count={self.count}", self.flag, "status=none"], check=True)
+        fsync_dir(target)
+
+
+def _parse_size(text: str) -> int:
+    """Bytes in a dd block size such as ``4M`` or ``65536`` (K, M, G: powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
 def read_blob(path: str, next_buffer: Any, nbytes: int) -> None:
@@ -373,6 +407,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     methods: list[Method] = [Disk(nbytes)]
     if not args.no_fresh_ceiling:
         methods.append(DiskFresh(nbytes))
+    dd: list[Method] = [] if args.no_dd else [DD(nbytes, args.dd_bs, True), DD(nbytes, args.dd_bs, False)]
     methods.append(CkptRepo())
     if args.ts_reads:
         methods.append(CkptRepoTensorStoreReads())
@@ -380,6 +415,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.only:
         only = set(args.only.split(","))
         methods = [m for m in methods if m.key in only]
+    methods = dd + methods   # the references of every run, whatever --only selects
     results: dict[str, dict[str, Any]] = {m.name: {"save_s": [], "load_s": [], "resident": [], "note": m.note,
                                                    "on_disk_bytes": None, "save_cpu_s": [], "load_cpu_s": []}
                                           for m in methods}
@@ -398,6 +434,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 save_s = time.perf_counter() - t
                 save_cpu = cpu_s() - c
                 results[m.name]["on_disk_bytes"] = sum(os.path.getsize(f) for f in files_under(target))
+                if not m.loads:
+                    written = m.count * m.bs if isinstance(m, DD) else nbytes
+                    results[m.name]["save_s"].append(save_s * nbytes / written)   # as if it wrote the state's size
+                    print(f"  rep {rep + 1}/{args.repeat} {m.name:20s} save {save_s:6.2f}s "
+                          f"{written / save_s / GB:6.3f} GB/s", flush=True)
+                    shutil.rmtree(target, ignore_errors=True)
+                    os.sync()
+                    time.sleep(args.settle)
+                    continue
                 if args.warm:
                     res = resident_fraction(target)
                 else:
@@ -440,13 +485,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_during_run": {"min": min(loadavg, default=0.0), "max": max(loadavg, default=0.0)},
     }
     for name, r in results.items():
-        best_save, best_load = min(r["save_s"]), min(r["load_s"])
+        best_save, best_load = min(r["save_s"]), min(r["load_s"], default=None)
         summary["methods"][name] = {
-            "save_gbps": nbytes / best_save / GB, "load_gbps": nbytes / best_load / GB,
+            "save_gbps": nbytes / best_save / GB, "load_gbps": None if best_load is None else nbytes / best_load / GB,
             "save_s": r["save_s"], "load_s": r["load_s"], "resident_before_load": r["resident"],
             "on_disk_bytes": r["on_disk_bytes"], "note": r["note"],
-            "save_cpu_s_per_gb": min(r["save_cpu_s"]) / (nbytes / GB),
-            "load_cpu_s_per_gb": min(r["load_cpu_s"]) / (nbytes / GB),
+            # dd's CPU is another process's: not counted
+            "save_cpu_s_per_gb": min(r["save_cpu_s"]) / (nbytes / GB) if r["save_cpu_s"] else None,
+            "load_cpu_s_per_gb": min(r["load_cpu_s"]) / (nbytes / GB) if r["load_cpu_s"] else None,
         }
     disk = summary["methods"].get(Disk.name)
     ref = summary["methods"].get("ckptrepo")
@@ -454,11 +500,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Both disk rows write the same file the same way: the save ceiling is the best of all those writes.
         writes = [s["save_gbps"] for n, s in summary["methods"].items() if n in (Disk.name, DiskFresh.name)]
         summary["ceiling"] = {"save_gbps": max(writes), "load_gbps": disk["load_gbps"]}
+    dd_best = max((summary["methods"][m.name]["save_gbps"] for m in dd), default=None)
+    summary["dd_save_gbps"] = dd_best
     for _name, s in summary["methods"].items():
+        loaded = s["load_gbps"] is not None
+        s["save_vs_dd"] = s["save_gbps"] / dd_best if dd_best else None
         s["save_vs_disk"] = s["save_gbps"] / summary["ceiling"]["save_gbps"] if disk else None
-        s["load_vs_disk"] = s["load_gbps"] / summary["ceiling"]["load_gbps"] if disk else None
+        s["load_vs_disk"] = s["load_gbps"] / summary["ceiling"]["load_gbps"] if disk and loaded else None
         s["save_vs_ckptrepo"] = s["save_gbps"] / ref["save_gbps"] if ref else None
-        s["load_vs_ckptrepo"] = s["load_gbps"] / ref["load_gbps"] if ref else None
+        s["load_vs_ckptrepo"] = s["load_gbps"] / ref["load_gbps"] if ref and loaded else None
     return summary
 
 
@@ -469,22 +519,25 @@ def print_table(summary: dict[str, Any]) -> None:
     def f(x: float | None, fmt: str = "{:.2f}") -> str:
         return "-" if x is None else fmt.format(x)
 
-    worst_res = max((max(s["resident_before_load"]) for s in summary["methods"].values()), default=0.0)
+    worst_res = max((max(s["resident_before_load"]) for s in summary["methods"].values() if s["resident_before_load"]),
+                    default=0.0)
     cache = summary["cache"] + (f"; at most {worst_res:.0%} of any method's files resident before a load"
                                 if not summary["cache"].startswith("warm") else "")
     table = Table(title=f"save/load of a {summary['size_bytes'] / GB:.2f} GB state, {summary['tensors']} tensors "
                         f"(best of {summary['repeat']})",
                   caption=f"reads: {cache}. All saves durable: ckptrepo/TensorStore and DCP fsync their files; "
                           f"torch.save is followed by fsync of the file and its directory. GB = 1e9 bytes. "
+                          f"save / dd: against the better dd row (O_DIRECT or buffered + fsync) of this run. "
                           f"Ratios / disk: save against the best disk write of either disk row, load against the "
                           f"disk ceiling's read. cpu-s/GB: CPU seconds (all threads) per GB, best repetition. "
                           f"{summary['cpus']} CPUs; 1-min load average during the run "
                           f"{summary['load_average_during_run']['min']:.1f}-{summary['load_average_during_run']['max']:.1f}.")
-    for col in ("method", "save GB/s", "load GB/s", "save / disk", "load / disk", "save / ckptrepo", "load / ckptrepo",
-                "save cpu-s/GB", "load cpu-s/GB"):
+    for col in ("method", "save GB/s", "load GB/s", "save / dd", "save / disk", "load / disk", "save / ckptrepo",
+                "load / ckptrepo", "save cpu-s/GB", "load cpu-s/GB"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for name, s in summary["methods"].items():
-        table.add_row(name, f(s["save_gbps"], "{:.3f}"), f(s["load_gbps"], "{:.3f}"), f(s["save_vs_disk"]),
+        table.add_row(name, f(s["save_gbps"], "{:.3f}"), f(s["load_gbps"], "{:.3f}"), f(s["save_vs_dd"]),
+                      f(s["save_vs_disk"]),
                       f(s["load_vs_disk"]), f(s["save_vs_ckptrepo"]), f(s["load_vs_ckptrepo"]),
                       f(s["save_cpu_s_per_gb"]), f(s["load_cpu_s_per_gb"]))
     Console(width=160).print(table)
@@ -505,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated subset of: disk,disk-fresh,ckptrepo,ckptrepo-ts,torch.save,dcp")
     p.add_argument("--no-fresh-ceiling", action="store_true",
                    help="skip the 'disk -> fresh memory' row (reads into newly allocated buffers)")
+    p.add_argument("--no-dd", action="store_true", help="skip the two dd rows (run whatever --only selects)")
+    p.add_argument("--dd-bs", default="4M",
+                   help="dd's block size (default 4M: the size of the direct writer's O_DIRECT requests)")
     p.add_argument("--ts-reads", action="store_true",
                    help="add a row for ckptrepo loading through TensorStore only (no direct local-file reads)")
     args = p.parse_args(argv)

@@ -70,7 +70,7 @@ from ckptrepo.storage._chunktable import chunk_crcs
 from ckptrepo.storage._crc import crc32c
 from ckptrepo.storage._localfs import LOCK_SUFFIX, ByteCounter
 from ckptrepo.storage._vectored import transfer_all
-from ckptrepo.storage._write_mode import WriteModes
+from ckptrepo.storage._write_mode import Flight, WriteModes
 from ckptrepo.storage.protocol import Store
 
 DIRECT_WRITES = True     # False: every shard goes through TensorStore (read when a Snapshotter is created)
@@ -434,7 +434,7 @@ class DirectWriter:
         self.threads = max(1, threads)
         self.direct_io = DIRECT_IO and hasattr(os, "O_DIRECT")   # cleared at the first refusal
         self.block = 512   # write_live's chunk alignment: the device's logical block size (4096 once 512 is refused)
-        self.modes = WriteModes()   # O_DIRECT or the page cache, whichever this disk writes faster
+        self.modes = WriteModes()   # O_DIRECT, or the page cache where this disk writes far faster through it
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._dirs: set[str] = set()
@@ -519,20 +519,41 @@ class DirectWriter:
             raise ValueError(f"elements [{start}, {start + data.size}) are not one shard of {info.key}")
         shard = _Shard(info, data)
         path = os.path.join(self.root, info.shard_key(start // info.shard_elems))
-        direct = self.direct_io and self.modes.pick()
+        picked = self.direct_io and bounce is not None   # the modes choose; else the page cache, unmeasured
+        direct = picked and self.modes.pick()
+        flight = self.modes.begin()
+        try:
+            return self._write_shard(path, info, data, shard, bounce, picked, direct, flight)
+        finally:
+            flight.over()
+
+    def _write_shard(self, path: str, info: ArrayInfo, data: np.ndarray, shard: _Shard, bounce: np.ndarray | None,
+                     picked: bool, direct: bool, flight: Flight) -> np.ndarray:
         t0 = time.perf_counter()
-        if bounce is not None and direct:
+        if direct:
+            assert bounce is not None
             crcs = np.empty(shard.chunks, dtype="<u4")
             try:
                 write_object(path, shard.total, lambda fd: _write_aligned(fd, shard, bounce, crcs), self._make_dir,
                              direct_io=True)
-                self.modes.record(True, shard.total, time.perf_counter() - t0)
+                self.modes.record(True, shard.total, time.perf_counter() - t0, flight.over())
                 return crcs
             except _NoDirectIO:
                 self.direct_io = False
+                self.modes.abandon(True)
+            except BaseException:
+                self.modes.abandon(True)
+                raise
         iov, total, crcs = encode_shard(info, data)
-        write_object(path, total, lambda fd: _pwritev_all(fd, iov, 0), self._make_dir)
-        self.modes.record(False, total, time.perf_counter() - t0)
+        chosen = picked and not direct   # the page cache by choice, not by a refusal of O_DIRECT
+        try:
+            write_object(path, total, lambda fd: _pwritev_all(fd, iov, 0), self._make_dir)
+        except BaseException:
+            if chosen:
+                self.modes.abandon(False)
+            raise
+        if chosen:
+            self.modes.record(False, total, time.perf_counter() - t0, flight.over())
         return crcs
 
     def write_live(self, info: ArrayInfo, start: int, shard: "LiveShard") -> np.ndarray:
@@ -551,20 +572,29 @@ class DirectWriter:
         nbytes = min(info.numel - start, info.shard_elems) * info.itemsize
         path = os.path.join(self.root, info.shard_key(start // info.shard_elems))
         while True:
-            block, direct = self.block, self.direct_io and self.modes.pick()   # other threads may change them
-            t0 = time.perf_counter()
+            block, picked = self.block, self.direct_io   # other threads may change them
             layout = _Shard(info, None, nbytes, stride=-(-(info.inner_bytes + 4) // block) * block)
             if layout.chunks != len(shard.chunks):
                 raise ValueError(f"{len(shard.chunks)} chunks given for a shard of {layout.chunks} of {info.key}")
             crcs = np.empty(layout.chunks, dtype="<u4")
+            direct = picked and self.modes.pick()
+            flight = self.modes.begin()
+            t0 = time.perf_counter()
             try:
                 # called within this iteration, so the loop variables it reads are this try's
                 write_object(path, layout.total,
                              lambda fd: _write_live(fd, layout, shard, block, direct, crcs),  # noqa: B023
                              self._make_dir, direct_io=direct)
-                self.modes.record(direct, layout.total, time.perf_counter() - t0)
+                sharing = flight.over()
+                if picked:
+                    self.modes.record(direct, layout.total, time.perf_counter() - t0, sharing)
                 return crcs
-            except _NoDirectIO:
+            except BaseException as err:
+                flight.over()
+                if picked:   # the mode's trial slot is free again
+                    self.modes.abandon(direct)
+                if not isinstance(err, _NoDirectIO):
+                    raise
                 with shard._lock:   # chunks already written from the tensors may have changed since a release
                     if shard.released and any(shard.live[:shard.written]):
                         raise OSError(errno.EINVAL, f"O_DIRECT write of {path} refused after the state was "
