@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import shutil
@@ -180,3 +181,46 @@ def print_turns(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             parts.append(f"ckptrepo blocking ÷ torch.save blocking = {ratio['blocking_vs_torch_save']:.3f}")
         if parts:
             console.print(f"every={s['every']}: " + "; ".join(parts))
+
+
+SHORT_REGIME = ["--model", "mlp", "--step-ms", "100", "--modes", "dcp.save", "dcp.async_save", "ckptrepo",
+                "ckptrepo-nostats"]
+LONG_REGIME = ["--every", "10", "--modes", "dcp.async_save", "ckptrepo"]
+
+
+def both_regimes(run: Callable[[list[str]], int], rounds: int, long_rounds: int, extra: list[str]) -> int:
+    """The short-step case (the MLP, a 0.1 s step, every 5) and the long-step one (the GPT, every 10), one
+    after the other in this process through ``run`` (training_overhead.py's ``main``), each in turns against
+    its peers; then one table of both, each row's overhead also as a multiple of its regime's best peer.
+    ``extra``: arguments both runs share (``--dir``)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out: list[tuple[str, dict[str, Any]]] = []
+    for name, regime, r in (("short steps", SHORT_REGIME, rounds), ("long steps", LONG_REGIME, long_rounds)):
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            run([*regime, "--rounds", str(r), *extra, "--json", path])
+            with open(path) as f:
+                out.append((name, json.load(f)))
+        finally:
+            os.unlink(path)
+    table = Table(title="Both regimes, each measured in turns against its peers (seconds per checkpoint)")
+    for col in ("regime", "state", "baseline turn", "mode", "overhead/ckpt", "blocking/ckpt", "durable/ckpt",
+                "÷ best peer"):
+        table.add_column(col, justify="left" if col in ("regime", "mode", "state") else "right")
+    for name, res in out:
+        meta, summary = res["meta"], res["turns"][0]
+        shape = f"{meta['state_mb']:.0f} MB {meta['model']}, every {summary['every']}"
+        peers = [r["overhead_per_ckpt_s"] for r in summary["rows"] if not r["mode"].startswith("ckptrepo")]
+        best = min(peers) if peers else None
+        for r in summary["rows"]:
+            ratio = r["overhead_per_ckpt_s"] / best if best and best > 0 else None
+            table.add_row(name, shape, f"{summary['baseline_turn_s']:.2f}", r["mode"],
+                          f"{r['overhead_per_ckpt_s']:.3f} ±{r['half_width_s']:.3f}",
+                          figure(r["blocking_per_ckpt_s"]), figure(r["durable_per_ckpt_s"]),
+                          figure(ratio, "{:.2f}"))
+        table.add_section()
+    Console(width=200).print(table)
+    return 0

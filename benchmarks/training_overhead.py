@@ -53,6 +53,7 @@ CPU other processes and kernel threads (including writeback) used meanwhile.
     python benchmarks/training_overhead.py --model-mb 2000 --every 10   # ~2 GB of params+moments
     python benchmarks/training_overhead.py --rounds 12 --every 10 1     # one loop, the modes take turns
     python benchmarks/training_overhead.py --model mlp --step-ms 100 --rounds 8   # short steps (issue 31)
+    python benchmarks/training_overhead.py --regimes --rounds 8 --long-rounds 4  # short and long, one table
 
 With ``--rounds R`` the modes are measured in turns instead (see overhead_turns.py): one training
 loop in which every mode, the baseline included, trains ``--turn-steps`` steps at a time in rotating
@@ -82,7 +83,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import figure, fsync_dir, mean  # noqa: E402
-from overhead_turns import print_turns, run_turns, summarize_turns  # noqa: E402
+from overhead_turns import both_regimes, print_turns, run_turns, summarize_turns  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
@@ -708,7 +709,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the raw results and the summary as JSON")
+    p.add_argument("--regimes", action="store_true",
+                   help="run both regimes in turns and print them side by side: the short-step case (--model mlp "
+                        "--step-ms 100, --rounds rounds) and the long-step one (the GPT every 10, --long-rounds)")
+    p.add_argument("--long-rounds", type=int, default=4, help="with --regimes: rounds of the long-step case")
     args = p.parse_args(argv)
+    if args.regimes:
+        return both_regimes(main, args.rounds or 8, args.long_rounds, [] if args.dir is None else ["--dir", args.dir])
 
     torch.set_num_threads(args.threads)
     short = args.model == "mlp"

@@ -9,13 +9,18 @@ records the derived ``STAT_COLUMNS`` (core/schema.py); ``tools/_trajectory.py`` 
 
 CPU tensors are fed their bytes in order, in chunks that stay in cache, with numpy: single-threaded
 SIMD loops that never start an OpenMP team beside the training loop's (torch reductions called from this
-thread would), about four passes over cached data per chunk. CUDA tensors are summarised on the device,
-on the capture side stream, beside their copy (a segment's parts together: saving/_device_copies.py);
-their small results come to the host once the copies are synchronised anyway.
+thread would), nor a BLAS thread pool (``np.dot`` over a chunk would). A float32 chunk (and anything
+narrower) is widened once into float64, where its squares are exact and its mean needs no correction, so
+its pass is min, max, the widening copy, the sum, the centring and the sum of squares.
+
+CUDA tensors are summarised on the device, on the capture side stream, beside their copy (a segment's
+parts together: saving/_device_copies.py); their small results come to the host once the copies are
+synchronised anyway.
 """
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -28,9 +33,18 @@ CHUNK_ELEMS = 1 << 16   # 256 KiB of float32: the chunk and its temporaries stay
 DEVICE_BLOCK = 1 << 22  # 4M elements: a CUDA block's float32 and float64 temporaries stay under 50 MB
 
 _FLOAT_NATIVE = ("float32", "float64")
-# magnitudes whose squares, summed over a chunk, stay normal numbers: by itemsize (float32, float64)
-_SAFE = {4: (1e-15, 1e15), 8: (1e-140, 1e140)}
+# float64 magnitudes whose squares, summed over a chunk, stay normal numbers
+_SAFE_64 = (1e-140, 1e140)
 NOT_RECORDED = math.nan
+_scratch = threading.local()   # per thread (the capture thread, a test's): a float64 chunk, reused
+
+
+def _wide(k: int) -> np.ndarray:
+    """This thread's float64 scratch of ``k`` elements (at most ``CHUNK_ELEMS``): a chunk's deviations."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = np.empty(CHUNK_ELEMS, dtype=np.float64)
+    return buf[:k]
 
 
 class HostStats:
@@ -69,18 +83,25 @@ class HostStats:
             lo, hi = float(x.min()), float(x.max())
         k = len(x)
         top = max(abs(lo), abs(hi))
-        if top == 0.0 or _SAFE[x.dtype.itemsize][0] < top < _SAFE[x.dtype.itemsize][1]:
+        if x.dtype.itemsize == 4:
+            # float32 values are float64 values: widened once into a cached float64 chunk, every square of one is
+            # exact and normal, and the mean is summed (pairwise) in float64, so close enough that the
+            # deviations need no correction; one pass per quantity, each a SIMD loop over cached data
+            d = _wide(k)
+            np.copyto(d, x)
+            mean = float(d.sum()) / k
+            d -= mean
+            dev = math.sqrt(float(np.einsum("i,i", d, d)))
+        elif top == 0.0 or _SAFE_64[0] < top < _SAFE_64[1]:
             # the corrected two-pass algorithm: centred on a first mean, then that mean corrected by the
             # deviations' own mean; the squares carry the spread, not the offset (numpy sums pairwise)
             mean = float(x.sum()) / k
-            d = x - x.dtype.type(mean)
+            d = np.subtract(x, mean, out=_wide(k))
             r = float(d.sum()) / k
             mean += r
-            # einsum: no BLAS threads; summed in float64: float32 sums of heavy-tailed squares (Adam's second
-            # moments) are off by 1e-6
-            dev = math.sqrt(max(0.0, float(np.einsum("i,i", d, d, dtype=np.float64)) - k * r * r))
-        else:   # squares would overflow or underflow: scaled by the largest magnitude, in float64
-            d = x.astype(np.float64) / top
+            dev = math.sqrt(max(0.0, float(np.einsum("i,i", d, d)) - k * r * r))
+        else:   # squares would overflow or underflow: scaled by the largest magnitude
+            d = np.divide(x, top, out=_wide(k))
             mean = float(d.sum()) / k
             d -= mean
             dev = top * math.sqrt(float(np.einsum("i,i", d, d)))

@@ -160,6 +160,25 @@ def test_device_statistics_agree_with_host_ones(dtype):
     assert row[6:] == (1.0, 1.0) and all(math.isnan(v) for v in row[:6])
 
 
+@pytest.mark.parametrize("scale", [0.02, 1e30, 1e-30])
+def test_float32_statistics_keep_every_digit_of_float64_arithmetic(scale):
+    """A float32 tensor fed in pieces, as capture feeds it: its norm, mean and spread are those float64 arithmetic
+    gives, to 1e-12, including a mean near zero beside a wide spread (Adam's first moments), and magnitudes whose
+    float32 squares would overflow or underflow."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(300_000, generator=g) + 5e-4) * scale
+    host = HostStats("float32")
+    raw = x.view(torch.uint8).numpy()
+    for s in range(0, raw.nbytes, 1 << 18):
+        host.update(raw[s:s + (1 << 18)])
+    norm, mean, std, lo, hi, absmax, nan, inf = host.moments().row(x.numel())
+    ref = x.double()
+    assert mean == pytest.approx(float(ref.mean()), rel=1e-12)
+    assert std == pytest.approx(float(ref.std(correction=0)), rel=1e-12)
+    assert norm == pytest.approx(float(ref.norm()), rel=1e-12)
+    assert (lo, hi, absmax, nan, inf) == (float(x.min()), float(x.max()), float(x.abs().max()), 0.0, 0.0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_snapshots_record_statistics_taken_on_the_device(tmp_path):
     repo = ckptrepo.init(tmp_path / "r")
