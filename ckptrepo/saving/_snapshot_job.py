@@ -41,6 +41,7 @@ class SnapshotStats:
     # the attached optimizer's step intervals and this snapshot's window among them (saving/_step_clock.py)
     _clock: StepClock | None = field(default=None, repr=False, compare=False)
     _window: int = field(default=-1, repr=False, compare=False)
+    _lost: float | None = field(default=None, repr=False, compare=False)   # as recorded, once committed or failed
 
     @property
     def gbps(self) -> float:
@@ -53,6 +54,8 @@ class SnapshotStats:
         ran slower than the steps clear of any snapshot (its background work took their cores); so far while it
         is in flight, recorded with the version at its commit."""
         clock = self._clock
+        if self._lost is not None:
+            return self._lost
         return self.blocking_s if clock is None else clock.lost(self._window, self.blocking_s)
 
     def watch_steps(self, clock: StepClock, started: float) -> None:
@@ -73,6 +76,7 @@ class SnapshotStats:
     def steps_over(self) -> None:
         """The snapshot is committed or failed: later steps are not its to slow down."""
         if self._clock is not None:
+            self._lost = self.lost_s   # what the commit recorded, give or take the moments since
             self._clock.closed(self._window)
 
     def to_json(self) -> dict[str, float]:

@@ -32,8 +32,9 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-# the intervals kept: enough for a median of the recent clean steps, and for the window of a slow commit
-KEEP_INTERVALS = 256
+# the intervals kept: enough for a median of the recent clean steps and the window of a commit, few enough
+# that the commit thread's pass over them (intervals times windows) stays cheap
+KEEP_INTERVALS = 64
 # steps longer than this: a commit is not held for the end of the step running (see StepClock.hold)
 HOLD_MAX_S = 2.0
 

@@ -95,3 +95,28 @@ def test_slow_steps_inside_the_window_count_against_the_clean_ones():
     assert stats.lost_s == pytest.approx(3.0 - 1.0)   # (3, 6) against the clean median of 1
     stats.blocking_s = 2.5
     assert stats.lost_s == 2.5
+
+
+def test_the_commit_waits_for_the_step_running_unless_something_waits_for_it():
+    """``hold`` (before the commit records lost_s) returns at the next step's end, or at once when released."""
+    import threading
+    clock = StepClock()
+    now = time.perf_counter()
+    clock._intervals.extend([(now - 4.5, now - 3.0), (now - 3.0, now - 1.5), (now - 1.5, now)])   # typical 1.5 s
+    clock._last = now
+    for finish in ("step", "release"):
+        key = clock.opened(time.perf_counter())
+        held = threading.Thread(target=clock.hold, args=(key,))
+        held.start()
+        held.join(0.2)
+        assert held.is_alive()   # the step running now has not ended (its deadline is seconds away)
+        if finish == "step":
+            with clock.step():
+                pass
+        else:
+            clock.release(key)
+        held.join(10)
+        assert not held.is_alive()
+        clock.closed(key)
+        clock._intervals.append((clock._intervals[-1][1], time.perf_counter()))
+        clock._last = time.perf_counter()
