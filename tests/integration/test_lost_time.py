@@ -19,38 +19,48 @@ def _no_fault_hooks():
 
 
 def _train(repo, snapshot_at, steps=8, hook=None):
-    """A small loop with an attached optimizer; returns (handles, each optimizer.step()'s duration)."""
+    """A small loop with an attached optimizer; returns (handles, when each optimizer.step() began)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(32, 256)
-    handles, durations = [], []
-    with repo.snapshotter() as snap:
-        snap.attach(opt)
-        for step in range(steps):
-            model(x).square().mean().backward()
-            t0 = time.perf_counter()
-            opt.step()
-            durations.append(time.perf_counter() - t0)
-            opt.zero_grad()
-            if step in snapshot_at:
-                if hook is not None:
-                    faults.set_hook("before_capture", hook)
-                handles.append(snap.snapshot({"model": model, "opt": opt}, step=step))
-    return handles, durations
+    handles, began = [], []
+    # a global pre-hook runs before every optimizer's own, so before the snapshotter's wait
+    first = register_optimizer_step_pre_hook(lambda *_: began.append(time.perf_counter()))
+    try:
+        with repo.snapshotter() as snap:
+            snap.attach(opt)
+            for step in range(steps):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if step in snapshot_at:
+                    if hook is not None:
+                        faults.set_hook("before_capture", hook)
+                    handles.append(snap.snapshot({"model": model, "opt": opt}, step=step))
+    finally:
+        first.remove()
+    return handles, began
 
 
 def test_the_recorded_loss_includes_the_wait_before_the_next_optimizer_step(tmp_path):
     """A slow capture holds the next optimizer step; the version records at least that wait as lost."""
+    slept: list[float] = []
+
+    def slow_capture(_name: str) -> None:   # the capture thread, before it reads the state
+        slept.append(time.perf_counter())
+        time.sleep(0.3)
+        slept.append(time.perf_counter())
+
     repo = ckptrepo.init(tmp_path / "r")
-    handles, durations = _train(repo, snapshot_at={4}, hook=lambda _name: time.sleep(0.3))
+    handles, began = _train(repo, snapshot_at={4}, hook=slow_capture)
     faults.clear()
-    after = durations[5]   # the step after the snapshot waited for its capture
-    others = max(durations[1:5])   # the steps before it (the first one makes AdamW's state)
-    waited = after - others   # at least this much of that step was the wait
+    # the step after the snapshot began, and could not go on before the capture had slept: it waited at least
+    # from the later of the two to the sleep's end
+    waited = slept[1] - max(began[5], slept[0])
     recorded = repo.capture_stats(handles[0].id)
     assert waited > 0
-    assert recorded["lost_s"] >= waited
     assert recorded["lost_s"] >= recorded["blocking_s"] >= waited
 
 
