@@ -141,7 +141,9 @@ def _capture_stats_line(s: dict[str, Any]) -> str:
     if not s:
         return "no statistics recorded"
     rate = s.get("bytes", 0) / s["total_s"] if s.get("total_s") else 0.0
-    return (f"blocking {s['blocking_s'] * 1e3:.1f} ms  capture {s['capture_s'] * 1e3:.1f} ms  "
+    # lost: blocking plus the slowdown of the steps the snapshot overlapped (absent from older versions)
+    lost = f"lost {s['lost_s'] * 1e3:.1f} ms  " if "lost_s" in s else ""
+    return (f"{lost}blocking {s['blocking_s'] * 1e3:.1f} ms  capture {s['capture_s'] * 1e3:.1f} ms  "
             f"flush {s['flush_s'] * 1e3:.1f} ms  total {s['total_s'] * 1e3:.1f} ms  {out.size(rate)}/s"
             + (f"  copied {out.size(s['copied_bytes'])}" if "copied_bytes" in s else ""))
 

@@ -26,6 +26,7 @@ snapshot is its ``SnapshotJob`` (saving/_snapshot_job.py); the options are ``Sna
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -58,6 +59,7 @@ from ckptrepo.saving._prepare import JobMaker, Planner, Sharding, refuse_spread_
 from ckptrepo.saving._pusher import check_tier, skipped_handle
 from ckptrepo.saving._snapshot_job import SnapshotHandle, SnapshotJob, SnapshotStats
 from ckptrepo.saving._startup import Cluster, start_cluster
+from ckptrepo.saving._step_clock import StepClock
 from ckptrepo.saving._trackers import tracker_meta
 from ckptrepo.saving._waiting import interrupts_deferred, stderr_is_terminal, wait_with_progress
 from ckptrepo.saving._writer import LIVE_ALIGN, PlanCache, StagingPool
@@ -179,6 +181,7 @@ class Snapshotter:
         self._closed = False
         self._pid = os.getpid()   # a forked child inherits this object but none of its threads
         self._bare_versions: dict[str, tuple[int, int]] = {}   # see copy_what_forward_may_change
+        self._step_clock = StepClock()
         ref = weakref.ref(self)
         def close_at_exit() -> None:
             s = ref()
@@ -263,6 +266,7 @@ class Snapshotter:
             raise
         job = self._jobs.make(skeleton, records, local, keys, ids, t0, step, message, metrics, meta, tag, force_tag)
         handle, vid, records = job.handle, job.vid, job.records
+        handle.stats.watch_steps(self._step_clock, t0)   # what the loop lost to it (saving/_step_clock.py)
         # snapshot() from several threads: one set of threads, jobs queued in one order. A Ctrl-C landing between
         # these steps would leave a job in flight that no thread ever finishes, and wait(), close() and exit would hang
         with interrupts_deferred(), self._lock:
@@ -285,9 +289,12 @@ class Snapshotter:
             raise ArgumentError(f"attach() takes a torch.optim.Optimizer, whose step() then waits for capture, not "
                                 f"{type(optimizer).__name__} {optimizer!r:.40}")
 
+        clock = self._step_clock if not self._optimizers else None   # the first optimizer's steps are timed
+
         def pre_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
             if os.getpid() == self._pid:   # in a forked child this snapshotter has nothing in flight
-                self._wait_for_capture()
+                with clock.step() if clock is not None else contextlib.nullcontext():
+                    self._wait_for_capture()
         self._hooks.append(optimizer.register_step_pre_hook(pre_step))
         self._optimizers.append(weakref.ref(optimizer))
 

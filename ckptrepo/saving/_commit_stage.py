@@ -108,6 +108,7 @@ class CommitStage:
                 # parts are all in
                 self.committer.health.check()
             faults.point("after_data")
+            job.handle.stats.settle_steps()   # the step it slowed ends first: lost_s holds it (saving/_step_clock.py)
             version = self.committer.commit(job)
         except BaseException as err:  # noqa: BLE001
             if self.distributed:

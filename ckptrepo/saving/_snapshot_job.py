@@ -19,6 +19,7 @@ from ckptrepo.core import Version
 from ckptrepo.errors import ArgumentError
 from ckptrepo.saving._content_hash import hasher_digest
 from ckptrepo.saving._dedup import DedupKey, PieceId, StoredTensor
+from ckptrepo.saving._step_clock import StepClock
 from ckptrepo.saving._writer import WritePlan
 from ckptrepo.state import TensorRecord
 from ckptrepo.storage import ArrayInfo, LiveShard
@@ -31,20 +32,70 @@ class SnapshotStats:
     """Timings of one snapshot, in seconds, and its size."""
 
     blocking_s: float = 0.0   # the training loop was held: the snapshot() call plus pre-step waits
+    # lost_s (below): blocking_s plus the slowdown of the steps the snapshot's background work overlapped
     capture_s: float = 0.0    # snapshot() until the state was free to change (copied to staging, or written)
     flush_s: float = 0.0      # first shard write until the data was durable
     total_s: float = 0.0      # snapshot() until committed
     bytes: int = 0
     copied_bytes: int = 0     # bytes copied out of the state into staging (all of them, unless written in place)
+    # the attached optimizer's step intervals and this snapshot's window among them (saving/_step_clock.py)
+    _clock: StepClock | None = field(default=None, repr=False, compare=False)
+    _window: int = field(default=-1, repr=False, compare=False)
+    _lost: float | None = field(default=None, repr=False, compare=False)   # as recorded, once committed or failed
 
     @property
     def gbps(self) -> float:
         """Throughput from snapshot() to commit, in GB/s."""
         return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
 
+    @property
+    def lost_s(self) -> float:
+        """The time the training loop lost to this snapshot: ``blocking_s``, or more where the steps it overlapped
+        ran slower than the steps clear of any snapshot (its background work took their cores); so far while it
+        is in flight, recorded with the version at its commit."""
+        clock = self._clock
+        if self._lost is not None:
+            return self._lost
+        return self.blocking_s if clock is None else clock.lost(self._window, self.blocking_s)
+
+    def watch_steps(self, clock: StepClock, started: float) -> None:
+        """Measure ``lost_s`` against ``clock``'s steps, from ``started`` (the ``snapshot()`` call)."""
+        self._clock, self._window = clock, clock.opened(started)
+
+    def settle_steps(self) -> None:
+        """Before the commit: let the step that this snapshot's background work slowed end first (bounded; see
+        ``StepClock.hold``), so that ``lost_s`` holds all of it."""
+        if self._clock is not None:
+            self._clock.hold(self._window)
+
+    def commit_awaited(self) -> None:
+        """Something waits for the commit: ``settle_steps`` must not keep it back for a step."""
+        if self._clock is not None:
+            self._clock.release(self._window)
+
+    def steps_over(self) -> None:
+        """The snapshot is committed or failed: later steps are not its to slow down."""
+        if self._clock is not None:
+            self._lost = self.lost_s   # what the commit recorded, give or take the moments since
+            self._clock.closed(self._window)
+
     def to_json(self) -> dict[str, float]:
-        return {"blocking_s": self.blocking_s, "capture_s": self.capture_s, "flush_s": self.flush_s,
-                "total_s": self.total_s, "bytes": self.bytes, "copied_bytes": self.copied_bytes, "gbps": self.gbps}
+        return {"blocking_s": self.blocking_s, "lost_s": self.lost_s, "capture_s": self.capture_s,
+                "flush_s": self.flush_s, "total_s": self.total_s, "bytes": self.bytes,
+                "copied_bytes": self.copied_bytes, "gbps": self.gbps}
+
+
+class _Awaited(threading.Event):
+    """An event whose waiters first call ``on_wait``: the commit it marks is awaited, so nothing holds it back."""
+
+    def __init__(self, on_wait: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_wait = on_wait
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.is_set():
+            self._on_wait()
+        return super().wait(timeout)
 
 
 class SnapshotHandle:
@@ -55,8 +106,10 @@ class SnapshotHandle:
         self.step = step
         self.stats = SnapshotStats()
         self._captured = threading.Event()
-        self._done = threading.Event()
-        self._settled = threading.Event()   # the version or the error is known (set before the callbacks run)
+        # waiting for either releases the commit from waiting for the loop's next step (SnapshotStats.settle_steps)
+        self._done = _Awaited(lambda: self.stats.commit_awaited())
+        # the version or the error is known (set before the callbacks run)
+        self._settled = _Awaited(lambda: self.stats.commit_awaited())
         self._version: Version | None = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[["SnapshotHandle"], None]] = []
@@ -75,6 +128,7 @@ class SnapshotHandle:
         snapshot done: ``wait()`` and ``close()`` return only after the callbacks ran (a framework's pointer
         to the version exists by then), while ``result()`` inside a callback already has its answer."""
         self._settled.set()
+        self.stats.steps_over()
         while True:
             with self._callbacks_lock:
                 callbacks, self._callbacks = self._callbacks, []

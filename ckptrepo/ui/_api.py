@@ -250,8 +250,10 @@ def version(repo: Repository, rev: str) -> dict[str, Any]:
     v = d.version
     stats = {} if v.pruned else {s.name: s.to_json() for s in repo.stats(v.id)}
     tensors = [dict(t, **{k: x for k, x in stats.get(t["name"], {}).items() if k not in t}) for t in d.tensors]
+    # the snapshot's timings as log --stats shows them (lost_s: what the loop lost; absent from older versions)
     return finite({"version": dict(v.to_json(), short=v.short_id), "layout": d.layout, "tensors": tensors,
-                   "objects": [{"path": p, "value": val} for p, val in d.objects], "stats": bool(stats)})
+                   "objects": [{"path": p, "value": val} for p, val in d.objects], "stats": bool(stats),
+                   "capture": repo.capture_stats(v.id)})
 
 
 def diff(repo: Repository, rev: str, against: str | None, include_nonfloat: bool = False) -> dict[str, Any]:

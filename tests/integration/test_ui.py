@@ -193,6 +193,8 @@ def test_version_detail_has_header_tensors_with_statistics(server, repo_url):
     assert by_name["opt/buf"]["norm"] == pytest.approx(3 * 2 ** 0.5) and by_name["opt/buf"]["nan"] == 0
     assert by_name["model/head.b"]["shape"] == [3] and by_name["model/head.b"]["dtype"] == "float32"
     assert {"path": "opt/lr", "value": "0.1"} in data["objects"]
+    # the snapshot's cost to the loop, as log --stats shows it (no optimizer stepped: the blocking time)
+    assert data["capture"]["lost_s"] == data["capture"]["blocking_s"] > 0
     by_branch = _ok(server, "/api/version/fix~1")   # any revision syntax, URL-quoted or not
     assert by_branch["version"]["step"] == 4 and by_branch["version"]["message"] == "fix 4"
 

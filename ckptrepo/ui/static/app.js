@@ -472,6 +472,11 @@
     for (const [k, x] of Object.entries(v.meta)) rows.push(["meta", `${k}=${x}`]);
     if (info.layout && info.layout.world_size > 1) rows.push(["layout", JSON.stringify(info.layout)]);
     if (v.message) rows.push(["message", v.message]);
+    const c = info.capture || {};
+    if (typeof c.blocking_s === "number") {   // the loop's cost of this snapshot, as log --stats shows it
+      const ms = (x) => `${(x * 1e3).toFixed(1)} ms`;
+      rows.push(["snapshot", (typeof c.lost_s === "number" ? `lost ${ms(c.lost_s)}  ` : "") + `blocking ${ms(c.blocking_s)}`]);
+    }
     return el("table", {class: "head-table", id: "detail-header"},
               ...rows.map(([k, x]) => el("tr", {}, el("td", {}, k), el("td", {}, x))));
   }
