@@ -11,8 +11,10 @@ are the data. Per dtype group, side by side in one run:
 
 Each group is tiled ``--copies`` times (distinct tensors of the same bytes: compression works per 64 KiB
 chunk, so copies change the size, not the ratio) and saved with ``repo.snapshot`` (durable on return)
-into a new local repository, without and with compression, then loaded (``repo.load``, page cache
-evicted first with posix_fadvise). Best of ``--repeat``.
+into a new local repository, without and with compression, then loaded (``repo.load``): cold (page cache
+evicted first with posix_fadvise), then warm (the files just read, in the page cache). Best of ``--repeat``
+(saves) and of ``--repeat`` x ``--loads`` (loads). ``load x`` is the compressed load's time over the plain
+one's, cold and warm.
 
 "pays below" is the store bandwidth under which compressing saves time on a save: writing S bytes
 plain takes S/B, compressed about S/C + S/(r·B), where C is the measured compressed save throughput (a
@@ -20,6 +22,7 @@ local save: compression plus a local write) and r the ratio; so it pays while B 
 
     nice python benchmarks/compression.py                 # ~30 MB per group, 200 training steps
     nice python benchmarks/compression.py --copies 4 --steps 300 --json out.json
+    python benchmarks/compression.py --steps 50 --repeat 1 --loads 3    # mostly loads: quicker
 """
 from __future__ import annotations
 
@@ -82,9 +85,9 @@ def data_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, "data")) for f in fs)
 
 
-def measure(state: dict[str, torch.Tensor], compression: str, tmp: str, repeat: int) -> dict[str, Any]:
+def measure(state: dict[str, torch.Tensor], compression: str, tmp: str, repeat: int, rounds: int) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    saves, loads, stored = [], [], 0
+    saves, loads, warm, stored = [], [], [], 0
     for k in range(repeat):
         root = os.path.join(tmp, f"{compression}-{k}")
         repo = ckptrepo.init(root, compression=compression)
@@ -93,17 +96,20 @@ def measure(state: dict[str, torch.Tensor], compression: str, tmp: str, repeat: 
         repo.snapshot(state, step=0)
         saves.append(time.perf_counter() - t0)
         stored = data_bytes(root)
-        evict(os.path.join(root, "data"))
-        fresh = ckptrepo.open(root)
-        t0 = time.perf_counter()
-        back = fresh.load()
-        loads.append(time.perf_counter() - t0)
-        assert all(torch.equal(back[n].view(torch.uint8), t.view(torch.uint8)) for n, t in state.items())
-        del back
+        for _ in range(rounds):
+            for cold, times in ((True, loads), (False, warm)):
+                if cold:
+                    evict(os.path.join(root, "data"))
+                fresh = ckptrepo.open(root)
+                t0 = time.perf_counter()
+                back = fresh.load()
+                times.append(time.perf_counter() - t0)
+                assert all(torch.equal(back[n].view(torch.uint8), t.view(torch.uint8)) for n, t in state.items())
+                del back
         shutil.rmtree(root)
     return {"compression": compression, "bytes": nbytes, "stored_bytes": stored, "ratio": nbytes / stored,
             "save_s": min(saves), "load_s": min(loads), "save_mbps": nbytes / MB / min(saves),
-            "load_mbps": nbytes / MB / min(loads)}
+            "load_mbps": nbytes / MB / min(loads), "warm_load_s": min(warm), "warm_load_mbps": nbytes / MB / min(warm)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,8 +121,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for group, state in groups(model, opt, args.copies).items():
             for compression in ("none", "zstd"):
-                rows.append({"group": group, **measure(state, compression, tmp, args.repeat)})
+                rows.append({"group": group, **measure(state, compression, tmp, args.repeat, args.loads)})
             plain, zstd = rows[-2], rows[-1]
+            zstd["load_x"] = zstd["load_s"] / plain["load_s"]
+            zstd["warm_load_x"] = zstd["warm_load_s"] / plain["warm_load_s"]
             r = zstd["ratio"] / plain["ratio"]
             zstd["pays_below_mbps"] = zstd["save_mbps"] * (1 - 1 / r) if r > 1 else 0.0
     finally:
@@ -130,11 +138,14 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"tiny GPT {m['n_layer']}x{m['n_embd']}, vocab {m['vocab']}, {m['steps']} AdamW steps "
           f"(loss {m['final_loss']:.2f}), x{m['copies']} copies")
     print(f"{'dtype group':<18} {'comp':<5} {'MB':>7} {'ratio':>6} {'save MB/s':>10} {'load MB/s':>10} "
-          f"{'pays below MB/s':>16}")
+          f"{'warm MB/s':>10} {'load x':>7} {'warm x':>7} {'pays below MB/s':>16}")
     for r in summary["rows"]:
         pays = f"{r['pays_below_mbps']:.0f}" if "pays_below_mbps" in r else ""
+        cold_x = f"{r['load_x']:.2f}" if "load_x" in r else ""
+        warm_x = f"{r['warm_load_x']:.2f}" if "warm_load_x" in r else ""
         print(f"{r['group']:<18} {r['compression']:<5} {r['bytes'] / MB:>7.1f} {r['ratio']:>6.2f} "
-              f"{r['save_mbps']:>10.0f} {r['load_mbps']:>10.0f} {pays:>16}")
+              f"{r['save_mbps']:>10.0f} {r['load_mbps']:>10.0f} {r['warm_load_mbps']:>10.0f} {cold_x:>7} "
+              f"{warm_x:>7} {pays:>16}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--copies", type=int, default=2, help="each group tiled this many times")
     p.add_argument("--repeat", type=int, default=2, help="best of this many saves and loads")
+    p.add_argument("--loads", type=int, default=1, help="cold and warm loads per save")
     p.add_argument("--dir", default=None, help="where the repositories go (default: the temp directory)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)

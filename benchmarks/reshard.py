@@ -43,10 +43,18 @@ RowwiseParallel weights and their moments) are saved as column blocks, so a
 load with more tensor-parallel ranks reads whole contiguous blocks instead of
 short runs out of every row.
 
+``--lazy-narrow`` measures another case instead, in one process: weights with narrow rows (``--narrow-cols``
+fp32 columns, 1 KiB rows by default) saved by one process that names its layout, a row-parallel split (dim 1)
+and, as the peer, a column split (dim 0) of the same shapes, read from a lazy clone (the remote a local
+directory, counted by TensorStore's kvstore metrics: what would cross the network) by every rank of tp=2 and
+tp=4 in turn, then whole by one process (rows put back together from column blocks, warm). Bytes read over
+bytes needed, and the fastest of ``--repeat`` for the times.
+
 Run it as
 
     python benchmarks/reshard.py                       # ~256 MiB state, 2 repetitions (~2 min on 2 cores)
     python benchmarks/reshard.py --size-mb 32 --repeat 1 --json out.json
+    python benchmarks/reshard.py --lazy-narrow --size-mb 64 --repeat 3
 """
 from __future__ import annotations
 
@@ -469,6 +477,65 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / MiB:.1f}"
 
 
+def lazy_narrow(args: argparse.Namespace) -> dict[str, Any]:
+    """Narrow-row weights from a lazy clone: bytes each tensor-parallel rank reads, row split against column split."""
+    import ckptrepo
+    from ckptrepo.loading._engine import kvstore_bytes_read
+    from ckptrepo.parallel.layout import ParallelLayout
+    from ckptrepo.rules import Rules, Split
+    cols = args.narrow_cols
+    rows = max(1024, int(args.size_mb * MiB / 8 / (cols * 4)) // 1024 * 1024)   # 4 row-split + 4 column-split
+    g = torch.Generator().manual_seed(0)
+    names = {"row": [f"l{i}.row.weight" for i in range(4)], "col": [f"l{i}.col.weight" for i in range(4)]}
+    full = {n: torch.randn(rows, cols, generator=g) for ns in names.values() for n in ns}
+    rules = Rules([("*.row.weight", Split(1)), ("*.col.weight", Split(0))])
+    work = tempfile.mkdtemp(prefix="ckptrepo-narrow-", dir=args.dir)
+    try:
+        ckptrepo.init(os.path.join(work, "src")).snapshot({"model": full}, step=1,
+                                                          parallel_layout=ParallelLayout(rules=rules))
+        lazy = ckptrepo.clone(os.path.join(work, "src"), os.path.join(work, "lazy"), lazy=True)
+        out: dict[str, Any] = {"rows": rows, "cols": cols, "nbytes": sum(t.nbytes for t in full.values()), "cases": []}
+        for split, dim in (("row", 1), ("col", 0)):
+            for tp in (2, 4):
+                read = needed = 0
+                best = float("inf")
+                for k in range(args.repeat):
+                    t_all = 0.0
+                    for rank in range(tp):
+                        want = {n: full[n].chunk(tp, dim=dim)[rank] for n in names[split]}
+                        into = {"model": {n: torch.empty_like(w) for n, w in want.items()}}
+                        before = kvstore_bytes_read()
+                        t = time.perf_counter()
+                        lazy.load("HEAD", parallel_layout=ParallelLayout(tp=tp, rules=rules), rank=rank, into=into)
+                        t_all += time.perf_counter() - t
+                        if k == 0:
+                            read += kvstore_bytes_read() - before
+                            needed += sum(w.nbytes for w in want.values())
+                        assert all(torch.equal(into["model"][n], w) for n, w in want.items())
+                    best = min(best, t_all)
+                out["cases"].append({"split": split, "tp": tp, "read": read, "needed": needed, "load_s": best})
+        best = float("inf")
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            back = lazy.load("HEAD")["model"]
+            best = min(best, time.perf_counter() - t)
+            assert all(torch.equal(back[n], v) for n, v in full.items())
+        out["whole_s"] = best
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def print_narrow(summary: dict[str, Any]) -> None:
+    print(f"lazy clone, 4 row-split + 4 column-split fp32 weights of {summary['rows']}x{summary['cols']} "
+          f"({summary['cols'] * 4} B rows), {summary['nbytes'] / MiB:.0f} MiB in all")
+    print(f"{'split':<8} {'tp':>3} {'needed MiB':>11} {'read MiB':>9} {'read/needed':>12} {'all ranks s':>12}")
+    for c in summary["cases"]:
+        print(f"{c['split']:<8} {c['tp']:>3} {c['needed'] / MiB:>11.1f} {c['read'] / MiB:>9.1f} "
+              f"{c['read'] / c['needed']:>12.2f} {c['load_s']:>12.3f}")
+    print(f"whole state into one process (rows from column blocks, warm): {summary['whole_s']:.3f} s")
+
+
 def print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -512,7 +579,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=2, help="loads per case and method; the fastest is reported")
     p.add_argument("--dir", default=None, help="where to write (a temp dir is made under it); default: the temp dir")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures as JSON to OUT")
+    p.add_argument("--lazy-narrow", action="store_true",
+                   help="measure narrow-row weights read from a lazy clone instead (one process; see above)")
+    p.add_argument("--narrow-cols", type=int, default=256, help="--lazy-narrow: columns of each weight (fp32)")
     args = p.parse_args(argv)
+    if args.lazy_narrow:
+        return report(lazy_narrow(args), print_narrow, args.json)
     return report(run(args), print_table, args.json)
 
 

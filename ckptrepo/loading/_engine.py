@@ -267,7 +267,8 @@ class _Execution:
                 info = arrays[run.array]
                 for r in run.reads:
                     r.prepare(info)
-        self._check_frames(runs)
+        # the direct reader checks the frames it inflates itself; TensorStore's runs are checked here, together
+        self._check_frames([run for run in runs if not self._direct(arrays[run.array])])
         pending: deque[tuple[_Run, _DirectRead | _BoundRead | list[Any], int]] = deque()
         inflight = 0
         try:
@@ -301,10 +302,14 @@ class _Execution:
         for group in window.values():
             self.engine.check_frames(group)
 
+    def _direct(self, info: ArrayInfo) -> bool:
+        """Whether the direct reader reads this array's runs (compressed ones need the blosc decoder)."""
+        return self.direct is not None and self.direct.reads(info)
+
     def _submit(self, run: _Run) -> _DirectRead | _BoundRead | list[Any]:
         """Start a run's reads: the direct read in flight, or (no direct reader) TensorStore's futures."""
         info = self.arrays[run.array]
-        if self.direct is None or info.compression is not None:   # the direct reader reads plain chunks only
+        if self.direct is None or not self._direct(info):
             return self._submit_ts(run)
         table = self.engine.table(run.array)
         try:
@@ -353,7 +358,7 @@ class _Execution:
         h = self.engine.handle(run)
         table = self.engine.table(run.array)
         info = self.arrays[run.array]
-        if info.compression is not None:   # at once when run() checked it with its neighbours
+        if info.compression is not None:   # nothing to do where run() checked it with its neighbours
             self.engine.check_frames([run])
         if table is None:
             return [h[r.start:r.stop].read(batch=self.batch) for r in run.reads]

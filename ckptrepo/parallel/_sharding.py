@@ -75,7 +75,9 @@ def rank_path(name: str) -> str | None:
 
 BLOCKS_PER_PIECE = 8            # a saved piece is cut into this many column blocks at most...
 MIN_BLOCK_BYTES = 64 << 10      # ...each at least this big...
-MIN_BLOCK_ROW_BYTES = 1 << 10   # ...with rows at least this long (see column_blocks)
+MIN_BLOCK_ROW_BYTES = 1 << 10   # ...with rows at least this long (see column_blocks)...
+NARROW_BLOCKS = 4               # ...except that narrow rows still get this many blocks...
+MIN_NARROW_ROW_BYTES = 128      # ...down to rows this long
 _POWERS_OF_TWO = [1 << i for i in range(BLOCKS_PER_PIECE.bit_length() - 1, 0, -1)]   # 8, 4, 2
 
 
@@ -95,9 +97,13 @@ def column_blocks(pieces: Sequence[Piece]) -> list[Piece]:
     slower for rows of a few hundred bytes than for whole rows, and close to
     whole-row speed from about 1 KiB, and a load into fewer tensor-parallel
     ranks (tp 4->2 in benchmarks/reshard.py) copies every row of every block
-    that way. Pieces with rows under 8 KiB get fewer blocks,
-    so tp growth reads exactly up to fewer times. Only the save path cuts; the
-    load path reads whatever pieces a version has.
+    that way. Pieces with rows under 8 KiB get fewer blocks, but never fewer than
+    ``NARROW_BLOCKS`` while rows of ``MIN_NARROW_ROW_BYTES`` allow it: a narrow-row
+    weight (1 KiB rows) stored whole would make every rank of a tp=4 load read
+    every chunk of it, four times its part, which on a lazy clone crosses the
+    network; the strided copy of 128 to 512-byte rows costs a load into whole rows
+    far less than that (docs/decisions/059). Only the save path cuts; the load
+    path reads whatever pieces a version has.
     """
     out: list[Piece] = []
     for p in pieces:
@@ -107,8 +113,9 @@ def column_blocks(pieces: Sequence[Piece]) -> list[Piece]:
             out.append(p)
             continue
         item = p.view.element_size()
+        row = volume(sizes[d:]) * item
         limit = min(BLOCKS_PER_PIECE, sizes[d], volume(sizes) * item // MIN_BLOCK_BYTES,
-                    volume(sizes[d:]) * item // MIN_BLOCK_ROW_BYTES)
+                    max(row // MIN_BLOCK_ROW_BYTES, min(NARROW_BLOCKS, row // MIN_NARROW_ROW_BYTES)))
         # a power of two that divides the size evenly keeps block edges on the edges of other tp splits
         k = next((n for n in _POWERS_OF_TWO if n <= limit and sizes[d] % n == 0), limit)
         if k < 2:

@@ -310,8 +310,7 @@ def metadata_matches(info: ArrayInfo, stored: Any) -> bool:
     through TensorStore, which is slow per array on a cold load; anything that
     does not match is left to TensorStore to judge.
     """
-    if not isinstance(stored, dict) or stored.get("zarr_format") != 3 or stored.get("node_type") != "array" \
-            or info.compression is not None:   # the direct path reads plain chunks only
+    if not isinstance(stored, dict) or stored.get("zarr_format") != 3 or stored.get("node_type") != "array":
         return False
     # anything else TensorStore would have to understand (storage transformers, extensions), or a fill value
     # other than the zeros create_array leaves, is TensorStore's to judge: it refuses what it cannot read

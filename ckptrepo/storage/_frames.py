@@ -9,9 +9,15 @@ the shard index (one suffix read per shard) and 16 bytes per chunk, requested to
 (``pread`` on a local store). A mismatch is corruption, named by shard object and chunk; anything else odd
 (an index with a bad crc32c, a missing or tiny chunk) is left to TensorStore, which refuses it without
 inflating anything.
+
+The direct local read path decodes compressed chunks itself (``decode_frame``, numcodecs' blosc, the same
+c-blosc TensorStore links), so that a compressed load reads, checks and inflates on its own reader threads
+rather than through TensorStore's chunk cache; the same header check guards it, and the frame's declared
+compressed size must be the bytes stored, since c-blosc reads as far as the header says.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -24,6 +30,43 @@ from ckptrepo.storage.protocol import Store
 
 if TYPE_CHECKING:
     import tensorstore as ts
+
+
+@functools.cache
+def _blosc() -> Any:
+    """numcodecs' blosc module, or None where numcodecs is not installed (compressed loads then go through
+    TensorStore). Imported on first use: most loads read plain arrays only."""
+    try:
+        from numcodecs import blosc  # type: ignore[import-untyped,unused-ignore]
+    except ImportError:
+        return None
+    return blosc
+
+
+def can_decode() -> bool:
+    """Whether ``decode_frame`` is available (imports numcodecs once: call it from the thread that plans a load,
+    not from reader threads)."""
+    return _blosc() is not None
+
+
+def decode_frame(frame: Any, out: Any) -> None:
+    """Inflate the blosc frame ``frame`` (a compressed inner chunk without its crc32c) into ``out``, a writable
+    contiguous buffer of exactly the chunk's bytes; ValueError when its header declares another decompressed
+    size or a compressed size other than the frame's own (the codec would read past the frame), or when the
+    codec refuses it. The GIL is released while it inflates (numcodecs uses a per-call context off the main
+    thread)."""
+    view = memoryview(frame).cast("B")
+    if view.nbytes < BLOSC_HEADER_BYTES:
+        raise ValueError("a blosc frame shorter than its header")
+    header = bytes(view[:BLOSC_HEADER_BYTES])
+    want = memoryview(out).nbytes
+    why = frame_problem(header, want)
+    if why is None and int.from_bytes(header[12:16], "little") != view.nbytes:
+        why = f"its blosc header declares {int.from_bytes(header[12:16], 'little')} bytes compressed, " \
+              f"not the {view.nbytes} stored"
+    if why is not None:
+        raise ValueError(why)
+    _blosc().decompress(view, out)
 
 
 def frame_problem(header: bytes, want: int) -> str | None:
@@ -149,4 +192,4 @@ def _value(fut: Any) -> bytes:
     return bytes(r.value) if r.state == "value" else b""
 
 
-__all__ = ["FrameCheck", "frame_problem"]
+__all__ = ["FrameCheck", "can_decode", "decode_frame", "frame_problem"]

@@ -4,7 +4,8 @@ TensorStore reads the same shards correctly, but through its generic chunk
 cache and a software crc32c, which makes loads CPU-bound on a machine with few
 cores (benchmarks/RESULTS.md, save_load.py; docs/decisions/005). This path reads
 with ``preadv`` straight into the destination tensors and checks the shard
-index's and every inner chunk's crc32c itself. Anything it does not expect (a missing object, a bad checksum,
+index's and every inner chunk's crc32c itself; compressed chunks are checked, then inflated on the same
+threads (storage/_frames.py). Anything it does not expect (a missing object, a bad checksum,
 an unusual layout, a short read) raises ``Unexpected``, and the caller reads
 that run through TensorStore instead, so errors and their messages are those
 of the TensorStore path. Writes have their own direct path (storage/_localwrite.py).
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ckptrepo.storage._arrays import (
+    BLOSC_HEADER_BYTES,
     INDEX_ENTRY_BYTES,
     MISSING_CHUNK,
     ZARR_JSON,
@@ -31,6 +33,7 @@ from ckptrepo.storage._arrays import (
 )
 from ckptrepo.storage._chunktable import first_mismatch
 from ckptrepo.storage._crc import crc32c
+from ckptrepo.storage._frames import can_decode, decode_frame
 from ckptrepo.storage._localfs import ByteCounter, open_regular, read_regular
 from ckptrepo.storage._vectored import transfer_all
 from ckptrepo.storage.protocol import Store, StoreCapabilities
@@ -125,8 +128,8 @@ class Unexpected(Exception):
 class DirectReader:
     """Verified reads of zarr v3 shards (``sharding_indexed``, index at the end) straight from local files.
 
-    A shard object is the inner chunks' encodings (the chunk's bytes, then their
-    crc32c, little endian) followed by the index: one ``(offset, nbytes)`` pair
+    A shard object is the inner chunks' encodings (the chunk's bytes, or for a compressed array its blosc
+    frame, then their crc32c, little endian) followed by the index: one ``(offset, nbytes)`` pair
     of little-endian uint64 per inner chunk, then the index's crc32c.
     """
 
@@ -151,6 +154,12 @@ class DirectReader:
         wait(self._tasks)
         self._tasks.clear()
         self._shards.clear()
+
+    @staticmethod
+    def reads(info: ArrayInfo) -> bool:
+        """Whether this path reads the array's chunks: plain ones always, compressed ones where the blosc
+        decoder is installed (asked on the planning thread, which imports it once)."""
+        return info.compression is None or can_decode()
 
     def metadata_ok(self, info: ArrayInfo) -> bool:
         """Whether the array's ``zarr.json`` says what the manifest says (read and parsed here, once per array).
@@ -301,6 +310,9 @@ class DirectReader:
                    table: np.ndarray | None) -> None:
         """Read inner chunks ``[c0, c1)`` of one shard (open as ``fd``, its index ``shard``) into ``dest``
         (their bytes back to back), verified."""
+        if info.compression is not None:
+            self._read_frames(info, fd, shard, c0, c1, dest, table)
+            return
         per_shard = info.shard_elems // info.inner_elems
         chunk_bytes, n = info.inner_bytes, c1 - c0
         k0 = c0 % per_shard
@@ -344,6 +356,46 @@ class DirectReader:
         _verify(info, rows, crcs, 0, n, c0, per_shard)
         _check_table(info, table, crcs, c0)
 
+
+    def _read_frames(self, info: ArrayInfo, fd: int, shard: "_Shard", c0: int, c1: int, dest: np.ndarray,
+                     table: np.ndarray | None) -> None:
+        """``_read_into`` for a compressed array: the chunks' frames are read (those that lie back to back, up
+        to ``ROW_SCRATCH_BYTES``, in one ``pread`` into this thread's frame buffer), each checked against its
+        stored crc32c (over the frame, as the zarr codec chain writes it), inflated into its place in ``dest``,
+        and the crc32c of its decoded bytes checked against the chunk table, which binds a compressed array by
+        its decoded chunks (docs/format.md)."""
+        per_shard = info.shard_elems // info.inner_elems
+        chunk_bytes, n = info.inner_bytes, c1 - c0
+        k0 = c0 % per_shard
+        entries = shard.index[k0:k0 + n]
+        bad = np.flatnonzero((entries[:, 0] == MISSING_CHUNK) | (entries[:, 1] < BLOSC_HEADER_BYTES + 4)
+                             | (entries[:, 1] > chunk_bytes + _MAX_GAP))
+        if len(bad):   # missing, or no size a frame of this chunk can have: TensorStore's path names it
+            raise Unexpected(f"{info.shard_key(c0 // per_shard)}: inner chunk {c0 + int(bad[0])}")
+        offsets, sizes = entries[:, 0].tolist(), entries[:, 1].tolist()
+        rows = dest.reshape(n, chunk_bytes)
+        decoded = np.empty(n, dtype="<u4")
+        k = 0
+        while k < n:
+            start = end = offsets[k]
+            j = k
+            while j < n and offsets[j] == end and (j == k or end + sizes[j] - start <= ROW_SCRATCH_BYTES):
+                end += sizes[j]
+                j += 1
+            buf = _frame_scratch(end - start)
+            _preadv(fd, [buf], start, end - start)
+            for i in range(k, j):
+                at = offsets[i] - start
+                frame, stored = buf[at:at + sizes[i] - 4], buf[at + sizes[i] - 4:at + sizes[i]]
+                if crc32c(frame) != int.from_bytes(stored.tobytes(), "little"):
+                    raise Unexpected(f"{info.shard_key(c0 // per_shard)}: inner chunk {c0 + i} checksum")
+                try:
+                    decode_frame(frame, rows[i])
+                except Exception as err:  # noqa: BLE001 - whatever the codec says, TensorStore's path judges
+                    raise Unexpected(f"{info.shard_key(c0 // per_shard)}: inner chunk {c0 + i}: {err}") from None
+                decoded[i] = crc32c(rows[i])
+            k = j
+        _check_table(info, table, decoded.view(np.uint8), c0)
 
 
 def _check_table(info: ArrayInfo, table: np.ndarray | None, crcs: np.ndarray, c0: int) -> None:
@@ -397,6 +449,15 @@ def _target_buffer(target: Any) -> Any:
     if torch is not None and isinstance(target, torch.Tensor):
         return target.reshape(-1).view(torch.uint8).numpy()
     return target
+
+
+def _frame_scratch(nbytes: int) -> np.ndarray:
+    """This reader thread's buffer for compressed frames read before they are inflated (kept, like the row
+    scratch; separate from it, since the frames are often inflated into the row scratch)."""
+    buf = getattr(_scratch_of_thread, "frames", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _scratch_of_thread.frames = np.empty(max(nbytes, ROW_SCRATCH_BYTES), dtype=np.uint8)
+    return buf[:nbytes]
 
 
 def _scratch(nbytes: int) -> np.ndarray:

@@ -92,13 +92,16 @@ def test_a_distributed_save_stores_row_parallel_pieces_as_column_blocks(tp2_repo
 
 @pytest.mark.parametrize("shape, dtype, widths", [
     ((256, 4096), torch.float32, [512] * 8),        # 16 KiB rows: the most blocks, 2 KiB rows each
-    ((576, 576), torch.float32, [288] * 2),         # 2304-byte rows: two blocks of 1152-byte rows, not 8 of 288
-    ((512, 256), torch.bfloat16, [256]),            # 512-byte rows: one block, the piece as it is
+    ((576, 576), torch.float32, [144] * 4),         # 2304-byte rows: four blocks (narrow rows), not 8 of 288 bytes
+    ((512, 256), torch.bfloat16, [64] * 4),         # 512-byte rows: four blocks of 128-byte rows
+    ((1024, 64), torch.float32, [32] * 2),          # 256-byte rows: two blocks, rows no shorter than 128 bytes
+    ((4096, 32), torch.float32, [32]),              # 128-byte rows: one block
     ((16, 4096), torch.float32, [1024] * 4),        # 256 KiB: each block at least 64 KiB
 ])
 def test_column_blocks_keep_rows_of_a_kilobyte_and_blocks_of_64_kib(shape, dtype, widths) -> None:
     """Loads into fewer tensor-parallel ranks copy every block row into wider rows: short rows make that copy
-    per-row overhead (288-byte rows took twice as long as 1 KiB ones), so blocks trade tp growth for row length."""
+    per-row overhead, so blocks trade tp growth for row length, except that narrow rows still get four blocks
+    (down to 128-byte rows): a tp=4 load would otherwise read every chunk of the piece (decision 059)."""
     from ckptrepo.parallel._sharding import Piece, column_blocks
     view = torch.zeros(shape, dtype=dtype)
     blocks = column_blocks([Piece("w", "x", shape, ((0, 0), shape), view, cut_dim=1)])
@@ -257,3 +260,30 @@ def test_a_layout_load_through_tensorstore_reads_the_right_elements(repo, rank: 
     assert any(o % (INNER_BYTES // 4) for o in offsets.values())   # some tensor starts mid-chunk
     for name in ("col.weight", "row.weight"):
         _load(via_ts, name, 2, rank, full[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lazy_clone_reads_what_row_parallel_ranks_need_of_narrow_rows(tmp_path, dtype) -> None:
+    """Rows of 1 KiB (fp32) and 512 bytes (bf16) split along dim 1: at tp=2 and tp=4 each rank reads its own
+    column blocks from the remote, not every chunk of the tensor (2x and 4x its part when stored whole). The
+    bytes are counted where they are read (TensorStore's kvstore metrics: the remote's file reads)."""
+    from ckptrepo.rules import Rules, Split
+    g = torch.Generator().manual_seed(6)
+    full = {"row.weight": torch.randn(4096, 256, generator=g).to(dtype), "col.weight": torch.randn(4096, 256,
+                                                                                                 generator=g)}
+    rules = Rules([("row.weight", Split(1)), ("col.weight", Split(0))])
+    src = ckptrepo.init(str(tmp_path / "src"))
+    src.snapshot({"model": full}, step=1, parallel_layout=ParallelLayout(rules=rules))
+    lazy = ckptrepo.clone(str(tmp_path / "src"), str(tmp_path / "lazy"), lazy=True)
+    for tp in (2, 4):
+        read = needed = 0
+        for rank in range(tp):
+            want = full["row.weight"].chunk(tp, dim=1)[rank]
+            into = {"model": {"row.weight": torch.full_like(want, float("nan"))}}
+            before = kvstore_bytes_read()
+            lazy.load("HEAD", parallel_layout=ParallelLayout(tp=tp, rules=rules), rank=rank, into=into)
+            read += kvstore_bytes_read() - before
+            needed += want.numel() * want.element_size()
+            assert torch.equal(into["model"]["row.weight"], want), (tp, rank)
+        assert read <= 1.2 * needed, (tp, read / needed)
+    assert torch.equal(lazy.load("HEAD")["model"]["row.weight"], full["row.weight"])   # whole rows, from blocks
