@@ -56,7 +56,7 @@ from torch.futures import Future
 
 import ckptrepo
 from ckptrepo.arguments import checked_meta, checked_step
-from ckptrepo.core import Plumbing, check_ref_name, new_version_id, plain_metrics
+from ckptrepo.core import Plumbing, check_ref_name, collection_paused, new_version_id, plain_metrics
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import (
     ArgumentError,
@@ -436,7 +436,18 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fill every tensor item with one grouped ranged read of just the bytes it needs; hand every byte
-        item to the planner as ``torch.save`` bytes of its plain value (or DCP's own pickle)."""
+        item to the planner as ``torch.save`` bytes of its plain value (or DCP's own pickle).
+
+        The cyclic collector is paused for the call, as for every load (docs/decisions/008-gc-pause.md): the
+        reads' short-lived objects would otherwise be promoted and bring on a full collection in DCP's next
+        gather."""
+        with collection_paused(), torch.no_grad():
+            self._read(plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         where = self._where if self._where is not None else self._shadow()[2]
         m = self._manifest
         wants: list[GlobalChunk] = []
@@ -463,9 +474,6 @@ class Reader(StorageReader):
             planner.commit_tensor(req, target)
         for req, found in byte_reqs:
             planner.load_bytes(req, io.BytesIO(self._bytes_of(req.storage_index.fqn, found)))
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def _bytes_of(self, fqn: str, found: Any) -> bytes:
         """A byte item's bytes: DCP's pickle (as stored with ``trust``, else rebuilt by torch's restricted
