@@ -24,6 +24,7 @@ statistics as rank 0 of a distributed snapshot does.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -225,6 +226,22 @@ def _remember_moments(chunks: Sequence[ChunkRecord], moments: Sequence[tuple[str
 
 WRITE_BUFFERS = 4   # staging buffers in flight per rank: a shard being filled while others are written
 
+# the last save's staging buffers, kept for the next: a framework saves the same state again and again, and
+# fresh buffers cost a page fault per page at every save (the snapshotter keeps its pool for the same reason)
+_pool_lock = threading.Lock()
+_last_pool: StagingPool | None = None
+
+
+def _staging_pool(buffer_bytes: int, align: int) -> StagingPool:
+    """A pool of ``WRITE_BUFFERS`` buffers of at least ``buffer_bytes``: the last one when it fits, else a new one
+    that replaces it (a save still writing from the old one keeps it until its writes are over)."""
+    global _last_pool
+    with _pool_lock:
+        pool = _last_pool
+        if pool is None or pool.align != align or not pool.buffer_bytes >= buffer_bytes:
+            pool = _last_pool = StagingPool(buffer_bytes, WRITE_BUFFERS, align=align)
+        return pool
+
 
 def _write_segments(store: Store, plan: WritePlan, arrays: dict[str, ArrayInfo], tensors: Sequence[torch.Tensor],
                     feeds: dict[int, Any]) -> list[tuple[str, ArrayInfo, np.ndarray]]:
@@ -234,7 +251,7 @@ def _write_segments(store: Store, plan: WritePlan, arrays: dict[str, ArrayInfo],
     direct = DirectWriter.for_store(store)
     biggest = max((seg.stop - seg.start) * arrays[seg.dtype].itemsize for seg in plan.segments) \
         if plan.segments else 0
-    pool = StagingPool(biggest, WRITE_BUFFERS, align=LIVE_ALIGN if direct is not None and direct.direct_io else 0)
+    pool = _staging_pool(biggest, LIVE_ALIGN if direct is not None and direct.direct_io else 0)
     handles = {d: create_array(store, info) for d, info in arrays.items()}
     crcs: list[np.ndarray | None] = [None] * len(plan.segments)
     futures: list[tuple[int, Any]] = []
