@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -138,9 +139,6 @@ def _print(s: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    import torch.multiprocessing as mp
-
-    import ckptrepo
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=128)
     p.add_argument("--ranks", type=int, default=2)
@@ -152,6 +150,17 @@ def main() -> int:
                    help="cProfile rank 0's last OP (save, load) to HOW (fs, repo); printed after the figures")
     a = p.parse_args()
     root = a.dir or tempfile.mkdtemp(prefix="dcp-bench-")
+    try:
+        return _run(a, root)
+    finally:
+        if a.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(a: argparse.Namespace, root: str) -> int:
+    import torch.multiprocessing as mp
+
+    import ckptrepo
     ckptrepo.init(os.path.join(root, "repo"), exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
