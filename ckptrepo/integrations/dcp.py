@@ -6,10 +6,12 @@ reads any version.
 
 **Saving.** DCP's planners decide what each rank writes and DCP gathers the plans and the write results to
 its coordinator; that gather is the commit protocol (docs/decisions/025-dcp-backend.md). The coordinator's
-``prepare_global_plan`` reads the branch tip and draws the version id, which reaches every rank in its plan;
-each rank's ``write_data`` writes its tensor chunks into arrays of its own (saving/_pieces.py); the
-coordinator's ``finish`` builds the manifest from every rank's results and commits it (manifest
-create-only, then the branch's compare-and-swap). Tensors are stored under the path DCP flattened them from
+``prepare_global_plan`` reads the branch tip and draws the version id, which reach every rank in its plan;
+each rank's ``write_data`` writes its tensor chunks into arrays of its own (saving/_pieces.py), pointing a
+chunk whose bytes the tip holds under the same name and box at them instead, and reports each chunk's
+moments; the coordinator's ``finish`` builds the manifest (with the merged statistics) from every rank's
+results and commits it (manifest create-only, then the branch's compare-and-swap); see
+docs/decisions/056-dcp-dedup-and-statistics.md. Tensors are stored under the path DCP flattened them from
 (``model/layers.0.weight``), with their global shapes, so ``repo.load`` returns the nesting given to
 ``dcp.save``. A non-tensor value DCP would pickle is recorded in the manifest's tree as plain data when it is
 plain data (ints, floats, strings, lists, tuples and dicts of them); anything else is kept as DCP's own
