@@ -263,12 +263,16 @@ def _write_segments(store: Store, plan: WritePlan, arrays: dict[str, ArrayInfo],
         for k, seg in enumerate(plan.segments):
             info = arrays[seg.dtype]
             buf = pool.take()
-            view = fill_segment(seg, source, buf, hashers=feeds or None)
-            faults.point("before_shard_write")
-            fut: Any = None if direct is None else direct.submit(info, seg.start, view)
-            if fut is None:
-                crcs[k] = chunk_crcs(info, view)
-                fut = handles[seg.dtype][seg.start:seg.stop].write(view).commit
+            try:
+                view = fill_segment(seg, source, buf, hashers=feeds or None)
+                faults.point("before_shard_write")
+                fut: Any = None if direct is None else direct.submit(info, seg.start, view)
+                if fut is None:
+                    crcs[k] = chunk_crcs(info, view)
+                    fut = handles[seg.dtype][seg.start:seg.stop].write(view).commit
+            except BaseException:
+                pool.give(buf)   # the pool outlives this save: a buffer no write holds goes back at once
+                raise
             fut.add_done_callback(lambda _f, buf=buf: pool.give(buf))
             futures.append((k, fut))
         for k, fut in futures:

@@ -114,3 +114,24 @@ def test_a_parent_whose_data_is_gone_is_not_pointed_at(tmp_path) -> None:
     assert all(p.array.startswith(f"data/{second.id}/") for t in m2.tensors for p in t.pieces
                if t.dtype == m.tensors[0].dtype)
     assert_bit_exact(state, ckptrepo.open(url).load(second.id))
+
+
+def test_failed_saves_give_their_staging_buffers_back(tmp_path) -> None:
+    from ckptrepo import faults
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    state = _state()
+
+    def fail(_name: str) -> None:
+        raise OSError("disk gone")
+    faults.set_hook("before_shard_write", fail)
+    try:
+        for i in range(6):   # more failures than the ranks keep staging buffers
+            state["model"]["big"].add_(1.0)
+            with pytest.raises(BaseException) as failed:   # DCP's CheckpointException, around ours
+                _save(state, url, step=i)
+            assert "disk gone" in str(failed.value)
+    finally:
+        faults.set_hook("before_shard_write", None)
+    v = _save(state, url, step=9)   # would wait for ever on a buffer no save gives back
+    assert_bit_exact(state, ckptrepo.open(url).load(v.id))
