@@ -96,6 +96,9 @@ def test_statistics_are_recorded_as_a_snapshot_records_them(tmp_path) -> None:
             a, b = ours_rows[name][col], row[col]
             # equal up to the float32 sums of differently cut chunks: far below the values' spread
             assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6, abs=1e-7), (name, col)
+    read: list[int] = []
+    answered = ckptrepo.open(url).stats(v.id, on_bytes=read.append)   # from the manifest: no data read
+    assert not read and {s.name for s in answered} == set(ours_rows)
     again = _save(state, url, step=1)   # reused pieces keep the statistics of the bytes they point at
     rows = ckptrepo.open(url).plumbing.manifest(again.id).tensor_stats.rows()
     assert rows["model/big"]["norm"] == ours_rows["model/big"]["norm"] and rows["model/big"]["delta"] == 0.0
