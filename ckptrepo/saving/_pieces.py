@@ -24,6 +24,7 @@ statistics as rank 0 of a distributed snapshot does.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_seg
 from ckptrepo.state import DTYPE_NAMES, TensorRecord
 from ckptrepo.storage import ArrayInfo, DirectWriter, chunk_crcs, create_array, itemsize, write_table
 from ckptrepo.storage.protocol import Store
+
+log = logging.getLogger("ckptrepo")
 
 __all__ = ["BranchBase", "ChunkRecord", "GlobalChunk", "RankWrite", "commit_chunks", "read_branch_base",
            "read_chunks", "write_rank_chunks"]
@@ -184,14 +187,21 @@ def _digests(records: Sequence[TensorRecord]) -> list[bytes | None]:
 
 
 def _parent_pieces(plumbing: Plumbing, parent: str, ids: set[PieceId]) -> dict[PieceId, StoredTensor]:
-    """The pieces of version ``parent`` among ``ids`` that a new chunk may point at (saving/_dedup.py)."""
-    manifest = plumbing.manifest(parent)
-    return seed_from(manifest, plumbing.data_store(manifest), ids)
+    """The pieces of version ``parent`` among ``ids`` that a new chunk may point at (saving/_dedup.py). A
+    failure to read them only costs this save its dedup, as it costs a snapshot's: everything is written."""
+    try:
+        manifest = plumbing.manifest(parent)
+        return seed_from(manifest, plumbing.data_store(manifest), ids)
+    except Exception as err:  # noqa: BLE001 - a store error here must not fail the save
+        log.warning("ckptrepo: dedup could not read parent version %s (%s); this save writes every chunk",
+                    parent[:12], err)
+        return {}
 
 
 # the moments of the pieces this process wrote or reused last, by stored bytes (array, offset, digest): the next
 # save of an unchanged state takes a reused chunk's moments from here instead of reading its bytes again
 _recent_moments: OrderedDict[tuple[str, int, bytes], Any] = OrderedDict()
+_recent_lock = threading.Lock()   # dcp.async_save writes from a thread of its own
 _RECENT_PIECES = 1 << 16
 
 
@@ -201,7 +211,8 @@ def _chunk_moments(r: TensorRecord, piece: Piece | None, fed: Any) -> Any:
     if fed is not None:
         return fed.moments().to_raw()
     if piece is not None and piece.digest is not None:
-        known = _recent_moments.get((piece.array, piece.offset, piece.digest))
+        with _recent_lock:
+            known = _recent_moments.get((piece.array, piece.offset, piece.digest))
         if known is not None:
             return known
     if not r.numel:
@@ -216,12 +227,14 @@ def _chunk_moments(r: TensorRecord, piece: Piece | None, fed: Any) -> Any:
 
 
 def _remember_moments(chunks: Sequence[ChunkRecord], moments: Sequence[tuple[str, Any]]) -> None:
-    for c, (_, raw) in zip(chunks, moments):
-        if c.piece is not None and c.piece.digest is not None:
-            _recent_moments[(c.piece.array, c.piece.offset, c.piece.digest)] = raw
-            _recent_moments.move_to_end((c.piece.array, c.piece.offset, c.piece.digest))
-    while len(_recent_moments) > _RECENT_PIECES:
-        _recent_moments.popitem(last=False)
+    with _recent_lock:
+        for c, (_, raw) in zip(chunks, moments):
+            if c.piece is not None and c.piece.digest is not None:
+                key = (c.piece.array, c.piece.offset, c.piece.digest)
+                _recent_moments[key] = raw
+                _recent_moments.move_to_end(key)
+        while len(_recent_moments) > _RECENT_PIECES:
+            _recent_moments.popitem(last=False)
 
 
 WRITE_BUFFERS = 4   # staging buffers in flight per rank: a shard being filled while others are written
