@@ -8,13 +8,23 @@ about three times that. Each repetition saves it with ``dcp.save`` to ``FileSyst
 directory) and to ``ckptrepo.dcp.Writer`` (a new version of one repository), then loads each back into the
 same processes with ``dcp.load`` (``FileSystemReader`` / ``ckptrepo.dcp.Reader``), in alternating order. A
 time is the slowest rank's (every call is a collective), and the fastest repetition is reported. The files
-stay in the page cache: this measures the CPU cost of each storage layer, not the disk.
+are read once before each load, outside its time, so that both load from the page cache (a save with
+``O_DIRECT`` leaves none of its bytes there): this measures the CPU cost of each storage layer, not the disk.
+
+Every tensor of the state changes between repetitions (as a training step changes it), so that each version
+writes its bytes rather than pointing at its parent's; ``--unchanged`` saves the same state each time. Each
+call starts from a collected heap: DCP's own gathers promote many objects a call, and the full collection
+that sets off every few calls (a walk of every object of a process holding torch) would land on whichever call
+crosses the threshold, not on the one that made the garbage. ``--profile save:repo`` (or
+``load:fs``...) prints rank 0's cProfile of that call in the last repetition.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -26,7 +36,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_common import report  # noqa: E402
 
 
-def _worker(rank: int, world: int, port: int, size_mb: int, reps: int, root: str) -> None:
+def _worker(rank: int, world: int, port: int, size_mb: int, reps: int, root: str, profile: str | None,
+            unchanged: bool) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -55,9 +66,18 @@ def _worker(rank: int, world: int, port: int, size_mb: int, reps: int, root: str
     url = os.path.join(root, "repo")
 
     def timed(fn: Any, *args: Any) -> float:
+        gc.collect()
         dist.barrier()
+        prof = None
+        if profile and rank == 0 and f"{fn.__name__}:{args[0]}" == profile and args[1] == reps - 1:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         fn(*args)
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(os.path.join(root, "profile.out"))
         took = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took)
@@ -67,6 +87,14 @@ def _worker(rank: int, world: int, port: int, size_mb: int, reps: int, root: str
             ckptrepo.dcp.Writer(url, step=rep)
         dcp.save(state, storage_writer=writer)
 
+    def warm() -> None:
+        if rank == 0:
+            for folder, _, files in os.walk(root):
+                for name in files:
+                    with open(os.path.join(folder, name), "rb") as f:
+                        while f.read(1 << 24):
+                            pass
+
     def load(how: str, rep: int) -> None:
         reader = dcp.FileSystemReader(os.path.join(root, f"fs-{rep}")) if how == "fs" else \
             ckptrepo.dcp.Reader(url, f"@{rep}")
@@ -74,8 +102,14 @@ def _worker(rank: int, world: int, port: int, size_mb: int, reps: int, root: str
 
     times: dict[str, list[float]] = {k: [] for k in ("save_fs", "save_repo", "load_fs", "load_repo")}
     for rep in range(reps):
+        if rep and not unchanged:
+            with torch.no_grad():
+                for t in _tensors(state):
+                    t.mul_(1.0001)
         order = ("fs", "repo") if rep % 2 == 0 else ("repo", "fs")
         for op, fn in (("save", save), ("load", load)):
+            if op == "load":
+                warm()
             for how in order:
                 times[f"{op}_{how}"].append(timed(fn, how, rep))
     if rank == 0:
@@ -105,24 +139,39 @@ def _print(s: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    import torch.multiprocessing as mp
-
-    import ckptrepo
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=128)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--json", default=None)
+    p.add_argument("--unchanged", action="store_true", help="save the same state every repetition")
+    p.add_argument("--profile", default=None, metavar="OP:HOW",
+                   help="cProfile rank 0's last OP (save, load) to HOW (fs, repo); printed after the figures")
     a = p.parse_args()
     root = a.dir or tempfile.mkdtemp(prefix="dcp-bench-")
+    try:
+        return _run(a, root)
+    finally:
+        if a.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(a: argparse.Namespace, root: str) -> int:
+    import torch.multiprocessing as mp
+
+    import ckptrepo
     ckptrepo.init(os.path.join(root, "repo"), exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(a.ranks, port, a.size_mb, a.reps, root), nprocs=a.ranks)
+    mp.spawn(_worker, args=(a.ranks, port, a.size_mb, a.reps, root, a.profile, a.unchanged), nprocs=a.ranks)
     with open(os.path.join(root, "figures.json")) as f:
-        return report(json.load(f), _print, a.json)
+        rc = report(json.load(f), _print, a.json)
+    if a.profile:
+        import pstats
+        pstats.Stats(os.path.join(root, "profile.out")).sort_stats("cumulative").print_stats(40)
+    return rc
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ reads any version.
 
 **Saving.** DCP's planners decide what each rank writes and DCP gathers the plans and the write results to
 its coordinator; that gather is the commit protocol (docs/decisions/025-dcp-backend.md). The coordinator's
-``prepare_global_plan`` reads the branch tip and draws the version id, which reaches every rank in its plan;
-each rank's ``write_data`` writes its tensor chunks into arrays of its own (saving/_pieces.py); the
-coordinator's ``finish`` builds the manifest from every rank's results and commits it (manifest
-create-only, then the branch's compare-and-swap). Tensors are stored under the path DCP flattened them from
+``prepare_global_plan`` reads the branch tip and draws the version id, which reach every rank in its plan;
+each rank's ``write_data`` writes its tensor chunks into arrays of its own (saving/_pieces.py), pointing a
+chunk whose bytes the tip holds under the same name and box at them instead, and reports each chunk's
+moments; the coordinator's ``finish`` builds the manifest (with the merged statistics) from every rank's
+results and commits it (manifest create-only, then the branch's compare-and-swap); see
+docs/decisions/056-dcp-dedup-and-statistics.md. Tensors are stored under the path DCP flattened them from
 (``model/layers.0.weight``), with their global shapes, so ``repo.load`` returns the nesting given to
 ``dcp.save``. A non-tensor value DCP would pickle is recorded in the manifest's tree as plain data when it is
 plain data (ints, floats, strings, lists, tuples and dicts of them); anything else is kept as DCP's own
@@ -25,6 +27,7 @@ plan with one ranged read of the bytes it needs.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
@@ -56,7 +59,7 @@ from torch.futures import Future
 
 import ckptrepo
 from ckptrepo.arguments import checked_meta, checked_step
-from ckptrepo.core import Plumbing, check_ref_name, new_version_id, plain_metrics
+from ckptrepo.core import Plumbing, check_ref_name, collection_paused, new_version_id, plain_metrics
 from ckptrepo.core.schema import Manifest
 from ckptrepo.errors import (
     ArgumentError,
@@ -188,23 +191,26 @@ class Writer(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: read the branch the version goes on and draw its id, which every rank's plan carries."""
+        """Coordinator: read the branch the version goes on and draw its id, which every rank's plan carries with
+        the branch's tip (the parent whose unchanged pieces the ranks point at rather than write again)."""
         self._base = read_branch_base(self._plumbing, self.branch)
         if self.tag is not None and not self.force_tag and self._plumbing.tag_target(self.tag) is not None:
             raise RefError(f"tag {self.tag!r} already exists; pass force_tag=True to move it to the new version, "
                            f"or pick another name")
         self._vid = new_version_id()
-        return [dataclasses.replace(p, storage_data=self._vid) for p in plans]
+        return [dataclasses.replace(p, storage_data=(self._vid, self._base.tip)) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items of the version its plan names; report each item's kind and this rank's pieces."""
-        vid = plan.storage_data
+        """Write this rank's items of the version its plan names, each chunk whose bytes the parent holds as a
+        piece pointing there instead; report each item's kind and this rank's pieces with their moments."""
+        vid, parent = plan.storage_data
         chunks: list[GlobalChunk] = []
         kinds: list[_Item] = []
         for item in plan.items:
             kind = self._chunk_of(item, planner, chunks)
             kinds.append(kind)
-        rank_write = write_rank_chunks(self._plumbing, vid, self.rank, chunks)
+        rank_write = write_rank_chunks(self._plumbing, vid, self.rank, chunks, dedup=True, parent=parent,
+                                       names=_stored_names(planner, kinds, plan.items), stats=True)
         results = []
         for i, (item, kind) in enumerate(zip(plan.items, kinds)):
             data = dataclasses.replace(kind, rank_write=rank_write) if i == 0 else kind
@@ -251,9 +257,12 @@ class Writer(StorageWriter):
                 kinds[r.index.fqn] = data
                 if data.rank_write is not None:
                     writes.append(data.rank_write)
-        renamed = [dataclasses.replace(w, chunks=tuple(
-            dataclasses.replace(c, name=names[c.name] + (PICKLED_SUFFIX if kinds[c.name].kind == "pickle" else ""))
-            for c in w.chunks)) for w in writes]
+        def stored(fqn: str) -> str:
+            return names[fqn] + (PICKLED_SUFFIX if kinds[fqn].kind == "pickle" else "")
+
+        renamed = [dataclasses.replace(w, chunks=tuple(dataclasses.replace(c, name=stored(c.name)) for c in w.chunks),
+                                       moments=None if w.moments is None else
+                                       tuple((stored(n), raw) for n, raw in w.moments)) for w in writes]
         order = {n: i for i, n in enumerate(tensor_order(renamed))}
         leaves: dict[tuple[Any, ...], Any] = {}
         for fqn, path in paths.items():
@@ -277,6 +286,23 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False   # never inferred from a checkpoint_id: pass storage_writer=Writer(url)
+
+
+def _stored_names(planner: SavePlanner, kinds: Sequence[_Item], items: Sequence[WriteItem]) -> dict[str, str]:
+    """What ``finish`` names each written item (by FQN), as far as this rank can tell: its path joined, from the
+    planner's flattening; names that join alike (told apart only at the commit) are left out, so that their
+    chunks are written rather than pointed at another tensor's piece."""
+    mappings = getattr(planner, "mappings", None)
+    if not isinstance(mappings, dict):
+        return {}
+    counts = collections.Counter(_name(path) for path in mappings.values())
+    out = {}
+    for item, kind in zip(items, kinds):
+        fqn = item.index.fqn
+        name = _name(mappings.get(fqn, (fqn,)))
+        if counts[name] == 1:
+            out[fqn] = name + (PICKLED_SUFFIX if kind.kind == "pickle" else "")
+    return out
 
 
 def _name(path: Sequence[Any]) -> str:
@@ -436,7 +462,18 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fill every tensor item with one grouped ranged read of just the bytes it needs; hand every byte
-        item to the planner as ``torch.save`` bytes of its plain value (or DCP's own pickle)."""
+        item to the planner as ``torch.save`` bytes of its plain value (or DCP's own pickle).
+
+        The cyclic collector is paused for the call, as for every load (docs/decisions/008-gc-pause.md): the
+        reads' short-lived objects would otherwise be promoted and bring on a full collection in DCP's next
+        gather."""
+        with collection_paused(), torch.no_grad():
+            self._read(plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         where = self._where if self._where is not None else self._shadow()[2]
         m = self._manifest
         wants: list[GlobalChunk] = []
@@ -463,9 +500,6 @@ class Reader(StorageReader):
             planner.commit_tensor(req, target)
         for req, found in byte_reqs:
             planner.load_bytes(req, io.BytesIO(self._bytes_of(req.storage_index.fqn, found)))
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def _bytes_of(self, fqn: str, found: Any) -> bytes:
         """A byte item's bytes: DCP's pickle (as stored with ``trust``, else rebuilt by torch's restricted

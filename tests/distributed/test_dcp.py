@@ -43,6 +43,20 @@ def test_fsdp2_state_through_dcp_on_other_world_sizes(tmp_path) -> None:
     m = repo.plumbing.manifest(repo.resolve("@1"))
     assert {t.name: t.shape for t in m.tensors}["model/0.weight"] == (33, 16)
     assert {k.split("/")[2] for k in m.arrays} == {"0", "1"}   # both ranks wrote their shards
+    # @2 saved the same state again: every piece points at @1's bytes; both record the ranks' merged statistics,
+    # those of repo.snapshot's @3 (rank 0's merge of the same pieces' moments)
+    m2 = repo.plumbing.manifest(repo.resolve("@2"))
+    assert all(p.array.startswith(f"data/{m.id}/") for t in m2.tensors for p in t.pieces)
+    rows1, rows2 = m.tensor_stats.rows(), m2.tensor_stats.rows()
+    rows3 = repo.plumbing.manifest(repo.resolve("@3")).tensor_stats.rows()
+    assert set(rows1) == {t.name for t in m.tensors} and "model/0.weight" in rows3
+    for name, row in rows3.items():
+        if name not in rows1:   # a snapshot stores the Adam steps its own way
+            continue
+        for col in ("norm", "mean", "std", "min", "max", "nan", "inf"):
+            assert rows1[name][col] == pytest.approx(row[col], rel=1e-6, abs=1e-7), (name, col)
+            assert rows2[name][col] == rows1[name][col], (name, col)
+        assert rows2[name]["delta"] == 0.0
     # Adam's step is equal on every saved rank: a resume on another mesh does not warn about it; a seed that
     # differs per rank still does
     with open(tmp_path / "warn-3.json") as f:
