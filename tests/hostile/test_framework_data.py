@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.helpers import dcp_save
 
 import ckptrepo
 from ckptrepo.errors import CorruptionError, TrustRequiredError
@@ -34,10 +35,7 @@ class Planted:
         return (os.mkdir, (self.marker,))
 
 
-def _save(state, url, **kw):
-    w = cdcp.Writer(url, **kw)
-    dcp.save(state, storage_writer=w, no_dist=True)
-    return w.version
+_save = dcp_save
 
 
 def _refusal(into, reader) -> BaseException:

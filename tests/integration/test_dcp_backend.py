@@ -10,7 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from support.helpers import assert_bit_exact
+from support.helpers import assert_bit_exact, dcp_save
 
 import ckptrepo
 from ckptrepo.errors import NotARepositoryError, RefError, RevisionError, UnsupportedValueError
@@ -23,10 +23,7 @@ cdcp = pytest.importorskip("ckptrepo.dcp")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _save(state, url, **kw):
-    w = cdcp.Writer(url, **kw)
-    dcp.save(state, storage_writer=w, no_dist=True)
-    return w.version
+_save = dcp_save
 
 
 def _load(state, url, rev="HEAD"):

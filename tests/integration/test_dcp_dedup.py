@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from support.helpers import assert_bit_exact
+from support.helpers import assert_bit_exact, dcp_save
 
 import ckptrepo
 from ckptrepo.core.schema import STAT_COLUMNS
@@ -18,10 +18,7 @@ cdcp = pytest.importorskip("ckptrepo.dcp")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _save(state, url, **kw):
-    w = cdcp.Writer(url, **kw)
-    dcp.save(state, storage_writer=w, no_dist=True)
-    return w.version
+_save = dcp_save
 
 
 def _state(seed: int = 0):

@@ -168,3 +168,15 @@ def ui_serving(make: Callable[[], Any]) -> Iterator[Any]:
         for thread in set(threading.enumerate()) - earlier:
             if thread.name.startswith("ckptrepo-ui"):
                 thread.join(30)
+
+
+def dcp_save(state: Any, url: str, **kw: Any) -> Any:
+    """``dcp.save`` of ``state`` through ``ckptrepo.dcp.Writer(url, **kw)`` without a process group; the
+    version it committed."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptrepo.dcp import Writer
+
+    writer = Writer(url, **kw)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer.version
