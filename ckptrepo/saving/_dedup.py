@@ -182,26 +182,13 @@ class DedupIndex:
 
     def check_reused(self, store: Store, job: "SnapshotJob", reused: dict[str, ArrayInfo],
                      announced: bool = False) -> None:
-        """Commit thread: the arrays a version reuses (``reused``, by key) must still be there (gc deletes an
-        array no kept version refers to); if one is gone, nothing is reused from the next snapshot on.
-        ``announced``: also not listed by a gc or prune under way (its intent), which only the check after the
-        manifest needs to see."""
-        for key in sorted(reused):
-            missing = missing_objects(store, reused[key])
-            if missing:
-                self.stored = {}
-                raise StorageError(f"{missing[0]} was deleted (gc or prune) while snapshot {job.vid[:12]} was in "
-                                   f"flight and this snapshot reuses its unchanged tensors; take the snapshot again "
-                                   f"(the next one writes every tensor), and run gc between snapshotter.wait() "
-                                   f"and the next snapshot")
-        if not announced:
-            return
-        from ckptrepo.maintenance import pruning_arrays
-        doomed = set(reused) & pruning_arrays(store, time.time())
-        if doomed:
+        """Commit thread: ``check_reused_arrays`` for snapshot ``job``; if one is gone, nothing is reused from
+        the next snapshot on."""
+        try:
+            check_reused_arrays(store, job.vid, reused, announced)
+        except StorageError:
             self.stored = {}
-            raise StorageError(f"{min(doomed)} is being deleted by a `prune` while snapshot {job.vid[:12]} reuses "
-                               f"its unchanged tensors; take the snapshot again (the next one writes every tensor)")
+            raise
 
     def remember(self, job: "SnapshotJob") -> None:
         """Commit thread, after a commit: this version's pieces become what the next snapshots compare with."""
@@ -234,3 +221,23 @@ def _moments(r: TensorRecord) -> Any:
         stats = HostStats(r.dtype)
         stats.update(t.resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8).numpy())
     return stats.moments().to_raw()
+
+
+def check_reused_arrays(store: Store, vid: str, reused: dict[str, ArrayInfo], announced: bool = False) -> None:
+    """The arrays version ``vid`` reuses (``reused``, by key) must still be there: gc deletes an array no kept
+    version refers to, and a prune or gc that began before the version's manifest was written never saw it.
+    ``announced``: also not listed by a gc or prune under way (its intent), which only the check after the
+    manifest needs to see (a prune that starts later reads the manifest and keeps what it reuses)."""
+    for key in sorted(reused):
+        missing = missing_objects(store, reused[key])
+        if missing:
+            raise StorageError(f"{missing[0]} was deleted (gc or prune) while version {vid[:12]} was being saved "
+                               f"and it reuses those unchanged tensors; save again (the next save writes every "
+                               f"tensor), and run gc between saves")
+    if not announced:
+        return
+    from ckptrepo.maintenance import pruning_arrays
+    doomed = set(reused) & pruning_arrays(store, time.time())
+    if doomed:
+        raise StorageError(f"{min(doomed)} is being deleted by a `prune` while version {vid[:12]} reuses its "
+                           f"unchanged tensors; save again (the next save writes every tensor)")

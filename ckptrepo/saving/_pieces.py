@@ -50,7 +50,7 @@ from ckptrepo.parallel import Piece as TargetPiece
 from ckptrepo.parallel import merge_tensor_table
 from ckptrepo.saving._commit import BranchBase, publish_version, read_branch_base, version_header
 from ckptrepo.saving._content_hash import wordsum_digests, xxh3_digest
-from ckptrepo.saving._dedup import PieceId, StoredTensor, piece_id, seed_from
+from ckptrepo.saving._dedup import PieceId, StoredTensor, check_reused_arrays, piece_id, seed_from
 from ckptrepo.saving._tensor_stats import NOT_RECORDED, stat_feeds
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
 from ckptrepo.state import DTYPE_NAMES, TensorRecord
@@ -326,7 +326,12 @@ def commit_chunks(plumbing: Plumbing, vid: str, writes: Sequence[RankWrite], tre
     def moved_away(now: str | None) -> str:
         return (f"branch {base.branch!r} moved to {str(now)[:12]} (another writer) while this save wrote on top "
                 f"of {on}; save again, or give each writer a branch of its own")
-    return publish_version(plumbing, base, manifest, moved_away)
+    def before_ref(m: Manifest) -> None:   # dedup: what the version reuses is still there (see check_reused_arrays)
+        own = f"data/{vid}/"
+        reused = {k: a for k, a in m.arrays.items() if not k.startswith(own)}
+        if reused:
+            check_reused_arrays(plumbing.store, vid, reused, announced=True)
+    return publish_version(plumbing, base, manifest, moved_away, before_ref=before_ref)
 
 
 def _merged_stats(vid: str, writes: Sequence[RankWrite], tensors: Sequence[Any]) -> TensorStatsRecord | None:

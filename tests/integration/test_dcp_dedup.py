@@ -135,3 +135,26 @@ def test_failed_saves_give_their_staging_buffers_back(tmp_path) -> None:
         faults.set_hook("before_shard_write", None)
     v = _save(state, url, step=9)   # would wait for ever on a buffer no save gives back
     assert_bit_exact(state, ckptrepo.open(url).load(v.id))
+
+
+def test_a_parent_array_deleted_during_the_save_fails_the_commit(tmp_path) -> None:
+    """A gc or prune that deletes what the save reuses after it was seeded (before its manifest existed) must
+    not leave a committed version pointing at nothing: the check between the manifest and the ref fails it."""
+    from ckptrepo import faults
+    url = str(tmp_path / "repo")
+    ckptrepo.init(url)
+    state = _state()
+    first = _save(state, url, step=0)
+    reused = ckptrepo.open(url).plumbing.manifest(first.id).tensors[0].pieces[0].array
+
+    def collect(_name: str) -> None:   # as a gc that listed the manifests before this one appeared
+        shutil.rmtree(os.path.join(url, reused), ignore_errors=True)
+    faults.set_hook("after_manifest", collect)
+    try:
+        with pytest.raises(BaseException) as failed:   # DCP's CheckpointException, around ours
+            _save(state, url, step=1)
+    finally:
+        faults.set_hook("after_manifest", None)
+    assert "was deleted (gc or prune)" in str(failed.value)
+    repo = ckptrepo.open(url)
+    assert repo.resolve("HEAD") == first.id   # the branch never moved onto the broken version
