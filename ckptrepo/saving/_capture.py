@@ -266,7 +266,6 @@ class Snapshotter:
             raise
         job = self._jobs.make(skeleton, records, local, keys, ids, t0, step, message, metrics, meta, tag, force_tag)
         handle, vid, records = job.handle, job.vid, job.records
-        handle.stats.watch_steps(self._step_clock, t0)   # what the loop lost to it (saving/_step_clock.py)
         # snapshot() from several threads: one set of threads, jobs queued in one order. A Ctrl-C landing between
         # these steps would leave a job in flight that no thread ever finishes, and wait(), close() and exit would hang
         with interrupts_deferred(), self._lock:
@@ -274,6 +273,8 @@ class Snapshotter:
             if self._pusher is not None:
                 self._pusher.reserve(vid, sum(r.numel * itemsize(r.dtype) for r in records))
             self._inflight.append(job)
+            # what the loop lost to it (saving/_step_clock.py): a window opened only for a job that will close it
+            handle.stats.watch_steps(self._step_clock, t0)
             self._capture_q.put(job)   # unbounded queues: never blocks under the lock
             self._commit_q.put(job)
         handle.stats.blocking_s += time.perf_counter() - t0

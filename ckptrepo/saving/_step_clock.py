@@ -88,7 +88,9 @@ class StepClock:
     def release(self, key: int) -> None:
         """Something waits for the snapshot of window ``key`` to commit: ``hold`` must not keep it back."""
         with self._lock:
-            self._released.add(key)
+            window = self._windows.get(key)
+            if window is not None and window[1] == _OPEN:   # a closed window is never held, nor closed again
+                self._released.add(key)
             self._ticked.notify_all()
 
     def hold(self, key: int) -> None:

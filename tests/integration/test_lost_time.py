@@ -130,3 +130,13 @@ def test_the_commit_waits_for_the_step_running_unless_something_waits_for_it():
         clock.closed(key)
         clock._intervals.append((clock._intervals[-1][1], time.perf_counter()))
         clock._last = time.perf_counter()
+
+
+def test_a_wait_after_the_commit_leaves_nothing_behind():
+    """``wait()`` on a committed snapshot releases a window that is already closed: nothing is kept for it."""
+    clock = StepClock()
+    key = clock.opened(time.perf_counter())
+    clock.closed(key)
+    for _ in range(3):
+        clock.release(key)
+    assert not clock._released
