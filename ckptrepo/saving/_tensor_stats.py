@@ -9,9 +9,10 @@ records the derived ``STAT_COLUMNS`` (core/schema.py); ``tools/_trajectory.py`` 
 
 CPU tensors are fed their bytes in order, in chunks that stay in cache, with numpy: single-threaded
 SIMD loops that never start an OpenMP team beside the training loop's (torch reductions called from this
-thread would), nor a BLAS thread pool (``np.dot`` over a chunk would). A float32 chunk (and anything
-narrower) is widened once into float64, where its squares are exact and its mean needs no correction, so
-its pass is min, max, the widening copy, the sum, the centring and the sum of squares.
+thread would), nor a BLAS thread pool (``np.dot`` over a chunk would). A float32 chunk (float16, bfloat16
+and float8 ones reach here as float32) is widened once into float64, whose 53 bits hold its sum and its
+deviations from the mean closely enough that the mean needs no correction pass: min, max, the widening
+copy, the sum, the centring and the sum of squares.
 
 CUDA tensors are summarised on the device, on the capture side stream, beside their copy (a segment's
 parts together: saving/_device_copies.py); their small results come to the host once the copies are
@@ -84,9 +85,9 @@ class HostStats:
         k = len(x)
         top = max(abs(lo), abs(hi))
         if x.dtype.itemsize == 4:
-            # float32 values are float64 values: widened once into a cached float64 chunk, every square of one is
-            # exact and normal, and the mean is summed (pairwise) in float64, so close enough that the
-            # deviations need no correction; one pass per quantity, each a SIMD loop over cached data
+            # float32 values are float64 values: widened once into a cached float64 chunk, the mean is summed
+            # (pairwise) in float64, close enough that the deviations need no correction; one pass per quantity,
+            # each a SIMD loop over cached data
             d = _wide(k)
             np.copyto(d, x)
             mean = float(d.sum()) / k

@@ -52,9 +52,9 @@ def can_decode() -> bool:
 def decode_frame(frame: Any, out: Any) -> None:
     """Inflate the blosc frame ``frame`` (a compressed inner chunk without its crc32c) into ``out``, a writable
     contiguous buffer of exactly the chunk's bytes; ValueError when its header declares another decompressed
-    size or a compressed size other than the frame's own (the codec would read past the frame), or when the
-    codec refuses it. The GIL is released while it inflates (numcodecs uses a per-call context off the main
-    thread)."""
+    size or a compressed size other than the frame's own (the codec would read past the frame); the codec's
+    own error when it refuses the stream. The GIL is released while it inflates (numcodecs, with its default
+    ``use_threads``, uses a per-call context off the main thread)."""
     view = memoryview(frame).cast("B")
     if view.nbytes < BLOSC_HEADER_BYTES:
         raise ValueError("a blosc frame shorter than its header")
