@@ -177,7 +177,7 @@ class DedupIndex:
             written.append(i)
         if job.sharded and job.record_stats:   # rank 0 merges every piece's moments: a reused one's too
             for i, prev in job.reused.items():
-                job.reused_moments[i] = prev.moments if prev.moments is not None else _moments(job.records[i])
+                job.reused_moments[i] = prev.moments if prev.moments is not None else moments_of(job.records[i])
         return written
 
     def check_reused(self, store: Store, job: "SnapshotJob", reused: dict[str, ArrayInfo],
@@ -210,7 +210,7 @@ class DedupIndex:
         self.stored = stored
 
 
-def _moments(r: TensorRecord) -> Any:
+def moments_of(r: TensorRecord) -> Any:
     """The statistics' moments of a reused piece whose moments were not kept (its parent was written by
     another process): from its bytes, which a written piece would have fed anyway."""
     t = r.tensor.detach()

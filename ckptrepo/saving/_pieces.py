@@ -50,7 +50,7 @@ from ckptrepo.parallel import Piece as TargetPiece
 from ckptrepo.parallel import merge_tensor_table
 from ckptrepo.saving._commit import BranchBase, publish_version, read_branch_base, version_header
 from ckptrepo.saving._content_hash import wordsum_digests, xxh3_digest
-from ckptrepo.saving._dedup import PieceId, StoredTensor, check_reused_arrays, piece_id, seed_from
+from ckptrepo.saving._dedup import PieceId, StoredTensor, check_reused_arrays, moments_of, piece_id, seed_from
 from ckptrepo.saving._tensor_stats import NOT_RECORDED, stat_feeds
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
 from ckptrepo.state import DTYPE_NAMES, TensorRecord
@@ -215,15 +215,7 @@ def _chunk_moments(r: TensorRecord, piece: Piece | None, fed: Any) -> Any:
             known = _recent_moments.get((piece.array, piece.offset, piece.digest))
         if known is not None:
             return known
-    if not r.numel:
-        return Moments().to_raw()
-    feed = stat_feeds(None, [r], {})[0][0]
-    t = r.tensor.detach()
-    if t.is_cuda:
-        feed.update_device(t.reshape(-1))
-    else:
-        feed.update(t.resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8).numpy())
-    return feed.moments().to_raw()
+    return moments_of(r) if r.numel else Moments().to_raw()
 
 
 def _remember_moments(chunks: Sequence[ChunkRecord], moments: Sequence[tuple[str, Any]]) -> None:
