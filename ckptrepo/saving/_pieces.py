@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from ckptrepo import faults
 from ckptrepo.core import Moments, Plumbing, Version, volume
@@ -49,7 +50,7 @@ from ckptrepo.loading import ReadStats, read_pieces
 from ckptrepo.parallel import Piece as TargetPiece
 from ckptrepo.parallel import merge_tensor_table
 from ckptrepo.saving._commit import BranchBase, publish_version, read_branch_base, version_header
-from ckptrepo.saving._content_hash import wordsum_digests, xxh3_digest
+from ckptrepo.saving._content_hash import digest_as, hasher_digest, wordsum_digests
 from ckptrepo.saving._dedup import PieceId, StoredTensor, check_reused_arrays, moments_of, piece_id, seed_from
 from ckptrepo.saving._tensor_stats import NOT_RECORDED, stat_feeds
 from ckptrepo.saving._writer import LIVE_ALIGN, StagingPool, WritePlan, fill_segment, make_plan
@@ -137,20 +138,34 @@ def write_rank_chunks(plumbing: Plumbing, vid: str, rank: int, chunks: Sequence[
         _check_chunk(c)
     records = [TensorRecord(c.name, c.tensor.detach(), _dtype_name(c.tensor, c.name), tuple(c.tensor.shape))
                for c in chunks]
-    digests = _digests(records) if dedup else [None] * len(records)
     ids = [piece_id(c.name if names is None else names.get(c.name, ""), (c.offsets, r.shape))
            for c, r in zip(chunks, records)]
     stored = _parent_pieces(plumbing, parent, set(ids)) if dedup and parent is not None else {}
-    reuse = {i: stored[pid] for i, (pid, r, d) in enumerate(zip(ids, records, digests))
-             if d is not None and pid in stored and stored[pid].digest == d
-             and stored[pid].info.get("dtype") == r.dtype}
+    digests: list[bytes | None] = [None] * len(records)
+    reuse: dict[int, StoredTensor] = {}
+    for i, (pid, r) in enumerate(zip(ids, records)):   # only a chunk with a piece to compare is hashed now
+        prev = stored.get(pid)
+        if prev is not None and r.numel and prev.digest and prev.info.get("dtype") == r.dtype:
+            digests[i] = digest_as(prev.digest[0], r.tensor)   # by the algorithm the parent's digest used
+            if digests[i] == prev.digest:
+                reuse[i] = prev
     written = [i for i in range(len(records)) if i not in reuse]
+    hashers: dict[int, Any] = {}
+    if dedup:   # the written chunks' digests, for the next save: CPU ones hashed as they are staged
+        late = [i for i in written if digests[i] is None and records[i].numel]
+        on_device = [i for i in late if records[i].tensor.is_cuda]
+        for i, d in zip(on_device, wordsum_digests([records[i].tensor for i in on_device])):
+            digests[i] = d
+        hashers = {pi: xxhash.xxh3_128() for pi, i in enumerate(written)
+                   if digests[i] is None and records[i].numel}
     plan = make_plan([records[i] for i in written], shard_bytes)
     arrays = {dtype: ArrayInfo(f"data/{vid}/{rank}/{dtype}", dtype, numel, shard, inner)
               for dtype, (numel, shard, inner) in plan.streams.items()}
-    feeds: dict[int, Any] = stat_feeds(None, [records[i] for i in written], {})[0] if stats else {}
+    moments_fed, feeds = stat_feeds(None, [records[i] for i in written], hashers) if stats else ({}, dict(hashers))
     out_arrays = {d: write_table(plumbing.store, info, table) for d, info, table in
                   _write_segments(plumbing.store, plan, arrays, [records[i].tensor for i in written], feeds)}
+    for pi, h in hashers.items():
+        digests[written[pi]] = hasher_digest(h)
     where: dict[int, tuple[str, int]] = {i: (out_arrays[p.dtype].key, p.offset)
                                          for i, p in zip(written, plan.placements) if p.numel}
     plan_index = {i: pi for pi, i in enumerate(written)}
@@ -165,25 +180,11 @@ def write_rank_chunks(plumbing: Plumbing, vid: str, rank: int, chunks: Sequence[
             piece = Piece((tuple(c.offsets), tuple(r.shape)), *where[i], digests[i])
         out.append(ChunkRecord(c.name, r.dtype, tuple(c.gshape), piece))
         if stats:
-            moments.append((c.name, _chunk_moments(r, piece, feeds.get(plan_index.get(i, -1)))))
+            moments.append((c.name, _chunk_moments(r, piece, moments_fed.get(plan_index.get(i, -1)))))
     if stats:
         _remember_moments(out, moments)
     return RankWrite(rank, {a.key: a for a in out_arrays.values()}, tuple(out),
                      tuple(moments) if stats else None)
-
-
-def _digests(records: Sequence[TensorRecord]) -> list[bytes | None]:
-    """Each record's content digest: xxh3 of a host tensor, WORDSUM of a CUDA one (hashed on its device);
-    None for an empty one."""
-    out: list[bytes | None] = [None] * len(records)
-    cuda = [i for i, r in enumerate(records) if r.numel and r.tensor.is_cuda]
-    for i, r in enumerate(records):
-        if r.numel and not r.tensor.is_cuda:
-            out[i] = xxh3_digest(r.tensor)
-    if cuda:
-        for i, d in zip(cuda, wordsum_digests([records[i].tensor for i in cuda])):
-            out[i] = d
-    return out
 
 
 def _parent_pieces(plumbing: Plumbing, parent: str, ids: set[PieceId]) -> dict[PieceId, StoredTensor]:
@@ -252,7 +253,8 @@ def _write_segments(store: Store, plan: WritePlan, arrays: dict[str, ArrayInfo],
                     feeds: dict[int, Any]) -> list[tuple[str, ArrayInfo, np.ndarray]]:
     """Write every segment of ``plan``, filling the next staging buffer while earlier ones are written (by the
     direct writer on a local store, else TensorStore), all durable on return; each array's chunk table.
-    ``feeds`` (plan index -> statistics) are fed each tensor's staged bytes, while they are in cache."""
+    ``feeds`` (plan index -> statistics, digest hasher or both) are fed each tensor's staged bytes, while they
+    are in cache."""
     direct = DirectWriter.for_store(store)
     biggest = max((seg.stop - seg.start) * arrays[seg.dtype].itemsize for seg in plan.segments) \
         if plan.segments else 0
