@@ -258,7 +258,7 @@ class Writer(StorageWriter):
                 if data.rank_write is not None:
                     writes.append(data.rank_write)
         def stored(fqn: str) -> str:
-            return names[fqn] + (PICKLED_SUFFIX if kinds[fqn].kind == "pickle" else "")
+            return _kept_as(names[fqn], kinds[fqn])
 
         renamed = [dataclasses.replace(w, chunks=tuple(dataclasses.replace(c, name=stored(c.name)) for c in w.chunks),
                                        moments=None if w.moments is None else
@@ -272,7 +272,7 @@ class Writer(StorageWriter):
             if kind.kind == "plain":
                 leaves[path] = kind.value
             else:
-                leaves[path] = [TENSOR, order[names[fqn] + (PICKLED_SUFFIX if kind.kind == "pickle" else "")]]
+                leaves[path] = [TENSOR, order[stored(fqn)]]
         assert self._vid is not None, "finish runs on the coordinator, after prepare_global_plan"
         self.version = commit_chunks(self._plumbing, self._vid, renamed, _tree(leaves), len(results), step=self.step,
                                      message=self.message, metrics=self.metrics, meta=self.meta, base=self._base)
@@ -301,8 +301,13 @@ def _stored_names(planner: SavePlanner, kinds: Sequence[_Item], items: Sequence[
         fqn = item.index.fqn
         name = _name(mappings.get(fqn, (fqn,)))
         if counts[name] == 1:
-            out[fqn] = name + (PICKLED_SUFFIX if kind.kind == "pickle" else "")
+            out[fqn] = _kept_as(name, kind)
     return out
+
+
+def _kept_as(name: str, kind: _Item) -> str:
+    """The name an item is stored under: DCP's pickles apart from the tensors and plain values."""
+    return name + (PICKLED_SUFFIX if kind.kind == "pickle" else "")
 
 
 def _name(path: Sequence[Any]) -> str:
